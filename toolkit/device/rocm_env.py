@@ -203,6 +203,9 @@ def probe_torch_archs(python: str = sys.executable, timeout_s: float = TORCH_PRO
 # ---------------------------------------------------------------------------------------- decisions
 
 
+_PATH_LISTS = ("PATH", "LD_LIBRARY_PATH")
+
+
 def _append_path(environ: Mapping[str, str], name: str, directory: str, why: str) -> EnvDecision:
     current = environ.get(name, "")
     if directory in current.split(os.pathsep):
@@ -329,11 +332,13 @@ def format_summary(gpus: Sequence[AmdGpu], decisions: Sequence[EnvDecision], not
     lines += [f"  GPU {gpu.describe()}" for gpu in gpus]
     lines += [f"  note: {note}" for note in notes]
     for d in decisions:
-        if d.kept:
-            lines.append(f"  {d.name}: kept, {d.reason.removeprefix('kept, ')}")
+        if d.kept and d.name in _PATH_LISTS:
+            lines.append(f"  {d.name}: kept, {d.reason}")
+        elif d.kept:
+            lines.append(f"  {d.name}={d.value}: {d.reason}")
         elif d.value is None:
             lines.append(f"  {d.name}: {d.reason}")
-        elif d.reason.startswith("+="):  # PATH-like: the whole value is noise, the appended part is the news
+        elif d.name in _PATH_LISTS:  # the whole value is noise, the appended part is the news
             lines.append(f"  {d.name} {d.reason}")
         else:
             lines.append(f"  {d.name}={d.value}: {d.reason}")

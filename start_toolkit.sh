@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Launcher for the LoRA toolkit: sets up the Python environment on first use, exports the ROCm
+# environment for the GPUs in this machine (before torch starts: HSA reads it at runtime start),
+# then hands over to `python -m toolkit`.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# The torch pin lives here only: pyproject leaves torch open so a ROCm or CUDA build stays in place.
+TORCH_SPEC="${TOOLKIT_TORCH_SPEC:-torch==2.13.0}"
+STAMP_NAME=".toolkit-installed"
+
+usage() {
+    cat <<'EOF'
+usage: ./start_toolkit.sh [--debug-hip] COMMAND [ARGS...]
+
+commands (passed to `python -m toolkit COMMAND`):
+  train CONFIG.yaml [key=value ...]   train a LoRA (dotlist overrides win last; resumes a run folder)
+  validate CONFIG.yaml                the merged config and where each value came from
+  presets                             GPU architecture presets, and which one applies here
+  doctor                              backend, arch, ROCm environment, bitsandbytes, torch
+  merge / sample ...                  see `./start_toolkit.sh COMMAND --help`
+  test [PYTEST ARGS]                  the test suite (python -m pytest -q tests)
+
+options:
+  --debug-hip   serialize HIP kernels and enable device-side assertions (slow, exact error locations)
+  -h, --help    this message
+
+environment:
+  TOOLKIT_PYTHON=/path/to/python   use this interpreter's environment instead of creating .venv
+  TOOLKIT_TORCH_SPEC=SPEC          what `pip install` gets for torch in a new .venv (default torch==2.13.0)
+
+The first run creates .venv in the repository and installs the toolkit; later runs reuse it.
+ROCm variables you set yourself are never overridden.
+EOF
+}
+
+say() { echo "start_toolkit.sh: $*" >&2; }
+
+# Runs a command with its output in a log; on failure shows the log's tail and exits.
+run_logged() {
+    local what="$1"; shift
+    local log
+    log="$(mktemp "${TMPDIR:-/tmp}/toolkit-install.XXXXXX")"
+    if ! "$@" >"$log" 2>&1; then
+        say "$what failed: $*"
+        tail -n 40 "$log" >&2
+        say "(full log: $log)"
+        exit 1
+    fi
+    rm -f "$log"
+}
+
+pyproject_hash() {
+    sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1
+}
+
+# Sets PY to a .venv interpreter with the toolkit installed, installing on first use and whenever
+# pyproject.toml changed since the last successful install.
+setup_venv() {
+    local venv="$ROOT/.venv" stamp="$ROOT/.venv/$STAMP_NAME" want
+    PY="$venv/bin/python"
+    want="$(pyproject_hash)"
+    if [[ -x "$PY" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+        return
+    fi
+    if [[ ! -x "$PY" ]]; then
+        say "creating $venv (first run)"
+        run_logged "creating the virtual environment" "${TOOLKIT_BASE_PYTHON:-python3}" -m venv "$venv"
+    fi
+    if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+        say "installing $TORCH_SPEC"
+        run_logged "installing torch" "$PY" -m pip install "$TORCH_SPEC"
+    fi
+    say "installing the toolkit (pip install -e .[test])"
+    run_logged "installing the toolkit" "$PY" -m pip install -e "$ROOT[test]"
+    echo "$want" >"$stamp"
+}
+
+# Sets PY to $TOOLKIT_PYTHON; installs only the toolkit itself (no deps) when it is not importable,
+# and names the dependencies that environment lacks.
+use_given_python() {
+    PY="$TOOLKIT_PYTHON"
+    [[ -x "$PY" ]] || { say "TOOLKIT_PYTHON=$PY is not an executable"; exit 1; }
+    # From / so that the repository checkout on the cwd path does not make it look installed.
+    if ! (cd / && "$PY" -c "import toolkit") >/dev/null 2>&1; then
+        say "installing the toolkit into $PY's environment (pip install --no-deps -e .)"
+        run_logged "installing the toolkit" "$PY" -m pip install --no-deps -e "$ROOT"
+    fi
+    local missing
+    missing="$(cd / && "$PY" - <<'EOF'
+import importlib.metadata as md, re
+missing = []
+for req in md.requires("lora-toolkit") or []:
+    if "extra ==" in req:
+        continue
+    name = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        missing.append(req)
+print(" ".join(missing))
+EOF
+)"
+    if [[ -n "$missing" ]]; then
+        say "TOOLKIT_PYTHON=$PY lacks these dependencies: $missing"
+        say "install them with: $PY -m pip install -e '$ROOT'"
+    fi
+}
+
+debug_hip=0
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --debug-hip) debug_hip=1; shift ;;
+        -h|--help) usage; exit 0 ;;
+        -*) say "unknown option $1"; usage >&2; exit 2 ;;
+        *) break ;;
+    esac
+done
+if [[ $# -eq 0 ]]; then
+    usage
+    exit 2
+fi
+
+if [[ -n "${TOOLKIT_PYTHON:-}" ]]; then
+    use_given_python
+else
+    setup_venv
+fi
+
+rocm_args=()
+[[ $debug_hip -eq 1 ]] && rocm_args+=(--debug-hip)
+# Tests point this at a fake sysfs tree (tests/fixtures/kfd/...).
+[[ -n "${TOOLKIT_SYSFS_ROOT:-}" ]] && rocm_args+=(--sysfs-root "$TOOLKIT_SYSFS_ROOT")
+rocm_exports="$("$PY" -m toolkit.device.rocm_env "${rocm_args[@]}")" || {
+    say "python -m toolkit.device.rocm_env failed (see above)"
+    exit 1
+}
+eval "$rocm_exports"
+
+command="$1"
+case "$command" in
+    test)
+        shift
+        cd "$ROOT"
+        exec "$PY" -m pytest -q tests "$@"
+        ;;
+    __env)
+        # Hidden, for tests: the value of each named variable after the ROCm exports.
+        shift
+        for name in "$@"; do
+            if [[ -v "$name" ]]; then printf '%s=%s\n' "$name" "${!name}"; else printf '%s unset\n' "$name"; fi
+        done
+        exit 0
+        ;;
+    *)
+        exec "$PY" -m toolkit "$@"
+        ;;
+esac
