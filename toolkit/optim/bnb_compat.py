@@ -1,0 +1,84 @@
+"""bitsandbytes interoperability: state dict conversion and the one-step self-check used by `auto`.
+
+A bitsandbytes 8-bit optimizer keeps, per parameter, `step`, `state1`/`state2` (uint8 codes, or fp32 for
+tensors under 4096 elements), `absmax1`/`absmax2` and the maps `qmap1`/`qmap2`; since 0.49.2 its
+`state_dict()` nests the tensors under `__bnb_optimizer_quant_state__`. The toolkit uses the same keys,
+block size and maps, so conversion drops the (verified) maps and unwraps the nesting: it is lossless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.errors import UserError
+from toolkit.optim.quant import create_dynamic_map
+
+BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"
+_BNB_ONLY_GROUP_KEYS = {"alpha": 0.0, "t_alpha": None, "t_beta3": None}  # AdEMAMix settings, inert for AdamW
+_TOOLKIT_STATE_KEYS = {"step", "state1", "state2", "absmax1", "absmax2"}
+
+
+def is_bnb_state_dict(state_dict: dict) -> bool:
+    """True when any parameter state carries bitsandbytes' maps or its nested quantization state."""
+    return any(isinstance(s, dict) and (BNB_NESTED_KEY in s or "qmap1" in s) for s in state_dict["state"].values())
+
+
+def convert_bnb_state_dict(state_dict: dict) -> dict:
+    """A bitsandbytes AdamW8bit/Lion8bit state dict (flat or nested) as a toolkit AdamW8bit/Lion8bit one."""
+    maps = {"qmap1": create_dynamic_map(signed=True), "qmap2": create_dynamic_map(signed=False)}
+    state = {}
+    for param_id, saved in state_dict["state"].items():
+        saved = dict(saved)
+        saved.update(saved.pop(BNB_NESTED_KEY, {}))
+        for key, expected in maps.items():
+            if key in saved and not torch.equal(saved.pop(key).cpu().float(), expected):
+                raise UserError(f"bitsandbytes state of parameter {param_id} uses a custom {key}; only the default "
+                                "dynamic maps convert to the toolkit's 8-bit optimizers")
+        unknown = sorted(set(saved) - _TOOLKIT_STATE_KEYS)
+        if unknown:
+            raise UserError(f"bitsandbytes state of parameter {param_id} has {unknown}, which the toolkit's 8-bit "
+                            "optimizers do not support (max_unorm, AdEMAMix and paged extras cannot be converted)")
+        saved["step"] = int(saved["step"])
+        state[param_id] = saved
+    groups = []
+    for group in state_dict["param_groups"]:
+        group = dict(group)
+        for key, inert in _BNB_ONLY_GROUP_KEYS.items():
+            if key in group and group.pop(key) != inert:
+                raise UserError(f"bitsandbytes parameter group sets {key}; that is AdEMAMix, not AdamW or Lion")
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def bnb_self_check(name: str, device: torch.device) -> tuple[bool, str]:
+    """Step bitsandbytes' `name` optimizer once on a tiny tensor and compare with the toolkit's reference.
+
+    Returns (passed, why). A failure to import or run bitsandbytes counts as a failed check.
+    """
+    try:
+        import bitsandbytes as bnb
+    except Exception as exc:  # a broken install raises more than ImportError
+        return False, f"bitsandbytes does not import ({type(exc).__name__}: {exc})"
+    from toolkit.optim.eight_bit import AdamW8bit, Lion8bit
+
+    classes = {"adamw8bit": (bnb.optim.AdamW8bit, AdamW8bit), "lion8bit": (bnb.optim.Lion8bit, Lion8bit)}
+    bnb_class, toolkit_class = classes[name]
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(64, 128, generator=gen)
+    grads = [torch.randn(64, 128, generator=gen) for _ in range(2)]
+    params = [torch.nn.Parameter(start.clone().to(device)) for _ in range(2)]
+    try:
+        ours = toolkit_class([params[0]], lr=1e-2, weight_decay=0.01, impl="torch")
+        theirs = bnb_class([params[1]], lr=1e-2, weight_decay=0.01)
+        for grad in grads:
+            for p, opt in zip(params, (ours, theirs)):
+                p.grad = grad.to(device)
+                opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:
+        return False, f"bitsandbytes {name} failed a test step on {device.type} ({type(exc).__name__}: {exc})"
+    error = (params[0] - params[1]).abs().max().item()
+    if not error <= 1e-4:  # two steps of lr 1e-2 move params by ~2e-2; a working kernel agrees to ~1e-6
+        return False, f"bitsandbytes {name} disagrees with the reference after 2 steps (max |dp| = {error:.2e})"
+    return True, f"bitsandbytes {name} passed the self-check (max |dp| = {error:.1e})"

@@ -1,0 +1,207 @@
+"""8-bit AdamW and Lion with block-wise dynamic quantization of the optimizer state.
+
+State per parameter (plain tensors, bitsandbytes' key names): "step" (int), "state1" (first moment),
+"state2" (AdamW's second moment), "absmax1"/"absmax2" (fp32, one per 256-block). Parameters of at
+least 4096 elements keep uint8 moments (about 2.03 bytes of state per parameter for AdamW); smaller
+ones keep fp32 moments, as in bitsandbytes.
+
+The implementation is picked per device at the first step: the fused Triton kernels for parameters on
+a GPU (CUDA or ROCm) when triton imports, else the pure-torch reference (CPU and any device).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import torch
+
+from toolkit.errors import UserError
+from toolkit.optim import reference
+from toolkit.optim.quant import MIN_8BIT_SIZE, num_blocks
+
+IMPLEMENTATIONS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    """True when triton imports (checked once, lazily: CPU-only installs never need it)."""
+    global _TRITON_AVAILABLE
+    if _TRITON_AVAILABLE is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _TRITON_AVAILABLE = False
+        else:
+            _TRITON_AVAILABLE = True
+    return _TRITON_AVAILABLE
+
+
+_TRITON_AVAILABLE: bool | None = None
+
+
+class _Blockwise8bitOptimizer(torch.optim.Optimizer):
+    """Shared state handling, dispatch and (bitsandbytes-compatible) state dict loading."""
+
+    _name = ""  # "adamw" or "lion": the fused kernel's optimizer
+    _moments = 2
+
+    def __init__(self, params, defaults: dict, impl: str):
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+        lr, betas, wd = defaults["lr"], defaults["betas"], defaults["weight_decay"]
+        if not lr >= 0.0:
+            raise ValueError(f"invalid learning rate: {lr}")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"invalid betas: {betas} (two values in [0, 1))")
+        if not wd >= 0.0:
+            raise ValueError(f"invalid weight_decay: {wd}")
+        super().__init__(params, defaults)
+        self.impl = impl
+        self._launch_tables: dict[tuple, object] = {}
+
+    def implementation_for(self, device: torch.device) -> str:
+        """'triton' or 'torch': what steps parameters on `device`."""
+        if self.impl != "auto":
+            if self.impl == "triton" and not triton_available():
+                raise UserError("impl='triton' needs the triton package: pip install triton (or use impl='torch')")
+            return self.impl
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        state["step"] = 0
+        if p.numel() < MIN_8BIT_SIZE:
+            for i in range(1, self._moments + 1):
+                state[f"state{i}"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        else:
+            for i in range(1, self._moments + 1):
+                state[f"state{i}"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+                state[f"absmax{i}"] = torch.zeros(num_blocks(p.numel()), dtype=torch.float32, device=p.device)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            fused = defaultdict(list)  # (device, dtypes, step) -> [(p, grad, state)]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self.state[p] if len(self.state[p]) else self._init_state(p)
+                state["step"] += 1
+                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                eight_bit = state["state1"].dtype == torch.uint8
+                if eight_bit and p.is_contiguous() and self.implementation_for(p.device) == "triton":
+                    fused[(p.device, p.dtype, grad.dtype, state["step"])].append((p, grad, state))
+                else:
+                    self._reference_update(p, grad, state, group)
+            for key, triples in fused.items():
+                self._fused_update(index, key, triples, group)
+        return loss
+
+    def _fused_update(self, group_index: int, key: tuple, triples: list, group: dict) -> None:
+        from toolkit.optim import triton_kernels
+
+        tables = self._launch_tables.get((group_index,) + key[:3])
+        if tables is None:
+            tables = self._launch_tables[(group_index,) + key[:3]] = triton_kernels._LaunchTables()
+        params, grads, states = (list(x) for x in zip(*triples))
+        beta1, beta2 = group["betas"]
+        triton_kernels.fused_step(self._name, params, grads, states, tables, lr=group["lr"], beta1=beta1,
+                                  beta2=beta2, eps=group.get("eps", 0.0), weight_decay=group["weight_decay"],
+                                  step=key[3])
+
+    def _reference_update(self, p, grad, state, group) -> None:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this class or of the bitsandbytes optimizer of the same kind (converted first).
+
+        Tensors keep their dtype (torch's default loader would cast uint8 and fp32 state to the param dtype)
+        and move to their parameter's device.
+        """
+        from toolkit.optim.bnb_compat import convert_bnb_state_dict, is_bnb_state_dict
+
+        if is_bnb_state_dict(state_dict):
+            state_dict = convert_bnb_state_dict(state_dict)
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}")
+        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"parameter group {i} holds {len(g['params'])} parameters, "
+                                 f"the state dict's {len(sg['params'])}")
+        id_map = {saved_id: p for g, sg in zip(groups, saved_groups) for saved_id, p in zip(sg["params"], g["params"])}
+        state = defaultdict(dict)
+        for saved_id, saved in state_dict["state"].items():
+            if saved_id not in id_map:
+                raise ValueError(f"the state dict has state for parameter id {saved_id}, which no group lists")
+            p = id_map[saved_id]
+            state[p] = {k: v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+            state[p]["step"] = int(state[p]["step"])
+            self._check_loaded_state(p, state[p])
+        param_groups = [{**sg, "params": g["params"]} for g, sg in zip(groups, saved_groups)]
+        self.__setstate__({"state": state, "param_groups": param_groups})
+
+    def _check_loaded_state(self, p: torch.Tensor, state: dict) -> None:
+        expected = ["state1", "step"]
+        if self._moments == 2:
+            expected.append("state2")
+        eight_bit = state["state1"].dtype == torch.uint8
+        if eight_bit:
+            expected += [f"absmax{i}" for i in range(1, self._moments + 1)]
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise UserError(f"{type(self).__name__}: loaded optimizer state lacks {missing} for a parameter of shape "
+                            f"{tuple(p.shape)}; was it saved by another optimizer?")
+        if state["state1"].numel() != p.numel():
+            raise UserError(f"{type(self).__name__}: loaded state1 has {state['state1'].numel()} elements, the "
+                            f"parameter {p.numel()}")
+        if eight_bit and state["absmax1"].numel() != num_blocks(p.numel()):
+            raise UserError(f"{type(self).__name__}: loaded absmax1 has {state['absmax1'].numel()} blocks, "
+                            f"expected {num_blocks(p.numel())} blocks of 256")
+
+
+class AdamW8bit(_Blockwise8bitOptimizer):
+    """AdamW with 8-bit block-quantized moments (bitsandbytes-compatible state; decoupled weight decay)."""
+
+    _name = "adamw"
+    _moments = 2
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, impl: str = "auto"):
+        if not eps >= 0.0:
+            raise ValueError(f"invalid eps: {eps}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), impl)
+
+    def _reference_update(self, p, grad, state, group) -> None:
+        beta1, beta2 = group["betas"]
+        kwargs = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        if state["state1"].dtype == torch.uint8:
+            reference.adamw_8bit_update_(p, grad, state, **kwargs)
+        else:
+            reference.adamw_update_(p, grad, state["state1"], state["state2"], step=state["step"], **kwargs)
+
+
+class Lion8bit(_Blockwise8bitOptimizer):
+    """Lion (sign of interpolated momentum) with an 8-bit block-quantized momentum; Lion has no eps."""
+
+    _name = "lion"
+    _moments = 1
+
+    def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, *, impl: str = "auto"):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), impl)
+
+    def _reference_update(self, p, grad, state, group) -> None:
+        beta1, beta2 = group["betas"]
+        kwargs = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
+        if state["state1"].dtype == torch.uint8:
+            reference.lion_8bit_update_(p, grad, state, **kwargs)
+        else:
+            reference.lion_update_(p, grad, state["state1"], **kwargs)
