@@ -1,0 +1,133 @@
+"""Command line: `python -m toolkit <command>`. User errors print one paragraph and exit 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+from toolkit.errors import UserError
+
+USAGE_EXAMPLES = """examples:
+  ./start_toolkit.sh train configs/examples/quickstart_llm.yaml
+  ./start_toolkit.sh train my.yaml train.lr=5e-5 train.steps=4000
+  ./start_toolkit.sh validate my.yaml
+  ./start_toolkit.sh presets
+  ./start_toolkit.sh doctor
+"""
+
+
+def _quiet_libraries() -> None:
+    """Keep third-party progress bars and advisory warnings out of the training output."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Library deprecation notices say nothing a user of the toolkit can act on.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from toolkit.config.run import load_run, split_args
+    from toolkit.train.trainer import Trainer
+
+    files, overrides = split_args(args.config)
+    run = load_run(files, overrides)
+    _print_decisions(run)
+    Trainer(run, fresh=args.fresh).run()
+    return 0
+
+
+def _print_decisions(run) -> None:
+    print(f"device: {run.device.summary()}", file=sys.stderr)
+    for reason in run.device.reasons:
+        print(f"  {reason}", file=sys.stderr)
+    print(f"  {run.preset_reason}", file=sys.stderr)
+    for decision in run.decisions:
+        print(f"  {decision}", file=sys.stderr)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from toolkit.config.load import flatten, resolved_container
+    from toolkit.config.run import load_run, split_args
+
+    files, overrides = split_args(args.config)
+    run = load_run(files, overrides)
+    decided = {d.key: d for d in run.decisions}
+    rows = []
+    for key, value in flatten(resolved_container(run.cfg)):
+        if key in decided:
+            source = f"auto: {decided[key].reason}"
+        else:
+            source = run.sources.get(key, "default")
+        rows.append((key, repr(value) if isinstance(value, str) and not value else str(value), source))
+    width_key = max(len(r[0]) for r in rows)
+    width_value = min(max(len(r[1]) for r in rows), 40)
+    print(f"# device: {run.device.summary()}; {run.preset_reason}")
+    for key, value, source in rows:
+        print(f"{key:<{width_key}} = {value:<{width_value}}  # {source}")
+    print(f"\nconfig OK ({len(files)} file{'s' if len(files) != 1 else ''}, {len(overrides)} override"
+          f"{'s' if len(overrides) != 1 else ''})", file=sys.stderr)
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from toolkit.device.detect import detect_device
+    from toolkit.device.presets import describe_presets
+
+    print(describe_presets(detect_device()))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from toolkit.doctor import run_doctor
+
+    return run_doctor()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="start_toolkit.sh", description="YAML-driven LoRA training toolkit.",
+                                     epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser("train", help="train a LoRA (resumes when the run folder has checkpoints)")
+    train.add_argument("config", nargs="+", metavar="CONFIG.yaml|key=value",
+                       help="YAML files (merged in order) and key=value overrides")
+    train.add_argument("--fresh", action="store_true",
+                       help="start over: move an existing run folder aside (it is never deleted)")
+    train.set_defaults(func=cmd_train)
+    validate = sub.add_parser("validate", help="print the merged config and where each value came from")
+    validate.add_argument("config", nargs="+", metavar="CONFIG.yaml|key=value")
+    validate.set_defaults(func=cmd_validate)
+    sub.add_parser("presets", help="list the arch presets and which one applies here").set_defaults(func=cmd_presets)
+    sub.add_parser("doctor", help="check the environment: backend, arch, versions, ROCm variables, bitsandbytes"
+                   ).set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from toolkit.train.signals import StopRequested
+
+    try:
+        return args.func(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except StopRequested as stop:
+        print(str(stop), file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

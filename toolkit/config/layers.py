@@ -1,0 +1,108 @@
+"""Config layers: one YAML file, a preset, or the command line, each with its origin and key lines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from toolkit.errors import UserError
+
+
+@dataclass
+class Layer:
+    """One source of config values, merged in order (later wins)."""
+
+    label: str                      # shown to users: "my.yaml", "preset gfx1151", "command line"
+    data: dict
+    lines: dict[str, int] = field(default_factory=dict)  # dotted key -> line number in the file
+
+    def where(self, key: str) -> str:
+        line = self.lines.get(key)
+        return f"{self.label}:{line}" if line else self.label
+
+
+def _key_lines(node: yaml.Node, prefix: str = "") -> Iterator[tuple[str, int]]:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            yield key, key_node.start_mark.line + 1
+            yield from _key_lines(value_node, key + ".")
+
+
+def read_yaml_layer(path: str | Path, label: str | None = None) -> Layer:
+    """Read a YAML config file; a missing file or bad YAML is a UserError naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}\n  fix: check the path (relative paths are taken from {Path.cwd()})")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text)
+        lines = dict(_key_lines(yaml.compose(text))) if data else {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(err, "problem", None) or str(err)
+        raise UserError(f"{where}: invalid YAML: {problem}\n  fix: check indentation and quoting on that line") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a config file must be a mapping of sections (run:, model:, train:, ...), "
+                        f"not a {type(data).__name__}")
+    return Layer(label or str(path), data, lines)
+
+
+def parse_scalar(text: str) -> Any:
+    """Parse a command-line value the way YAML would ('5e-5' is a float, 'true' a bool, '[a, b]' a list)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    # YAML 1.1 reads '5e-5' as a string; users mean a number.
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value.lower() for c in ".e") else value
+        except ValueError:
+            return value
+    return value
+
+
+def dotlist_layer(overrides: list[str]) -> Layer:
+    """The command-line layer from `key.path=value` arguments."""
+    data: dict = {}
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            problems.append(f"command line: '{item}' is not key=value (example: train.lr=5e-5)")
+            continue
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                problems.append(f"command line: '{key}' sets a value inside a non-mapping key")
+                break
+        else:
+            node[parts[-1]] = parse_scalar(raw)
+    if problems:
+        from toolkit.errors import ConfigError
+        raise ConfigError(problems)
+    return Layer("command line", data)
+
+
+def peek(layers: list[Layer], dotted: str, default: Any = None) -> Any:
+    """The value of a key as the last layer that sets it gives it (before validation)."""
+    value = default
+    for layer in layers:
+        node: Any = layer.data
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            value = node
+    return value

@@ -1,0 +1,207 @@
+"""Layered config loading: defaults < preset < user YAML files < command line, validated strictly.
+
+Every problem (unknown key, wrong type, value out of range, missing required value, broken
+interpolation) is collected with the file and line it came from, then reported together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from toolkit.config.layers import Layer, peek
+from toolkit.config.schema import DATA_SCHEMAS, RunConfig
+from toolkit.errors import ConfigError
+
+DEFAULTS_LABEL = "default"
+
+
+@dataclass
+class LoadedConfig:
+    """The merged, validated config and where each value came from."""
+
+    cfg: DictConfig
+    sources: dict[str, str]                 # dotted key -> layer label (with line) that set it
+    layers: list[Layer] = field(default_factory=list)
+
+
+def schema_for(family: str | None) -> DictConfig:
+    """The structured config for a family: RunConfig with the family's data section."""
+    cfg = OmegaConf.structured(RunConfig)
+    data_schema = DATA_SCHEMAS.get(family) if family else None
+    if data_schema is not None:
+        cfg.data = OmegaConf.structured(data_schema)
+    else:
+        cfg.data = {}
+    return cfg
+
+
+def field_meta(section_cls: type, name: str) -> dict:
+    for f in dataclasses.fields(section_cls):
+        if f.name == name:
+            return dict(f.metadata)
+    return {}
+
+
+def iter_schema_fields(cfg: DictConfig, prefix: str = "") -> Iterator[tuple[str, dict]]:
+    """Yield (dotted key, field metadata) for every leaf field of a structured config."""
+    section_cls = OmegaConf.get_type(cfg)
+    for key in cfg.keys():
+        node = cfg._get_node(key)
+        dotted = f"{prefix}{key}"
+        if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            yield from iter_schema_fields(node, dotted + ".")
+        else:
+            meta = field_meta(section_cls, key) if dataclasses.is_dataclass(section_cls) else {}
+            yield dotted, meta
+
+
+def _suggest(key: str, cfg: DictConfig, prefix: str) -> str:
+    """A did-you-mean for an unknown key: a close sibling, or the same name in another section."""
+    siblings = [str(k) for k in cfg.keys()]
+    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{prefix}{close[0]}'?"
+    root = cfg._get_root()
+    elsewhere = [d for d, _ in iter_schema_fields(root) if d.rsplit(".", 1)[-1] == key]
+    if elsewhere:
+        return f"; did you mean '{elsewhere[0]}'?"
+    if siblings:
+        return f"; valid keys here: {', '.join(siblings)}"
+    return ""
+
+
+def _is_section(node: Any) -> bool:
+    return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
+
+
+def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problems: list[str]) -> None:
+    """Merge one layer into cfg key by key, so every bad key is reported, not just the first."""
+
+    def walk(node: DictConfig, data: dict, prefix: str) -> None:
+        for key, value in data.items():
+            key = str(key)
+            dotted = f"{prefix}{key}"
+            if key not in node.keys():
+                problems.append(f"unknown key '{dotted}' in {layer.where(dotted)}{_suggest(key, node, prefix)}")
+                continue
+            child = node._get_node(key)
+            if _is_section(child):
+                if isinstance(value, dict):
+                    walk(child, value, dotted + ".")
+                else:
+                    problems.append(f"'{dotted}' in {layer.where(dotted)} must be a mapping of keys, "
+                                    f"got {type(value).__name__} {value!r}")
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and _expected_type(node, key) == "a number":
+                value = float(value)  # YAML reads `alpha: 16` as an int; the field is a float
+            try:
+                node[key] = value
+            except OmegaConfBaseException as err:
+                expected = _expected_type(node, key)
+                problems.append(f"'{dotted}' in {layer.where(dotted)}: expected {expected}, got {value!r}"
+                                + ("" if expected else f" ({str(err).splitlines()[0]})"))
+                continue
+            sources[dotted] = layer.where(dotted)
+
+    walk(cfg, layer.data, "")
+
+
+def _expected_type(node: DictConfig, key: str) -> str:
+    section_cls = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(section_cls):
+        return ""
+    for f in dataclasses.fields(section_cls):
+        if f.name == key:
+            hint = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+                    "List[str]": "a list of strings", "List[float]": "a list of numbers",
+                    "Union[int, str]": "an integer or 'auto'", "Union[bool, str]": "true, false or 'auto'",
+                    "Optional[str]": "a string or null"}.get(hint, hint)
+    return ""
+
+
+def _missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Required fields still at ??? (without resolving interpolations, which may be broken)."""
+    missing = []
+    for key in cfg.keys():
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig):
+            missing += _missing_keys(node, f"{prefix}{key}.")
+        elif node._is_missing():
+            missing.append(f"{prefix}{key}")
+    return missing
+
+
+def _check_values(cfg: DictConfig, sources: dict[str, str], problems: list[str]) -> None:
+    """Choices and lower bounds from the schema metadata, checked after interpolation."""
+    for dotted, meta in iter_schema_fields(cfg):
+        if "choices" not in meta and "min" not in meta:
+            continue
+        try:
+            value = OmegaConf.select(cfg, dotted, throw_on_missing=False)
+        except OmegaConfBaseException:
+            continue  # interpolation problems are reported separately
+        if value is None or OmegaConf.is_missing(cfg, dotted):
+            continue
+        where = sources.get(dotted, DEFAULTS_LABEL)
+        if "choices" in meta and value not in meta["choices"]:
+            close = difflib.get_close_matches(str(value), [str(c) for c in meta["choices"]], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            problems.append(f"'{dotted}' in {where}: '{value}' is not one of {', '.join(map(str, meta['choices']))}{hint}")
+        if "min" in meta and isinstance(value, (int, float)) and value < meta["min"]:
+            problems.append(f"'{dotted}' in {where}: {value} is below the minimum {meta['min']}")
+
+
+def merge_layers(layers: list[Layer]) -> LoadedConfig:
+    """Merge layers over the schema defaults and validate; raises ConfigError with every problem."""
+    problems: list[str] = []
+    family = peek(layers, "model.family")
+    if family not in DATA_SCHEMAS:
+        family = None  # reported by the choices check on model.family
+    cfg = schema_for(family)
+    sources: dict[str, str] = {}
+    for layer in layers:
+        if family is None and "data" in layer.data:
+            # Without a family the data section has no schema yet; report the family instead.
+            layer = Layer(layer.label, {k: v for k, v in layer.data.items() if k != "data"}, layer.lines)
+        _apply_layer(cfg, layer, sources, problems)
+
+    for dotted in _missing_keys(cfg):
+        problems.append(f"'{dotted}' is required: set it in your YAML or on the command line ({dotted}=...)")
+    if not problems:
+        try:
+            OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        except OmegaConfBaseException as err:
+            key = getattr(err, "full_key", "") or "?"
+            problems.append(f"'{key}' in {sources.get(key, DEFAULTS_LABEL)}: {str(err).splitlines()[0]}")
+    _check_values(cfg, sources, problems)
+    if problems:
+        raise ConfigError(problems)
+    return LoadedConfig(cfg=cfg, sources=sources, layers=list(layers))
+
+
+def load_config(user_layers: list[Layer], preset_layer_for: Callable[[list[Layer]], Layer | None]) -> LoadedConfig:
+    """Merge the preset (chosen from the user's layers) under the user's layers and validate."""
+    preset = preset_layer_for(user_layers)
+    layers = ([preset] if preset is not None else []) + list(user_layers)
+    return merge_layers(layers)
+
+
+def resolved_container(cfg: DictConfig) -> dict:
+    """The config as plain, fully interpolated Python data."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+
+
+def flatten(data: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Dotted (key, value) pairs of nested dicts; lists and empty dicts are leaves."""
+    if isinstance(data, dict) and data:
+        for key, value in data.items():
+            yield from flatten(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], data

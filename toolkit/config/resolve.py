@@ -1,0 +1,69 @@
+"""Turn the `auto` values left after merging into concrete ones, each with the reason printed at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from toolkit.device.detect import DeviceInfo
+from toolkit.device.presets import Preset
+from toolkit.errors import ConfigError
+
+
+@dataclass
+class Decision:
+    key: str
+    value: object
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value}: {self.reason}"
+
+
+def _precision(cfg: DictConfig, device: DeviceInfo, problems: list[str]) -> Decision | None:
+    requested = cfg.train.precision
+    if requested == "auto":
+        if device.backend == "cpu":
+            value, why = "fp32", "CPU trains in fp32"
+        elif device.bf16:
+            value, why = "bf16", f"{device.arch} supports bf16"
+        else:
+            value, why = "fp16", f"{device.arch} has no bf16: fp16 with loss scaling"
+        cfg.train.precision = value
+        return Decision("train.precision", value, why)
+    if requested == "bf16" and device.backend != "cpu" and not device.bf16:
+        problems.append(f"'train.precision' is bf16, but {device.arch} has no bf16 support: "
+                        "use train.precision=fp16 (trained with loss scaling) or fp32")
+    if requested == "fp16" and device.backend == "cpu":
+        problems.append("'train.precision' is fp16, which the CPU cannot train in: use fp32 (or bf16) on the CPU")
+    return None
+
+
+def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[Decision]:
+    """Replace auto values in place; raise ConfigError for settings this device cannot run."""
+    problems: list[str] = []
+    decisions = [d for d in [_precision(cfg, device, problems)] if d]
+    if cfg.model.dtype == "auto":
+        cfg.model.dtype = cfg.train.precision
+        decisions.append(Decision("model.dtype", cfg.model.dtype, "frozen base weights follow train.precision"))
+    if cfg.train.batch_size == "auto":
+        size, why = preset.batch_size_for(device.memory_gb)
+        cfg.train.batch_size = size
+        decisions.append(Decision("train.batch_size", size, why))
+    elif not isinstance(cfg.train.batch_size, int) or cfg.train.batch_size < 1:
+        problems.append(f"'train.batch_size' must be a positive integer or auto, got {cfg.train.batch_size!r}")
+    if cfg.train.gradient_checkpointing == "auto":
+        cfg.train.gradient_checkpointing = False
+        decisions.append(Decision("train.gradient_checkpointing", False, "the preset does not ask for it"))
+    elif not isinstance(cfg.train.gradient_checkpointing, bool):
+        problems.append(f"'train.gradient_checkpointing' must be true, false or auto, got {cfg.train.gradient_checkpointing!r}")
+    if cfg.model.attention == "auto":
+        cfg.model.attention = "sdpa"
+        decisions.append(Decision("model.attention", "sdpa", "PyTorch scaled_dot_product_attention, the default"))
+    resume = cfg.train.resume
+    if isinstance(resume, str) and resume.lower() in ("true", "false"):
+        cfg.train.resume = resume.lower() == "true"
+    if problems:
+        raise ConfigError(problems, header=f"config does not fit this device ({device.summary()})")
+    return decisions

@@ -1,0 +1,176 @@
+"""The config schema: dataclasses used as OmegaConf structured configs.
+
+Every field carries a one-line `doc` (shown by `validate` and in the generated reference) and,
+where the value is one of a fixed set, its `choices`. Unknown keys and wrong types are errors.
+The `data` section's shape depends on `model.family` (see DATA_SCHEMAS).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Union
+
+from omegaconf import MISSING
+
+
+def opt(default: Any, doc: str, choices: tuple | None = None, minimum: float | None = None) -> Any:
+    """A schema field with its documentation and optional allowed values / lower bound."""
+    meta = {"doc": doc}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if minimum is not None:
+        meta["min"] = minimum
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+FAMILIES = ("llm", "sd", "sdxl", "flux", "sd3", "wan21", "wan22")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+
+
+@dataclass
+class RunSection:
+    name: str = opt("lora", "Run name; the run folder is named after it by default.")
+    output_dir: str = opt("outputs/${run.name}", "Run folder: config, checkpoints, samples, logs and the final LoRA.")
+    seed: int = opt(42, "Seed for python, numpy and torch RNGs and the data order.")
+
+
+@dataclass
+class DeviceSection:
+    preset: str = opt("auto", "Arch preset: auto (detect the GPU), or a name from `presets` (gfx1151, sm_90, cpu, ...).")
+    backend: str = opt("auto", "Device to train on: auto (GPU when one is visible), or cpu to force the CPU.",
+                       choices=("auto", "cpu"))
+
+
+@dataclass
+class ModelSection:
+    family: str = opt(MISSING, "Model family: llm, sd, sdxl, flux, sd3, wan21, wan22.", choices=FAMILIES)
+    name_or_path: str = opt(MISSING, "Hub id or local folder loaded with from_pretrained; tiny:<family> for a tiny test model.")
+    revision: Optional[str] = opt(None, "Hub revision (branch, tag or commit) of name_or_path.")
+    dtype: str = opt("auto", "dtype of the frozen base weights; auto follows train.precision.", choices=PRECISIONS)
+    attention: str = opt("auto", "Attention implementation: auto (the preset's), sdpa, eager, flash_attention_2.",
+                         choices=("auto", "sdpa", "eager", "flash_attention_2"))
+    quantize: str = opt("none", "Quantize the frozen base (QLoRA): none, 8bit or 4bit.", choices=("none", "8bit", "4bit"))
+    trust_remote_code: bool = opt(False, "Allow model code from the Hub repository (transformers trust_remote_code).")
+
+
+@dataclass
+class NetworkSection:
+    type: str = opt("lora", "Adapter type: lora or dora (weight-decomposed LoRA).", choices=("lora", "dora"))
+    rank: int = opt(16, "LoRA rank r.", minimum=1)
+    alpha: float = opt(16.0, "LoRA alpha; the update is scaled by alpha/rank (alpha/sqrt(rank) with rslora).")
+    dropout: float = opt(0.0, "Dropout on the LoRA input.", minimum=0.0)
+    rslora: bool = opt(False, "Rank-stabilised LoRA scaling (alpha/sqrt(rank)).")
+    target_modules: Any = opt("auto", "Modules to adapt: auto (the family's default), all-linear, or a list of module names.")
+
+
+@dataclass
+class TextDataSection:
+    path: str = opt(MISSING, "Training data: a .jsonl, .json, .parquet or .txt file.")
+    format: str = opt("auto", "Sample format: auto (detect from the fields), text, alpaca or chat.",
+                      choices=("auto", "text", "alpaca", "chat"))
+    text_field: str = opt("text", "Field holding the text for the text format.")
+    max_seq_len: int = opt(512, "Tokens per sequence; longer samples are truncated.", minimum=8)
+    packing: bool = opt(False, "Pack several samples into each sequence (no attention across samples).")
+    train_on_prompt: bool = opt(False, "Also compute the loss on prompt/user tokens (alpaca, chat).")
+    eval_path: Optional[str] = opt(None, "Held-out data file for eval loss; else eval_fraction of path is held out.")
+    eval_fraction: float = opt(0.0, "Fraction of the training samples held out for eval when eval_path is unset.",
+                               minimum=0.0)
+
+
+@dataclass
+class ImageDataSection:
+    path: str = opt(MISSING, "Folder of images with same-name .txt captions (or a metadata.jsonl).")
+    resolution: int = opt(512, "Training resolution (the side of a square of the same area).", minimum=64)
+    caption_ext: str = opt(".txt", "Caption file extension.")
+    default_caption: str = opt("", "Caption for images that have none.")
+    trigger_word: Optional[str] = opt(None, "Replaces [trigger] in captions and prompts; prepended when missing.")
+    caption_dropout: float = opt(0.0, "Probability of training on an empty caption.", minimum=0.0)
+    shuffle_tags: bool = opt(False, "Shuffle comma-separated tags (after keep_tokens).")
+    keep_tokens: int = opt(0, "Leading tags kept in place when shuffle_tags is on.", minimum=0)
+    cache_latents: bool = opt(True, "Cache VAE latents to disk.")
+    cache_text_embeddings: bool = opt(True, "Cache text-encoder outputs to disk.")
+
+
+@dataclass
+class VideoDataSection(ImageDataSection):
+    num_frames: int = opt(17, "Frames per clip, taken evenly from each video.", minimum=1)
+
+
+DATA_SCHEMAS: dict[str, type] = {
+    "llm": TextDataSection,
+    "sd": ImageDataSection,
+    "sdxl": ImageDataSection,
+    "flux": ImageDataSection,
+    "sd3": ImageDataSection,
+    "wan21": VideoDataSection,
+    "wan22": VideoDataSection,
+}
+
+
+@dataclass
+class TrainSection:
+    steps: int = opt(1000, "Optimizer steps to train.", minimum=1)
+    batch_size: Union[int, str] = opt("auto", "Samples per micro-batch; auto: the preset's value for this GPU's memory.")
+    grad_accum: int = opt(1, "Micro-batches accumulated per optimizer step.", minimum=1)
+    lr: float = opt(1e-4, "Peak learning rate.", minimum=0.0)
+    lr_scheduler: str = opt("constant", "Learning-rate schedule after warmup.", choices=LR_SCHEDULERS)
+    warmup_steps: int = opt(0, "Linear warmup steps from 0 to lr.", minimum=0)
+    optimizer: str = opt("adamw8bit", "Optimizer: adamw, adamw8bit, lion8bit, lion, adafactor, prodigy.")
+    optimizer_backend: str = opt("auto", "8-bit optimizer implementation: auto, toolkit or bitsandbytes.",
+                                 choices=("auto", "toolkit", "bitsandbytes"))
+    weight_decay: float = opt(0.0, "Decoupled weight decay.", minimum=0.0)
+    betas: List[float] = opt([0.9, 0.999], "Adam/Lion betas.")
+    eps: float = opt(1e-8, "Adam epsilon.")
+    precision: str = opt("auto", "Compute precision: auto (the preset's), fp32, bf16, fp16 (with loss scaling).",
+                         choices=PRECISIONS)
+    gradient_checkpointing: Union[bool, str] = opt("auto", "Recompute activations in backward to save memory; auto: the preset's.")
+    max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
+    resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a checkpoint path.")
+    eval_every: int = opt(0, "Compute the eval loss every N steps, when the family has eval data (0: only at the end).",
+                          minimum=0)
+    max_nan_steps: int = opt(5, "Stop after this many non-finite losses in a row (each one skips its step).", minimum=1)
+
+
+@dataclass
+class SaveSection:
+    every: int = opt(250, "Checkpoint every N steps (0: only at the end).", minimum=0)
+    keep_last: int = opt(3, "Checkpoints kept; older ones are removed.", minimum=1)
+    dtype: str = opt("bf16", "dtype of the exported LoRA weights.", choices=("fp32", "bf16", "fp16"))
+    format: str = opt("auto", "Export format: auto (the family's: peft or diffusers), peft, diffusers, kohya.",
+                      choices=("auto", "peft", "diffusers", "kohya"))
+
+
+@dataclass
+class SampleSection:
+    every: int = opt(250, "Sample every N steps (0: only at the end).", minimum=0)
+    prompts: List[str] = opt([], "Prompts to sample from; none disables sampling.")
+    seed: int = opt(42, "Sampling seed, fixed so samples are comparable across steps.")
+    max_new_tokens: int = opt(64, "LLM: tokens generated per prompt.", minimum=1)
+    temperature: float = opt(0.0, "LLM: sampling temperature; 0 means greedy.", minimum=0.0)
+    num_inference_steps: int = opt(20, "Diffusion: denoising steps per sample.", minimum=1)
+    guidance_scale: float = opt(5.0, "Diffusion: classifier-free guidance scale.")
+    width: int = opt(0, "Diffusion: sample width; 0 means data.resolution.", minimum=0)
+    height: int = opt(0, "Diffusion: sample height; 0 means data.resolution.", minimum=0)
+
+
+@dataclass
+class LogSection:
+    every: int = opt(10, "Log metrics every N steps.", minimum=1)
+    tensorboard: bool = opt(True, "Write TensorBoard events under logs/.")
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    device: DeviceSection = field(default_factory=DeviceSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    network: NetworkSection = field(default_factory=NetworkSection)
+    data: Any = None  # replaced by DATA_SCHEMAS[model.family] when the config is loaded
+    train: TrainSection = field(default_factory=TrainSection)
+    save: SaveSection = field(default_factory=SaveSection)
+    sample: SampleSection = field(default_factory=SampleSection)
+    log: LogSection = field(default_factory=LogSection)

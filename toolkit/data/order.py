@@ -1,0 +1,74 @@
+"""The order batches are drawn in: deterministic per (seed, epoch), resumable at any position.
+
+Items are grouped (aspect-ratio buckets for images, one group for text); a batch never mixes
+groups. Each epoch shuffles items within groups, cuts them into batches and shuffles the batches.
+The state is (epoch, position), so a resumed run draws exactly the batches it would have drawn.
+With several processes each takes its own batch of every `world_size` consecutive batches.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import numpy as np
+
+
+def epoch_batches(groups: Sequence[int], batch_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
+    """All batches of one epoch, in order. The last batch of a group may be smaller."""
+    rng = np.random.default_rng([seed, epoch])
+    members: dict[int, list[int]] = defaultdict(list)
+    for index, group in enumerate(groups):
+        members[group].append(index)
+    batches: list[list[int]] = []
+    for group in sorted(members):
+        items = members[group]
+        if shuffle:
+            items = [items[i] for i in rng.permutation(len(items))]
+        batches += [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+    if shuffle:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+class BatchOrder:
+    """Yields batches of item indices forever, epoch after epoch; `state_dict` marks the position."""
+
+    def __init__(self, groups: Sequence[int], batch_size: int, seed: int, shuffle: bool = True,
+                 world_size: int = 1, rank: int = 0):
+        if len(groups) == 0:
+            raise ValueError("BatchOrder needs at least one item")
+        self.groups = list(groups)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.world_size = world_size
+        self.rank = rank
+        self.epoch = 0
+        self.position = 0  # index of the next batch in this epoch's list (counting every process's)
+        self._batches = epoch_batches(self.groups, batch_size, seed, 0, shuffle)
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.position = 0
+        self._batches = epoch_batches(self.groups, self.batch_size, self.seed, epoch, self.shuffle)
+
+    def next_batch(self) -> list[int]:
+        """This process's next batch; every process advances by world_size batches."""
+        if self.position + self.world_size > len(self._batches):
+            self._start_epoch(self.epoch + 1)
+        batch = self._batches[(self.position + self.rank) % len(self._batches)]
+        self.position += self.world_size
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "batch_size": self.batch_size, "num_items": len(self.groups), "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "batch_size", "num_items"):
+            current = {"seed": self.seed, "batch_size": self.batch_size, "num_items": len(self.groups)}[key]
+            if state[key] != current:
+                raise ValueError(f"data order mismatch on resume: {key} was {state[key]}, now {current}")
+        self._start_epoch(state["epoch"])
+        self.position = state["position"]

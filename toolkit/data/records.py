@@ -1,0 +1,72 @@
+"""Reading training records (dicts) from local jsonl, json, parquet and txt files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolkit.errors import UserError
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+
+
+def read_records(path: str | Path, key: str = "data.path") -> list[dict]:
+    """All records of a data file. txt files give one {"text": line} per non-empty line.
+
+    A malformed line is a UserError naming the file and line number.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{key}: data file not found: {path}\n  fix: check the path (relative paths are taken from {Path.cwd()})")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        records = _read_jsonl(path)
+    elif suffix == ".json":
+        records = _read_json(path)
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+        records = pq.read_table(path).to_pylist()
+    elif suffix == ".txt":
+        records = [{"text": line} for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        raise UserError(f"{key}: {path} has an unsupported extension; use one of {', '.join(SUFFIXES)}")
+    if not records:
+        raise UserError(f"{key}: {path} holds no samples")
+    return records
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    records = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{path}:{number}: each line must be a JSON object, got {type(record).__name__}")
+            record["__line__"] = number
+            records.append(record)
+    return records
+
+
+def _read_json(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
+    if isinstance(data, dict):
+        data = next((v for v in data.values() if isinstance(v, list)), None) if len(data) == 1 else None
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise UserError(f"{path}: expected a JSON list of objects (or an object holding one such list)")
+    for index, record in enumerate(data):
+        record["__line__"] = f"item {index}"
+    return data
+
+
+def where(path: str | Path, record: dict) -> str:
+    """'file:line' for messages about one record."""
+    line = record.get("__line__")
+    return f"{path}:{line}" if isinstance(line, int) else (f"{path} ({line})" if line else str(path))

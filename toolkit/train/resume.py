@@ -1,0 +1,82 @@
+"""Deciding whether a run resumes, from which checkpoint, and which changed settings it accepts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from toolkit.config.load import flatten
+from toolkit.errors import UserError
+from toolkit.train.checkpoint import Checkpoint, find_latest_checkpoint, list_checkpoints, verify_checkpoint
+from toolkit.train.run_dir import RunDir
+
+# Settings a resumed run may change: they alter cadence, output or where it runs, not what it learns.
+RESUME_SAFE_PREFIXES = ("run.name", "run.output_dir", "device.", "sample.", "log.", "save.every", "save.keep_last",
+                        "save.dtype", "save.format", "train.steps", "train.resume", "train.max_nan_steps",
+                        "train.eval_every", "train.optimizer_backend", "train.gradient_checkpointing",
+                        "model.attention")
+
+
+def is_resume_safe(key: str) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUME_SAFE_PREFIXES)
+
+
+def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """(allowed notices, refused keys) between the checkpoint's config and the current one."""
+    old_flat, new_flat = dict(flatten(old)), dict(flatten(new))
+    allowed, refused = [], []
+    for key in sorted(set(old_flat) | set(new_flat)):
+        before, after = old_flat.get(key), new_flat.get(key)
+        if before == after:
+            continue
+        if is_resume_safe(key):
+            allowed.append(f"{key}: {before!r} -> {after!r}")
+        else:
+            refused.append(f"{key}: {before!r} in the checkpoint, {after!r} now")
+    return allowed, refused
+
+
+def check_resume_config(checkpoint: Checkpoint, current: dict, notice: Callable[[str], None]) -> None:
+    saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))
+    allowed, refused = config_changes(saved, current)
+    if refused:
+        raise UserError(
+            f"cannot resume from {checkpoint.path}: these settings differ from the run's and would change "
+            "what it learns:\n" + "\n".join(f"  - {r}" for r in refused)
+            + "\n  fix: put them back, or start over with --fresh (the old run is moved aside, not deleted)")
+    for change in allowed:
+        notice(f"resume: applying changed setting {change}")
+
+
+def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], None]) -> Checkpoint | None:
+    """The checkpoint to resume from (None: start from step 0), following train.resume and --fresh.
+
+    Nothing in an existing run folder is deleted: a fresh start moves the old folder aside.
+    """
+    if fresh:
+        if run_dir.has_content():
+            notice(f"--fresh: the previous run was moved to {run_dir.move_aside()}")
+        return None
+    if isinstance(resume, str) and resume not in ("auto",):
+        path = Path(resume)
+        checkpoint, problem = verify_checkpoint(path)
+        if checkpoint is None:
+            raise UserError(f"train.resume: cannot resume from {path}: {problem}\n"
+                            f"  fix: give a checkpoint folder (checkpoints/step-NNNNNN) or train.resume=auto")
+        return checkpoint
+    has_steps = bool(list_checkpoints(run_dir.checkpoints))
+    if resume is False:
+        if has_steps:
+            raise UserError(f"train.resume is false, but {run_dir.root} already has checkpoints\n"
+                            "  fix: resume (train.resume=auto), or start over with --fresh (the old run is moved aside)")
+        latest = None
+    else:
+        latest = find_latest_checkpoint(run_dir.checkpoints, warn=notice)
+        if latest is None and resume is True:
+            raise UserError(f"train.resume is true, but there is no complete checkpoint in {run_dir.checkpoints}\n"
+                            "  fix: check run.output_dir, or use train.resume=auto to start fresh when there is none")
+    if latest is None and run_dir.has_content():
+        notice(f"no checkpoint to resume from; the earlier attempt was kept at {run_dir.move_aside()}")
+    return latest
