@@ -1,0 +1,39 @@
+"""Shared test setup: a private cache for tiny models, the repo root, and a helper to run the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_cache(tmp_path_factory) -> Path:
+    """Tiny models are written once per test session into a private cache (TOOLKIT_CACHE)."""
+    cache = Path(os.environ.get("TOOLKIT_TEST_CACHE") or tmp_path_factory.mktemp("toolkit-cache"))
+    os.environ["TOOLKIT_CACHE"] = str(cache)
+    return cache
+
+
+@pytest.fixture
+def run_cli(monkeypatch):
+    """Run `python -m toolkit ARGS` in-process from the repo root; returns (exit code, stdout, stderr)."""
+    from toolkit.cli import main
+
+    def _run(*args: str, capsys=None):
+        monkeypatch.chdir(REPO)
+        return main([str(a) for a in args])
+
+    return _run
+
+
+def run_toolkit(*args: str, cwd: Path = REPO, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real entry point `python -m toolkit ARGS` in a subprocess."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "toolkit", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
