@@ -64,6 +64,8 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
         if self.impl != "auto":
             if self.impl == "triton" and not triton_available():
                 raise UserError("impl='triton' needs the triton package: pip install triton (or use impl='torch')")
+            if self.impl == "triton" and device.type != "cuda":
+                raise UserError(f"impl='triton' needs parameters on a GPU, not {device.type} (use impl='torch')")
             return self.impl
         return "triton" if device.type == "cuda" and triton_available() else "torch"
 

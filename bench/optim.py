@@ -1,0 +1,135 @@
+"""Step time and state size of 8-bit AdamW implementations on one GPU, side by side in one run.
+
+    python bench/optim.py [--tensors 16] [--size 4096] [--steps 50]
+
+Times each optimizer's step() with CUDA events (warm-up first, then the median of --steps steps) on
+--tensors parameters of --size x --size, for fp32 and bf16 params, and prints ms/step, bytes of state per
+parameter and speed relative to bitsandbytes AdamW8bit. Optimizers whose package is missing are listed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from toolkit.optim import AdamW8bit  # noqa: E402
+from toolkit.optim import triton_kernels  # noqa: E402
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of per-parameter optimizer state (step counters and maps shared by all blocks excluded)."""
+    total = 0
+    for state in opt.state.values():
+        for key, value in state.items():
+            if not torch.is_tensor(value) or key in ("step", "qmap1", "qmap2"):
+                continue
+            if hasattr(value, "__tensor_flatten__"):  # torchao's quantized state subclass
+                names, _ = value.__tensor_flatten__()
+                total += sum(getattr(value, n).nbytes for n in names if n != "qmap")
+            else:
+                total += value.nbytes
+    return total
+
+
+def time_steps(opt, params, grads, steps: int, warmup: int = 5) -> float:
+    for p, g in zip(params, grads):
+        p.grad = g
+    for _ in range(warmup):
+        opt.step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        opt.step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def make_optimizers():
+    """name -> constructor(params); a constructor raising ImportError marks the package missing."""
+
+    def toolkit(config):
+        def build(params):
+            triton_kernels.DEFAULT_CONFIG = config
+            return AdamW8bit(params, lr=1e-4, weight_decay=0.01, impl="triton")
+        return build
+
+    def bnb(params):
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, lr=1e-4, weight_decay=0.01)
+
+    def torchao(params):
+        from torchao.optim import AdamW8bit as AoAdamW8bit
+
+        return AoAdamW8bit(params, lr=1e-4, weight_decay=0.01)
+
+    def fused(params):
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+
+    builders = {}
+    for blocks, warps in ((4, 4), (8, 8), (16, 8)):
+        for search, label in ((1, "guess"), (0, "bsearch")):
+            builders[f"toolkit triton {label} {blocks}x256/w{warps}"] = toolkit(
+                {"blocks": blocks, "num_warps": warps, "quant_search": search})
+    builders["bitsandbytes AdamW8bit"] = bnb
+    builders["torchao AdamW8bit"] = torchao
+    builders["torch AdamW fused"] = fused
+    return builders
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--size", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; torch {torch.__version__}; {args.tensors} x {args.size}x{args.size} params "
+          f"({args.tensors * args.size**2 / 1e6:.0f}M); median of {args.steps} steps after 5 warm-up", flush=True)
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        grads = [torch.randn(args.size, args.size, device="cuda", dtype=dtype, generator=gen) * 1e-3
+                 for _ in range(args.tensors)]
+        for name, build in make_optimizers().items():
+            params = [torch.nn.Parameter(torch.randn(args.size, args.size, device="cuda", dtype=dtype, generator=gen))
+                      for _ in range(args.tensors)]
+            try:
+                opt = build(params)
+                ms = time_steps(opt, params, grads, args.steps)
+                bpp = state_bytes(opt) / sum(p.numel() for p in params)
+                rows.append((dtype_name, name, ms, bpp))
+                print(f"  {dtype_name:9s} {name:34s} {ms:8.3f} ms  {bpp:5.3f} B/param", flush=True)
+            except ImportError as exc:
+                print(f"  {dtype_name:9s} {name:34s} not installed ({exc})", flush=True)
+            except Exception:
+                print(f"  {dtype_name:9s} {name:34s} FAILED\n{traceback.format_exc()}", flush=True)
+            finally:
+                opt = None
+                del params
+                torch.cuda.empty_cache()
+    param_bytes = {"float32": 4, "bfloat16": 2}
+    print(f"\n{'dtype':9s} {'optimizer':34s} {'ms/step':>8s} {'B/param':>8s} {'vs bnb':>7s} {'TB/s':>6s}")
+    for dtype_name, name, ms, bpp in rows:
+        bnb_ms = next((r[2] for r in rows if r[0] == dtype_name and r[1] == "bitsandbytes AdamW8bit"), None)
+        ratio = f"{bnb_ms / ms:6.2f}x" if bnb_ms else "   n/a"
+        # bytes an 8-bit step must move: read p, g, both codes; write p, both codes (absmax ~1%)
+        moved = args.tensors * args.size**2 * (3 * param_bytes[dtype_name] + 4)
+        print(f"{dtype_name:9s} {name:34s} {ms:8.3f} {bpp:8.3f} {ratio} {moved / ms / 1e9:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

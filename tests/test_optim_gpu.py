@@ -1,0 +1,127 @@
+"""The fused Triton kernels against the pure-torch reference, on a GPU (CUDA or ROCm)."""
+
+import pytest
+import torch
+
+from toolkit.optim import AdamW8bit, Lion8bit, build_optimizer
+from toolkit.optim.quant import dequantize_blockwise
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")]
+
+SHAPES = [(256, 1024), (4099,), (33, 257), (32, 16)]  # several 8-bit tensors, partial blocks, one fp32-state
+QUANT_CONFIGS = [{"blocks": 8, "num_warps": 8, "quant_search": 0}, {"blocks": 8, "num_warps": 8, "quant_search": 1},
+                 {"blocks": 4, "num_warps": 4, "quant_search": 1}]
+
+
+def _params(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype).cuda()) for s in SHAPES]
+
+
+def _copy_state(src_opt, src_params, dst_opt, dst_params):
+    for a, b in zip(src_params, dst_params):
+        b.data.copy_(a.data)
+        for key, value in src_opt.state[a].items():
+            dst_opt.state[b][key] = value.clone() if torch.is_tensor(value) else value
+
+
+@pytest.mark.parametrize("config", QUANT_CONFIGS, ids=["binary-search", "guess-8x256", "guess-4x256"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+def test_triton_step_matches_reference(cls, dtype, config, monkeypatch):
+    from toolkit.optim import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "DEFAULT_CONFIG", config)
+    ref_params, tri_params = _params(dtype), _params(dtype)
+    lr = 1e-3 if cls is AdamW8bit else 1e-4
+    ref = cls(ref_params, lr=lr, weight_decay=0.05, impl="torch")
+    tri = cls(tri_params, lr=lr, weight_decay=0.05, impl="triton")
+    gen = torch.Generator().manual_seed(1)
+    moments = 2 if cls is AdamW8bit else 1
+    for step in range(12):
+        for a, b in zip(ref_params, tri_params):
+            g = (torch.randn(a.shape, generator=gen) * 0.01).to(dtype).cuda()
+            a.grad, b.grad = g, g.clone()
+        ref.step()
+        tri.step()
+        for a, b in zip(ref_params, tri_params):
+            sa, sb = ref.state[a], tri.state[b]
+            assert sa["step"] == sb["step"] == step + 1
+            for i in range(1, moments + 1):
+                if sa["state1"].dtype == torch.float32:
+                    torch.testing.assert_close(sb[f"state{i}"], sa[f"state{i}"], atol=1e-7, rtol=1e-5)
+                    continue
+                torch.testing.assert_close(sb[f"absmax{i}"], sa[f"absmax{i}"], atol=0, rtol=1e-5)
+                code_diff = (sa[f"state{i}"].int() - sb[f"state{i}"].int()).abs()
+                assert code_diff.max().item() <= 1 and code_diff.sum().item() <= 8, f"state{i}: {code_diff.sum()}"
+            error = (a.float() - b.float()).abs()
+            if cls is Lion8bit:  # sign(u) may differ where u is within rounding of 0
+                assert (error > 1e-6).sum().item() <= 4
+            elif dtype == torch.float32:
+                assert error.max().item() <= 1e-6
+            else:  # one rounding step of the 16-bit param, rarely
+                ulp = a.float().abs() * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+                assert (error > ulp).sum().item() == 0 and (error > 0).float().mean().item() < 1e-3
+        _copy_state(ref, ref_params, tri, tri_params)  # each step compares one kernel call from identical inputs
+
+
+def test_triton_free_run_tracks_fp32_adamw():
+    params = _params(torch.float32)
+    fp32 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours = AdamW8bit(params, lr=1e-3, weight_decay=0.01, impl="triton")
+    ref = torch.optim.AdamW(fp32, lr=1e-3, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        for p, r in zip(params, fp32):
+            p.grad = (torch.randn(p.shape, generator=gen) * 0.01).cuda()
+            r.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+    for p, r in zip(params, fp32):
+        assert (p - r).abs().mean().item() <= 6e-5
+        if p.numel() >= 4096:
+            m = dequantize_blockwise(ours.state[p]["state1"], ours.state[p]["absmax1"], signed=True)
+            bad = ~torch.isclose(m, ref.state[r]["exp_avg"], atol=3e-3, rtol=1e-3)
+            assert bad.sum().item() <= 10
+
+
+def test_triton_resume_is_bit_identical_and_step_never_syncs():
+    grads = [[torch.randn(s, device="cuda") * 0.01 for s in SHAPES] for _ in range(6)]
+
+    def run(params, opt, steps):
+        for g in steps:
+            for p, gi in zip(params, g):
+                p.grad = gi
+            opt.step()
+
+    straight_params = _params(torch.bfloat16)
+    straight = AdamW8bit(straight_params, impl="triton")
+    run(straight_params, straight, grads[:1])
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside step() raises
+    try:
+        run(straight_params, straight, grads[1:])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    first_params = _params(torch.bfloat16)
+    first = AdamW8bit(first_params, impl="triton")
+    run(first_params, first, grads[:3])
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in first_params]
+    resumed = AdamW8bit(resumed_params, impl="triton")
+    resumed.load_state_dict(first.state_dict())
+    run(resumed_params, resumed, grads[3:])
+    for a, b in zip(straight_params, resumed_params):
+        assert torch.equal(a, b)
+        for key, value in straight.state[a].items():
+            assert torch.equal(value, resumed.state[b][key]) if torch.is_tensor(value) else value == resumed.state[b][key]
+
+
+def test_build_optimizer_on_cuda_reports_its_choice():
+    opt, reason = build_optimizer("adamw8bit", _params(torch.float32), lr=1e-3, device_type="cuda")
+    assert reason.startswith("adamw8bit: bitsandbytes — CUDA device;") or "toolkit (Triton kernels)" in reason, reason
+    opt, reason = build_optimizer("adamw8bit", _params(torch.float32), lr=1e-3, device_type="hip")
+    assert type(opt) is AdamW8bit and reason.startswith("adamw8bit: toolkit (Triton kernels) — HIP device")
+    opt, reason = build_optimizer("adamw", _params(torch.float32), lr=1e-3, device_type="cuda")
+    assert opt.param_groups[0]["fused"] is True
+    print(reason)
