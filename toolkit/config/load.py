@@ -98,8 +98,8 @@ def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problem
                     problems.append(f"'{dotted}' in {layer.where(dotted)} must be a mapping of keys, "
                                     f"got {type(value).__name__} {value!r}")
                 continue
-            if isinstance(value, int) and not isinstance(value, bool) and _expected_type(node, key) == "a number":
-                value = float(value)  # YAML reads `alpha: 16` as an int; the field is a float
+            if _expected_type(node, key) == "a number":
+                value = _as_float(value)
             try:
                 node[key] = value
             except OmegaConfBaseException as err:
@@ -110,6 +110,18 @@ def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problem
             sources[dotted] = layer.where(dotted)
 
     walk(cfg, layer.data, "")
+
+
+def _as_float(value: Any) -> Any:
+    """YAML reads `alpha: 16` as an int and `lr: 1e-4` as a string; a float field means a number."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, str)):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # reported as a type error by OmegaConf
+    return value
 
 
 def _expected_type(node: DictConfig, key: str) -> str:

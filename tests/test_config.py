@@ -1,0 +1,138 @@
+"""Layered config: defaults < preset < YAML files < command line, strict validation, provenance."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_toolkit
+from toolkit.config.run import load_run
+from toolkit.device.detect import cpu_device_info
+from toolkit.errors import ConfigError, UserError
+
+CPU = cpu_device_info("test")
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def base_yaml(tmp_path) -> Path:
+    return write(tmp_path / "base.yaml", """\
+        run: {name: t}
+        model: {family: llm, name_or_path: tiny:llm}
+        data: {path: data.jsonl}
+        train: {steps: 10, lr: 1e-4}
+        """)
+
+
+def test_layers_later_wins_and_sources(tmp_path, base_yaml):
+    second = write(tmp_path / "second.yaml", "train:\n  lr: 2.0e-4\n  steps: 20\n")
+    run = load_run([base_yaml, second], ["train.steps=30", "run.seed=7"], device=CPU)
+    assert run.cfg.train.lr == pytest.approx(2e-4)
+    assert run.cfg.train.steps == 30
+    assert run.cfg.run.seed == 7
+    assert run.sources["train.lr"] == f"{second}:2"
+    assert run.sources["train.steps"] == "command line"
+    assert run.sources["model.family"] == f"{base_yaml}:2"
+    # The preset layer sits under the user's files: the cpu preset chose fp32 and said so.
+    assert run.cfg.train.precision == "fp32"
+    assert run.sources["train.precision"].startswith("preset cpu")
+    assert "train.batch_size" not in run.sources and run.cfg.train.batch_size == 1
+
+
+def test_interpolation_follows_the_final_value(base_yaml):
+    run = load_run([base_yaml], ["run.name=other"], device=CPU)
+    assert run.cfg.run.output_dir == "outputs/other"
+
+
+def test_all_problems_reported_together(tmp_path, base_yaml):
+    bad = write(tmp_path / "bad.yaml", """\
+        train:
+          lrr: 1e-4
+          steps: many
+          precision: bf15
+        netwrk: {rank: 4}
+        """)
+    with pytest.raises(ConfigError) as info:
+        load_run([base_yaml, bad], ["data.max_seq_len=-3"], device=CPU)
+    problems = info.value.problems
+    text = str(info.value)
+    assert len(problems) == 5, text
+    assert f"unknown key 'train.lrr' in {bad}:2; did you mean 'train.lr'?" in text
+    assert f"'train.steps' in {bad}:3: expected an integer, got 'many'" in text
+    assert "'train.precision'" in text and "did you mean 'bf16'?" in text
+    assert "unknown key 'netwrk'" in text and "did you mean 'network'?" in text
+    assert "'data.max_seq_len' in command line: -3 is below the minimum 8" in text
+
+
+def test_missing_required_values(tmp_path):
+    cfg = write(tmp_path / "c.yaml", "model: {family: llm}\n")
+    with pytest.raises(ConfigError) as info:
+        load_run([cfg], [], device=CPU)
+    assert {p.split("'")[1] for p in info.value.problems} == {"model.name_or_path", "data.path"}
+
+
+def test_data_section_follows_the_family(tmp_path):
+    cfg = write(tmp_path / "c.yaml", "model: {family: llm, name_or_path: x}\ndata: {path: d.jsonl, resolution: 512}\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'data.resolution'"):
+        load_run([cfg], [], device=CPU)
+
+
+def test_unknown_family_suggests(tmp_path):
+    cfg = write(tmp_path / "c.yaml", "model: {family: lmm, name_or_path: x}\n")
+    with pytest.raises(ConfigError, match=r"did you mean 'llm'"):
+        load_run([cfg], [], device=CPU)
+
+
+def test_bad_yaml_names_file_and_line(tmp_path):
+    cfg = write(tmp_path / "c.yaml", "model:\n  family: llm\n   name_or_path: x\n")
+    with pytest.raises(UserError, match=rf"{cfg}:3:\d+: invalid YAML"):
+        load_run([cfg], [], device=CPU)
+
+
+def test_missing_file_and_bad_override(tmp_path, base_yaml):
+    with pytest.raises(UserError, match="config file not found"):
+        load_run([tmp_path / "nope.yaml"], [], device=CPU)
+    with pytest.raises(ConfigError, match="is not key=value"):
+        load_run([base_yaml], ["train.lr"], device=CPU)
+
+
+def test_bf16_refused_where_the_arch_has_none(base_yaml):
+    from toolkit.device.detect import DeviceInfo
+    gfx906 = DeviceInfo("hip", "gfx906", "Radeon VII", 16.0, bf16=False)
+    with pytest.raises(ConfigError, match="gfx906 has no bf16 support: use train.precision=fp16"):
+        load_run([base_yaml], ["train.precision=bf16"], device=gfx906)
+    run = load_run([base_yaml], [], device=gfx906)
+    assert run.preset.name == "gfx906" and run.cfg.train.precision == "fp16"
+
+
+def test_cli_misspelt_key_exit_code_2_without_traceback(tmp_path, base_yaml):
+    proc = run_toolkit("train", base_yaml, "train.lrr=1", "device.backend=cpu", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "unknown key 'train.lrr' in command line; did you mean 'train.lr'?" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_validate_prints_sources(tmp_path, base_yaml):
+    proc = run_toolkit("validate", base_yaml, "train.steps=99", "device.backend=cpu", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split("=")[0].strip(): line for line in proc.stdout.splitlines() if " = " in line}
+    assert lines["train.steps"].rstrip().endswith("# command line")
+    assert "99" in lines["train.steps"]
+    assert lines["train.lr"].rstrip().endswith(f"# {base_yaml}:4")
+    assert "# preset cpu" in lines["train.optimizer_backend"]
+    assert "# auto: frozen base weights follow train.precision" in lines["model.dtype"]
+    assert lines["run.output_dir"].split("=", 1)[1].split("#")[0].strip() == "outputs/t"
+
+
+def test_every_example_config_validates():
+    examples = sorted((REPO / "configs" / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        proc = run_toolkit("validate", path, "device.preset=cpu", "device.backend=cpu")
+        assert proc.returncode == 0, f"{path.name}: {proc.stderr}"
