@@ -133,6 +133,9 @@ class TrainSection:
     eval_every: int = opt(0, "Compute the eval loss every N steps, when the family has eval data (0: only at the end).",
                           minimum=0)
     max_nan_steps: int = opt(5, "Stop after this many non-finite losses in a row (each one skips its step).", minimum=1)
+    ema_decay: float = opt(0.0, "EMA of the LoRA weights, updated after each optimizer step; saved in checkpoints "
+                           "(ema.safetensors) and used for the final export. 0 turns it off; 0.999 is usual.",
+                           minimum=0.0)
 
 
 @dataclass
