@@ -2,12 +2,15 @@
 
     checkpoints/step-000200/
         lora.safetensors      the exact trainable tensors
+        ema.safetensors       the EMA of those tensors (only when train.ema_decay > 0)
         optimizer.pt          optimizer state (8-bit states as plain tensors)
-        trainer_state.pt      step, scheduler, grad scaler, RNG states, data order position
+        trainer_state.pt      step, scheduler, grad scaler, RNG states (python, numpy, torch CPU and device),
+                              data order position, NaN streak
         config.yaml           the resolved config of the run
         meta.json             written last: step, config hash, versions, size and sha256 of each file
 
 "Latest" is the highest step whose meta.json exists and whose files match it; never a file time.
+A save interrupted by a crash leaves only a `.tmp-step-*` folder, which is never taken for a checkpoint.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from toolkit import __version__
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 META = "meta.json"
+EMA_FILE = "ema.safetensors"
 
 
 @dataclass
@@ -36,6 +40,16 @@ class Checkpoint:
     path: Path
     step: int
     meta: dict
+
+
+@dataclass
+class CheckpointState:
+    """What a checkpoint holds, loaded: the tensors and states the trainer restores."""
+
+    lora: dict[str, torch.Tensor]
+    optimizer: dict
+    trainer: dict
+    ema: dict[str, torch.Tensor] | None
 
 
 def step_dir_name(step: int) -> str:
@@ -64,7 +78,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(checkpoints_dir: Path, step: int, lora: dict[str, torch.Tensor], optimizer_state: dict,
-                    trainer_state: dict, config_yaml: str, config_hash: str) -> Path:
+                    trainer_state: dict, config_yaml: str, config_hash: str,
+                    ema: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a complete checkpoint atomically and return its folder."""
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / step_dir_name(step)
@@ -73,6 +88,8 @@ def save_checkpoint(checkpoints_dir: Path, step: int, lora: dict[str, torch.Tens
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_file({k: v.detach().contiguous().cpu() for k, v in lora.items()}, str(tmp / "lora.safetensors"))
+    if ema is not None:
+        save_file({k: v.detach().contiguous().cpu() for k, v in ema.items()}, str(tmp / EMA_FILE))
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(trainer_state, tmp / "trainer_state.pt")
     (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
@@ -128,6 +145,9 @@ def list_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
 
 def find_latest_checkpoint(checkpoints_dir: Path, warn=print) -> Checkpoint | None:
     """The highest complete, intact checkpoint; broken ones are skipped with a message."""
+    if checkpoints_dir.is_dir():
+        for unfinished in sorted(checkpoints_dir.glob(".tmp-step-*")):
+            warn(f"warning: ignoring {unfinished}: a checkpoint save that did not finish")
     for _, path in list_checkpoints(checkpoints_dir):
         checkpoint, problem = verify_checkpoint(path)
         if checkpoint is not None:
@@ -145,9 +165,26 @@ def rotate_checkpoints(checkpoints_dir: Path, keep_last: int) -> list[Path]:
     return removed
 
 
-def load_checkpoint_files(checkpoint: Checkpoint) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """(lora tensors, optimizer state, trainer state) of a verified checkpoint."""
+def set_aside_checkpoints_after(checkpoints_dir: Path, step: int) -> list[Path]:
+    """Rename step folders above `step` to .abandoned-step-*: a run resumed from an earlier step makes them stale.
+
+    They are kept (never deleted) but no longer count as checkpoints, so "latest" stays on this run's path.
+    """
+    moved = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for found_step, path in list_checkpoints(checkpoints_dir):
+        if found_step > step:
+            target = checkpoints_dir / f".abandoned-{path.name}-{stamp}"
+            path.rename(target)
+            moved.append(target)
+    return moved
+
+
+def load_checkpoint_files(checkpoint: Checkpoint) -> CheckpointState:
+    """The tensors and states of a verified checkpoint (on the CPU)."""
     lora = load_file(str(checkpoint.path / "lora.safetensors"))
     optimizer_state = torch.load(checkpoint.path / "optimizer.pt", map_location="cpu", weights_only=False)
     trainer_state = torch.load(checkpoint.path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    return lora, optimizer_state, trainer_state
+    ema_path = checkpoint.path / EMA_FILE
+    ema = load_file(str(ema_path)) if ema_path.is_file() else None
+    return CheckpointState(lora, optimizer_state, trainer_state, ema)

@@ -22,7 +22,8 @@ from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, Runtime, trainable_parameters
 from toolkit.optim import build_optimizer
 from toolkit.train.checkpoint import (find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
-                                      save_checkpoint)
+                                      save_checkpoint, set_aside_checkpoints_after)
+from toolkit.train.ema import LoraEMA
 from toolkit.train.metrics import MetricsLogger
 from toolkit.train.resume import check_resume_config, choose_start
 from toolkit.train.rng import restore_rng_state, rng_state, seed_everything
@@ -65,6 +66,11 @@ class Trainer:
         self.order = BatchOrder(self.dataset.groups, cfg.train.batch_size, cfg.run.seed,
                                 world_size=self.accelerator.num_processes, rank=self.accelerator.process_index)
         params = trainable_parameters(self.adapter.network)
+        decay = cfg.train.ema_decay
+        if decay >= 1.0:
+            raise UserError(f"train.ema_decay: {decay} would never move from the initial weights; "
+                            "use a value below 1 (0.999 is usual) or 0 to turn the EMA off")
+        self.ema = LoraEMA(self.adapter.network, decay) if decay > 0 else None
         optimizer, reason = build_optimizer(
             cfg.train.optimizer, params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
             weight_decay=cfg.train.weight_decay, backend=cfg.train.optimizer_backend, device_type=device.backend)
@@ -87,12 +93,18 @@ class Trainer:
                 "scaler": scaler.state_dict() if scaler is not None else None}
 
     def _restore(self, checkpoint) -> int:
-        lora, optimizer_state, state = load_checkpoint_files(checkpoint)
-        self.adapter.load_lora_state_dict(lora)
-        self.optimizer.load_state_dict(optimizer_state)
+        loaded = load_checkpoint_files(checkpoint)
+        state = loaded.trainer
+        self.adapter.load_lora_state_dict(loaded.lora)
+        self.optimizer.load_state_dict(loaded.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") is not None and self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:
+            if loaded.ema is None:
+                raise UserError(f"train.ema_decay is {self.cfg.train.ema_decay}, but {checkpoint.path} has no "
+                                "ema.safetensors\n  fix: set train.ema_decay=0, or start over with --fresh")
+            self.ema.load_state_dict(loaded.ema)
         self.order.load_state_dict(state["data_order"])
         restore_rng_state(state["rng"])
         self.nan_streak = state.get("nan_streak", 0)
@@ -101,7 +113,7 @@ class Trainer:
     def _save(self, step: int) -> Path:
         path = save_checkpoint(self.run_dir.checkpoints, step, self.adapter.lora_state_dict(),
                                self.optimizer.state_dict(), self._trainer_state(step), self.config_yaml,
-                               self.config_hash)
+                               self.config_hash, ema=self.ema.state_dict() if self.ema is not None else None)
         rotate_checkpoints(self.run_dir.checkpoints, self.cfg.save.keep_last)
         return path
 
@@ -128,6 +140,8 @@ class Trainer:
             self.accelerator.clip_grad_norm_(trainable_parameters(self.adapter.network), self.cfg.train.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None and not self.optimizer.step_was_skipped:  # fp16: the scaler may skip a step
+            self.ema.update()
         return total
 
     def _sample(self, step: int) -> None:
@@ -173,6 +187,8 @@ class Trainer:
         start = self._restore(checkpoint) if checkpoint is not None else 0
         if checkpoint is not None:
             self.log(f"resumed from {checkpoint.path} (step {start})")
+            for stale in set_aside_checkpoints_after(self.run_dir.checkpoints, start):
+                self.log(f"resume: checkpoint above step {start} set aside (kept, no longer used): {stale}")
         steps = cfg.train.steps
         if start >= steps:
             self.log(f"run already complete at step {start} (train.steps={steps}); final LoRA: {self.run_dir.final}\n"
@@ -207,7 +223,7 @@ class Trainer:
                             self.metrics.message(f"step {step}: checkpoint {saved}")
                     if cfg.sample.every and step % cfg.sample.every == 0 and step != steps:
                         self._sample(step)
-                    if stopping:
+                    if stopping and step != steps:
                         raise StopRequested(stop.exit_code, f"stopped at step {step}; checkpoint saved, "
                                                             "run the same command to resume")
             elapsed = time.perf_counter() - started
@@ -234,7 +250,8 @@ class Trainer:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        self.adapter.save_lora(tmp, DTYPES[self.cfg.save.dtype])
+        with self.ema.applied() if self.ema is not None else nullcontext():
+            self.adapter.save_lora(tmp, DTYPES[self.cfg.save.dtype])
         if final.exists():  # an earlier final (a run extended with more steps): keep it
             final.rename(final.with_name(f"final.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
         tmp.rename(final)
