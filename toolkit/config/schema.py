@@ -164,6 +164,9 @@ class SampleSection:
 class LogSection:
     every: int = opt(10, "Log metrics every N steps.", minimum=1)
     tensorboard: bool = opt(True, "Write TensorBoard events under logs/.")
+    wandb: bool = opt(False, "Also log to Weights & Biases (needs `pip install wandb` and a login).")
+    wandb_project: Optional[str] = opt(None, "Weights & Biases project; None: the run name.")
+    profile: bool = opt(False, "Write a PyTorch profiler trace of steps 2-4 (Chrome trace JSON under logs/profile/).")
 
 
 @dataclass
