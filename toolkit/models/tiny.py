@@ -85,6 +85,9 @@ def write_tiny_llm(out: Path) -> None:
 
 TINY_WRITERS: dict[str, Callable[[Path], None]] = {
     "llm": write_tiny_llm,
+    "sd": lambda out: __import__("toolkit.models.tiny_diffusion", fromlist=["x"]).write_tiny_sd(out),
+    "sd-v": lambda out: __import__("toolkit.models.tiny_diffusion", fromlist=["x"]).write_tiny_sd_v(out),
+    "sdxl": lambda out: __import__("toolkit.models.tiny_diffusion", fromlist=["x"]).write_tiny_sdxl(out),
 }
 
 
