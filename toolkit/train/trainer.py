@@ -25,6 +25,7 @@ from toolkit.train.checkpoint import (find_latest_checkpoint, load_checkpoint_fi
                                       save_checkpoint, set_aside_checkpoints_after)
 from toolkit.train.ema import LoraEMA
 from toolkit.train.metrics import MetricsLogger
+from toolkit.train.report import RunReport
 from toolkit.train.resume import check_resume_config, choose_start
 from toolkit.train.rng import restore_rng_state, rng_state, seed_everything
 from toolkit.train.run_dir import RunDir
@@ -123,8 +124,11 @@ class Trainer:
         accum = self.cfg.train.grad_accum
         module = getattr(self.adapter, "forward_module", None) or self.adapter.network
         total = 0.0
+        self.step_tokens, self.grad_norm = 0, None
         for micro in range(accum):
             batch = self.dataset.collate(self.order.next_batch())
+            if isinstance(batch, dict) and torch.is_tensor(batch.get("input_ids")):
+                self.step_tokens += batch["input_ids"].numel()
             sync = micro == accum - 1 or self.accelerator.num_processes == 1
             context = self.accelerator.no_sync(module) if not sync else nullcontext()
             with context, self.accelerator.autocast():
@@ -137,7 +141,9 @@ class Trainer:
                 self.accelerator.backward(loss)
             total += value
         if self.cfg.train.max_grad_norm > 0:
-            self.accelerator.clip_grad_norm_(trainable_parameters(self.adapter.network), self.cfg.train.max_grad_norm)
+            norm = self.accelerator.clip_grad_norm_(trainable_parameters(self.adapter.network),
+                                                    self.cfg.train.max_grad_norm)
+            self.grad_norm = float(norm) if norm is not None else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None and not self.optimizer.step_was_skipped:  # fp16: the scaler may skip a step
@@ -194,7 +200,10 @@ class Trainer:
             self.log(f"run already complete at step {start} (train.steps={steps}); final LoRA: {self.run_dir.final}\n"
                      "  raise train.steps to continue it, or use --fresh to start over")
             return self.run_dir.final
-        self.metrics = MetricsLogger(self.run_dir.logs, steps, start, cfg.log.every, cfg.log.tensorboard, self.is_main)
+        self.metrics = MetricsLogger(self.run_dir.logs, steps, start, cfg.log.every, cfg.log.tensorboard, self.is_main,
+                                     wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project, run_name=cfg.run.name,
+                                     config=container, profile=cfg.log.profile)
+        report = RunReport(self.run_dir, self.run_cfg, self.config_yaml) if self.is_main else None
         self.adapter.network.train()
         step = start
         started = time.perf_counter()
@@ -213,12 +222,14 @@ class Trainer:
                                             "  fix: lower train.lr, use train.precision=bf16 or fp32 instead of fp16, "
                                             "or check the data")
                     self.scheduler.step()
-                    self.metrics.step(step, loss, self.scheduler.get_last_lr()[0])
+                    self.metrics.step(step, loss, self.scheduler.get_last_lr()[0], tokens=self.step_tokens,
+                                      grad_norm=self.grad_norm)
                     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                         self._eval(step)
                     stopping = stop.requested is not None
                     if self.is_main and (stopping or step == steps or (cfg.save.every and step % cfg.save.every == 0)):
                         saved = self._save(step)
+                        report.update(step, steps, time.perf_counter() - started)
                         if stopping or step != steps:
                             self.metrics.message(f"step {step}: checkpoint {saved}")
                     if cfg.sample.every and step % cfg.sample.every == 0 and step != steps:
@@ -231,6 +242,8 @@ class Trainer:
                 self._eval(steps)
             self._sample(steps)
             final = self._export_final() if self.is_main else self.run_dir.final
+            if report is not None:
+                self.log(f"report: {report.update(steps, steps, elapsed, finished=True)}")
         except torch.OutOfMemoryError:
             raise self._out_of_memory(step) from None
         finally:

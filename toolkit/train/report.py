@@ -1,0 +1,127 @@
+"""report.html: one self-contained page per run (config, loss plot, samples by step, timings, device).
+
+Written at each checkpoint and at the end, so an unfinished run has an up-to-date page too. The loss
+plot is embedded as a data URI; sample images are linked relative to the run folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import os
+import time
+from pathlib import Path
+
+from toolkit.train.plots import plot_loss, read_metrics
+from toolkit.train.run_dir import RunDir
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif")
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
+table { border-collapse: collapse; } td { padding: 0.15em 1em 0.15em 0; vertical-align: top; }
+td:first-child { color: #666; white-space: nowrap; }
+pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; }
+.sample-step { margin-bottom: 1.2em; } .sample-text { white-space: pre-wrap; }
+.prompt { font-weight: bold; } .images img { max-width: 256px; margin: 0 0.5em 0.5em 0; }
+"""
+
+
+def _esc(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _format_seconds(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    return "<table>" + "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in rows) + "</table>"
+
+
+def _sample_step_html(run_dir: RunDir, folder: Path) -> str:
+    parts = []
+    jsonl = folder / "samples.jsonl"
+    if jsonl.exists():
+        for record in read_metrics(jsonl):  # same format: one JSON object per line
+            parts.append(f'<div class="sample-text"><span class="prompt">{_esc(record.get("prompt", ""))}</span>'
+                         f'{_esc(record.get("completion", ""))}</div>')
+    grid = folder / "grid.png"
+    images = [grid] if grid.exists() else sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if images:
+        parts.append('<div class="images">' + "".join(
+            f'<img class="sample-image" src="{_esc(p.relative_to(run_dir.root).as_posix())}" alt="{_esc(p.name)}">'
+            for p in images) + "</div>")
+    if not parts:
+        return ""
+    step = folder.name.removeprefix("step-").lstrip("0") or "0"
+    return f'<div class="sample-step" id="{_esc(folder.name)}"><h3>step {_esc(step)}</h3>{"".join(parts)}</div>'
+
+
+class RunReport:
+    """Refreshes logs/loss.png and report.html for one run."""
+
+    def __init__(self, run_dir: RunDir, run, config_yaml: str):
+        self.run_dir = run_dir
+        self.run = run  # toolkit.config.run.ResolvedRun
+        self.config_yaml = config_yaml
+        self.started = time.time()
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir.root / "report.html"
+
+    @property
+    def loss_png(self) -> Path:
+        return self.run_dir.logs / "loss.png"
+
+    def update(self, step: int, total_steps: int, elapsed_s: float, finished: bool = False) -> Path:
+        """Redraw loss.png from metrics.jsonl and rewrite report.html."""
+        metrics_path = self.run_dir.logs / "metrics.jsonl"
+        plot = plot_loss(metrics_path, self.loss_png)
+        records = [r for r in read_metrics(metrics_path) if "loss" in r]
+        last = records[-1] if records else {}
+        name = self.run.cfg.run.name
+        status = "finished" if finished else "in progress"
+        timings = [("status", f"{status}: step {step} of {total_steps}"),
+                   ("started", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))),
+                   ("updated", time.strftime("%Y-%m-%d %H:%M:%S")),
+                   ("training time (this session)", _format_seconds(elapsed_s))]
+        if "steps_per_s" in last:
+            timings.append(("steps/s (last interval)", f"{last['steps_per_s']:.2f}"))
+        if "tokens_per_s" in last:
+            timings.append(("tokens/s (last interval)", f"{last['tokens_per_s']:,.0f}"))
+        if "memory_mb" in last:
+            timings.append((f"peak memory ({last.get('memory_kind', '')})", f"{last['memory_mb']:,.0f} MB"))
+        if "loss_smoothed" in last and last["loss_smoothed"] is not None:
+            timings.append(("loss (smoothed)", f"{last['loss_smoothed']:.4f}"))
+        device = self.run.device
+        device_rows = [("device", device.summary()), ("preset", f"{self.run.preset.name}: {self.run.preset_reason}")]
+        device_rows += [("", reason) for reason in device.reasons]
+        device_rows += [("auto", f"{d.key}: {d.reason}") for d in self.run.decisions]
+        if plot is not None:
+            data = base64.b64encode(plot.read_bytes()).decode("ascii")
+            plot_html = f'<img id="loss-plot" alt="loss" src="data:image/png;base64,{data}">'
+        else:
+            plot_html = "<p>no loss logged yet</p>"
+        sample_dirs = sorted(self.run_dir.samples.glob("step-*")) if self.run_dir.samples.exists() else []
+        samples_html = "".join(_sample_step_html(self.run_dir, d) for d in sample_dirs) or "<p>no samples yet</p>"
+        page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_esc(name)} report</title>'
+                f"<style>{_STYLE}</style></head><body>\n"
+                f"<h1>{_esc(name)}</h1><p>{_esc(self.run.cfg.model.family)} LoRA on "
+                f"{_esc(self.run.cfg.model.name_or_path)}; run folder {_esc(self.run_dir.root)}</p>\n"
+                f'<h2>Progress and timings</h2><div id="timings">{_table(timings)}</div>\n'
+                f'<h2>Loss</h2><div id="loss">{plot_html}</div>\n'
+                f'<h2>Samples</h2><div id="samples">{samples_html}</div>\n'
+                f'<h2>Device and preset</h2><div id="device">{_table(device_rows)}</div>\n'
+                f'<h2>Resolved config</h2><pre id="config">{_esc(self.config_yaml)}</pre>\n'
+                "</body></html>\n")
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, self.path)
+        return self.path
+
