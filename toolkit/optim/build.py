@@ -78,10 +78,11 @@ def build_optimizer(name: str, params, *, lr: float, betas: tuple[float, float] 
         raise UserError(f"unknown device type {device_type!r}; valid: {', '.join(DEVICE_TYPES)}")
     params = list(params)
     if name not in _EIGHT_BIT:
+        # Presets set optimizer_backend per device; it only chooses between 8-bit implementations.
+        opt, reason = _REGISTRY[name](params, lr, tuple(betas), eps, weight_decay, device_type)
         if backend != "auto":
-            raise UserError(f"optimizer_backend: {backend} applies to adamw8bit and lion8bit only, not {name!r}; "
-                            "remove it or set it to auto")
-        return _REGISTRY[name](params, lr, tuple(betas), eps, weight_decay, device_type)
+            reason += f" (optimizer_backend={backend} applies to adamw8bit and lion8bit only)"
+        return opt, reason
     return _REGISTRY[name](params, lr, tuple(betas), eps, weight_decay, device_type, backend)
 
 
