@@ -1,16 +1,29 @@
-"""Text datasets for causal LMs: records -> token ids and labels, batched with padding."""
+"""Text datasets for causal LMs: records -> token ids and labels, batched with padding or packed.
+
+Formats (data.format, auto detects from the first record's fields):
+  text    {"text": ...}                                  loss on every token
+  alpaca  {"instruction", "input"?, "output"}             loss on the response (unless train_on_prompt)
+  chat    {"messages": [{"role", "content"}, ...]}        rendered with the tokenizer's chat template;
+                                                          loss on assistant turns (unless train_on_prompt)
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from toolkit.data.records import read_records, where
 from toolkit.errors import UserError
 
 IGNORE_INDEX = -100
+FORMATS = ("text", "alpaca", "chat")
+
+ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. "
+                 "Write a response that appropriately completes the request.\n\n"
+                 "### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
 
 
 @dataclass
@@ -19,19 +32,130 @@ class TokenizedSample:
     labels: list[int]
 
 
-def tokenize_text_records(records: list[dict], tokenizer, text_field: str, max_seq_len: int, path: str) -> list[TokenizedSample]:
-    """Raw-text (completion) samples: loss on every token, EOS appended, truncated to max_seq_len."""
+def detect_format(record: dict, requested: str, text_field: str, path: str) -> str:
+    """The sample format: `requested` unless it is auto, else taken from the first record's fields."""
+    if requested != "auto":
+        return requested
+    if "messages" in record:
+        return "chat"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if text_field in record:
+        return "text"
+    keys = sorted(k for k in record if k != "__line__")
+    raise UserError(f"{where(path, record)}: data.format is auto but the fields {keys} match no format\n"
+                    f"  fix: use '{text_field}' (text, data.text_field), instruction/input/output (alpaca) or "
+                    "messages (chat), or set data.format")
+
+
+def _keys(record: dict) -> list[str]:
+    return sorted(k for k in record if k != "__line__")
+
+
+def _with_eos(ids: list[int], tokenizer) -> list[int]:
+    return ids + [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else ids
+
+
+def tokenize_text(record: dict, tokenizer, text_field: str, path: str) -> TokenizedSample:
+    """Raw-text (completion) sample: loss on every token, EOS appended."""
+    text = record.get(text_field)
+    if not isinstance(text, str):
+        raise UserError(f"{where(path, record)}: expected a string field '{text_field}' "
+                        f"(data.text_field), found keys {_keys(record)}")
+    ids = _with_eos(tokenizer(text, add_special_tokens=True)["input_ids"], tokenizer)
+    return TokenizedSample(ids, list(ids))
+
+
+def alpaca_prompt(instruction: str, input_text: str = "") -> str:
+    """The Stanford Alpaca prompt, with or without the input block."""
+    if input_text:
+        return ALPACA_PROMPT.format(with_input=", paired with an input that provides further context",
+                                    instruction=instruction, input_block=f"### Input:\n{input_text}\n\n")
+    return ALPACA_PROMPT.format(with_input="", instruction=instruction, input_block="")
+
+
+def tokenize_alpaca(record: dict, tokenizer, train_on_prompt: bool, path: str) -> TokenizedSample:
+    """Prompt and response are tokenized apart, so the boundary is exact; EOS ends the response."""
+    instruction, input_text, output = record.get("instruction"), record.get("input", ""), record.get("output")
+    if not isinstance(instruction, str) or not isinstance(output, str) or not isinstance(input_text, (str, type(None))):
+        raise UserError(f"{where(path, record)}: an alpaca record needs string fields 'instruction' and 'output' "
+                        f"(and optionally 'input'), found keys {_keys(record)}")
+    prompt = tokenizer(alpaca_prompt(instruction, input_text or ""), add_special_tokens=True)["input_ids"]
+    response = _with_eos(tokenizer(output, add_special_tokens=False)["input_ids"], tokenizer)
+    prompt_labels = list(prompt) if train_on_prompt else [IGNORE_INDEX] * len(prompt)
+    return TokenizedSample(prompt + response, prompt_labels + response)
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # The chat template writes the special tokens (BOS) itself.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> TokenizedSample:
+    """Render with the chat template; label only the assistant turns.
+
+    Each assistant turn spans from the end of the prefix rendered with add_generation_prompt (so the
+    '<|assistant|>' header is masked) to the end of the prefix that includes the turn (so its end-of-turn
+    token is learned). Prefixes must tokenize to prefixes of the full conversation; a template that
+    rewrites earlier turns is refused rather than silently mislabelled.
+    """
+    messages = record.get("messages")
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages)):
+        raise UserError(f"{where(path, record)}: a chat record needs 'messages': a non-empty list of "
+                        f"{{\"role\": ..., \"content\": ...}} objects, found keys {_keys(record)}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where(path, record)}: the conversation has no assistant turn to learn from")
+    if tokenizer.chat_template is None:
+        raise UserError(f"{path}: the tokenizer has no chat template, so chat data cannot be rendered\n"
+                        "  fix: use a chat/instruct model, or data in the text or alpaca format")
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    try:
+        ids = _encode(tokenizer, render_chat(tokenizer, messages))
+    except Exception as err:  # jinja raises its own errors, e.g. "roles must alternate"
+        raise UserError(f"{where(path, record)}: the chat template refused this conversation: {err}") from None
+    if train_on_prompt:
+        return TokenizedSample(ids, list(ids))
+    labels = [IGNORE_INDEX] * len(ids)
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = _encode(tokenizer, render_chat(tokenizer, messages[:index], add_generation_prompt=True))
+        end = _encode(tokenizer, render_chat(tokenizer, messages[:index + 1]))
+        if ids[:len(start)] != start or ids[:len(end)] != end:
+            raise UserError(f"{where(path, record)}: the chat template renders earlier turns differently once "
+                            "later turns are added, so assistant tokens cannot be located\n"
+                            "  fix: set data.train_on_prompt=true, or use a template that only appends")
+        labels[len(start):len(end)] = ids[len(start):len(end)]
+    return TokenizedSample(ids, labels)
+
+
+def tokenize_record(record: dict, fmt: str, tokenizer, data_cfg, path: str) -> TokenizedSample:
+    if fmt == "text":
+        return tokenize_text(record, tokenizer, data_cfg.text_field, path)
+    if fmt == "alpaca":
+        return tokenize_alpaca(record, tokenizer, data_cfg.train_on_prompt, path)
+    return tokenize_chat(record, tokenizer, data_cfg.train_on_prompt, path)
+
+
+def tokenize_records(records: list[dict], fmt: str, tokenizer, data_cfg, path: str) -> list[TokenizedSample]:
+    """Tokenize and truncate to data.max_seq_len; samples left with no labelled token are dropped."""
     samples = []
     for record in records:
-        text = record.get(text_field)
-        if not isinstance(text, str):
-            raise UserError(f"{where(path, record)}: expected a string field '{text_field}' "
-                            f"(data.text_field), found keys {sorted(k for k in record if k != '__line__')}")
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-        if tokenizer.eos_token_id is not None:
-            ids = ids + [tokenizer.eos_token_id]
-        ids = ids[:max_seq_len]
-        samples.append(TokenizedSample(ids, list(ids)))
+        sample = tokenize_record(record, fmt, tokenizer, data_cfg, path)
+        n = data_cfg.max_seq_len
+        sample = TokenizedSample(sample.input_ids[:n], sample.labels[:n])
+        # Position 0 is never predicted (no token before it), so it does not count as a label.
+        if any(label != IGNORE_INDEX for label in sample.labels[1:]):
+            samples.append(sample)
+    if not samples:
+        raise UserError(f"data.max_seq_len: no sample of {path} keeps a response token within "
+                        f"{data_cfg.max_seq_len} tokens\n  fix: raise data.max_seq_len")
     return samples
 
 
@@ -47,20 +171,70 @@ class TextDataset:
         return len(self.samples)
 
     def collate(self, indices: Sequence[int]) -> dict[str, Any]:
-        batch = [self.samples[i] for i in indices]
-        width = max(len(s.input_ids) for s in batch)
-        input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, sample in enumerate(batch):
-            n = len(sample.input_ids)
-            input_ids[row, :n] = torch.tensor(sample.input_ids)
-            labels[row, :n] = torch.tensor(sample.labels)
-            attention_mask[row, :n] = 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        return pad_samples([self.samples[i] for i in indices], self.pad_token_id)
 
 
-def build_text_dataset(data_cfg, tokenizer) -> TextDataset:
-    records = read_records(data_cfg.path)
-    samples = tokenize_text_records(records, tokenizer, data_cfg.text_field, data_cfg.max_seq_len, data_cfg.path)
-    return TextDataset(samples, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+def pad_samples(batch: list[TokenizedSample], pad_token_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(s.input_ids) for s in batch)
+    input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, sample in enumerate(batch):
+        n = len(sample.input_ids)
+        input_ids[row, :n] = torch.tensor(sample.input_ids)
+        labels[row, :n] = torch.tensor(sample.labels)
+        attention_mask[row, :n] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+@dataclass
+class TextData:
+    """What build_text_data gives the adapter: the training set, the eval set (or None) and the format."""
+
+    train: Any
+    eval: TextDataset | None
+    format: str
+
+
+def split_eval(samples: list[TokenizedSample], fraction: float, seed: int) -> tuple[list, list]:
+    """Hold out round(fraction * n) samples (at least one), chosen by a seeded permutation."""
+    if fraction >= 1.0:
+        raise UserError(f"data.eval_fraction: {fraction} leaves nothing to train on; use a value below 1 (0.05 is usual)")
+    n_eval = max(1, round(fraction * len(samples)))
+    if n_eval >= len(samples):
+        raise UserError(f"data.eval_fraction: {fraction} of {len(samples)} samples leaves nothing to train on")
+    held = set(np.random.default_rng([seed, 7]).permutation(len(samples))[:n_eval].tolist())
+    return ([s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held])
+
+
+def load_samples(path: str, key: str, tokenizer, data_cfg) -> tuple[list[TokenizedSample], str]:
+    records = read_records(path, key=key)
+    fmt = detect_format(records[0], data_cfg.format, data_cfg.text_field, path)
+    return tokenize_records(records, fmt, tokenizer, data_cfg, path), fmt
+
+
+def build_text_data(data_cfg, tokenizer, seed: int) -> TextData:
+    """Read, detect the format, tokenize, hold out eval data and (data.packing) pack the training set."""
+    from toolkit.data.packing import PackedTextDataset
+
+    samples, fmt = load_samples(data_cfg.path, "data.path", tokenizer, data_cfg)
+    eval_samples = None
+    if data_cfg.eval_path:
+        eval_samples, _ = load_samples(data_cfg.eval_path, "data.eval_path", tokenizer, data_cfg)
+    elif data_cfg.eval_fraction > 0:
+        samples, eval_samples = split_eval(samples, data_cfg.eval_fraction, seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    train = PackedTextDataset(samples, data_cfg.max_seq_len) if data_cfg.packing else TextDataset(samples, pad)
+    return TextData(train, TextDataset(eval_samples, pad) if eval_samples else None, fmt)
+
+
+def build_text_dataset(data_cfg, tokenizer, seed: int = 0):
+    """The training set alone."""
+    return build_text_data(data_cfg, tokenizer, seed).train
+
+
+def token_loss_sum(logits_loss_mean: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """(sum of token losses, token count) from a batch's mean causal-LM loss and its labels."""
+    count = int((labels[..., 1:] != IGNORE_INDEX).sum())
+    return (float(logits_loss_mean) * count if count else 0.0), count
+

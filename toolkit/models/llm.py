@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.data.text import TextDataset, build_text_dataset
+from toolkit.data.text import TextData, build_text_data, detect_format, render_chat, token_loss_sum
+from toolkit.data.records import read_records
 from toolkit.errors import UserError
 from toolkit.models.base import Runtime, load_trainable_state_dict, trainable_state_dict
 from toolkit.models.tiny import resolve_model_path
@@ -34,6 +38,93 @@ def resolve_target_modules(value: Any) -> Any:
     raise UserError(f"network.target_modules: expected auto, all-linear or a list of module names, got {value!r}")
 
 
+@dataclass
+class QuantPlan:
+    """How the frozen base is quantized: mode none/4bit/8bit/prequantized, and when."""
+
+    mode: str
+    after_load: bool = False   # load 16-bit weights, then replace the linear layers (HIP)
+    note: str | None = None
+
+
+def plan_quantization(quantize: str, backend: str, checkpoint_quantization: dict | None, name: str) -> QuantPlan:
+    """Decide how to quantize the base from model.quantize, the backend and the checkpoint's quantization_config.
+
+    On HIP the bitsandbytes loading path of transformers is not used: prequantized checkpoints are refused
+    (they hold no 16-bit weights), and model.quantize loads the 16-bit weights and quantizes them afterwards.
+    """
+    if checkpoint_quantization is not None:
+        method = checkpoint_quantization.get("quant_method", "unknown")
+        if backend == "hip":
+            raise UserError(f"model.name_or_path: '{name}' is a prequantized checkpoint ({method}); on ROCm "
+                            "prequantized checkpoints are not loaded and it holds no 16-bit weights\n"
+                            "  fix: point model.name_or_path at the 16-bit model and set model.quantize=4bit "
+                            "(it is quantized after loading)")
+        if quantize != "none":
+            raise UserError(f"model.quantize: '{name}' is already quantized ({method}); set model.quantize=none")
+        return QuantPlan("prequantized", note=f"model: prequantized checkpoint ({method}), loaded as it is")
+    if quantize == "none":
+        return QuantPlan("none")
+    if backend == "hip":
+        return QuantPlan(quantize, after_load=True,
+                         note=f"model.quantize={quantize} on ROCm: loading the 16-bit weights and quantizing the "
+                              "linear layers after loading (bitsandbytes load-time quantization is not used on HIP)")
+    return QuantPlan(quantize, note=f"model.quantize={quantize}: frozen base quantized by bitsandbytes at load (QLoRA)")
+
+
+def bnb_config(mode: str, compute_dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    if mode == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def quantize_linear_layers(model: torch.nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.device,
+                           skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Replace every nn.Linear (but `skip`) by its bitsandbytes 4-bit/8-bit twin; returns how many."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child_name in skip:
+                continue
+            has_bias = child.bias is not None
+            if mode == "4bit":
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=has_bias,
+                                        compute_dtype=compute_dtype, quant_type="nf4", device="meta")
+                new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
+            else:
+                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=has_bias,
+                                          has_fp16_weights=False, threshold=6.0, device="meta")
+                new.weight = bnb.nn.Int8Params(child.weight.data, requires_grad=False, has_fp16_weights=False)
+            if has_bias:
+                new.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, child_name, new.to(device))  # bitsandbytes quantizes on the move to the device
+            count += 1
+    setattr(model, f"is_loaded_in_{mode}", True)  # PEFT and prepare_model_for_kbit_training read this
+    return count
+
+
+def check_attention(attention: str) -> None:
+    if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise UserError("model.attention: flash_attention_2 needs the flash_attn package, which is not installed\n"
+                        "  fix: pip install flash-attn (CUDA/ROCm builds), or set model.attention=sdpa")
+
+
+def checkpoint_quantization_config(path: str, common: dict) -> dict | None:
+    """The checkpoint's quantization_config (config.json), or None."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, **common)
+    value = getattr(config, "quantization_config", None)
+    if value is None:
+        return None
+    return value if isinstance(value, dict) else value.to_dict()
+
+
 class LLMAdapter:
     family = "llm"
 
@@ -43,29 +134,53 @@ class LLMAdapter:
         self.network: torch.nn.Module | None = None
         self.tokenizer = None
         self.model_path = resolve_model_path(cfg.model.name_or_path)
+        self.data: TextData | None = None
+        self.notes: list[str] = []   # loading decisions, also printed
+
+    def _note(self, message: str) -> None:
+        self.notes.append(message)
+        print(message, file=sys.stderr, flush=True)
 
     # -- loading ---------------------------------------------------------------------------
     def load(self) -> None:
-        from peft import get_peft_model
+        from peft import get_peft_model, prepare_model_for_kbit_training
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg = self.cfg.model
         common = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+        check_attention(cfg.attention)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **common)
+            plan = plan_quantization(cfg.quantize, self.runtime.info.backend,
+                                     checkpoint_quantization_config(self.model_path, common), cfg.name_or_path)
+            if plan.note:
+                self._note(plan.note)
+            kwargs = {}
+            if plan.mode in ("4bit", "8bit") and not plan.after_load:
+                kwargs = {"quantization_config": bnb_config(plan.mode, self.runtime.compute_dtype),
+                          "device_map": {"": self.runtime.device}}
             model = AutoModelForCausalLM.from_pretrained(
-                self.model_path, dtype=self.runtime.base_dtype, attn_implementation=cfg.attention, **common)
+                self.model_path, dtype=self.runtime.base_dtype, attn_implementation=cfg.attention, **kwargs, **common)
         except OSError as err:
             raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {str(err).splitlines()[0]}\n"
                             "  fix: give a local folder with config.json, or a Hub id you can reach") from None
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         model.requires_grad_(False)
-        # Move first, then train: on HIP large host-to-device copies of a cast model can fail.
-        model.to(self.runtime.device)
+        if plan.after_load:
+            count = quantize_linear_layers(model, plan.mode, self.runtime.compute_dtype, self.runtime.device)
+            self._note(f"model: quantized {count} linear layers to {plan.mode} after loading")
+            model.to(self.runtime.device)
+        if plan.mode != "none":
+            # Casts norms/embeddings to fp32 and makes the inputs require grad for checkpointing.
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(self.cfg.train.gradient_checkpointing),
+                                                    gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            # Move first, then train: on HIP large host-to-device copies of a cast model can fail.
+            model.to(self.runtime.device)
         if self.cfg.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.config.use_cache = False
+        model.config.use_cache = False
         lora = peft_lora_config(self.cfg.network, resolve_target_modules(self.cfg.network.target_modules))
         # autocast_adapter_dtype keeps the LoRA weights in fp32 over a bf16/fp16 base.
         self.network = get_peft_model(model, lora, autocast_adapter_dtype=True)
@@ -75,17 +190,55 @@ class LLMAdapter:
         return sorted({name.rsplit(".lora_A", 1)[0] for name, _ in self.network.named_parameters() if ".lora_A" in name})
 
     # -- data and loss ---------------------------------------------------------------------
-    def dataset(self) -> TextDataset:
-        return build_text_dataset(self.cfg.data, self.tokenizer)
+    def dataset(self):
+        self.data = build_text_data(self.cfg.data, self.tokenizer, self.cfg.run.seed)
+        return self.data.train
 
     def loss(self, batch: dict[str, Any]) -> torch.Tensor:
         batch = {k: v.to(self.runtime.device, non_blocking=True) for k, v in batch.items()}
-        return self.network(**batch).loss
+        # use_cache=False: with a KV cache transformers ignores packed position_ids when building the mask.
+        return self.network(**batch, use_cache=False).loss
 
+    @torch.no_grad()
     def eval_loss(self) -> float | None:
-        return None
+        """Mean token loss over the held-out set (sum of token losses / token count)."""
+        if self.data is None or self.data.eval is None:
+            return None
+        model, eval_set = self.network, self.data.eval
+        was_training = model.training
+        model.eval()
+        total, count = 0.0, 0
+        batch_size = int(self.cfg.train.batch_size)
+        try:
+            for first in range(0, len(eval_set), batch_size):
+                batch = eval_set.collate(range(first, min(first + batch_size, len(eval_set))))
+                with torch.autocast(self.runtime.device.type, dtype=self.runtime.compute_dtype,
+                                    enabled=self.runtime.compute_dtype != torch.float32):
+                    loss = self.loss(batch)
+                part, n = token_loss_sum(loss.float(), batch["labels"])
+                total, count = total + part, count + n
+        finally:
+            if was_training:
+                model.train()
+        return total / count if count else None
 
     # -- sampling --------------------------------------------------------------------------
+    def data_format(self) -> str:
+        """The training data's format (read from data.path when dataset() has not run, e.g. for `sample`)."""
+        if self.data is not None:
+            return self.data.format
+        data = self.cfg.data
+        if data.format != "auto":
+            return data.format
+        return detect_format(read_records(data.path)[0], "auto", data.text_field, data.path)
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """Token ids of a sample prompt: through the chat template (add_generation_prompt) for chat data."""
+        if self.data_format() == "chat" and self.tokenizer.chat_template is not None:
+            text = render_chat(self.tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
     @torch.no_grad()
     def sample(self, out_dir: Path) -> list[Path]:
         prompts = list(self.cfg.sample.prompts)
@@ -98,13 +251,14 @@ class LLMAdapter:
         generator_seed = self.cfg.sample.seed
         for prompt in prompts:
             torch.manual_seed(generator_seed)
-            inputs = self.tokenizer(prompt, return_tensors="pt").to(self.runtime.device)
+            input_ids = torch.tensor([self.prompt_ids(prompt)], device=self.runtime.device)
             greedy = self.cfg.sample.temperature == 0
-            output = model.generate(**inputs, max_new_tokens=self.cfg.sample.max_new_tokens, do_sample=not greedy,
+            output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                    max_new_tokens=self.cfg.sample.max_new_tokens, do_sample=not greedy,
                                     temperature=None if greedy else self.cfg.sample.temperature,
                                     top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id,
                                     use_cache=True)
-            completion = self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            completion = self.tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
             results.append({"prompt": prompt, "completion": completion})
         if was_training:
             model.train()
