@@ -100,7 +100,7 @@ class RunReport:
         if "loss_smoothed" in last and last["loss_smoothed"] is not None:
             timings.append(("loss (smoothed)", f"{last['loss_smoothed']:.4f}"))
         device = self.run.device
-        device_rows = [("device", device.summary()), ("preset", f"{self.run.preset.name}: {self.run.preset_reason}")]
+        device_rows = [("device", device.summary()), ("preset", self.run.preset_reason)]
         device_rows += [("", reason) for reason in device.reasons]
         device_rows += [("auto", f"{d.key}: {d.reason}") for d in self.run.decisions]
         if plot is not None:
