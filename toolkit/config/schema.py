@@ -43,6 +43,8 @@ class DeviceSection:
     preset: str = opt("auto", "Arch preset: auto (detect the GPU), or a name from `presets` (gfx1151, sm_90, cpu, ...).")
     backend: str = opt("auto", "Device to train on: auto (GPU when one is visible), or cpu to force the CPU.",
                        choices=("auto", "cpu"))
+    vae_encode_cudnn: bool = opt(True, "Keep cuDNN/MIOpen on while VAE-encoding latents; the HIP presets turn it "
+                                 "off (MIOpen convolutions can be 30x slower there).")
 
 
 @dataclass
@@ -92,7 +94,11 @@ class ImageDataSection:
     shuffle_tags: bool = opt(False, "Shuffle comma-separated tags (after keep_tokens).")
     keep_tokens: int = opt(0, "Leading tags kept in place when shuffle_tags is on.", minimum=0)
     cache_latents: bool = opt(True, "Cache VAE latents to disk.")
-    cache_text_embeddings: bool = opt(True, "Cache text-encoder outputs to disk.")
+    cache_text_embeddings: bool = opt(True, "Cache text-encoder outputs to disk (not with shuffle_tags, caption_dropout "
+                                      "or train.train_text_encoder: those compute them every step).")
+    bucket_step: int = opt(64, "Aspect-ratio buckets: sides are multiples of this many pixels.", minimum=8)
+    min_bucket_side: int = opt(0, "Smallest bucket side in pixels; 0 means bucket_step.", minimum=0)
+    max_bucket_side: int = opt(0, "Largest bucket side in pixels; 0 means 2 x resolution.", minimum=0)
 
 
 @dataclass
@@ -136,6 +142,12 @@ class TrainSection:
     ema_decay: float = opt(0.0, "EMA of the LoRA weights, updated after each optimizer step; saved in checkpoints "
                            "(ema.safetensors) and used for the final export. 0 turns it off; 0.999 is usual.",
                            minimum=0.0)
+    train_text_encoder: bool = opt(False, "Diffusion: also put LoRA on the text encoder(s).")
+    noise_offset: float = opt(0.0, "Diffusion: noise offset (per-channel constant added to the noise; 0.05-0.1 helps "
+                              "very dark/bright images).", minimum=0.0)
+    min_snr_gamma: float = opt(0.0, "Diffusion: Min-SNR loss weighting gamma (5 is usual); 0 turns it off.", minimum=0.0)
+    timestep_sampling: str = opt("uniform", "Diffusion: how training timesteps are drawn: uniform, or logit_normal "
+                                 "(favours the middle timesteps).", choices=("uniform", "logit_normal"))
 
 
 @dataclass
