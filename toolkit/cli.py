@@ -88,6 +88,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return run_doctor()
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    from toolkit.merge import merge_lora
+
+    merge_lora(args.adapter, args.out_dir, dtype=args.dtype, log=lambda msg: print(msg, file=sys.stderr))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="start_toolkit.sh", description="YAML-driven LoRA training toolkit.",
                                      epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("presets", help="list the arch presets and which one applies here").set_defaults(func=cmd_presets)
     sub.add_parser("doctor", help="check the environment: backend, arch, versions, ROCm variables, bitsandbytes"
                    ).set_defaults(func=cmd_doctor)
+    merge = sub.add_parser("merge", help="fold a trained LLM LoRA into its base and save a full model with its tokenizer")
+    merge.add_argument("adapter", metavar="RUN_DIR_OR_ADAPTER_DIR", help="a run folder (its final/) or an adapter folder")
+    merge.add_argument("out_dir", metavar="OUT_DIR", help="new folder for the merged model")
+    merge.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                       help="dtype of the saved weights (auto: the base model's)")
+    merge.set_defaults(func=cmd_merge)
     return parser
 
 

@@ -1,0 +1,76 @@
+"""`merge`: fold a trained PEFT LoRA into its base model and save a full model with its tokenizer.
+
+    python -m toolkit merge outputs/my_run merged/ [--dtype bf16]
+    python -m toolkit merge outputs/my_run/final merged/
+
+The result loads with AutoModelForCausalLM.from_pretrained like any other model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import UserError
+
+MERGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def find_adapter_dir(path: str | Path) -> Path:
+    """The folder with adapter_config.json: `path` itself, or a run folder's final/ adapter."""
+    path = Path(path)
+    for candidate in (path, path / "final"):
+        if (candidate / "adapter_config.json").is_file() and (candidate / "adapter_model.safetensors").is_file():
+            return candidate
+    if not path.exists():
+        raise UserError(f"merge: {path} does not exist\n  fix: give a run folder (outputs/<run>) or its final/ adapter folder")
+    raise UserError(f"merge: {path} holds no PEFT adapter (adapter_config.json + adapter_model.safetensors), "
+                    f"nor does {path / 'final'}\n  fix: give a finished run folder or an adapter folder")
+
+
+def merge_lora(adapter: str | Path, out_dir: str | Path, dtype: str = "auto", log=print) -> Path:
+    """Merge the adapter into its base (in fp32), cast to `dtype` and save model + tokenizer into out_dir."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter_dir = find_adapter_dir(adapter)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserError(f"merge: output folder {out_dir} exists and is not empty\n  fix: choose a new folder")
+    if dtype != "auto" and dtype not in MERGE_DTYPES:
+        raise UserError(f"merge --dtype: {dtype!r}; use auto, {', '.join(MERGE_DTYPES)}")
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"merge: {adapter_dir / 'adapter_config.json'} has no base_model_name_or_path")
+    try:
+        # Merge in fp32 so the folded weights carry no extra rounding; cast once at the end.
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    except OSError as err:
+        raise UserError(f"merge: cannot load the base model '{base}' named in {adapter_dir / 'adapter_config.json'}: "
+                        f"{str(err).splitlines()[0]}") from None
+    if getattr(model.config, "quantization_config", None) is not None:
+        raise UserError(f"merge: the base '{base}' is a quantized checkpoint; merge into its 16-bit original instead")
+    source_dtype = getattr(model.config, "dtype", None)
+    target = MERGE_DTYPES[dtype] if dtype != "auto" else (source_dtype if isinstance(source_dtype, torch.dtype) else torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged.to(target)
+    tokenizer_source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        merged.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"merged {adapter_dir} into {base} ({str(target).removeprefix('torch.')}): {out_dir}")
+    return out_dir
