@@ -1,0 +1,239 @@
+"""LLM runs through the real entry point: chat + packing, eval loss, samples, PEFT reload, merge, QLoRA, HIP rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from toolkit.cli import main
+from toolkit.errors import UserError
+from toolkit.models.tiny import resolve_model_path
+
+PROMPT = "what colour is the star"
+
+
+def train(monkeypatch, *args) -> int:
+    monkeypatch.chdir(REPO)
+    return main(["train", *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """4 steps of the chat quickstart (packing, eval split), eval and samples every 2 steps, fp32 export."""
+    out = tmp_path_factory.mktemp("chat") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        rc = train(mp, "configs/examples/quickstart_llm_chat.yaml", f"run.output_dir={out}", "train.steps=4",
+                   "train.eval_every=2", "save.every=0", "sample.every=2", "sample.max_new_tokens=4")
+    assert rc == 0
+    return out
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_chat_run_logs_eval_loss_and_writes_samples(chat_run):
+    evals = [r for r in metrics(chat_run) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(0 < r["eval_loss"] < 20 for r in evals)
+    for step in ("step-000002", "step-000004"):
+        records = [json.loads(l) for l in (chat_run / "samples" / step / "samples.jsonl").read_text().splitlines()]
+        assert [r["prompt"] for r in records] == [PROMPT]
+        assert f"### {PROMPT}\n" in (chat_run / "samples" / step / "samples.txt").read_text()
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (chat_run / "final").iterdir()}
+
+
+def chat_prompt_ids(tokenizer) -> torch.Tensor:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+def test_chat_prompts_go_through_the_template(chat_run):
+    """The adapter renders sample prompts with add_generation_prompt for chat data."""
+    from toolkit.config.run import load_run
+    from toolkit.models.llm import LLMAdapter
+
+    run = load_run([chat_run / "config.yaml"], [])
+    adapter = LLMAdapter(run.cfg, runtime=None)
+    from transformers import AutoTokenizer
+    adapter.tokenizer = AutoTokenizer.from_pretrained(adapter.model_path)
+    assert adapter.data_format() == "chat"
+    assert adapter.prompt_ids(PROMPT) == chat_prompt_ids(adapter.tokenizer)[0].tolist()
+    assert adapter.tokenizer.decode(adapter.prompt_ids(PROMPT)).endswith("<|assistant|>\n")
+
+
+def toolkit_logits(run_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the toolkit's own model with the last checkpoint's exact LoRA tensors."""
+    from safetensors.torch import load_file
+
+    from toolkit.config.run import load_run
+    from toolkit.models import build_adapter
+    from toolkit.models.base import Runtime
+
+    run = load_run([run_dir / "config.yaml"], [])
+    runtime = Runtime(torch.device("cpu"), run.device, torch.float32, torch.float32, run_dir)
+    adapter = build_adapter(run.cfg, runtime)
+    adapter.load()
+    last = sorted((run_dir / "checkpoints").iterdir())[-1]
+    adapter.load_lora_state_dict(load_file(str(last / "lora.safetensors")))
+    adapter.network.eval()
+    with torch.no_grad():
+        return adapter.network(input_ids=input_ids).logits
+
+
+def peft_model(adapter_dir: Path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny:llm"), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+def test_final_adapter_reloads_with_peft_to_the_same_logits(chat_run):
+    from transformers import AutoTokenizer
+
+    config = json.loads((chat_run / "final" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == resolve_model_path("tiny:llm")
+    ids = chat_prompt_ids(AutoTokenizer.from_pretrained(resolve_model_path("tiny:llm")))
+    with torch.no_grad():
+        reloaded = peft_model(chat_run / "final")(input_ids=ids).logits
+    ours = toolkit_logits(chat_run, ids)
+    torch.testing.assert_close(reloaded, ours, atol=1e-6, rtol=1e-6)
+
+
+def test_merge_writes_a_full_model_with_equal_logits(chat_run, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.chdir(REPO)
+    assert main(["merge", str(chat_run), str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    merged_dir = tmp_path / "merged"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in merged_dir.iterdir()}
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+    ids = chat_prompt_ids(tokenizer)
+    with torch.no_grad():
+        expected = peft_model(chat_run / "final")(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # A non-trivial LoRA: the merged model differs from the base.
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny:llm")).eval()
+    with torch.no_grad():
+        assert (base(input_ids=ids).logits - got).abs().max() > 1e-3
+
+
+def test_merge_bad_path_and_existing_output_are_user_errors(tmp_path, monkeypatch, capsys, chat_run):
+    monkeypatch.chdir(REPO)
+    assert main(["merge", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert f"merge: {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+    assert main(["merge", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "holds no PEFT adapter" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert main(["merge", str(chat_run), str(tmp_path / "full")]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_alpaca_parquet_and_text_txt_train(tmp_path, monkeypatch):
+    """Other formats and file types through the CLI: alpaca from parquet (eval_path), raw text from txt."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [json.loads(l) for l in (REPO / "configs/examples/data/quickstart_alpaca.jsonl").read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(records[:40]), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(records[40:]), tmp_path / "eval.parquet")
+    out = tmp_path / "alpaca"
+    assert train(monkeypatch, "configs/examples/quickstart_llm_alpaca.yaml", f"run.output_dir={out}",
+                 f"data.path={tmp_path / 'train.parquet'}", f"data.eval_path={tmp_path / 'eval.parquet'}",
+                 "train.steps=4", "train.eval_every=2", "save.every=0", "sample.prompts=[]") == 0
+    assert [r["step"] for r in metrics(out) if "eval_loss" in r] == [2, 4]
+    (tmp_path / "t.txt").write_text("the red circle\n\nthe blue square\nthe green triangle\n")
+    out = tmp_path / "text"
+    assert train(monkeypatch, "configs/examples/quickstart_llm.yaml", f"run.output_dir={out}",
+                 f"data.path={tmp_path / 't.txt'}", "data.packing=true", "train.steps=2", "save.every=0",
+                 "sample.prompts=[]", "train.batch_size=2") == 0
+    losses = [r["loss"] for r in metrics(out) if "loss" in r]
+    assert len(losses) >= 1 and all(0 < x < 20 for x in losses)
+
+
+def test_malformed_record_is_a_user_error_naming_file_and_line(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "chat.jsonl"
+    lines = (REPO / "configs/examples/data/quickstart_chat.jsonl").read_text().splitlines()[:3]
+    data.write_text("\n".join(lines + ['{"messages": "hello"}']) + "\n")
+    assert train(monkeypatch, "configs/examples/quickstart_llm_chat.yaml", f"run.output_dir={tmp_path / 'r'}",
+                 f"data.path={data}") == 2
+    assert f"{data}:4: a chat record needs 'messages'" in capsys.readouterr().err
+
+
+def test_flash_attention_without_flash_attn_is_a_user_error(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed")
+    assert train(monkeypatch, "configs/examples/quickstart_llm.yaml", f"run.output_dir={tmp_path / 'r'}",
+                 "model.attention=flash_attention_2") == 2
+    assert "model.attention: flash_attention_2 needs the flash_attn package" in capsys.readouterr().err
+
+
+def test_qlora_4bit_trains_on_cpu(tmp_path, monkeypatch):
+    """bitsandbytes 0.50 runs 4-bit layers on the CPU: a QLoRA run through the CLI."""
+    out = tmp_path / "q"
+    assert train(monkeypatch, "configs/examples/quickstart_llm.yaml", f"run.output_dir={out}", "model.quantize=4bit",
+                 "train.steps=2", "save.every=0", "sample.prompts=[]", "log.every=1") == 0
+    losses = [r["loss"] for r in metrics(out) if "loss" in r]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+# -- HIP decisions, with a fake HIP DeviceInfo on the CPU ----------------------------------------
+
+def hip_adapter(tmp_path, name_or_path: str, quantize: str):
+    from toolkit.config.run import load_run
+    from toolkit.device.detect import DeviceInfo
+    from toolkit.models.base import Runtime
+    from toolkit.models.llm import LLMAdapter
+
+    run = load_run([REPO / "configs/examples/quickstart_llm.yaml"],
+                   [f"model.name_or_path={name_or_path}", f"model.quantize={quantize}", f"run.output_dir={tmp_path}"])
+    info = DeviceInfo(backend="hip", arch="gfx1151", name="fake", memory_gb=96.0, bf16=True)
+    return LLMAdapter(run.cfg, Runtime(torch.device("cpu"), info, torch.float32, torch.float32, tmp_path))
+
+
+def test_hip_refuses_a_prequantized_checkpoint(tmp_path):
+    import shutil
+    fake = tmp_path / "prequantized"
+    shutil.copytree(resolve_model_path("tiny:llm"), fake)
+    config = json.loads((fake / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (fake / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="(?s)prequantized checkpoint \\(bitsandbytes\\); on ROCm .* point model.name_or_path at the 16-bit model"):
+        hip_adapter(tmp_path, str(fake), "none").load()
+
+
+def test_hip_quantizes_after_loading_16bit_weights(tmp_path):
+    import bitsandbytes as bnb
+
+    adapter = hip_adapter(tmp_path, "tiny:llm", "4bit")
+    adapter.load()
+    assert any("quantizing the linear layers after loading" in n for n in adapter.notes)
+    assert "model: quantized 14 linear layers to 4bit after loading" in adapter.notes
+    q_proj = adapter.network.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj.base_layer, bnb.nn.Linear4bit)
+    ids = torch.tensor([[1, 20, 30, 40]])
+    loss = adapter.loss({"input_ids": ids, "labels": ids})
+    loss.backward()
+    assert torch.isfinite(loss) and q_proj.lora_A["default"].weight.grad is not None
+
+
+def test_plan_quantization_rules():
+    from toolkit.models.llm import plan_quantization
+
+    assert plan_quantization("none", "cuda", None, "m").mode == "none"
+    assert not plan_quantization("4bit", "cuda", None, "m").after_load
+    assert plan_quantization("8bit", "hip", None, "m").after_load
+    assert plan_quantization("none", "cuda", {"quant_method": "gptq"}, "m").mode == "prequantized"
+    with pytest.raises(UserError, match="model.quantize: 'm' is already quantized"):
+        plan_quantization("4bit", "cuda", {"quant_method": "bitsandbytes"}, "m")
