@@ -114,14 +114,16 @@ def main() -> None:
     write_data(data, rows=args.batch * (args.steps + args.warmup) + 8)
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; Llama-3.2-1B shape "
           f"({args.layers} layers), LoRA r=16 all-linear, bf16, batch {args.batch} x {args.seq}")
-    results = {"plain (PEFT + fused AdamW)": plain_stack(model_dir, args.steps, args.warmup, args.batch, args.seq)}
-    for optimizer in ("adamw", "adamw8bit"):
-        results[f"toolkit ({optimizer})"] = toolkit_run(model_dir, data, work / f"run-{optimizer}", optimizer,
-                                                       args.steps, args.warmup, args.batch, args.seq)
-    base = results["plain (PEFT + fused AdamW)"]["tokens_per_s"]
-    print(f"{'stack':<28} {'tokens/s':>10} {'peak GiB':>9} {'vs plain':>9}")
-    for name, r in results.items():
-        print(f"{name:<28} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} {r['tokens_per_s'] / base:>9.2f}")
+    print(f"{'stack':<28} {'tokens/s':>10} {'peak GiB':>9} {'vs plain':>9}", flush=True)
+    plain = plain_stack(model_dir, args.steps, args.warmup, args.batch, args.seq)
+    rows = [("plain (PEFT + fused AdamW)", lambda: plain)]
+    rows += [(f"toolkit ({name})", lambda name=name: toolkit_run(model_dir, data, work / f"run-{name}", name,
+                                                                args.steps, args.warmup, args.batch, args.seq))
+             for name in ("adamw", "adamw8bit")]
+    for label, measure in rows:
+        r = measure()
+        print(f"{label:<28} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} "
+              f"{r['tokens_per_s'] / plain['tokens_per_s']:>9.2f}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
 
 
