@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import run_toolkit
+from conftest import REPO, run_toolkit
 from toolkit.train.plots import make_grid, plot_loss
 
 STEPS = 6
@@ -129,3 +129,32 @@ def test_make_grid_tiles_images_row_by_row(tmp_path):
         assert img.getpixel((32, 2)) == (255, 255, 255)   # 64x32 image centred vertically in its cell
     with pytest.raises(ValueError):
         make_grid([], tmp_path / "empty.png")
+
+
+def test_report_shows_image_samples_by_step(tmp_path):
+    """Image families: a step's grid.png when there is one, else each image; paths relative to the run folder."""
+    from toolkit.config.run import load_run
+    from toolkit.train.report import RunReport
+    from toolkit.train.run_dir import RunDir
+
+    run = load_run([REPO / "configs/examples/quickstart_llm.yaml"], [f"run.output_dir={tmp_path}"])
+    run_dir = RunDir(tmp_path)
+    run_dir.create()
+    first, second = run_dir.sample_dir(10), run_dir.sample_dir(20)
+    for folder in (first, second):
+        folder.mkdir(parents=True)
+    images = []
+    for i in range(2):
+        Image.new("RGB", (32, 32), (200, 10 * i, 0)).save(first / f"prompt-{i}.png")
+        images.append(first / f"prompt-{i}.png")
+        Image.new("RGB", (32, 32), (0, 10 * i, 200)).save(second / f"prompt-{i}.png")
+    make_grid(sorted(second.glob("*.png")), second / "grid.png")
+    (run_dir.logs / "metrics.jsonl").write_text('{"step": 10, "loss": 3.0, "loss_smoothed": 3.0, "steps_per_s": 2.0}\n'
+                                                '{"step": 20, "loss": 2.5, "loss_smoothed": 2.9, "steps_per_s": 2.5}\n')
+    page = RunReport(run_dir, run, "run:\n  name: x\n").update(20, 40, 12.0).read_text(encoding="utf-8")
+    sources = re.findall(r'<img class="sample-image" src="([^"]+)"', page)
+    assert sources == ["samples/step-000010/prompt-0.png", "samples/step-000010/prompt-1.png",
+                       "samples/step-000020/grid.png"]
+    assert re.findall(r"<h3>step (\d+)</h3>", page) == ["10", "20"]
+    assert "in progress: step 20 of 40" in page and "0m 12s" in page and "2.50" in page
+    assert (run_dir.logs / "loss.png").exists()

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from toolkit.errors import UserError
+from toolkit.train.plots import IMAGE_SUFFIXES
 
 PROFILE_STEPS = (2, 4)
 """Steps (of this session, first to last, inclusive) that log.profile records; step 1 warms up."""
@@ -157,6 +158,12 @@ class MetricsLogger:
         if self._wandb is not None:
             import wandb
             self._wandb.log({tag: wandb.Image(pixels)}, step=step)
+
+    def samples(self, paths: list[Path], step: int) -> None:
+        """Log the images among one sampling round's files (text samples live in samples/ and the report)."""
+        for path in paths:
+            if path.suffix.lower() in IMAGE_SUFFIXES:
+                self.image(f"samples/{path.stem}", path, step)
 
     def message(self, text: str) -> None:
         """Print above the progress bar without breaking it."""

@@ -7,6 +7,8 @@ import math
 import os
 from pathlib import Path
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif")
+
 
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl; a torn last line (a crash mid-write) is skipped."""

@@ -12,10 +12,8 @@ import os
 import time
 from pathlib import Path
 
-from toolkit.train.plots import plot_loss, read_metrics
+from toolkit.train.plots import IMAGE_SUFFIXES, plot_loss, read_metrics
 from toolkit.train.run_dir import RunDir
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif")
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }

@@ -159,6 +159,7 @@ class Trainer:
             files = self.adapter.sample(self.run_dir.sample_dir(step))
         if files:
             self.metrics.message(f"step {step}: samples in {files[0].parent}")
+            self.metrics.samples(files, step)
 
     def _out_of_memory(self, step: int) -> UserError:
         t = self.cfg.train
