@@ -228,11 +228,6 @@ def build_text_data(data_cfg, tokenizer, seed: int) -> TextData:
     return TextData(train, TextDataset(eval_samples, pad) if eval_samples else None, fmt)
 
 
-def build_text_dataset(data_cfg, tokenizer, seed: int = 0):
-    """The training set alone."""
-    return build_text_data(data_cfg, tokenizer, seed).train
-
-
 def token_loss_sum(logits_loss_mean: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
     """(sum of token losses, token count) from a batch's mean causal-LM loss and its labels."""
     count = int((labels[..., 1:] != IGNORE_INDEX).sum())
