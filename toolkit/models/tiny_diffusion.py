@@ -135,13 +135,16 @@ def write_tiny_sdxl(out: Path) -> None:
     pipe.save_pretrained(out, safe_serialization=True)
 
 
-def write_shapes_dataset(out: Path, sizes: tuple[tuple[int, int], ...] = ((64, 64), (128, 64))) -> list[Path]:
-    """Coloured shapes on white with matching captions ("a red circle on a white background"), one per size."""
+def write_shapes_dataset(out: Path, sizes: tuple[tuple[int, int], ...] = ((64, 64), (128, 64)),
+                         count: int = 12) -> list[Path]:
+    """Coloured shapes on white with matching captions ("a red circle on a white background"): the first
+    `count` colour/shape pairs, each at every size."""
     from PIL import Image, ImageDraw
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for i, (colour, shape) in enumerate((c, s) for c in _COLOURS for s in _SHAPES):
+    pairs = [(c, s) for c in _COLOURS for s in _SHAPES][:count]
+    for colour, shape in pairs:
         for w, h in sizes:
             image = Image.new("RGB", (w, h), (255, 255, 255))
             draw = ImageDraw.Draw(image)

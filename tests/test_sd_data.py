@@ -1,0 +1,71 @@
+"""Image folders: captions from .txt files or metadata.jsonl, buckets, corrupt files skipped, user errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from toolkit.config.schema import ImageDataSection
+from toolkit.data.images import DiffusionDataset, caption_rules, load_pixels, scan_images
+from toolkit.errors import UserError
+from toolkit.models.tiny_diffusion import write_shapes_dataset
+
+
+def _data(path, **kw):
+    cfg = OmegaConf.structured(ImageDataSection)
+    cfg.path = str(path)
+    cfg.resolution = 96
+    for k, v in kw.items():
+        cfg[k] = v
+    return cfg
+
+
+def test_folder_with_captions_buckets_and_a_corrupt_file(tmp_path):
+    write_shapes_dataset(tmp_path, sizes=((64, 64), (128, 64), (96, 64)), count=2)
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    (tmp_path / "red_circle_64x64.txt").write_text("a [trigger] red circle")
+    (tmp_path / "red_square_64x64.txt").unlink()
+    logs = []
+    items = scan_images(_data(tmp_path, trigger_word="sks", default_caption="a shape"), logs.append)
+    assert len(items) == 6
+    assert any("skipped 1 unreadable image(s)" in m and "broken.png" in m for m in logs)
+    assert any(m.startswith("buckets:") and "128 x 64" in m for m in logs)
+    by_name = {it.path.name: it for it in items}
+    assert by_name["red_circle_64x64.png"].caption == "a sks red circle"
+    assert by_name["red_square_64x64.png"].caption == "sks, a shape"
+    assert by_name["red_circle_128x64.png"].caption == "sks, a red circle on a white background"
+    assert by_name["red_circle_128x64.png"].bucket == (128, 64)
+    assert by_name["red_circle_96x64.png"].bucket == (64, 64)  # never upscaled into 128x64
+
+    pixels, crop = load_pixels(by_name["red_circle_96x64.png"])
+    assert pixels.shape == (3, 64, 64) and crop == (0, 16)
+    assert pixels.min() >= -1 and pixels.max() <= 1
+    dataset = DiffusionDataset(items, caption_rules(_data(tmp_path)))
+    assert sorted(set(dataset.groups)) == [0, 1]
+    index = items.index(by_name["red_circle_96x64.png"])
+    batch = dataset.collate([index])
+    assert batch["pixels"].shape == (1, 3, 64, 64)
+    # SDXL micro-conditioning: original (h, w), crop (top, left), target (h, w)
+    assert batch["time_ids"].tolist() == [[64.0, 96.0, 0.0, 16.0, 64.0, 64.0]]
+    assert batch["captions"] == ["sks, a red circle on a white background"]  # no shuffle or dropout: as scanned
+
+
+def test_metadata_jsonl(tmp_path):
+    write_shapes_dataset(tmp_path, sizes=((64, 64),), count=2)
+    (tmp_path / "metadata.jsonl").write_text(json.dumps({"file_name": "red_square_64x64.png", "text": "X"}) + "\n")
+    items = scan_images(_data(tmp_path), lambda m: None)
+    assert [(it.path.name, it.caption) for it in items] == [("red_square_64x64.png", "X")]
+
+
+def test_user_errors_name_the_folder_and_the_fix(tmp_path):
+    with pytest.raises(UserError, match="is not a folder"):
+        scan_images(_data(tmp_path / "missing"), lambda m: None)
+    (tmp_path / "notes.txt").write_text("no images here")
+    with pytest.raises(UserError, match=f"no usable images in {tmp_path}"):
+        scan_images(_data(tmp_path), lambda m: None)
+    (tmp_path / "metadata.jsonl").write_text("{broken\n")
+    with pytest.raises(UserError, match="metadata.jsonl:1: expected a JSON object"):
+        scan_images(_data(tmp_path), lambda m: None)

@@ -1,0 +1,165 @@
+"""Image folders for diffusion training: discovery, captions, buckets, and the batch a family trains on.
+
+Two layouts under data.path:
+  folder of images, each with a same-name caption file (data.caption_ext, default .txt)
+  metadata.jsonl with one {"file_name": ..., "text": ...} per line (the diffusers / HF imagefolder form)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from toolkit.data.buckets import bucket_table, choose_bucket, format_bucket_table
+from toolkit.data.captions import CaptionRules
+from toolkit.errors import UserError
+
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+@dataclass
+class ImageItem:
+    path: Path
+    caption: str                 # after default caption and trigger word (tag shuffle/dropout come per step)
+    size: tuple[int, int]        # original (width, height)
+    bucket: tuple[int, int]      # training (width, height)
+    content_hash: str = ""
+
+
+def caption_rules(data) -> CaptionRules:
+    return CaptionRules(trigger_word=data.trigger_word, default_caption=data.default_caption,
+                        caption_dropout=data.caption_dropout, shuffle_tags=data.shuffle_tags,
+                        keep_tokens=data.keep_tokens)
+
+
+def _raw_captions(root: Path, caption_ext: str) -> list[tuple[Path, str | None]]:
+    metadata = root / "metadata.jsonl"
+    if metadata.is_file():
+        pairs = []
+        for n, line in enumerate(metadata.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                pairs.append((root / record["file_name"], record.get("text")))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"{metadata}:{n}: expected a JSON object with file_name and text\n"
+                                '  fix: write lines like {"file_name": "0001.png", "text": "a red circle"}') from None
+        return pairs
+    pairs = []
+    for path in sorted(p for p in root.iterdir() if p.suffix.lower() in IMAGE_EXTS):
+        caption_file = path.with_suffix(caption_ext)
+        pairs.append((path, caption_file.read_text(encoding="utf-8") if caption_file.is_file() else None))
+    return pairs
+
+
+def _image_size(path: Path) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()  # decode fully: a truncated file fails here, not in the middle of training
+        return _oriented_size(image)
+
+
+def _oriented_size(image) -> tuple[int, int]:
+    orientation = image.getexif().get(0x0112, 1)
+    w, h = image.size
+    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+
+
+def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
+    """Every readable image under data.path with its caption and bucket; corrupt files are skipped and named."""
+    root = Path(data.path)
+    if not root.is_dir():
+        raise UserError(f"data.path: {root} is not a folder\n  fix: point data.path at a folder of images "
+                        f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
+    rules = caption_rules(data)
+    table = bucket_table(data.resolution, data.bucket_step, data.min_bucket_side, data.max_bucket_side)
+    items, skipped, small = [], [], []
+    for path, raw in _raw_captions(root, data.caption_ext):
+        try:
+            size = _image_size(path)
+        except (OSError, SyntaxError, ValueError) as err:
+            skipped.append(f"{path.name} ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+            continue
+        bucket = choose_bucket(*size, table, data.bucket_step)
+        if bucket is None:
+            small.append(f"{path.name} ({size[0]}x{size[1]})")
+            continue
+        content_hash = hashlib.sha256(path.read_bytes()).hexdigest()[:32]
+        items.append(ImageItem(path, rules.base(raw), size, bucket, content_hash))
+    if skipped:
+        log(f"warning: skipped {len(skipped)} unreadable image(s) in {root}: {', '.join(skipped)}")
+    if small:
+        log(f"warning: skipped {len(small)} image(s) smaller than {data.bucket_step} px: {', '.join(small)}")
+    if not items:
+        raise UserError(f"data.path: no usable images in {root}\n  fix: add .png/.jpg/.webp images "
+                        f"(with same-name {data.caption_ext} captions, or a metadata.jsonl)")
+    log(format_bucket_table(Counter(item.bucket for item in items)))
+    return items
+
+
+def load_pixels(item: ImageItem) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The image resized to cover its bucket and centre-cropped: CHW in [-1, 1], and the crop's (top, left)."""
+    from PIL import Image, ImageOps
+
+    with Image.open(item.path) as opened:
+        image = ImageOps.exif_transpose(opened).convert("RGB")
+    bw, bh = item.bucket
+    w, h = image.size
+    scale = max(bw / w, bh / h)
+    new_w, new_h = max(bw, round(w * scale)), max(bh, round(h * scale))
+    if (new_w, new_h) != (w, h):
+        image = image.resize((new_w, new_h), Image.Resampling.LANCZOS)
+    top, left = (new_h - bh) // 2, (new_w - bw) // 2
+    image = image.crop((left, top, left + bw, top + bh))
+    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous(), (top, left)
+
+
+@dataclass
+class DiffusionDataset:
+    """Items in buckets; a batch holds latents (cached) or pixels, and text embeddings (cached) or captions."""
+
+    items: list[ImageItem]
+    rules: CaptionRules
+    latents: list[torch.Tensor] | None = None
+    crops: list[tuple[int, int]] | None = None
+    text: list[dict[str, torch.Tensor]] | None = None
+    groups: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        order = {b: i for i, b in enumerate(sorted({item.bucket for item in self.items}))}
+        self.groups = [order[item.bucket] for item in self.items]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def collate(self, indices: Sequence[int]) -> dict[str, Any]:
+        batch: dict[str, Any] = {}
+        if self.latents is not None:
+            batch["latents"] = torch.stack([self.latents[i] for i in indices])
+            crops = [self.crops[i] for i in indices]
+        else:
+            loaded = [load_pixels(self.items[i]) for i in indices]
+            batch["pixels"] = torch.stack([p for p, _ in loaded])
+            crops = [c for _, c in loaded]
+        if self.text is not None:
+            for key in self.text[0]:
+                batch[key] = torch.stack([self.text[i][key] for i in indices])
+        else:
+            # The global `random` stream is saved in checkpoints, so resumed runs see the same captions.
+            batch["captions"] = [self.rules.vary(self.items[i].caption, random) for i in indices]
+        # SDXL micro-conditioning: original (h, w), crop (top, left), target (h, w).
+        batch["time_ids"] = torch.tensor([[self.items[i].size[1], self.items[i].size[0], *crop,
+                                           self.items[i].bucket[1], self.items[i].bucket[0]]
+                                          for i, crop in zip(indices, crops)], dtype=torch.float32)
+        return batch
