@@ -1,0 +1,275 @@
+"""Resume: a run that is stopped (kill -9, SIGTERM, a corrupt checkpoint) and resumed ends bit-identical.
+
+Each family's quickstart is a row of RESUME_CONFIGS; a family is tested once its quickstart exists
+(the SD quickstart joins with its own overrides when it is added).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_toolkit
+from toolkit.cli import main
+from toolkit.train.checkpoint import find_latest_checkpoint, verify_checkpoint
+
+STEPS = 24
+# Fast and deterministic: fp32 export, the 8-bit optimizer, cosine with warmup, a log line every step.
+COMMON = [f"train.steps={STEPS}", "save.every=4", "save.keep_last=10", "save.dtype=fp32", "train.optimizer=adamw8bit",
+          "train.lr=3e-3", "train.lr_scheduler=cosine", "train.warmup_steps=3", "log.every=1", "log.tensorboard=false",
+          "sample.prompts=[]"]
+RESUME_CONFIGS = {
+    "llm": ("configs/examples/quickstart_llm.yaml", ["data.max_seq_len=32", "train.batch_size=8"]),
+}
+FAMILIES = [f for f, (config, _) in RESUME_CONFIGS.items() if (REPO / config).is_file()]
+
+
+def train_args(family: str, out: Path, *extra: str) -> list[str]:
+    config, overrides = RESUME_CONFIGS[family]
+    return ["train", str(REPO / config), *COMMON, *overrides, f"run.output_dir={out}", *extra]
+
+
+def train_in_process(family: str, out: Path, *extra: str) -> int:
+    """Run `python -m toolkit train ...` to the end; its stderr is echoed (for capsys). Returns the exit code.
+
+    Every run of a comparison is a real subprocess: bit-identity is asserted between like processes.
+    """
+    proc = run_toolkit(*train_args(family, out, *extra))
+    print(proc.stderr, file=sys.stderr)
+    return proc.returncode
+
+
+def start_subprocess(family: str, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "toolkit", *train_args(family, out, *extra)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "final" / "adapter_model.safetensors"))
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    assert len(a) > 0
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def metric_steps(out: Path) -> list[int]:
+    lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)]
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"training ended (rc {proc.returncode}) before the test could stop it:\n" \
+                                    f"{proc.communicate()[1]}"
+        assert time.monotonic() < deadline, "timed out waiting for training progress"
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def reference(request, tmp_path_factory) -> tuple[str, Path]:
+    """One uninterrupted run of STEPS steps per family: what every resumed run must reproduce bit for bit."""
+    out = tmp_path_factory.mktemp(f"reference-{request.param}") / "run"
+    assert train_in_process(request.param, out) == 0
+    return request.param, out
+
+
+def test_uninterrupted_run_writes_every_checkpoint_with_all_its_files(reference):
+    family, out = reference
+    steps = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert steps == [f"step-{s:06d}" for s in range(4, STEPS + 1, 4)]
+    files = sorted(p.name for p in (out / "checkpoints" / f"step-{STEPS:06d}").iterdir())
+    assert files == ["config.yaml", "lora.safetensors", "meta.json", "optimizer.pt", "trainer_state.pt"]
+    meta = json.loads((out / "checkpoints" / f"step-{STEPS:06d}" / "meta.json").read_text())
+    assert meta["step"] == STEPS
+    assert sorted(meta["files"]) == ["config.yaml", "lora.safetensors", "optimizer.pt", "trainer_state.pt"]
+    state = torch.load(out / "checkpoints" / "step-000008" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 8
+    assert sorted(state["rng"]) == ["numpy", "python", "torch"] + (["device"] if torch.cuda.is_available() else [])
+    assert state["scheduler"]["last_epoch"] == 8
+    assert state["data_order"] == {"epoch": 0, "position": 8, "seed": 42, "batch_size": 8, "num_items": 64,
+                                   "world_size": 1}  # 64 samples: 8 batches of 8 per epoch, the next one starts epoch 1
+    later = torch.load(out / "checkpoints" / "step-000012" / "trainer_state.pt", weights_only=False)
+    assert (later["data_order"]["epoch"], later["data_order"]["position"]) == (1, 4)
+    assert state["scaler"] is None  # fp32 on the CPU: no loss scaling
+    optimizer = torch.load(out / "checkpoints" / "step-000008" / "optimizer.pt", weights_only=False)
+    states = list(optimizer["state"].values())
+    assert states and all(isinstance(v, torch.Tensor) for s in states for k, v in s.items() if k != "step")
+    # AdamW8bit's state as plain tensors (tiny LoRA matrices are under the 8-bit size threshold: fp32 moments)
+    assert all({"state1", "state2"} <= set(s) for s in states)
+    assert metric_steps(out) == list(range(1, STEPS + 1))
+
+
+def test_kill_9_mid_run_then_resume_is_bit_identical(reference, tmp_path):
+    family, ref = reference
+    out = tmp_path / "run"
+    proc = start_subprocess(family, out)
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step-000004" / "meta.json").is_file(), proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "final").exists()
+    killed_at = max(metric_steps(out))
+    assert killed_at < STEPS
+    latest = find_latest_checkpoint(out / "checkpoints", warn=lambda _: None)
+    assert latest is not None and latest.step >= 4
+
+    assert train_in_process(family, out) == 0
+    assert_bit_identical(final_weights(out), final_weights(ref))
+    # metrics.jsonl was appended to: the killed attempt's records, then the resumed run's from its checkpoint on
+    assert metric_steps(out) == list(range(1, killed_at + 1)) + list(range(latest.step + 1, STEPS + 1))
+
+
+def test_sigterm_saves_at_the_step_it_stopped_exits_143_and_resumes_bit_identical(reference, tmp_path):
+    family, ref = reference
+    out = tmp_path / "run"
+    proc = start_subprocess(family, out)
+    try:
+        wait_for(lambda: (out / "logs" / "metrics.jsonl").is_file() and len(metric_steps(out)) >= 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert "SIGTERM received: finishing this step and saving a checkpoint" in stderr
+    stopped = int(stderr.split("stopped at step ")[1].split(";")[0])
+    assert 2 <= stopped < STEPS
+    assert f"step {stopped}: checkpoint {out / 'checkpoints' / f'step-{stopped:06d}'}" in stderr
+    assert "Traceback" not in stderr
+    latest = find_latest_checkpoint(out / "checkpoints", warn=lambda _: None)
+    assert latest.step == stopped and max(metric_steps(out)) == stopped
+
+    assert train_in_process(family, out) == 0
+    assert_bit_identical(final_weights(out), final_weights(ref))
+
+
+def test_corrupt_latest_checkpoint_is_skipped_and_resume_uses_the_previous(reference, tmp_path, capsys):
+    family, ref = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref, out)
+    shutil.rmtree(out / "final")
+    latest = out / "checkpoints" / f"step-{STEPS:06d}"
+    weights = latest / "lora.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-16:] = bytes(b ^ 0xFF for b in data[-16:])  # same size, different tensor bytes
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+
+    assert train_in_process(family, out) == 0
+    err = capsys.readouterr().err
+    assert f"skipping checkpoint {latest}: lora.safetensors does not match its checksum" in err
+    assert f"resumed from {out / 'checkpoints' / f'step-{STEPS - 4:06d}'} (step {STEPS - 4})" in err
+    assert_bit_identical(final_weights(out), final_weights(ref))
+    # the corrupt folder was set aside (kept), and the step was written again, intact
+    assert len(list((out / "checkpoints").glob(f".abandoned-step-{STEPS:06d}-*"))) == 1
+    assert verify_checkpoint(latest)[0].step == STEPS
+
+
+def test_resume_from_a_checkpoint_path_with_grad_accum_cosine_warmup_and_ema(tmp_path):
+    family = FAMILIES[0]
+    extra = ["train.steps=8", "save.every=2", "train.grad_accum=2", "train.warmup_steps=3", "train.ema_decay=0.9"]
+    ref = tmp_path / "reference"
+    assert train_in_process(family, ref, *extra) == 0
+    assert (ref / "checkpoints" / "step-000004" / "ema.safetensors").is_file()
+
+    out = tmp_path / "resumed"
+    assert train_in_process(family, out, *extra, f"train.resume={ref / 'checkpoints' / 'step-000004'}") == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000006", "step-000008"]
+    assert_bit_identical(final_weights(out), final_weights(ref))
+    for name in ("lora.safetensors", "ema.safetensors"):
+        assert_bit_identical(load_file(str(out / "checkpoints" / "step-000008" / name)),
+                             load_file(str(ref / "checkpoints" / "step-000008" / name)))
+    # the scheduler continued where it was: the same learning rate at every resumed step
+    lr = {json.loads(line)["step"]: json.loads(line)["lr"] for line in (ref / "logs" / "metrics.jsonl").read_text().splitlines()}
+    lr_resumed = {json.loads(line)["step"]: json.loads(line)["lr"] for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()}
+    assert sorted(lr_resumed) == [5, 6, 7, 8]
+    assert all(lr_resumed[s] == lr[s] for s in lr_resumed)
+    assert [lr[1], lr[2], lr[3], lr[8]] == pytest.approx([1e-3, 2e-3, 3e-3, 0.0])  # warmup 3, then cosine to 0
+
+
+def test_ema_is_saved_updated_after_each_step_and_exported(tmp_path):
+    family = FAMILIES[0]
+    out = tmp_path / "run"
+    assert train_in_process(family, out, "train.steps=3", "save.every=1", "train.ema_decay=0.5") == 0
+    ckpt = out / "checkpoints"
+    lora = {s: load_file(str(ckpt / f"step-{s:06d}" / "lora.safetensors")) for s in (1, 2, 3)}
+    ema = {s: load_file(str(ckpt / f"step-{s:06d}" / "ema.safetensors")) for s in (1, 2, 3)}
+    for step in (2, 3):
+        for name, shadow in ema[step].items():
+            assert torch.equal(shadow, ema[step - 1][name].lerp(lora[step][name], 0.5)), name
+    exported = final_weights(out)
+    for name, shadow in ema[3].items():
+        key = name.replace(".default.", ".")
+        assert torch.equal(exported[key], shadow), key
+    assert any(not torch.equal(ema[3][n], lora[3][n]) for n in lora[3])  # the export is the EMA, not the weights
+
+
+def test_harmless_changes_apply_with_a_notice_others_are_refused_naming_the_key(reference, tmp_path, capsys):
+    family, ref = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref, out)
+    capsys.readouterr()
+    assert train_in_process(family, out, "train.lr=0.001") == 2
+    err = capsys.readouterr().err
+    assert "cannot resume from" in err and "- train.lr: 0.003 in the checkpoint, 0.001 now" in err
+    assert "--fresh" in err and "Traceback" not in err
+
+    assert train_in_process(family, out, f"train.steps={STEPS + 2}", "save.every=1", "log.every=2") == 0
+    err = capsys.readouterr().err
+    assert f"resume: applying changed setting train.steps: {STEPS} -> {STEPS + 2}" in err
+    assert "resume: applying changed setting save.every: 4 -> 1" in err
+    assert "resume: applying changed setting log.every: 1 -> 2" in err
+    assert f"resumed from {out / 'checkpoints' / f'step-{STEPS:06d}'} (step {STEPS})" in err
+    assert verify_checkpoint(out / "checkpoints" / f"step-{STEPS + 2:06d}")[0].step == STEPS + 2
+    assert (out / "checkpoints" / f"step-{STEPS + 1:06d}").is_dir()
+    assert len(list(out.glob("final.replaced-*"))) == 1  # the earlier final is kept beside the new one
+
+
+def test_fresh_moves_the_old_run_aside_and_starts_over(reference, tmp_path, capsys):
+    family, ref = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref, out)
+    capsys.readouterr()
+    proc = run_toolkit("train", "--fresh", *train_args(family, out, "train.steps=2", "save.every=0")[1:])
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    [old] = list(tmp_path.glob("run.old-*"))
+    assert f"--fresh: the previous run was moved to {old}" in err and "resumed" not in err
+    assert verify_checkpoint(old / "checkpoints" / f"step-{STEPS:06d}")[0] is not None  # nothing was deleted
+    assert_bit_identical(final_weights(old), final_weights(ref))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]  # save.every=0: only the end
+    assert metric_steps(out) == [1, 2]
+
+
+def test_resume_true_with_nothing_to_resume_names_the_folder(tmp_path, capsys):
+    out = tmp_path / "empty"
+    assert train_in_process(FAMILIES[0], out, "train.resume=true") == 2
+    err = capsys.readouterr().err
+    assert f"train.resume is true, but there is no complete checkpoint in {out / 'checkpoints'}" in err
+    assert not out.exists()
+
+
+def test_resume_false_refuses_a_run_folder_with_checkpoints(reference, tmp_path, capsys):
+    family, ref = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref / "checkpoints", out / "checkpoints")
+    capsys.readouterr()
+    assert train_in_process(family, out, "train.resume=false") == 2
+    err = capsys.readouterr().err
+    assert f"train.resume is false, but {out} already has checkpoints" in err and "--fresh" in err

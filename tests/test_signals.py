@@ -1,0 +1,99 @@
+"""Stopping well: a second signal exits at once, NaN losses skip steps then stop, out of memory keeps the checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_toolkit
+from toolkit.cli import main
+from toolkit.models.llm import LLMAdapter
+from toolkit.train.checkpoint import find_latest_checkpoint
+
+QUICK = [str(REPO / "configs/examples/quickstart_llm.yaml"), "data.max_seq_len=32", "train.batch_size=8",
+         "train.lr=3e-3", "save.dtype=fp32", "save.keep_last=10", "log.every=1", "log.tensorboard=false",
+         "sample.prompts=[]"]
+
+
+def train(monkeypatch, out, *extra: str) -> int:
+    monkeypatch.chdir(REPO)
+    return main(["train", *QUICK, f"run.output_dir={out}", *extra])
+
+
+def loss_failing_at(monkeypatch, calls: set[int], make) -> None:
+    """Replace the adapter's loss so that its N-th call (1-based) in `calls` returns/raises make(loss)."""
+    original = LLMAdapter.loss
+    count = {"n": 0}
+
+    def loss(self, batch):
+        count["n"] += 1
+        value = original(self, batch)
+        return make(value) if count["n"] in calls else value
+
+    monkeypatch.setattr(LLMAdapter, "loss", loss)
+
+
+def test_second_signal_exits_at_once_without_waiting(tmp_path):
+    script = ("import os, signal, time\n"
+              "from toolkit.train.signals import GracefulStop\n"
+              "with GracefulStop() as stop:\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    time.sleep(0.2)\n"
+              "    print(stop.requested == signal.SIGINT, stop.exit_code, flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    time.sleep(10)\n"
+              "    print('still running', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130
+    assert proc.stdout.splitlines() == ["True 130"]
+    assert "SIGINT received: finishing this step and saving a checkpoint" in proc.stderr
+    assert "second SIGINT: exiting now without saving" in proc.stderr
+
+
+def test_absurd_lr_gives_nan_losses_that_skip_steps_then_stop_with_a_message(tmp_path):
+    out = tmp_path / "run"
+    proc = run_toolkit("train", *QUICK, f"run.output_dir={out}", "train.optimizer=adamw", "train.lr=1e30",
+                       "train.lr_scheduler=constant", "train.warmup_steps=0", "train.max_grad_norm=0",
+                       "train.steps=20", "train.max_nan_steps=3", "save.every=1")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "update skipped (1/3 in a row)" in proc.stderr and "update skipped (3/3 in a row)" in proc.stderr
+    assert "error: loss was NaN or inf for 3 steps in a row" in proc.stderr
+    assert "fix: lower train.lr" in proc.stderr
+    assert not (out / "final").exists()
+
+
+def test_one_nan_loss_skips_that_update_and_training_goes_on(monkeypatch, tmp_path, capsys):
+    out = tmp_path / "run"
+    loss_failing_at(monkeypatch, {3}, lambda loss: loss * float("nan"))
+    assert train(monkeypatch, out, "train.steps=4", "save.every=1", "train.optimizer=adamw8bit") == 0
+    err = capsys.readouterr().err
+    assert "warning: step 3: loss is not finite; update skipped (1/5 in a row)" in err
+    weights = {s: load_file(str(out / "checkpoints" / f"step-{s:06d}" / "lora.safetensors")) for s in (2, 3, 4)}
+    assert all(torch.equal(weights[2][k], weights[3][k]) for k in weights[2])  # step 3 changed nothing
+    assert not all(torch.equal(weights[3][k], weights[4][k]) for k in weights[3])  # step 4 trained again
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_out_of_memory_ends_with_the_fixes_and_keeps_the_last_checkpoint(monkeypatch, tmp_path, capsys):
+    out = tmp_path / "run"
+
+    def out_of_memory(loss):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    loss_failing_at(monkeypatch, {6}, out_of_memory)
+    assert train(monkeypatch, out, "train.steps=12", "save.every=4", "train.optimizer=adamw") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "error: out of memory at step 6 on" in err and "(preset cpu)" in err
+    assert f"the last checkpoint is intact: {out / 'checkpoints' / 'step-000004'}" in err
+    assert "fix: train.batch_size=4 train.grad_accum=2 (same effective batch)" in err
+    assert "or: train.gradient_checkpointing=true" in err and "or: train.optimizer=adamw8bit" in err
+    latest = find_latest_checkpoint(out / "checkpoints", warn=lambda m: (_ for _ in ()).throw(AssertionError(m)))
+    assert latest.step == 4
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004"]
