@@ -18,7 +18,7 @@ commands (passed to `python -m toolkit COMMAND`):
   validate CONFIG.yaml                the merged config and where each value came from
   presets                             GPU architecture presets, and which one applies here
   doctor                              backend, arch, ROCm environment, bitsandbytes, torch
-  merge / sample ...                  see `./start_toolkit.sh COMMAND --help`
+  merge RUN_DIR OUT_DIR               fold an LLM LoRA into its base model and save the full model
   test [PYTEST ARGS]                  the test suite (python -m pytest -q tests)
 
 options:
