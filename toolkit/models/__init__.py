@@ -12,6 +12,8 @@ from toolkit.models.base import ModelAdapter, Runtime
 # family -> "module:class", imported on use so an LLM run never imports diffusers.
 ADAPTERS: dict[str, str] = {
     "llm": "toolkit.models.llm:LLMAdapter",
+    "sd": "toolkit.models.diffusion_sd:StableDiffusionAdapter",
+    "sdxl": "toolkit.models.diffusion_sd:StableDiffusionXLAdapter",
 }
 
 

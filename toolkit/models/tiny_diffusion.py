@@ -79,7 +79,7 @@ def _scheduler(prediction_type: str):
     from diffusers import DDPMScheduler
 
     return DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                         clip_sample=False, prediction_type=prediction_type)
+                         clip_sample=False, prediction_type=prediction_type, steps_offset=1)
 
 
 def write_tiny_sd(out: Path, prediction_type: str = "epsilon") -> None:

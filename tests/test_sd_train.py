@@ -1,0 +1,151 @@
+"""sd / sdxl LoRA through the real entry point on tiny pipelines: files, caches, loss targets, reloading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conftest import REPO
+from toolkit.config.run import load_run
+from toolkit.models import build_adapter
+from toolkit.models.base import Runtime
+from toolkit.models.diffusion_sd import StableDiffusionAdapter, min_snr_weights
+from toolkit.models.tiny import resolve_model_path
+from toolkit.models.tiny_diffusion import write_shapes_dataset
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> Path:
+    """4 images in 2 buckets (64x64 and 128x64 at resolution 96)."""
+    path = tmp_path_factory.mktemp("shapes")
+    write_shapes_dataset(path, sizes=((64, 64), (128, 64)), count=2)
+    return path
+
+
+def _args(config: str, shapes: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", str(REPO / "configs/examples" / config), f"run.output_dir={out}", f"data.path={shapes}",
+            "train.steps=2", "train.batch_size=2", "train.lr=1e-2", "save.every=0", "sample.every=0",
+            "sample.num_inference_steps=2", "log.every=1", *extra]
+
+
+def _adapter(config: str, shapes: Path, tmp_path: Path, *overrides: str):
+    run = load_run([REPO / "configs/examples" / config], [f"data.path={shapes}", f"run.output_dir={tmp_path}", *overrides])
+    adapter = build_adapter(run.cfg, Runtime(torch.device("cpu"), run.device, torch.float32, torch.float32, tmp_path))
+    adapter.load()
+    return adapter, adapter.dataset()
+
+
+def test_sd_trains_saves_a_diffusers_lora_and_reuses_its_caches(shapes, tmp_path, run_cli, monkeypatch, capsys):
+    out = tmp_path / "run"
+    assert run_cli(*_args("quickstart_sd.yaml", shapes, out)) == 0
+    err = capsys.readouterr().err
+    assert "latents: 0 cached, 4 encoded" in err and "text embeddings: 0 cached, 4 encoded" in err
+    assert "64 x 64    (ratio 1.00): 2 images" in err and "128 x 64    (ratio 2.00): 2 images" in err
+
+    assert sorted(p.name for p in (out / "final").iterdir()) == ["pytorch_lora_weights.safetensors"]
+    weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    assert len(weights) == 2 * 32  # down/up on to_q, to_k, to_v, to_out.0 of 8 attention modules
+    assert all(k.startswith("unet.") and k.endswith((".lora.down.weight", ".lora.up.weight")) for k in weights)
+    assert "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.lora.down.weight" in weights
+    assert all(v.dtype == torch.float32 for v in weights.values())
+    samples = out / "samples" / "step-000002"
+    assert sorted(p.name for p in samples.iterdir()) == ["00.png", "01.png", "grid.png", "prompts.txt"]
+    # the trigger word replaces [trigger], or is prepended where the prompt lacks it
+    assert (samples / "prompts.txt").read_text().splitlines() == ["00: sks, a red circle on a white background",
+                                                                 "01: sks a blue square"]
+    records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in records if "loss" in r and np.isfinite(r["loss"])]) == 2
+
+    # The diffusers loader reads the file, changes the output, and matches the trained model's own sample.
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(resolve_model_path("tiny:sd"), safety_checker=None)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate() -> np.ndarray:
+        image = pipe("sks, a red circle on a white background", num_inference_steps=2, guidance_scale=3.0, width=64,
+                     height=64, generator=torch.Generator("cpu").manual_seed(42)).images[0]
+        return np.asarray(image, dtype=np.int16)
+
+    base = generate()
+    pipe.load_lora_weights(str(out / "final"))
+    with_lora = generate()
+    trained = np.asarray(Image.open(samples / "00.png"), dtype=np.int16)
+    assert np.abs(with_lora - base).max() >= 2
+    assert np.abs(with_lora - trained).max() <= 1
+
+    # A second run with the same data and model encodes nothing: both caches hit.
+    calls = {"pixels": 0, "text": 0}
+    encode_pixels, encode_text = StableDiffusionAdapter.encode_pixels, StableDiffusionAdapter.encode_text
+    monkeypatch.setattr(StableDiffusionAdapter, "encode_pixels",
+                        lambda self, x: calls.__setitem__("pixels", calls["pixels"] + 1) or encode_pixels(self, x))
+    monkeypatch.setattr(StableDiffusionAdapter, "encode_text",
+                        lambda self, x: calls.__setitem__("text", calls["text"] + 1) or encode_text(self, x))
+    assert run_cli(*_args("quickstart_sd.yaml", shapes, tmp_path / "again", "train.steps=1", "sample.prompts=[]")) == 0
+    err = capsys.readouterr().err
+    assert "latents: 4 cached, 0 encoded" in err and "text embeddings: 4 cached, 0 encoded" in err
+    assert calls == {"pixels": 0, "text": 0}
+
+
+@pytest.mark.parametrize("model, prediction_type", [("tiny:sd", "epsilon"), ("tiny:sd-v", "v_prediction")])
+def test_loss_is_the_mse_against_the_scheduler_target(shapes, tmp_path, model, prediction_type):
+    adapter, dataset = _adapter("quickstart_sd.yaml", shapes, tmp_path, f"model.name_or_path={model}")
+    assert adapter.prediction_type == prediction_type
+    batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 0])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        loss = adapter.loss(batch)
+        torch.manual_seed(0)
+        latents = batch["latents"]
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, 1000, (latents.shape[0],))
+        scheduler = adapter.noise_scheduler
+        pred = adapter.pipe.unet(scheduler.add_noise(latents, noise, timesteps), timesteps, batch["prompt_embeds"]).sample
+        target = noise if prediction_type == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
+    assert latents.shape == (2, 4, 32, 32)
+    assert torch.allclose(loss, F.mse_loss(pred, target), rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(loss, F.mse_loss(pred, noise if prediction_type != "epsilon" else
+                                                scheduler.get_velocity(latents, noise, timesteps)))
+
+
+def test_min_snr_weights():
+    alphas = torch.tensor([0.99, 0.5, 0.01])
+    t = torch.tensor([0, 1, 2])
+    snr = alphas / (1 - alphas)  # 99, 1, 0.0101
+    assert torch.allclose(min_snr_weights(alphas, t, 5.0, "epsilon"), torch.stack([5 / snr[0], torch.tensor(1.0), torch.tensor(1.0)]))
+    assert torch.allclose(min_snr_weights(alphas, t, 5.0, "v_prediction"), torch.clamp(snr, max=5) / (snr + 1))
+
+
+def test_sdxl_conditions_on_sizes_and_exports_kohya(shapes, tmp_path, run_cli, capsys):
+    adapter, dataset = _adapter("quickstart_sdxl.yaml", shapes, tmp_path / "probe")
+    wide = [i for i, item in enumerate(dataset.items) if item.size == (128, 64)]
+    latents, embeds, added = adapter.conditioning(dataset.collate(wide))
+    assert latents.shape == (2, 4, 32, 64) and embeds.shape == (2, 77, 64)  # two encoders: 32 + 32
+    assert added["text_embeds"].shape == (2, 32)
+    assert added["time_ids"].tolist() == [[64.0, 128.0, 0.0, 0.0, 64.0, 128.0]] * 2
+
+    out = tmp_path / "run"
+    assert run_cli(*_args("quickstart_sdxl.yaml", shapes, out, "save.format=kohya", "sample.prompts=[]")) == 0
+    assert sorted(p.name for p in (out / "final").iterdir()) == ["pytorch_lora_weights.safetensors",
+                                                                "quickstart_sdxl_kohya.safetensors"]
+    kohya_file = str(out / "final" / "quickstart_sdxl_kohya.safetensors")
+    kohya = load_file(kohya_file)
+    downs = [k for k in kohya if k.endswith(".lora_down.weight")]
+    assert len(downs) == len([k for k in kohya if k.endswith(".lora_up.weight")]) == len([k for k in kohya if k.endswith(".alpha")])
+    assert len(downs) * 3 == len(kohya) and len(downs) > 0
+    assert all(k.startswith("lora_unet_") for k in kohya)
+    assert "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight" in kohya
+    assert {float(v) for k, v in kohya.items() if k.endswith(".alpha")} == {8.0}
+    with safe_open(kohya_file, "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_base_model"] == "tiny:sdxl" and meta["toolkit_family"] == "sdxl"
+    assert (meta["ss_network_dim"], meta["ss_network_alpha"], meta["ss_steps"], meta["ss_trigger_word"]) == ("8", "8.0", "2", "sks")
