@@ -55,6 +55,20 @@ def time_steps(opt, params, grads, steps: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+LAST_KERNEL = []
+
+
+def _record_kernel(fused_step):
+    def wrapper(*args, **kwargs):
+        kernel = fused_step(*args, **kwargs)
+        LAST_KERNEL[:] = [kernel]
+        return kernel
+    return wrapper
+
+
+triton_kernels.fused_step = _record_kernel(triton_kernels.fused_step)
+
+
 def make_optimizers():
     """name -> constructor(params); a constructor raising ImportError marks the package missing."""
 
@@ -78,10 +92,10 @@ def make_optimizers():
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
 
     builders = {}
-    for blocks, warps in ((4, 4), (8, 8), (16, 8)):
-        for search, label in ((1, "guess"), (0, "bsearch")):
-            builders[f"toolkit triton {label} {blocks}x256/w{warps}"] = toolkit(
-                {"blocks": blocks, "num_warps": warps, "quant_search": search})
+    for blocks, warps, search in ((2, 2, 1), (2, 4, 1), (4, 4, 1), (4, 8, 1), (8, 8, 1), (8, 16, 1), (4, 4, 0), (8, 8, 0)):
+        label = "guess" if search else "bsearch"
+        builders[f"toolkit triton {label} {blocks}x256/w{warps}"] = toolkit(
+            {"blocks": blocks, "num_warps": warps, "quant_search": search})
     builders["bitsandbytes AdamW8bit"] = bnb
     builders["torchao AdamW8bit"] = torchao
     builders["torch AdamW fused"] = fused
@@ -112,7 +126,11 @@ def main() -> None:
                 ms = time_steps(opt, params, grads, args.steps)
                 bpp = state_bytes(opt) / sum(p.numel() for p in params)
                 rows.append((dtype_name, name, ms, bpp))
-                print(f"  {dtype_name:9s} {name:34s} {ms:8.3f} ms  {bpp:5.3f} B/param", flush=True)
+                compiled = ""
+                if name.startswith("toolkit") and LAST_KERNEL:
+                    k = LAST_KERNEL[0]
+                    compiled = f"  regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')}"
+                print(f"  {dtype_name:9s} {name:34s} {ms:8.3f} ms  {bpp:5.3f} B/param{compiled}", flush=True)
             except ImportError as exc:
                 print(f"  {dtype_name:9s} {name:34s} not installed ({exc})", flush=True)
             except Exception:

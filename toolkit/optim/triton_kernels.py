@@ -22,6 +22,7 @@ ADAMW, LION = 0, 1
 BINARY_SEARCH, ARITHMETIC_GUESS = 0, 1
 DEFAULT_CONFIG = {"blocks": 8, "num_warps": 8, "quant_search": ARITHMETIC_GUESS}
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+SUPPORTED_DTYPES = tuple(_TL_DTYPES)
 
 
 @triton.jit
@@ -68,59 +69,94 @@ def _quantize(x, mid_ptr, SIGNED: tl.constexpr, QUANT_SEARCH: tl.constexpr):
 
 
 @triton.jit
+def _load(ptrs, mask, other, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=mask, other=other)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _store(ptrs, values, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptrs, values, mask=mask)
+    else:
+        tl.store(ptrs, values)
+
+
+@triton.jit
+def _update_blocks(p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, start, n,
+                   qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
+                   lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, correction2,
+                   OPTIMIZER: tl.constexpr, PARAM_DTYPE: tl.constexpr, BLOCKS: tl.constexpr,
+                   QUANT_SEARCH: tl.constexpr, MASKED: tl.constexpr):
+    blocks = start // 256 + tl.arange(0, BLOCKS)
+    offs = blocks[:, None] * 256 + tl.arange(0, 256)[None, :]
+    mask = offs < n  # used only for the tensor's last chunk: unmasked loads of full chunks vectorize
+    bmask = blocks * 256 < n
+
+    g = _load(g_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
+    p = _load(p_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
+    c1 = _load(s1_ptr + offs, mask, 127, MASKED).to(tl.int32)  # 127: 0.0 in the signed map
+    a1 = _load(a1_ptr + blocks, bmask, 0.0, MASKED)
+    m = tl.load(qmap1_ptr + c1) * a1[:, None]
+
+    if OPTIMIZER == 0:
+        c2 = _load(s2_ptr + offs, mask, 0, MASKED).to(tl.int32)  # 0: 0.0 in the unsigned map
+        a2 = _load(a2_ptr + blocks, bmask, 0.0, MASKED)
+        v = tl.load(qmap2_ptr + c2) * a2[:, None]
+        m = m * beta1 + one_minus_beta1 * g
+        v = v * beta2 + one_minus_beta2 * (g * g)
+        p = p * decay
+        p = p - step_size * (m / (tl.sqrt(v) / correction2 + eps))
+        new_a2 = tl.max(v, axis=1)  # v >= 0
+        safe2 = tl.where(new_a2 > 0.0, new_a2, 1.0)
+        _store(s2_ptr + offs, _quantize(v / safe2[:, None], mid2_ptr, False, QUANT_SEARCH), mask, MASKED)
+        _store(a2_ptr + blocks, new_a2, bmask, MASKED)
+    else:
+        p = p * decay
+        u = m * beta1 + g * one_minus_beta1
+        p = p - lr * tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
+        m = m * beta2 + g * one_minus_beta2
+
+    new_a1 = tl.max(tl.abs(m), axis=1)
+    safe1 = tl.where(new_a1 > 0.0, new_a1, 1.0)
+    _store(s1_ptr + offs, _quantize(m / safe1[:, None], mid1_ptr, True, QUANT_SEARCH), mask, MASKED)
+    _store(a1_ptr + blocks, new_a1, bmask, MASKED)
+    _store(p_ptr + offs, p.to(PARAM_DTYPE), mask, MASKED)
+
+
+@triton.jit
 def _blockwise_8bit_kernel(
     chunk_tensor_ptr, chunk_start_ptr, addrs_ptr, numels_ptr,
     qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
-    lr, beta1, beta2, eps, decay, step_size, correction2,
+    lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, correction2,
     OPTIMIZER: tl.constexpr, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     BLOCKS: tl.constexpr, QUANT_SEARCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(chunk_tensor_ptr + pid)
-    start = tl.load(chunk_start_ptr + pid)
+    start = tl.multiple_of(tl.load(chunk_start_ptr + pid), BLOCKS * 256)
     n = tl.load(numels_ptr + t)
     row = addrs_ptr + t * 6
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
-    s1_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-    a1_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-
-    blocks = start // 256 + tl.arange(0, BLOCKS)
-    offs = blocks[:, None] * 256 + tl.arange(0, 256)[None, :]
-    mask = offs < n
-    bmask = blocks * 256 < n
-
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    c1 = tl.load(s1_ptr + offs, mask=mask, other=127).to(tl.int32)  # 127: 0.0 in the signed map
-    a1 = tl.load(a1_ptr + blocks, mask=bmask, other=0.0)
-    m = tl.load(qmap1_ptr + c1) * a1[:, None]
-
-    if OPTIMIZER == 0:
-        s2_ptr = tl.load(row + 3).to(tl.pointer_type(tl.uint8))
-        a2_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-        c2 = tl.load(s2_ptr + offs, mask=mask, other=0).to(tl.int32)
-        a2 = tl.load(a2_ptr + blocks, mask=bmask, other=0.0)
-        v = tl.load(qmap2_ptr + c2) * a2[:, None]
-        m = m * beta1 + (1.0 - beta1) * g
-        v = v * beta2 + (1.0 - beta2) * (g * g)
-        p = p * decay
-        p = p - step_size * (m / (tl.sqrt(v) / correction2 + eps))
-        new_a2 = tl.max(v, axis=1)  # v >= 0
-        safe2 = tl.where(new_a2 > 0.0, new_a2, 1.0)
-        tl.store(s2_ptr + offs, _quantize(v / safe2[:, None], mid2_ptr, False, QUANT_SEARCH), mask=mask)
-        tl.store(a2_ptr + blocks, new_a2, mask=bmask)
+    # the host sends only 16-byte aligned tensors here: the hints let loads and stores go 16 bytes wide
+    p_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE)), 16)
+    g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE)), 16)
+    s1_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.uint8)), 16)
+    s2_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.uint8)), 16)
+    a1_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(tl.float32)), 16)
+    a2_ptr = tl.multiple_of(tl.load(row + 5).to(tl.pointer_type(tl.float32)), 16)
+    args = (p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, start, n, qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
+            lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, correction2)
+    if start + BLOCKS * 256 <= n:
+        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, False)
     else:
-        p = p * decay
-        u = m * beta1 + g * (1.0 - beta1)
-        p = p - lr * tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
-        m = m * beta2 + g * (1.0 - beta2)
+        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, True)
 
-    new_a1 = tl.max(tl.abs(m), axis=1)
-    safe1 = tl.where(new_a1 > 0.0, new_a1, 1.0)
-    tl.store(s1_ptr + offs, _quantize(m / safe1[:, None], mid1_ptr, True, QUANT_SEARCH), mask=mask)
-    tl.store(a1_ptr + blocks, new_a1, mask=bmask)
-    tl.store(p_ptr + offs, p.to(PARAM_DTYPE), mask=mask)
+
+def is_aligned(*tensors: torch.Tensor) -> bool:
+    """True when every tensor starts on a 16-byte boundary (the kernel's vectorized loads assume it)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 class _LaunchTables:
@@ -145,8 +181,9 @@ class _LaunchTables:
         for p, g, s in zip(params, grads, states):
             s2 = s.get("state2")
             a2 = s.get("absmax2")
-            addrs += [p.data_ptr(), g.data_ptr(), s["state1"].data_ptr(), 0 if s2 is None else s2.data_ptr(),
-                      s["absmax1"].data_ptr(), 0 if a2 is None else a2.data_ptr()]
+            # Lion has one moment: its second-moment slots repeat the first's (16-byte aligned, never used)
+            addrs += [p.data_ptr(), g.data_ptr(), s["state1"].data_ptr(), (s2 if s2 is not None else s["state1"]).data_ptr(),
+                      s["absmax1"].data_ptr(), (a2 if a2 is not None else s["absmax1"]).data_ptr()]
         key = tuple(addrs)
         if key != self._addr_key:
             host = torch.tensor(addrs, dtype=torch.int64)
@@ -158,8 +195,10 @@ class _LaunchTables:
 
 def fused_step(optimizer: str, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                tables: _LaunchTables, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-               step: int, config: dict | None = None) -> None:
-    """One fused launch updating every (param, grad, 8-bit state) triple; all share dtype, device and step."""
+               step: int, config: dict | None = None):
+    """One fused launch updating every (param, grad, 8-bit state) triple; all share dtype, device and step.
+
+    Returns the launched kernel (its n_regs and n_spills say how it compiled)."""
     config = config or DEFAULT_CONFIG
     device = params[0].device
     chunk = config["blocks"] * BLOCK_SIZE
@@ -171,9 +210,9 @@ def fused_step(optimizer: str, params: list[torch.Tensor], grads: list[torch.Ten
         correction2 = math.sqrt(1.0 - beta2**step)
     else:
         kind, step_size, correction2 = LION, lr, 1.0
-    _blockwise_8bit_kernel[(chunk_tensor.numel(),)](
+    return _blockwise_8bit_kernel[(chunk_tensor.numel(),)](
         chunk_tensor, chunk_start, addrs, numels, qmap1, mid1, qmap2, mid2,
-        lr, beta1, beta2, eps, 1.0 - lr * weight_decay, step_size, correction2,
+        lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, 1.0 - lr * weight_decay, step_size, correction2,
         OPTIMIZER=kind, PARAM_DTYPE=_TL_DTYPES[params[0].dtype], GRAD_DTYPE=_TL_DTYPES[grads[0].dtype],
         BLOCKS=config["blocks"], QUANT_SEARCH=config["quant_search"], num_warps=config["num_warps"],
     )
