@@ -149,3 +149,39 @@ def test_sdxl_conditions_on_sizes_and_exports_kohya(shapes, tmp_path, run_cli, c
         meta = f.metadata()
     assert meta["ss_base_model"] == "tiny:sdxl" and meta["toolkit_family"] == "sdxl"
     assert (meta["ss_network_dim"], meta["ss_network_alpha"], meta["ss_steps"], meta["ss_trigger_word"]) == ("8", "8.0", "2", "sks")
+
+
+def test_text_encoder_lora_and_shuffled_captions_encode_text_every_step(shapes, tmp_path, run_cli, capsys):
+    out = tmp_path / "run"
+    assert run_cli(*_args("quickstart_sd.yaml", shapes, out, "train.steps=1", "sample.prompts=[]",
+                          "train.train_text_encoder=true", "data.shuffle_tags=true")) == 0
+    err = capsys.readouterr().err
+    assert "text embeddings: computed every step, not cached (train.train_text_encoder is on)" in err
+    weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    prefixes = {k.split(".")[0] for k in weights}
+    assert prefixes == {"unet", "text_encoder"}
+    assert len([k for k in weights if k.startswith("text_encoder.")]) == 2 * 4 * 2  # q/k/v/out of 2 layers
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(resolve_model_path("tiny:sd"), safety_checker=None)
+    pipe.load_lora_weights(str(out / "final"))
+    assert any("lora_A" in name for name, _ in pipe.text_encoder.named_parameters())
+
+
+def test_vae_encoding_runs_with_cudnn_off_when_the_hip_preset_says_so(shapes, tmp_path, monkeypatch):
+    assert load_run([REPO / "configs/examples/quickstart_sd.yaml"], ["device.preset=gfx942"]).cfg.device.vae_encode_cudnn is False
+    adapter, _ = _adapter("quickstart_sd.yaml", shapes, tmp_path, "device.vae_encode_cudnn=false")
+    seen = []
+    encode = adapter.pipe.vae.encode
+    monkeypatch.setattr(adapter.pipe.vae, "encode", lambda x: seen.append(torch.backends.cudnn.enabled) or encode(x))
+    before = torch.backends.cudnn.enabled
+    latents = adapter.encode_pixels(torch.zeros(1, 3, 64, 64))
+    assert seen == [False] and torch.backends.cudnn.enabled == before
+    assert latents.shape == (1, 4, 32, 32)
+
+
+@pytest.mark.parametrize("config", ["sd15_lora.yaml", "sdxl_lora.yaml"])
+def test_real_model_examples_validate(config, run_cli, capsys):
+    assert run_cli("validate", REPO / "configs/examples" / config) == 0
+    out = capsys.readouterr().out
+    assert "model.family" in out and "data.resolution" in out
