@@ -74,7 +74,7 @@ def make_optimizers():
 
     def toolkit(config):
         def build(params):
-            triton_kernels.DEFAULT_CONFIG = config
+            triton_kernels.CONFIG_OVERRIDE = config
             return AdamW8bit(params, lr=1e-4, weight_decay=0.01, impl="triton")
         return build
 
@@ -92,7 +92,8 @@ def make_optimizers():
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
 
     builders = {}
-    for blocks, warps, search in ((2, 2, 1), (2, 4, 1), (4, 4, 1), (4, 8, 1), (8, 8, 1), (8, 16, 1), (4, 4, 0), (8, 8, 0)):
+    builders["toolkit AdamW8bit (defaults)"] = toolkit(None)
+    for blocks, warps, search in ((2, 2, 1), (4, 4, 1), (8, 8, 1), (4, 4, 0)):
         label = "guess" if search else "bsearch"
         builders[f"toolkit triton {label} {blocks}x256/w{warps}"] = toolkit(
             {"blocks": blocks, "num_warps": warps, "quant_search": search})

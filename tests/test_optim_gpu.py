@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu,
 
 SHAPES = [(256, 1024), (4099,), (33, 257), (32, 16)]  # several 8-bit tensors, partial blocks, one fp32-state
 QUANT_CONFIGS = [{"blocks": 8, "num_warps": 8, "quant_search": 0}, {"blocks": 8, "num_warps": 8, "quant_search": 1},
-                 {"blocks": 4, "num_warps": 4, "quant_search": 1}]
+                 None]  # None: the defaults
 
 
 def _params(dtype, seed=0):
@@ -26,13 +26,13 @@ def _copy_state(src_opt, src_params, dst_opt, dst_params):
             dst_opt.state[b][key] = value.clone() if torch.is_tensor(value) else value
 
 
-@pytest.mark.parametrize("config", QUANT_CONFIGS, ids=["binary-search", "guess-8x256", "guess-4x256"])
+@pytest.mark.parametrize("config", QUANT_CONFIGS, ids=["binary-search", "guess-8x256", "default"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
 def test_triton_step_matches_reference(cls, dtype, config, monkeypatch):
     from toolkit.optim import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "DEFAULT_CONFIG", config)
+    monkeypatch.setattr(triton_kernels, "CONFIG_OVERRIDE", config)
     ref_params, tri_params = _params(dtype), _params(dtype)
     lr = 1e-3 if cls is AdamW8bit else 1e-4
     ref = cls(ref_params, lr=lr, weight_decay=0.05, impl="torch")
@@ -64,6 +64,7 @@ def test_triton_step_matches_reference(cls, dtype, config, monkeypatch):
                 assert error.max().item() <= 1e-6
             else:  # one rounding step of the 16-bit param, rarely
                 ulp = a.float().abs() * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+                ulp = ulp.clamp_min(2**-24)  # fp16 subnormals have a fixed step
                 assert (error > ulp).sum().item() == 0 and (error > 0).float().mean().item() < 1e-3
         _copy_state(ref, ref_params, tri, tri_params)  # each step compares one kernel call from identical inputs
 
