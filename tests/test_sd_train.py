@@ -151,11 +151,12 @@ def test_sdxl_conditions_on_sizes_and_exports_kohya(shapes, tmp_path, run_cli, c
     assert (meta["ss_network_dim"], meta["ss_network_alpha"], meta["ss_steps"], meta["ss_trigger_word"]) == ("8", "8.0", "2", "sks")
 
 
-def test_text_encoder_lora_and_shuffled_captions_encode_text_every_step(shapes, tmp_path, run_cli, capsys):
+def test_text_encoder_lora_uncached_latents_and_shuffled_captions(shapes, tmp_path, run_cli, capsys):
     out = tmp_path / "run"
     assert run_cli(*_args("quickstart_sd.yaml", shapes, out, "train.steps=1", "sample.prompts=[]",
-                          "train.train_text_encoder=true", "data.shuffle_tags=true")) == 0
+                          "train.train_text_encoder=true", "data.shuffle_tags=true", "data.cache_latents=false")) == 0
     err = capsys.readouterr().err
+    assert "latents:" not in err  # cache_latents off: the VAE encodes every batch
     assert "text embeddings: computed every step, not cached (train.train_text_encoder is on)" in err
     weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
     prefixes = {k.split(".")[0] for k in weights}

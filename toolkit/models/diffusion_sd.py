@@ -179,6 +179,8 @@ class StableDiffusionAdapter:
             dataset.crops = [(int(c["crop"][0]), int(c["crop"][1])) for c in cached]
             self.log(f"latents: {self.latent_cache.hits} cached, {self.latent_cache.misses} encoded")
             self.pipe.vae.to("cpu")  # only sampling needs it again
+        else:
+            self.pipe.vae.to(self.runtime.device)  # latents are encoded every step
         train_te = self.cfg.train.train_text_encoder
         if data.cache_text_embeddings and (rules.varies or train_te):
             why = "train.train_text_encoder is on" if train_te else "data.shuffle_tags / data.caption_dropout change captions"
@@ -224,8 +226,9 @@ class StableDiffusionAdapter:
         return latents, text["prompt_embeds"], added
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor, added: dict | None) -> torch.Tensor:
-        unet = getattr(self, "forward_module", None) or self.pipe.unet
-        dtype = self.pipe.unet.dtype
+        # note: the network is a ModuleDict, so a DDP wrapper of it (trainer.forward_module) cannot be
+        # called as the UNet; multi-GPU diffusion training needs the UNet wrapped on its own (not done yet).
+        unet, dtype = self.pipe.unet, self.pipe.unet.dtype
         added = {k: v.to(dtype) for k, v in added.items()} if added else None
         return unet(noisy.to(dtype), timesteps, embeds.to(dtype), added_cond_kwargs=added).sample.float()
 
