@@ -91,6 +91,9 @@ def test_doctor_gfx1151_without_rocm_or_variables(strix_halo, monkeypatch, tmp_p
     failing = {line.split()[1] for line in lines if line.startswith("[FAIL]") and " is not set;" in line}
     assert {"PYTORCH_ROCM_ARCH", "HSA_OVERRIDE_GFX_VERSION", "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL",
             "MIOPEN_FIND_MODE"} <= failing
+    assert f"[FAIL] PATH does not contain {tmp_path / 'nowhere'}/bin" in lines
+    assert _line_after(lines, "[FAIL] PATH does not contain").strip() == (
+        f'fix: start through ./start_toolkit.sh (it adds it), or export PATH="$PATH:{tmp_path / "nowhere"}/bin"')
     override = next(line for line in lines if line.startswith("[FAIL] HSA_OVERRIDE_GFX_VERSION"))
     assert "HSA_OVERRIDE_GFX_VERSION=11.0.0" in override
     assert _line_after(lines, override).strip() == ("fix: start through ./start_toolkit.sh, or export "

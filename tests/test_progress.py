@@ -66,7 +66,7 @@ def test_without_terminal_a_line_every_n_steps(tmp_path, run_cli, capsys):
     for line in lines:
         assert re.fullmatch(r"step \d/4  loss \d+\.\d{4} \(smoothed \d+\.\d{4}\)  lr 1\.00e-02  [\d,]+ tok/s  "
                             r"mem [\d,]+ MB  eta \d+:\d\d", line), line
-    assert "\r" not in err and "train:" not in err  # no bar without a terminal
+    assert "train:" not in err and "step/s" not in err  # no toolkit progress bar without a terminal
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")

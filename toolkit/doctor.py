@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,7 @@ _BNB_PROBE = "import bitsandbytes, sys; sys.stdout.write(bitsandbytes.__version_
 class Checklist:
     """Collects check lines as they are printed; counts the failures."""
 
-    print_: callable = print
+    print_: Callable[[str], None] = print
     failures: list[str] = field(default_factory=list)
 
     def check(self, ok: bool, what: str, fix: str = "") -> bool:
@@ -60,11 +61,6 @@ def _finish_probe(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[bool,
     if proc.returncode == 0:
         return True, out.strip()
     return False, (err.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-
-
-def bitsandbytes_status(timeout: float = 60.0) -> tuple[bool, str]:
-    """Whether bitsandbytes imports (its version), or why not."""
-    return _finish_probe(_start_probe(_BNB_PROBE), timeout)
 
 
 def _amd_gpus_in_sysfs() -> list:
@@ -99,7 +95,7 @@ def _check_rocm_env(checks: Checklist, device) -> None:
         elif decision.kept:
             checks.check(True, f"{decision.name}={decision.value} is set")
         elif decision.name in _PATH_LISTS:
-            directory = decision.reason.split(":")[0].removeprefix("+= ")
+            directory = decision.value.split(os.pathsep)[-1]  # the launcher appends its directory
             checks.check(False, f"{decision.name} does not contain {directory}",
                          f"start through ./start_toolkit.sh (it adds it), or export "
                          f"{decision.name}=\"${decision.name}:{directory}\"")
