@@ -74,6 +74,16 @@ def test_report_renders_in_chromium(run_folder, tmp_path):
     assert title.group(1) == "plot=700x350 samples=2", title.group(1)
 
 
+def test_without_terminal_a_line_every_n_steps(run_folder):
+    _, proc = run_folder  # stderr was a pipe, as under CI or nohup: plain lines, no bar
+    lines = [line for line in proc.stderr.splitlines() if re.match(r"step \d+/6 ", line)]
+    assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
+    for line in lines:
+        assert re.fullmatch(r"step \d/6  loss \d+\.\d{4} \(smoothed \d+\.\d{4}\)  lr \d\.\d\de[-+]\d\d  [\d,]+ tok/s  "
+                            r"mem [\d,]+ MB  eta \d+:\d\d", line), line
+    assert "train:" not in proc.stderr and "\r" not in proc.stderr
+
+
 def test_metrics_jsonl_and_tensorboard(run_folder):
     out, proc = run_folder
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]

@@ -68,12 +68,13 @@ class MetricsLogger:
         self.every = every
         self.total_steps = total_steps
         self.smoothed: float | None = None
+        # First, so that a missing wandb stops the run before any file is opened.
+        self._wandb = self._start_wandb(wandb_project or run_name, run_name, config) if enabled and wandb else None
         self._jsonl = (logs_dir / "metrics.jsonl").open("a", encoding="utf-8") if enabled else None
         self._tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(log_dir=str(logs_dir / "tensorboard"))
-        self._wandb = self._start_wandb(wandb_project or run_name, run_name, config) if enabled and wandb else None
         self.profiler = StepProfiler(logs_dir / "profile") if enabled and profile else None
         self._tty = sys.stderr.isatty()
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, unit="step",
