@@ -159,6 +159,7 @@ def test_report_shows_image_samples_by_step(tmp_path):
         images.append(first / f"prompt-{i}.png")
         Image.new("RGB", (32, 32), (0, 10 * i, 200)).save(second / f"prompt-{i}.png")
     make_grid(sorted(second.glob("*.png")), second / "grid.png")
+    (second / "prompts.txt").write_text("00: a red <circle>\n01: a blue square\n", encoding="utf-8")
     (run_dir.logs / "metrics.jsonl").write_text('{"step": 10, "loss": 3.0, "loss_smoothed": 3.0, "steps_per_s": 2.0}\n'
                                                 '{"step": 20, "loss": 2.5, "loss_smoothed": 2.9, "steps_per_s": 2.5}\n')
     page = RunReport(run_dir, run, "run:\n  name: x\n").update(20, 40, 12.0).read_text(encoding="utf-8")
@@ -166,5 +167,6 @@ def test_report_shows_image_samples_by_step(tmp_path):
     assert sources == ["samples/step-000010/prompt-0.png", "samples/step-000010/prompt-1.png",
                        "samples/step-000020/grid.png"]
     assert re.findall(r"<h3>step (\d+)</h3>", page) == ["10", "20"]
+    assert '<pre class="prompts">00: a red &lt;circle&gt;\n01: a blue square</pre>' in page
     assert "in progress: step 20 of 40" in page and "0m 12s" in page and "2.50" in page
     assert (run_dir.logs / "loss.png").exists()

@@ -50,6 +50,9 @@ def _sample_step_html(run_dir: RunDir, folder: Path) -> str:
                          f'{_esc(record.get("completion", ""))}</div>')
     grid = folder / "grid.png"
     images = [grid] if grid.exists() else sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    prompts = folder / "prompts.txt"  # image families: which prompt made which numbered image
+    if images and prompts.exists():
+        parts.append(f'<pre class="prompts">{_esc(prompts.read_text(encoding="utf-8").strip())}</pre>')
     if images:
         parts.append('<div class="images">' + "".join(
             f'<img class="sample-image" src="{_esc(p.relative_to(run_dir.root).as_posix())}" alt="{_esc(p.name)}">'
