@@ -137,6 +137,11 @@ def test_make_grid_tiles_images_row_by_row(tmp_path):
         assert img.getpixel((32, 96)) == (0, 0, 255)
         assert img.getpixel((96, 96)) == (255, 255, 255)  # empty cell stays white
         assert img.getpixel((32, 2)) == (255, 255, 255)   # 64x32 image centred vertically in its cell
+    small = [tmp_path / "small-0.png", tmp_path / "small-1.png"]
+    for path in small:
+        Image.new("RGB", (16, 16), (0, 0, 0)).save(path)
+    with Image.open(make_grid(small, tmp_path / "small-grid.png")) as img:
+        assert img.size == (32, 16)  # cells no larger than the largest image
     with pytest.raises(ValueError):
         make_grid([], tmp_path / "empty.png")
 

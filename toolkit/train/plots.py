@@ -44,10 +44,11 @@ def plot_loss(metrics_path: Path, out_path: Path) -> Path | None:
 
     fig = Figure(figsize=(7, 3.5), dpi=100)
     ax = fig.add_subplot()
-    ax.plot(steps, loss, color="#9ab", linewidth=1, label="loss")
+    marker = "o" if len(steps) < 20 else None  # a line through one or two points is invisible
+    ax.plot(steps, loss, color="#9ab", linewidth=1, marker=marker, label="loss")
     smooth_steps, smoothed = _series(records, "loss_smoothed")
     if smooth_steps:
-        ax.plot(smooth_steps, smoothed, color="#1f5fa8", linewidth=2, label="loss (smoothed)")
+        ax.plot(smooth_steps, smoothed, color="#1f5fa8", linewidth=2, marker=marker, label="loss (smoothed)")
     eval_steps, eval_loss = _series(records, "eval_loss")
     if eval_steps:
         ax.plot(eval_steps, eval_loss, "o-", color="#c0392b", label="eval loss")
@@ -64,11 +65,17 @@ def plot_loss(metrics_path: Path, out_path: Path) -> Path | None:
 
 
 def make_grid(image_paths: list[Path], out_path: Path, columns: int | None = None, cell: int = 256) -> Path:
-    """Tile images into one PNG grid (each scaled to fit a `cell`-pixel square), row by row."""
+    """Tile images into one PNG grid, row by row; each is shrunk to fit a square cell of `cell` pixels,
+    or of the largest image's side when that is smaller (tiny test images make a tiny grid)."""
     from PIL import Image
 
     if not image_paths:
         raise ValueError("make_grid needs at least one image")
+    sizes = []
+    for path in image_paths:
+        with Image.open(path) as img:
+            sizes.append(max(img.size))
+    cell = min(cell, max(sizes))
     columns = columns or math.ceil(math.sqrt(len(image_paths)))
     rows = math.ceil(len(image_paths) / columns)
     grid = Image.new("RGB", (columns * cell, rows * cell), "white")

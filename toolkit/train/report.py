@@ -22,7 +22,7 @@ table { border-collapse: collapse; } td { padding: 0.15em 1em 0.15em 0; vertical
 td:first-child { color: #666; white-space: nowrap; }
 pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; }
 .sample-step { margin-bottom: 1.2em; } .sample-text { white-space: pre-wrap; }
-.prompt { font-weight: bold; } .images img { max-width: 256px; margin: 0 0.5em 0.5em 0; }
+.prompt { font-weight: bold; } .images img { max-width: 100%; min-width: 128px; margin: 0 0.5em 0.5em 0; }
 """
 
 
