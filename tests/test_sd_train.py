@@ -186,3 +186,15 @@ def test_real_model_examples_validate(config, run_cli, capsys):
     assert run_cli("validate", REPO / "configs/examples" / config) == 0
     out = capsys.readouterr().out
     assert "model.family" in out and "data.resolution" in out
+
+
+def test_resumed_run_ends_bit_identical(shapes, tmp_path, run_cli):
+    common = ("sample.prompts=[]", "save.every=2", "data.shuffle_tags=true", "data.caption_dropout=0.3")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_cli(*_args("quickstart_sd.yaml", shapes, straight, "train.steps=4", *common)) == 0
+    assert run_cli(*_args("quickstart_sd.yaml", shapes, resumed, "train.steps=2", *common)) == 0
+    assert run_cli(*_args("quickstart_sd.yaml", shapes, resumed, "train.steps=4", *common)) == 0
+    a = load_file(str(straight / "final" / "pytorch_lora_weights.safetensors"))
+    b = load_file(str(resumed / "final" / "pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(v.abs().sum() > 0 for k, v in a.items() if ".lora.up." in k)

@@ -82,6 +82,17 @@ def _scheduler(prediction_type: str):
                          clip_sample=False, prediction_type=prediction_type, steps_offset=1)
 
 
+def _keeps_global_rng(writer):
+    """Run a writer without touching the caller's RNG streams: a tiny model written on first use inside a
+    training run must not change that run's noise (or a resumed run would differ from an uninterrupted one)."""
+    def wrapped(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return writer(*args, **kwargs)
+    wrapped.__doc__, wrapped.__name__ = writer.__doc__, writer.__name__
+    return wrapped
+
+
+@_keeps_global_rng
 def write_tiny_sd(out: Path, prediction_type: str = "epsilon") -> None:
     """SD 1.x layout: UNet (32/64 channels, cross-attention 32), tiny VAE (x2 downsampling), 2-layer CLIP."""
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
@@ -107,6 +118,7 @@ def write_tiny_sd_v(out: Path) -> None:
     write_tiny_sd(out, prediction_type="v_prediction")
 
 
+@_keeps_global_rng
 def write_tiny_sdxl(out: Path) -> None:
     """SDXL layout: two CLIP encoders (hidden 32 each, the second with a 32-d projection), text_time conditioning."""
     from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
