@@ -17,7 +17,7 @@ from conftest import REPO
 from toolkit.config.run import load_run
 from toolkit.models import build_adapter
 from toolkit.models.base import Runtime
-from toolkit.models.diffusion_sd import StableDiffusionAdapter, min_snr_weights
+from toolkit.models.diffusion_sd import StableDiffusionAdapter, min_snr_weights, sample_timesteps
 from toolkit.models.tiny import resolve_model_path
 from toolkit.models.tiny_diffusion import write_shapes_dataset
 
@@ -96,9 +96,12 @@ def test_sd_trains_saves_a_diffusers_lora_and_reuses_its_caches(shapes, tmp_path
     assert calls == {"pixels": 0, "text": 0}
 
 
-@pytest.mark.parametrize("model, prediction_type", [("tiny:sd", "epsilon"), ("tiny:sd-v", "v_prediction")])
-def test_loss_is_the_mse_against_the_scheduler_target(shapes, tmp_path, model, prediction_type):
-    adapter, dataset = _adapter("quickstart_sd.yaml", shapes, tmp_path, f"model.name_or_path={model}")
+@pytest.mark.parametrize("model, prediction_type, noise_offset", [("tiny:sd", "epsilon", 0.0),
+                                                                  ("tiny:sd-v", "v_prediction", 0.0),
+                                                                  ("tiny:sd", "epsilon", 0.1)])
+def test_loss_is_the_mse_against_the_scheduler_target(shapes, tmp_path, model, prediction_type, noise_offset):
+    adapter, dataset = _adapter("quickstart_sd.yaml", shapes, tmp_path, f"model.name_or_path={model}",
+                                f"train.noise_offset={noise_offset}")
     assert adapter.prediction_type == prediction_type
     batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 0])
     torch.manual_seed(0)
@@ -107,6 +110,8 @@ def test_loss_is_the_mse_against_the_scheduler_target(shapes, tmp_path, model, p
         torch.manual_seed(0)
         latents = batch["latents"]
         noise = torch.randn_like(latents)
+        if noise_offset:
+            noise = noise + noise_offset * torch.randn(latents.shape[0], latents.shape[1], 1, 1)
         timesteps = torch.randint(0, 1000, (latents.shape[0],))
         scheduler = adapter.noise_scheduler
         pred = adapter.pipe.unet(scheduler.add_noise(latents, noise, timesteps), timesteps, batch["prompt_embeds"]).sample
@@ -115,6 +120,17 @@ def test_loss_is_the_mse_against_the_scheduler_target(shapes, tmp_path, model, p
     assert torch.allclose(loss, F.mse_loss(pred, target), rtol=1e-5, atol=1e-7)
     assert not torch.allclose(loss, F.mse_loss(pred, noise if prediction_type != "epsilon" else
                                                 scheduler.get_velocity(latents, noise, timesteps)))
+
+
+def test_timestep_sampling():
+    torch.manual_seed(0)
+    uniform = sample_timesteps("uniform", 20000, 1000, torch.device("cpu"))
+    logit_normal = sample_timesteps("logit_normal", 20000, 1000, torch.device("cpu"))
+    for t in (uniform, logit_normal):
+        assert t.dtype == torch.int64 and t.min() >= 0 and t.max() <= 999
+    middle = lambda t: ((t >= 250) & (t < 750)).float().mean().item()  # noqa: E731
+    assert abs(middle(uniform) - 0.5) < 0.02
+    assert abs(middle(logit_normal) - 0.727) < 0.02  # P(|z| < logit(0.75)) for a standard normal z
 
 
 def test_min_snr_weights():
