@@ -184,6 +184,13 @@ def test_text_encoder_lora_uncached_latents_and_shuffled_captions(shapes, tmp_pa
     pipe.load_lora_weights(str(out / "final"))
     assert any("lora_A" in name for name, _ in pipe.text_encoder.named_parameters())
 
+    # The adapter's own loader (for sampling from a finished run) restores exactly what was saved.
+    adapter, _ = _adapter("quickstart_sd.yaml", shapes, tmp_path / "reload", "train.train_text_encoder=true")
+    adapter.load_lora(out / "final")
+    layers = adapter.diffusers_lora_layers(torch.float32)
+    restored = {f"{name[:-len('_lora_layers')]}.{k}": v for name, part in layers.items() for k, v in part.items()}
+    assert restored.keys() == weights.keys() and all(torch.equal(restored[k], weights[k]) for k in weights)
+
 
 def test_vae_encoding_runs_with_cudnn_off_when_the_hip_preset_says_so(shapes, tmp_path, monkeypatch):
     assert load_run([REPO / "configs/examples/quickstart_sd.yaml"], ["device.preset=gfx942"]).cfg.device.vae_encode_cudnn is False

@@ -173,7 +173,8 @@ class StableDiffusionAdapter:
         if data.cache_latents:
             self.pipe.vae.to(self.runtime.device)
             self.latent_cache = TensorCache(root, "latents")
-            keys = [cache_key(it.content_hash, it.bucket, self.model_path, self.cfg.model.revision, "mode") for it in items]
+            vae_id = (self.model_path, self.cfg.model.revision, str(self.pipe.vae.dtype), "mode")
+            keys = [cache_key(it.content_hash, it.bucket, *vae_id) for it in items]
             cached = self.latent_cache.fill(keys, lambda idx: [self._encode_item(items[i]) for i in idx])
             dataset.latents = [c["latents"] for c in cached]
             dataset.crops = [(int(c["crop"][0]), int(c["crop"][1])) for c in cached]
@@ -189,7 +190,8 @@ class StableDiffusionAdapter:
             for encoder in self.text_encoders:
                 encoder.to(self.runtime.device)
             self.text_cache = TensorCache(root, "text")
-            keys = [cache_key(it.caption, self.model_path, self.cfg.model.revision, self.family) for it in items]
+            text_id = (self.model_path, self.cfg.model.revision, self.family, str(self.pipe.text_encoder.dtype))
+            keys = [cache_key(it.caption, *text_id) for it in items]
             with torch.no_grad():
                 cached = self.text_cache.fill(keys, lambda idx: self._unbatch(self.encode_text([items[i].caption for i in idx])))
             dataset.text = cached
@@ -342,15 +344,14 @@ class StableDiffusionAdapter:
 
     def load_lora(self, path: Path) -> None:
         """Load a diffusers-format LoRA file (or a folder holding one) into the trained modules."""
-        from diffusers.utils import convert_unet_state_dict_to_peft
+        from diffusers.utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
         from peft import set_peft_model_state_dict
 
         state, _ = self._pipeline_class().lora_state_dict(str(path), weight_name=LORA_FILE if Path(path).is_dir() else None)
         for name, module in self.network.items():
             prefix = f"{name}."
             part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            if name == "unet":
-                part = convert_unet_state_dict_to_peft(part)
+            part = convert_unet_state_dict_to_peft(part) if name == "unet" else convert_state_dict_to_peft(part)
             result = set_peft_model_state_dict(module, part)
             if getattr(result, "unexpected_keys", None):
                 raise UserError(f"{path}: LoRA keys do not match the {name}: {result.unexpected_keys[:2]}")
