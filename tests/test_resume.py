@@ -115,8 +115,6 @@ def test_uninterrupted_run_writes_every_checkpoint_with_all_its_files(reference)
     assert metric_steps(out) == list(range(1, STEPS + 1))
 
 
-@pytest.mark.xfail(strict=True, reason="open: a run interrupted mid-run (kill -9 / SIGTERM) and resumed ends "
-                   "different from the uninterrupted one, while resuming a finished run's checkpoint is exact")
 def test_kill_9_mid_run_then_resume_is_bit_identical(reference, tmp_path):
     family, ref = reference
     out = tmp_path / "run"
@@ -140,8 +138,6 @@ def test_kill_9_mid_run_then_resume_is_bit_identical(reference, tmp_path):
     assert metric_steps(out) == list(range(1, killed_at + 1)) + list(range(latest.step + 1, STEPS + 1))
 
 
-@pytest.mark.xfail(strict=True, reason="open: a run interrupted mid-run (kill -9 / SIGTERM) and resumed ends "
-                   "different from the uninterrupted one, while resuming a finished run's checkpoint is exact")
 def test_sigterm_saves_at_the_step_it_stopped_exits_143_and_resumes_bit_identical(reference, tmp_path):
     family, ref = reference
     out = tmp_path / "run"

@@ -100,7 +100,9 @@ def write_tiny(kind: str, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        TINY_WRITERS[kind](tmp)
+        # Writers seed torch; a run that writes its tiny model must not have its own RNG streams reset.
+        with torch.random.fork_rng(devices=[]):
+            TINY_WRITERS[kind](tmp)
         (tmp / "tiny_model.json").write_text(json.dumps({"kind": kind, "version": TINY_VERSION}) + "\n")
         try:
             tmp.rename(out)
