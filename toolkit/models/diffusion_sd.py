@@ -101,6 +101,8 @@ class StableDiffusionAdapter:
         self.pipe.set_progress_bar_config(disable=True)
         self.noise_scheduler = DDPMScheduler.from_config(self.pipe.scheduler.config)
         self.prediction_type = self.noise_scheduler.config.prediction_type
+        if self.pipe.vae.dtype == torch.float16 and getattr(self.pipe.vae.config, "force_upcast", False):
+            self.pipe.vae.to(torch.float32)  # the SDXL VAE overflows in fp16 (its config asks for fp32)
         unet = self.pipe.unet
         for module in [unet, self.pipe.vae, *self.text_encoders]:
             module.requires_grad_(False)
