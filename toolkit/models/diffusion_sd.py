@@ -101,8 +101,6 @@ class StableDiffusionAdapter:
         self.pipe.set_progress_bar_config(disable=True)
         self.noise_scheduler = DDPMScheduler.from_config(self.pipe.scheduler.config)
         self.prediction_type = self.noise_scheduler.config.prediction_type
-        if self.pipe.vae.dtype == torch.float16 and getattr(self.pipe.vae.config, "force_upcast", False):
-            self.pipe.vae.to(torch.float32)  # the SDXL VAE overflows in fp16 (its config asks for fp32)
         unet = self.pipe.unet
         for module in [unet, self.pipe.vae, *self.text_encoders]:
             module.requires_grad_(False)
@@ -141,9 +139,17 @@ class StableDiffusionAdapter:
     def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """Scaled VAE latents (the posterior mean) of images in [-1, 1]."""
         vae = self.pipe.vae
-        with torch.no_grad(), self._vae_encoding():
-            pixels = pixels.to(self.runtime.device, vae.dtype)
-            latents = vae.encode(pixels).latent_dist.mode()
+        # The SDXL VAE overflows in fp16 (its config says force_upcast): encode in fp32, then go back, so the
+        # pipeline's own upcast logic still applies when sampling.
+        upcast = vae.dtype == torch.float16 and getattr(vae.config, "force_upcast", False)
+        if upcast:
+            vae.to(torch.float32)
+        try:
+            with torch.no_grad(), self._vae_encoding():
+                latents = vae.encode(pixels.to(self.runtime.device, vae.dtype)).latent_dist.mode()
+        finally:
+            if upcast:
+                vae.to(torch.float16)
         shift = getattr(vae.config, "shift_factor", None) or 0.0
         return ((latents.float() - shift) * vae.config.scaling_factor)
 
