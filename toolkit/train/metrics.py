@@ -94,7 +94,7 @@ class MetricsLogger:
         return wandb.init(project=project, name=name, config=config or {})
 
     def step(self, step: int, loss: float, lr: float, extra: dict | None = None, tokens: int | None = None,
-             grad_norm: float | None = None) -> None:
+             grad_norm: "float | torch.Tensor | None" = None) -> None:
         """Record one optimizer step's numbers; `tokens` (the batch's token count) adds tokens/s."""
         if not self.enabled:
             return
@@ -120,6 +120,7 @@ class MetricsLogger:
         record = {"step": step, "loss": loss, "loss_smoothed": self.smoothed, "lr": lr, "steps_per_s": rate}
         if self._tokens_per_s is not None:
             record["tokens_per_s"] = self._tokens_per_s
+        grad_norm = float(grad_norm) if grad_norm is not None else None  # a device tensor until logged
         if _finite(grad_norm):
             record["grad_norm"] = grad_norm
         record.update({"memory_mb": memory, "memory_kind": memory_kind, "time": time.time(), **(extra or {})})

@@ -123,7 +123,7 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches; returns the mean loss (NaN skips the update)."""
         accum = self.cfg.train.grad_accum
         module = getattr(self.adapter, "forward_module", None) or self.adapter.network
-        total = 0.0
+        losses = []
         self.step_tokens, self.grad_norm = 0, None
         for micro in range(accum):
             batch = self.dataset.collate(self.order.next_batch())
@@ -133,17 +133,19 @@ class Trainer:
             context = self.accelerator.no_sync(module) if not sync else nullcontext()
             with context, self.accelerator.autocast():
                 loss = self.adapter.loss(batch) / accum
-            value = loss.item()  # note: a host sync per micro-batch; needed to catch NaN before stepping
-            if not math.isfinite(value):
-                self.optimizer.zero_grad(set_to_none=True)
-                return float("nan")
             with context:
                 self.accelerator.backward(loss)
-            total += value
+            losses.append(loss.detach())
+        # One host sync per step, after backward is queued, so the GPU stays busy while we wait for it.
+        # A non-finite loss discards the step's gradients and skips the update.
+        total = torch.stack(losses).float().sum().item()
+        if not math.isfinite(total):
+            self.optimizer.zero_grad(set_to_none=True)
+            return float("nan")
         if self.cfg.train.max_grad_norm > 0:
-            norm = self.accelerator.clip_grad_norm_(trainable_parameters(self.adapter.network),
-                                                    self.cfg.train.max_grad_norm)
-            self.grad_norm = float(norm) if norm is not None else None
+            # Kept as a device tensor: MetricsLogger converts it only on the steps it logs.
+            self.grad_norm = self.accelerator.clip_grad_norm_(trainable_parameters(self.adapter.network),
+                                                              self.cfg.train.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None and not self.optimizer.step_was_skipped:  # fp16: the scaler may skip a step
