@@ -180,6 +180,7 @@ def test_flash_attention_without_flash_attn_is_a_user_error(tmp_path, monkeypatc
 
 def test_qlora_4bit_trains_on_cpu(tmp_path, monkeypatch):
     """bitsandbytes 0.50 runs 4-bit layers on the CPU: a QLoRA run through the CLI."""
+    pytest.importorskip("bitsandbytes")
     out = tmp_path / "q"
     assert train(monkeypatch, "configs/examples/quickstart_llm.yaml", f"run.output_dir={out}", "model.quantize=4bit",
                  "train.steps=2", "save.every=0", "sample.prompts=[]", "log.every=1") == 0
@@ -214,7 +215,7 @@ def test_hip_refuses_a_prequantized_checkpoint(tmp_path):
 
 
 def test_hip_quantizes_after_loading_16bit_weights(tmp_path):
-    import bitsandbytes as bnb
+    bnb = pytest.importorskip("bitsandbytes")
 
     adapter = hip_adapter(tmp_path, "tiny:llm", "4bit")
     adapter.load()
@@ -237,3 +238,14 @@ def test_plan_quantization_rules():
     assert plan_quantization("none", "cuda", {"quant_method": "gptq"}, "m").mode == "prequantized"
     with pytest.raises(UserError, match="model.quantize: 'm' is already quantized"):
         plan_quantization("4bit", "cuda", {"quant_method": "bitsandbytes"}, "m")
+
+
+def test_quantize_without_bitsandbytes_names_the_fix(monkeypatch):
+    import importlib.util
+
+    from toolkit.models.llm import plan_quantization
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(UserError, match=r"model.quantize=4bit needs bitsandbytes.*\n  fix: pip install bitsandbytes"):
+        plan_quantization("4bit", "cuda", None, "tiny:llm")

@@ -184,6 +184,9 @@ def pad_samples(batch: list[TokenizedSample], pad_token_id: int) -> dict[str, to
         input_ids[row, :n] = torch.tensor(sample.input_ids)
         labels[row, :n] = torch.tensor(sample.labels)
         attention_mask[row, :n] = 1
+    if all(len(s.input_ids) == width for s in batch):
+        # No padding: without a mask, SDPA takes its is_causal fast path (flash attention on GPUs).
+        return {"input_ids": input_ids, "labels": labels}
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 

@@ -65,6 +65,9 @@ def plan_quantization(quantize: str, backend: str, checkpoint_quantization: dict
         return QuantPlan("prequantized", note=f"model: prequantized checkpoint ({method}), loaded as it is")
     if quantize == "none":
         return QuantPlan("none")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(f"model.quantize={quantize} needs bitsandbytes, which is not installed\n"
+                        "  fix: pip install bitsandbytes (or pip install -e '.[bnb]'), or set model.quantize=none")
     if backend == "hip":
         return QuantPlan(quantize, after_load=True,
                          note=f"model.quantize={quantize} on ROCm: loading the 16-bit weights and quantizing the "

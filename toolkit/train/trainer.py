@@ -127,6 +127,10 @@ class Trainer:
         self.step_tokens, self.grad_norm = 0, None
         for micro in range(accum):
             batch = self.dataset.collate(self.order.next_batch())
+            if self.accelerator.device.type == "cuda":
+                # Pinned host memory makes the adapter's non_blocking copies asynchronous: a copy from
+                # pageable memory waits for the GPU to drain, leaving it idle while the next step launches.
+                batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
             if isinstance(batch, dict) and torch.is_tensor(batch.get("input_ids")):
                 self.step_tokens += batch["input_ids"].numel()
             sync = micro == accum - 1 or self.accelerator.num_processes == 1
