@@ -276,3 +276,27 @@ def test_resume_false_refuses_a_run_folder_with_checkpoints(reference, tmp_path,
     assert train_in_process(family, out, "train.resume=false") == 2
     err = capsys.readouterr().err
     assert f"train.resume is false, but {out} already has checkpoints" in err and "--fresh" in err
+
+
+SD_ARGS = ["train", str(REPO / "configs/examples/quickstart_sd.yaml"), "train.steps=6", "save.every=2",
+           "save.keep_last=10", "sample.prompts=[]", "log.every=1", "log.tensorboard=false", "train.batch_size=2"]
+
+
+def test_sd_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
+    ref, out = tmp_path / "reference", tmp_path / "run"
+    proc = run_toolkit(*SD_ARGS, f"run.output_dir={ref}", env=SINGLE_THREAD)
+    assert proc.returncode == 0, proc.stderr
+    killed = subprocess.Popen([sys.executable, "-m", "toolkit", *SD_ARGS, f"run.output_dir={out}"], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SINGLE_THREAD})
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step-000002" / "meta.json").is_file(), killed)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+    finally:
+        killed.kill()
+    assert killed.returncode == -signal.SIGKILL and not (out / "final").exists()
+    proc = run_toolkit(*SD_ARGS, f"run.output_dir={out}", env=SINGLE_THREAD)
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed from" in proc.stderr
+    name = "pytorch_lora_weights.safetensors"
+    assert_bit_identical(load_file(str(out / "final" / name)), load_file(str(ref / "final" / name)))
