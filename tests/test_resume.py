@@ -284,10 +284,12 @@ SD_ARGS = ["train", str(REPO / "configs/examples/quickstart_sd.yaml"), "train.st
 
 def test_sd_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
     ref, out = tmp_path / "reference", tmp_path / "run"
-    proc = run_toolkit(*SD_ARGS, f"run.output_dir={ref}", env=SINGLE_THREAD)
+    # A private cache: the latent/text caches this writes must not turn other tests' first runs into cache hits.
+    env = {**SINGLE_THREAD, "TOOLKIT_CACHE": str(tmp_path / "cache")}
+    proc = run_toolkit(*SD_ARGS, f"run.output_dir={ref}", env=env)
     assert proc.returncode == 0, proc.stderr
     killed = subprocess.Popen([sys.executable, "-m", "toolkit", *SD_ARGS, f"run.output_dir={out}"], cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SINGLE_THREAD})
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
     try:
         wait_for(lambda: (out / "checkpoints" / "step-000002" / "meta.json").is_file(), killed)
         killed.send_signal(signal.SIGKILL)
@@ -295,7 +297,7 @@ def test_sd_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
     finally:
         killed.kill()
     assert killed.returncode == -signal.SIGKILL and not (out / "final").exists()
-    proc = run_toolkit(*SD_ARGS, f"run.output_dir={out}", env=SINGLE_THREAD)
+    proc = run_toolkit(*SD_ARGS, f"run.output_dir={out}", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" in proc.stderr
     name = "pytorch_lora_weights.safetensors"
