@@ -81,6 +81,16 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.005)
 
 
+def kill_9_after_checkpoint(proc: subprocess.Popen, out: Path, step: int) -> None:
+    """SIGKILL the training subprocess as soon as the checkpoint of `step` is complete."""
+    try:
+        wait_for(lambda: (out / "checkpoints" / f"step-{step:06d}" / "meta.json").is_file(), proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def reference(request, tmp_path_factory) -> tuple[str, Path]:
     """One uninterrupted run of STEPS steps per family: what every resumed run must reproduce bit for bit."""
@@ -119,12 +129,7 @@ def test_kill_9_mid_run_then_resume_is_bit_identical(reference, tmp_path):
     family, ref = reference
     out = tmp_path / "run"
     proc = start_subprocess(family, out)
-    try:
-        wait_for(lambda: (out / "checkpoints" / "step-000004" / "meta.json").is_file(), proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
+    kill_9_after_checkpoint(proc, out, 4)
     assert proc.returncode == -signal.SIGKILL
     assert not (out / "final").exists()
     killed_at = max(metric_steps(out))
@@ -290,12 +295,7 @@ def test_sd_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
     assert proc.returncode == 0, proc.stderr
     killed = subprocess.Popen([sys.executable, "-m", "toolkit", *SD_ARGS, f"run.output_dir={out}"], cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
-    try:
-        wait_for(lambda: (out / "checkpoints" / "step-000002" / "meta.json").is_file(), killed)
-        killed.send_signal(signal.SIGKILL)
-        killed.wait(timeout=30)
-    finally:
-        killed.kill()
+    kill_9_after_checkpoint(killed, out, 2)
     assert killed.returncode == -signal.SIGKILL and not (out / "final").exists()
     proc = run_toolkit(*SD_ARGS, f"run.output_dir={out}", env=env)
     assert proc.returncode == 0, proc.stderr

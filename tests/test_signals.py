@@ -93,6 +93,7 @@ def test_out_of_memory_ends_with_the_fixes_and_keeps_the_last_checkpoint(monkeyp
     assert "error: out of memory at step 6 on" in err and "(preset cpu)" in err
     assert f"the last checkpoint is intact: {out / 'checkpoints' / 'step-000004'}" in err
     assert "fix: train.batch_size=4 train.grad_accum=2 (same effective batch)" in err
+    assert "or: model.quantize=8bit (a quantized frozen base)" in err  # the llm adapter's own remedy
     assert "or: train.gradient_checkpointing=true" in err and "or: train.optimizer=adamw8bit" in err
     latest = find_latest_checkpoint(out / "checkpoints", warn=lambda m: (_ for _ in ()).throw(AssertionError(m)))
     assert latest.step == 4

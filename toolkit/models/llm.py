@@ -189,6 +189,10 @@ class LLMAdapter:
         self.network = get_peft_model(model, lora, autocast_adapter_dtype=True)
         self.network.to(self.runtime.device)
 
+    def memory_fixes(self) -> list[str]:
+        """Out-of-memory remedies this family offers beyond the trainer's generic ones."""
+        return ["model.quantize=8bit (a quantized frozen base)"] if self.cfg.model.quantize == "none" else []
+
     def lora_targets(self) -> list[str]:
         return sorted({name.rsplit(".lora_A", 1)[0] for name, _ in self.network.named_parameters() if ".lora_A" in name})
 

@@ -178,8 +178,8 @@ class Trainer:
             fixes.append("train.gradient_checkpointing=true")
         if t.optimizer not in ("adamw8bit", "lion8bit", "adafactor"):
             fixes.append("train.optimizer=adamw8bit")
-        if self.cfg.model.quantize == "none" and self.cfg.model.family == "llm":
-            fixes.append("model.quantize=8bit (a quantized frozen base)")
+        # Family-specific remedies come from the adapter; the trainer does not ask which family it is.
+        fixes += getattr(self.adapter, "memory_fixes", lambda: [])()
         kept = f"the last checkpoint is intact: {latest.path}" if latest else "no checkpoint had been written yet"
         return UserError(f"out of memory at step {step} on {self.run_cfg.device.summary()} "
                          f"(preset {self.run_cfg.preset.name}); {kept}\n  fix: " + "\n  or: ".join(fixes or ["a smaller model or data.max_seq_len / data.resolution"]))
