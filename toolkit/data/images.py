@@ -40,7 +40,8 @@ def caption_rules(data) -> CaptionRules:
                         keep_tokens=data.keep_tokens)
 
 
-def _raw_captions(root: Path, caption_ext: str) -> list[tuple[Path, str | None]]:
+def _raw_captions(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_EXTS) -> list[tuple[Path, str | None]]:
+    """(file, caption text or None) from metadata.jsonl, else every file with a suffix in `exts`."""
     metadata = root / "metadata.jsonl"
     if metadata.is_file():
         pairs = []
@@ -55,7 +56,7 @@ def _raw_captions(root: Path, caption_ext: str) -> list[tuple[Path, str | None]]
                                 '  fix: write lines like {"file_name": "0001.png", "text": "a red circle"}') from None
         return pairs
     pairs = []
-    for path in sorted(p for p in root.iterdir() if p.suffix.lower() in IMAGE_EXTS):
+    for path in sorted(p for p in root.iterdir() if p.suffix.lower() in exts):
         caption_file = path.with_suffix(caption_ext)
         pairs.append((path, caption_file.read_text(encoding="utf-8") if caption_file.is_file() else None))
     return pairs
@@ -113,16 +114,23 @@ def load_pixels(item: ImageItem) -> tuple[torch.Tensor, tuple[int, int]]:
 
     with Image.open(item.path) as opened:
         image = ImageOps.exif_transpose(opened).convert("RGB")
-    bw, bh = item.bucket
+    image, crop = cover_and_crop(image, item.bucket)
+    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous(), crop
+
+
+def cover_and_crop(image, bucket: tuple[int, int]):
+    """An RGB PIL image resized (Lanczos) to cover bucket (width, height) and centre-cropped to it, and the crop's (top, left)."""
+    from PIL import Image
+
+    bw, bh = bucket
     w, h = image.size
     scale = max(bw / w, bh / h)
     new_w, new_h = max(bw, round(w * scale)), max(bh, round(h * scale))
     if (new_w, new_h) != (w, h):
         image = image.resize((new_w, new_h), Image.Resampling.LANCZOS)
     top, left = (new_h - bh) // 2, (new_w - bw) // 2
-    image = image.crop((left, top, left + bw, top + bh))
-    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous(), (top, left)
+    return image.crop((left, top, left + bw, top + bh)), (top, left)
 
 
 @dataclass

@@ -1,0 +1,250 @@
+"""Video folders for the Wan families: clips with captions, buckets in (width, height, frames), and sample videos.
+
+The layouts are those of images.py (same-name caption files, or metadata.jsonl). Containers (.mp4 .webm .mkv .mov
+.avi) are read with PyAV, animated .gif/.webp with Pillow; a still image is a one-frame clip (Wan trains on images
+as 1-frame videos). Wan's VAE compresses time by 4, so every clip trains on 4k+1 frames taken evenly across it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from toolkit.data.buckets import bucket_table, choose_bucket
+from toolkit.data.images import IMAGE_EXTS, _oriented_size, _raw_captions, caption_rules, cover_and_crop
+from toolkit.errors import UserError
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+CONTAINER_EXTS = (".mp4", ".webm", ".mkv", ".mov", ".avi")
+VIDEO_EXTS = CONTAINER_EXTS + (".gif", ".webp")
+H264_ENCODERS = ("libx264", "libopenh264", "h264")  # tried in order; "h264" is whatever this FFmpeg build names so
+TIME_COMPRESSION = 4  # Wan's VAE: latent frames = 1 + (frames - 1) / 4
+
+
+@dataclass
+class ClipItem:
+    path: Path
+    caption: str                    # after default caption and trigger word, like ImageItem
+    size: tuple[int, int]           # original (width, height), after the file's rotation
+    frame_count: int                # frames in the file (1 for a still image)
+    bucket: tuple[int, int, int]    # training (width, height, frames)
+    content_hash: str = ""
+
+
+def check_num_frames(num_frames: int) -> None:
+    """Raise a UserError unless num_frames is 4k+1 (what the Wan VAE can compress)."""
+    if num_frames < 1 or (num_frames - 1) % TIME_COMPRESSION:
+        below = max(1, (num_frames - 1) // TIME_COMPRESSION * TIME_COMPRESSION + 1)
+        above = below + TIME_COMPRESSION
+        raise UserError(f"data.num_frames: {num_frames} is not 4k+1 (the Wan VAE compresses time by 4)\n"
+                        f"  fix: set data.num_frames to {below} or {above}")
+
+
+def clip_frames(frame_count: int, num_frames: int) -> int:
+    """Frames a clip trains on: num_frames, or the largest 4k+1 the clip holds when it is shorter."""
+    return min(num_frames, (frame_count - 1) // TIME_COMPRESSION * TIME_COMPRESSION + 1)
+
+
+def frame_indices(frame_count: int, frames: int) -> list[int]:
+    """`frames` indices spread evenly over the whole clip, first and last frame included."""
+    return np.linspace(0, frame_count - 1, frames).round().astype(int).tolist()
+
+
+def _import_av(path: Path):
+    try:
+        import av
+    except ImportError:
+        raise UserError(f"{path}: reading {path.suffix} videos needs PyAV\n  fix: pip install av") from None
+    return av
+
+
+def _probe_container(path: Path) -> tuple[tuple[int, int], int]:
+    av = _import_av(path)
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ValueError("no video stream")
+            stream = container.streams.video[0]
+            frames = container.decode(stream)
+            # Decode one frame: a file FFmpeg cannot decode fails here, not in the middle of training.
+            first = next(frames, None)
+            if first is None:
+                raise ValueError("no frames")
+            count = stream.frames or 1 + sum(1 for _ in frames)  # the header's count when it has one
+            w, h = first.width, first.height
+            return ((h, w) if abs(first.rotation) == 90 else (w, h)), count
+    except av.FFmpegError as err:
+        raise ValueError(err.strerror or str(err)) from err  # strerror: the message without errno and path
+
+
+def _probe_pillow(path: Path) -> tuple[tuple[int, int], int]:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        count = getattr(image, "n_frames", 1)
+        image.load()
+        return _oriented_size(image), count
+
+
+def _probe(path: Path) -> tuple[tuple[int, int], int]:
+    """(width, height) as displayed, and the frame count."""
+    return _probe_container(path) if path.suffix.lower() in CONTAINER_EXTS else _probe_pillow(path)
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()[:32]
+
+
+def scan_clips(data, log: Callable[[str], None]) -> list[ClipItem]:
+    """Every readable clip or image under data.path with its caption and (width, height, frames) bucket;
+    unreadable files are skipped and named."""
+    check_num_frames(data.num_frames)
+    root = Path(data.path)
+    if not root.is_dir():
+        raise UserError(f"data.path: {root} is not a folder\n  fix: point data.path at a folder of videos/images "
+                        f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
+    rules = caption_rules(data)
+    table = bucket_table(data.resolution, data.bucket_step, data.min_bucket_side, data.max_bucket_side)
+    exts = tuple(dict.fromkeys(VIDEO_EXTS + IMAGE_EXTS))
+    items, skipped, small = [], [], []
+    for path, raw in _raw_captions(root, data.caption_ext, exts):
+        try:
+            size, count = _probe(path)
+        except (OSError, SyntaxError, ValueError, EOFError) as err:
+            skipped.append(f"{path.name} ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+            continue
+        spatial = choose_bucket(*size, table, data.bucket_step)
+        if spatial is None:
+            small.append(f"{path.name} ({size[0]}x{size[1]})")
+            continue
+        bucket = (*spatial, clip_frames(count, data.num_frames))
+        items.append(ClipItem(path, rules.base(raw), size, count, bucket, _file_hash(path)))
+    if skipped:
+        log(f"warning: skipped {len(skipped)} unreadable clip(s) in {root}: {', '.join(skipped)}")
+    if small:
+        log(f"warning: skipped {len(small)} clip(s) smaller than {data.bucket_step} px: {', '.join(small)}")
+    if not items:
+        raise UserError(f"data.path: no usable videos or images in {root}\n  fix: add .mp4/.webm/.gif videos or "
+                        f".png/.jpg images (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
+    log(format_clip_buckets(Counter(item.bucket for item in items)))
+    return items
+
+
+def format_clip_buckets(counts: dict[tuple[int, int, int], int]) -> str:
+    """One line per used bucket: size, aspect ratio, frames and clip count."""
+    lines = [f"  {w:>5} x {h:<5} (ratio {w / h:4.2f}) x {f:>3} frame{'s' if f != 1 else ' '}: "
+             f"{n} clip{'s' if n != 1 else ''}"
+             for (w, h, f), n in sorted(counts.items(), key=lambda kv: (kv[0][0] / kv[0][1], kv[0][2]))]
+    return "buckets:\n" + "\n".join(lines)
+
+
+def _decode_container(path: Path, indices: list[int]) -> dict[int, "Image"]:
+    av = _import_av(path)
+    wanted, frames = set(indices), {}
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        for i, frame in enumerate(container.decode(stream)):
+            if i in wanted:
+                image = frame.to_image()
+                # Phone clips store the sensor's orientation and a display rotation (-90: turn clockwise).
+                frames[i] = image.rotate(frame.rotation, expand=True) if frame.rotation else image
+            if i >= indices[-1]:
+                break
+    return frames
+
+
+def _decode_pillow(path: Path, indices: list[int]) -> dict[int, "Image"]:
+    from PIL import Image, ImageOps, ImageSequence
+
+    wanted, frames = set(indices), {}
+    with Image.open(path) as image:
+        if getattr(image, "n_frames", 1) == 1:
+            return {0: ImageOps.exif_transpose(image).convert("RGB")}
+        for i, frame in enumerate(ImageSequence.Iterator(image)):
+            if i in wanted:
+                frames[i] = frame.convert("RGB")
+            if i >= indices[-1]:
+                break
+    return frames
+
+
+def load_clip(item: ClipItem) -> torch.Tensor:
+    """The clip's bucket frames, each resized to cover the bucket and centre-cropped: (3, F, H, W) in [-1, 1]."""
+    width, height, count = item.bucket
+    indices = frame_indices(item.frame_count, count)
+    decode = _decode_container if item.path.suffix.lower() in CONTAINER_EXTS else _decode_pillow
+    frames = decode(item.path, indices)
+    if len(frames) < len(set(indices)):
+        raise UserError(f"{item.path}: decoded {max(frames, default=-1) + 1} frames, but the file said it has "
+                        f"{item.frame_count}\n  fix: re-encode it (ffmpeg -i in.mp4 -c:v libx264 out.mp4) or remove it")
+    array = np.stack([np.asarray(cover_and_crop(frames[i], (width, height))[0], dtype=np.float32) for i in indices])
+    return torch.from_numpy(array / 127.5 - 1.0).permute(3, 0, 1, 2).contiguous()
+
+
+def write_video(frames: list["Image"], out_base: Path, fps: int = 16,
+                log: Callable[[str], None] | None = None) -> list[Path]:
+    """An animated .webp at out_base (always), and an H.264 .mp4 beside it when PyAV can encode one.
+
+    An mp4 that cannot be written is left out and the reason goes to `log` (a warning without one): a sample
+    never fails a run.
+    """
+    out_base = Path(out_base)
+    out_base.parent.mkdir(parents=True, exist_ok=True)
+    webp = out_base.with_suffix(".webp")
+    rgb = [frame.convert("RGB") for frame in frames]
+    rgb[0].save(webp, save_all=True, append_images=rgb[1:], duration=round(1000 / fps), loop=0,
+                lossless=False, quality=90)
+    written = [webp]
+    reason = _write_mp4(rgb, out_base.with_suffix(".mp4"), fps)
+    if reason is None:
+        written.append(out_base.with_suffix(".mp4"))
+    else:
+        (log or warnings.warn)(f"{out_base.with_suffix('.mp4').name} not written ({reason}); the .webp is")
+    return written
+
+
+def _write_mp4(frames: list["Image"], path: Path, fps: int) -> str | None:
+    """Encode H.264 yuv420p (odd sizes padded to even); None on success, else why not."""
+    try:
+        import av
+    except ImportError:
+        return "PyAV is not installed: pip install av"
+    from PIL import Image
+
+    w, h = frames[0].size
+    even = (w + w % 2, h + h % 2)
+    if even != (w, h):
+        padded = []
+        for frame in frames:
+            canvas = Image.new("RGB", even)
+            canvas.paste(frame, (0, 0))
+            padded.append(canvas)
+        frames = padded
+    failures = []
+    for codec in H264_ENCODERS:
+        try:
+            with av.open(str(path), "w") as container:
+                stream = container.add_stream(codec, rate=fps)
+                stream.width, stream.height, stream.pix_fmt = *even, "yuv420p"
+                for frame in frames:
+                    container.mux(stream.encode(av.VideoFrame.from_image(frame)))
+                container.mux(stream.encode())
+            return None
+        except (av.FFmpegError, ValueError, OSError) as err:
+            failures.append(f"{codec}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+            path.unlink(missing_ok=True)
+    return "no working H.264 encoder in PyAV: " + "; ".join(failures)
