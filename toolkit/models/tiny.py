@@ -88,6 +88,11 @@ TINY_WRITERS: dict[str, Callable[[Path], None]] = {
     "sd": lambda out: __import__("toolkit.models.tiny_diffusion", fromlist=["x"]).write_tiny_sd(out),
     "sd-v": lambda out: __import__("toolkit.models.tiny_diffusion", fromlist=["x"]).write_tiny_sd_v(out),
     "sdxl": lambda out: __import__("toolkit.models.tiny_diffusion", fromlist=["x"]).write_tiny_sdxl(out),
+    "flux": lambda out: __import__("toolkit.models.tiny_flow", fromlist=["x"]).write_tiny_flux(out),
+    "sd3": lambda out: __import__("toolkit.models.tiny_flow", fromlist=["x"]).write_tiny_sd3(out),
+    "wan21": lambda out: __import__("toolkit.models.tiny_flow", fromlist=["x"]).write_tiny_wan21(out),
+    "wan22": lambda out: __import__("toolkit.models.tiny_flow", fromlist=["x"]).write_tiny_wan22(out),
+    "wan22-5b": lambda out: __import__("toolkit.models.tiny_flow", fromlist=["x"]).write_tiny_wan22_5b(out),
 }
 
 
