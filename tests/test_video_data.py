@@ -141,6 +141,33 @@ def test_mp4_frames_bucket_and_evenly_spaced_frames(tmp_path):
     assert pixels.shape == (3, 5, 64, 64) and _taken(pixels) == [0, 3, 6, 9, 12]
 
 
+def test_webm_without_a_frame_count_in_its_header_is_counted_by_decoding(tmp_path):
+    av = pytest.importorskip("av", reason="PyAV is not installed")
+    try:
+        av.codec.Codec("libvpx", "w")
+    except ValueError:
+        pytest.skip(f"PyAV {av.__version__} has no libvpx (VP8) encoder")
+    with av.open(str(tmp_path / "clip.webm"), "w") as container:
+        stream = container.add_stream("libvpx", rate=16)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for frame in _frames(7, (64, 64)):
+            container.mux(stream.encode(av.VideoFrame.from_image(frame)))
+        container.mux(stream.encode())
+    with av.open(str(tmp_path / "clip.webm")) as container:
+        assert container.streams.video[0].frames == 0
+    (item,) = scan_clips(_data(tmp_path), lambda m: None)
+    assert (item.frame_count, item.bucket) == (7, (64, 64, 5))
+    assert _taken(load_clip(item)) == [0, 2, 3, 4, 6]
+
+
+def test_a_clip_shorter_than_its_header_says_is_a_user_error(tmp_path):
+    _write_mp4(tmp_path / "clip.mp4", _frames(5, (64, 64)))
+    (item,) = scan_clips(_data(tmp_path), lambda m: None)
+    item.frame_count = 9  # as if the header had overcounted
+    with pytest.raises(UserError, match=r"clip.mp4: the file said it has 9 frames, but decoding ended before frame 6\n  fix: re-encode"):
+        load_clip(item)
+
+
 def test_mp4_display_rotation_is_applied(tmp_path):
     """A phone clip: landscape pixels with a -90 degree display matrix in tkhd show as portrait, turned clockwise."""
     frames = [Image.new("RGB", (128, 64), (0, 0, 0)) for _ in range(5)]

@@ -188,9 +188,10 @@ def load_clip(item: ClipItem) -> torch.Tensor:
     indices = frame_indices(item.frame_count, count)
     decode = _decode_container if item.path.suffix.lower() in CONTAINER_EXTS else _decode_pillow
     frames = decode(item.path, indices)
-    if len(frames) < len(set(indices)):
-        raise UserError(f"{item.path}: decoded {max(frames, default=-1) + 1} frames, but the file said it has "
-                        f"{item.frame_count}\n  fix: re-encode it (ffmpeg -i in.mp4 -c:v libx264 out.mp4) or remove it")
+    missing = [i for i in indices if i not in frames]
+    if missing:
+        raise UserError(f"{item.path}: the file said it has {item.frame_count} frames, but decoding ended before "
+                        f"frame {missing[0]}\n  fix: re-encode it (ffmpeg -i in.mp4 -c:v libx264 out.mp4) or remove it")
     array = np.stack([np.asarray(cover_and_crop(frames[i], (width, height))[0], dtype=np.float32) for i in indices])
     return torch.from_numpy(array / 127.5 - 1.0).permute(3, 0, 1, 2).contiguous()
 
