@@ -1,0 +1,136 @@
+"""Tiny flow-matching pipelines (tiny:flux, tiny:sd3, tiny:wan21, tiny:wan22, tiny:wan22-5b): written on first use,
+loaded by their diffusers pipeline class, and able to generate; the family-specific settings are the real ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from toolkit.models.tiny import TINY_WRITERS, resolve_model_path, write_tiny
+
+# kind -> (pipeline class, components in model_index.json, output shape of a 64x64 generation)
+KINDS = {
+    "flux": ("FluxPipeline", {"text_encoder": "CLIPTextModel", "tokenizer": "CLIPTokenizer",
+                              "text_encoder_2": "T5EncoderModel", "tokenizer_2": "T5Tokenizer",
+                              "transformer": "FluxTransformer2DModel", "vae": "AutoencoderKL",
+                              "scheduler": "FlowMatchEulerDiscreteScheduler"}, (1, 64, 64, 3)),
+    "sd3": ("StableDiffusion3Pipeline", {"text_encoder": "CLIPTextModelWithProjection", "tokenizer": "CLIPTokenizer",
+                                         "text_encoder_2": "CLIPTextModelWithProjection", "tokenizer_2": "CLIPTokenizer",
+                                         "text_encoder_3": "T5EncoderModel", "tokenizer_3": "T5Tokenizer",
+                                         "transformer": "SD3Transformer2DModel", "vae": "AutoencoderKL",
+                                         "scheduler": "FlowMatchEulerDiscreteScheduler"}, (1, 64, 64, 3)),
+    "wan21": ("WanPipeline", {"text_encoder": "UMT5EncoderModel", "tokenizer": "T5Tokenizer",
+                              "transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan",
+                              "scheduler": "UniPCMultistepScheduler"}, (1, 5, 64, 64, 3)),
+    "wan22": ("WanPipeline", {"text_encoder": "UMT5EncoderModel", "tokenizer": "T5Tokenizer",
+                              "transformer": "WanTransformer3DModel", "transformer_2": "WanTransformer3DModel",
+                              "vae": "AutoencoderKLWan", "scheduler": "UniPCMultistepScheduler"}, (1, 5, 64, 64, 3)),
+    "wan22-5b": ("WanPipeline", {"text_encoder": "UMT5EncoderModel", "tokenizer": "T5Tokenizer",
+                                 "transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan",
+                                 "scheduler": "UniPCMultistepScheduler"}, (1, 5, 64, 64, 3)),
+}
+
+
+def _load(kind: str):
+    import diffusers
+
+    pipeline_class = getattr(diffusers, KINDS[kind][0])
+    pipe = pipeline_class.from_pretrained(resolve_model_path(f"tiny:{kind}"))
+    assert type(pipe) is pipeline_class
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_every_flow_kind_is_registered():
+    assert set(KINDS) <= set(TINY_WRITERS)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_tiny_flow_pipeline_loads_and_generates(kind):
+    pipeline_name, components, shape = KINDS[kind]
+    pipe = _load(kind)
+    index = json.loads((Path(resolve_model_path(f"tiny:{kind}")) / "model_index.json").read_text())
+    assert index["_class_name"] == pipeline_name
+    assert {name: entry[1] for name, entry in index.items() if isinstance(entry, list) and entry[0]} == components
+
+    call = dict(prompt="a sks red circle on a white background", num_inference_steps=2, height=64, width=64,
+                generator=torch.Generator().manual_seed(0), output_type="np")
+    if pipeline_name == "WanPipeline":
+        output = pipe(**call, num_frames=5).frames
+    else:
+        output = pipe(**call).images
+    assert np.asarray(output).shape == shape
+    assert np.isfinite(output).all()
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3", "wan21"])
+def test_t5_tokenizer_ids_like_t5(kind):
+    pipe = _load(kind)
+    tokenizer = getattr(pipe, {"flux": "tokenizer_2", "sd3": "tokenizer_3", "wan21": "tokenizer"}[kind])
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    ids = tokenizer("a sks dog", padding="max_length", max_length=6).input_ids
+    assert tokenizer.convert_ids_to_tokens(ids[:3]) == ["▁a", "▁sks", "▁dog"]
+    assert ids[3:] == [1, 0, 0]  # </s> then padding
+    assert tokenizer.decode(tokenizer("a Squirrel").input_ids, skip_special_tokens=True) == "a Squirrel"  # spelled out
+
+
+def test_flux_is_dev_like():
+    pipe = _load("flux")
+    assert pipe.transformer.config.guidance_embeds is True
+    assert sum(pipe.transformer.config.axes_dims_rope) == pipe.transformer.config.attention_head_dim
+    assert pipe.transformer.config.in_channels == 4 * pipe.vae.config.latent_channels == 64
+    assert (pipe.vae.config.scaling_factor, pipe.vae.config.shift_factor) == (0.3611, 0.1159)
+    assert pipe.vae_scale_factor == 8
+    s = pipe.scheduler.config
+    assert (s.use_dynamic_shifting, s.base_shift, s.max_shift, s.base_image_seq_len, s.max_image_seq_len) == \
+        (True, 0.5, 1.15, 256, 4096)
+
+
+def test_sd3_settings():
+    pipe = _load("sd3")
+    assert (pipe.vae.config.latent_channels, pipe.vae.config.scaling_factor, pipe.vae.config.shift_factor) == \
+        (16, 1.5305, 0.0609)
+    assert pipe.scheduler.config.shift == 3.0 and not pipe.scheduler.config.use_dynamic_shifting
+    assert pipe.transformer.config.pooled_projection_dim == 2 * pipe.text_encoder.config.projection_dim
+
+
+def test_wan22_has_two_experts():
+    pipe = _load("wan22")
+    assert pipe.config.boundary_ratio == 0.875
+    first, second = pipe.transformer.state_dict(), pipe.transformer_2.state_dict()
+    assert first.keys() == second.keys()
+    differing = [k for k in first if not torch.equal(first[k], second[k])]
+    assert "blocks.0.attn1.to_q.weight" in differing and "proj_out.weight" in differing
+    assert pipe.scheduler.config.flow_shift == 3.0 and pipe.scheduler.config.use_flow_sigmas
+    assert pipe.scheduler.config.prediction_type == "flow_prediction"
+    assert _load("wan21").config.boundary_ratio is None
+
+
+def test_wan22_5b_settings():
+    pipe = _load("wan22-5b")
+    vae = pipe.vae.config
+    assert (vae.z_dim, vae.is_residual, vae.patch_size, vae.scale_factor_spatial, vae.scale_factor_temporal) == \
+        (48, True, 2, 16, 4)
+    assert len(vae.latents_mean) == len(vae.latents_std) == 48
+    assert (pipe.transformer.config.in_channels, pipe.transformer.config.out_channels) == (48, 48)
+    assert pipe.config.expand_timesteps is True and pipe.transformer_2 is None
+    assert pipe.scheduler.config.flow_shift == 5.0
+
+
+def test_writer_is_deterministic_and_keeps_the_callers_rng(tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    write_tiny("wan21", tmp_path / "again")
+    assert torch.equal(torch.rand(3), expected_next)
+    cached = resolve_model_path("tiny:wan21")
+    for part in ("transformer", "text_encoder", "vae"):
+        name = next(p.name for p in (tmp_path / "again" / part).glob("*.safetensors"))
+        a, b = load_file(tmp_path / "again" / part / name), load_file(f"{cached}/{part}/{name}")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
