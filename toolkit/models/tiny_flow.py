@@ -34,7 +34,7 @@ WAN22_LATENTS_STD = [
 ]
 
 
-def write_t5_tokenizer(out: Path, model_max_length: int = 512):
+def write_t5_tokenizer(out: Path, model_max_length: int = 512) -> "T5Tokenizer":  # noqa: F821
     """A T5-style Unigram tokenizer (<pad>=0, </s>=1, <unk>=2, "▁") whose pieces are the _WORDS ("▁red") and
     single characters, so an unknown word is spelled out rather than mapped to <unk>. Returns the tokenizer."""
     from transformers import T5Tokenizer
