@@ -27,7 +27,10 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Library deprecation notices say nothing a user of the toolkit can act on.
     warnings.filterwarnings("ignore", category=FutureWarning)
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # PEFT's note that a torchao LoRA layer cannot be merged: the toolkit never merges into a quantized base.
+    warnings.filterwarnings("ignore", message=".*TorchaoLoraLinear was instantiated without")
+    for name in ("bitsandbytes", "torchao", "torch.utils._pytree"):  # import-time notices of optional kernels
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

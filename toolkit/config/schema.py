@@ -45,6 +45,8 @@ class DeviceSection:
                        choices=("auto", "cpu"))
     vae_encode_cudnn: bool = opt(True, "Keep cuDNN/MIOpen on while VAE-encoding latents; the HIP presets turn it "
                                  "off (MIOpen convolutions can be 30x slower there).")
+    memory_fraction: float = opt(0.9, "Share of the device memory the auto memory options (model.quantize, "
+                                 "model.expert_offload) plan with; unified-memory presets lower it.", minimum=0.05)
 
 
 @dataclass
@@ -55,7 +57,13 @@ class ModelSection:
     dtype: str = opt("auto", "dtype of the frozen base weights; auto follows train.precision.", choices=PRECISIONS)
     attention: str = opt("auto", "Attention implementation: auto (the preset's), sdpa, eager, flash_attention_2.",
                          choices=("auto", "sdpa", "eager", "flash_attention_2"))
-    quantize: str = opt("none", "Quantize the frozen base (QLoRA): none, 8bit or 4bit.", choices=("none", "8bit", "4bit"))
+    quantize: str = opt("auto", "Quantize the frozen base (QLoRA): none, 8bit, 4bit, or auto (8bit/4bit only when the "
+                        "16-bit weights do not fit the device memory budget; never on the CPU).",
+                        choices=("auto", "none", "8bit", "4bit"))
+    quantize_backend: str = opt("auto", "Library that quantizes the base: auto (bitsandbytes; torchao for 8bit on ROCm), "
+                                "bitsandbytes or torchao (8bit only).", choices=("auto", "bitsandbytes", "torchao"))
+    expert_offload: Union[bool, str] = opt("auto", "Wan 2.2 A14B: keep only the expert being trained on the device, the "
+                                           "other in CPU memory; auto: when both do not fit the memory budget.")
     trust_remote_code: bool = opt(False, "Allow model code from the Hub repository (transformers trust_remote_code).")
 
 
@@ -103,7 +111,8 @@ class ImageDataSection:
 
 @dataclass
 class VideoDataSection(ImageDataSection):
-    num_frames: int = opt(17, "Frames per clip, taken evenly from each video.", minimum=1)
+    num_frames: int = opt(17, "Frames per clip (4k+1: 1, 5, 9, ... 81), taken evenly from each video; shorter "
+                          "clips train on the largest 4k+1 they have; images are 1-frame clips.", minimum=1)
 
 
 DATA_SCHEMAS: dict[str, type] = {
@@ -146,8 +155,19 @@ class TrainSection:
     noise_offset: float = opt(0.0, "Diffusion: noise offset (per-channel constant added to the noise; 0.05-0.1 helps "
                               "very dark/bright images).", minimum=0.0)
     min_snr_gamma: float = opt(0.0, "Diffusion: Min-SNR loss weighting gamma (5 is usual); 0 turns it off.", minimum=0.0)
-    timestep_sampling: str = opt("uniform", "Diffusion: how training timesteps are drawn: uniform, or logit_normal "
-                                 "(favours the middle timesteps).", choices=("uniform", "logit_normal"))
+    timestep_sampling: str = opt("auto", "Diffusion: how training timesteps are drawn: uniform, or logit_normal "
+                                 "(favours the middle timesteps); auto: uniform for sd/sdxl, logit_normal for the "
+                                 "flow-matching families.", choices=("auto", "uniform", "logit_normal"))
+    logit_mean: float = opt(0.0, "Diffusion, logit_normal sampling: mean of the normal before the sigmoid.")
+    logit_std: float = opt(1.0, "Diffusion, logit_normal sampling: standard deviation of the normal.", minimum=0.01)
+    flow_shift: Union[float, str] = opt("auto", "Flow matching: sigma shift s (sigma' = s*sigma / (1 + (s-1)*sigma)); auto: "
+                                        "the model's scheduler config (Flux: resolution-dependent).")
+    guidance: float = opt(1.0, "Flux-dev: the value fed to the guidance embedding while training (1.0 is usual for "
+                          "LoRA); sample.guidance_scale is used when sampling.", minimum=0.0)
+    experts: str = opt("both", "Wan 2.2 A14B: which expert gets a LoRA: both, high_noise (timesteps at or above the "
+                       "model's boundary) or low_noise.", choices=("both", "high_noise", "low_noise"))
+    expert_switch_every: int = opt(10, "Wan 2.2 A14B with experts=both: optimizer steps on one expert before "
+                                   "switching to the other (larger values move weights less often).", minimum=1)
 
 
 @dataclass
@@ -155,8 +175,9 @@ class SaveSection:
     every: int = opt(250, "Checkpoint every N steps (0: only at the end).", minimum=0)
     keep_last: int = opt(3, "Checkpoints kept; older ones are removed.", minimum=1)
     dtype: str = opt("bf16", "dtype of the exported LoRA weights.", choices=("fp32", "bf16", "fp16"))
-    format: str = opt("auto", "Export format: auto (the family's: peft or diffusers), peft, diffusers, kohya.",
-                      choices=("auto", "peft", "diffusers", "kohya"))
+    format: str = opt("auto", "Export format: auto (the family's: peft or diffusers), peft, diffusers; kohya (sd, sdxl) "
+                      "or comfyui (every diffusion family) also write a file with ComfyUI / A1111 key names.",
+                      choices=("auto", "peft", "diffusers", "kohya", "comfyui"))
 
 
 @dataclass
@@ -168,6 +189,9 @@ class SampleSection:
     temperature: float = opt(0.0, "LLM: sampling temperature; 0 means greedy.", minimum=0.0)
     num_inference_steps: int = opt(20, "Diffusion: denoising steps per sample.", minimum=1)
     guidance_scale: float = opt(5.0, "Diffusion: classifier-free guidance scale.")
+    negative_prompt: str = opt("", "Diffusion: negative prompt for classifier-free guidance (families that use it).")
+    num_frames: int = opt(0, "Video: frames per sample; 0 means data.num_frames.", minimum=0)
+    fps: int = opt(16, "Video: frames per second of the written samples.", minimum=1)
     width: int = opt(0, "Diffusion: sample width; 0 means data.resolution.", minimum=0)
     height: int = opt(0, "Diffusion: sample height; 0 means data.resolution.", minimum=0)
 

@@ -135,13 +135,19 @@ def cover_and_crop(image, bucket: tuple[int, int]):
 
 @dataclass
 class DiffusionDataset:
-    """Items in buckets; a batch holds latents (cached) or pixels, and text embeddings (cached) or captions."""
+    """Items in buckets; a batch holds latents (cached) or pixels, and text embeddings (cached) or captions.
 
-    items: list[ImageItem]
+    `load` reads one item's pixels and crop (images: load_pixels; video clips: their frames). With cached
+    text embeddings and caption dropout, `empty_text` (the embedding of "") stands in for a dropped caption.
+    """
+
+    items: list
     rules: CaptionRules
     latents: list[torch.Tensor] | None = None
     crops: list[tuple[int, int]] | None = None
     text: list[dict[str, torch.Tensor]] | None = None
+    empty_text: dict[str, torch.Tensor] | None = None
+    load: Callable[[Any], tuple[torch.Tensor, tuple[int, int]]] = load_pixels
     groups: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -151,20 +157,26 @@ class DiffusionDataset:
     def __len__(self) -> int:
         return len(self.items)
 
+    def _text_for(self, i: int) -> dict[str, torch.Tensor]:
+        # The global `random` stream is saved in checkpoints, so resumed runs drop the same captions.
+        if self.rules.caption_dropout > 0 and random.random() < self.rules.caption_dropout:
+            return self.empty_text
+        return self.text[i]
+
     def collate(self, indices: Sequence[int]) -> dict[str, Any]:
         batch: dict[str, Any] = {}
         if self.latents is not None:
             batch["latents"] = torch.stack([self.latents[i] for i in indices])
             crops = [self.crops[i] for i in indices]
         else:
-            loaded = [load_pixels(self.items[i]) for i in indices]
+            loaded = [self.load(self.items[i]) for i in indices]
             batch["pixels"] = torch.stack([p for p, _ in loaded])
             crops = [c for _, c in loaded]
         if self.text is not None:
-            for key in self.text[0]:
-                batch[key] = torch.stack([self.text[i][key] for i in indices])
+            texts = [self._text_for(i) for i in indices]
+            for key in texts[0]:
+                batch[key] = torch.stack([t[key] for t in texts])
         else:
-            # The global `random` stream is saved in checkpoints, so resumed runs see the same captions.
             batch["captions"] = [self.rules.vary(self.items[i].caption, random) for i in indices]
         # SDXL micro-conditioning: original (h, w), crop (top, left), target (h, w).
         batch["time_ids"] = torch.tensor([[self.items[i].size[1], self.items[i].size[0], *crop,

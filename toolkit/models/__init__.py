@@ -14,6 +14,10 @@ ADAPTERS: dict[str, str] = {
     "llm": "toolkit.models.llm:LLMAdapter",
     "sd": "toolkit.models.diffusion_sd:StableDiffusionAdapter",
     "sdxl": "toolkit.models.diffusion_sd:StableDiffusionXLAdapter",
+    "flux": "toolkit.models.diffusion_flow:FluxAdapter",
+    "sd3": "toolkit.models.diffusion_flow:SD3Adapter",
+    "wan21": "toolkit.models.diffusion_wan:WanAdapter",
+    "wan22": "toolkit.models.diffusion_wan:Wan22Adapter",
 }
 
 

@@ -74,6 +74,10 @@ class ModelAdapter(Protocol):
     def load_lora(self, path: Path) -> None:
         """Load an exported LoRA (for sampling from a finished run)."""
 
+    # Optional: `begin_step(step)`, called before each optimizer step (1-based) when the adapter has it, for
+    # state that follows the step number (the Wan 2.2 expert being trained); `memory_fixes()`, out-of-memory
+    # remedies specific to the family.
+
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]

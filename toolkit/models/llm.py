@@ -16,6 +16,7 @@ from toolkit.data.text import TextData, build_text_data, detect_format, render_c
 from toolkit.data.records import read_records
 from toolkit.errors import UserError
 from toolkit.models.base import Runtime, load_trainable_state_dict, trainable_state_dict
+from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
 from toolkit.models.tiny import resolve_model_path
 
 
@@ -43,12 +44,15 @@ class QuantPlan:
     """How the frozen base is quantized: mode none/4bit/8bit/prequantized, and when."""
 
     mode: str
-    after_load: bool = False   # load 16-bit weights, then replace the linear layers (HIP)
+    after_load: bool = False   # load 16-bit weights, then replace the linear layers (HIP, torchao)
     note: str | None = None
+    library: str = "bitsandbytes"
 
 
-def plan_quantization(quantize: str, backend: str, checkpoint_quantization: dict | None, name: str) -> QuantPlan:
-    """Decide how to quantize the base from model.quantize, the backend and the checkpoint's quantization_config.
+def plan_quantization(quantize: str, backend: str, checkpoint_quantization: dict | None, name: str,
+                      library: str = "auto") -> QuantPlan:
+    """Decide how to quantize the base from model.quantize (already resolved from auto), the backend, the
+    library (model.quantize_backend) and the checkpoint's quantization_config.
 
     On HIP the bitsandbytes loading path of transformers is not used: prequantized checkpoints are refused
     (they hold no 16-bit weights), and model.quantize loads the 16-bit weights and quantizes them afterwards.
@@ -60,14 +64,15 @@ def plan_quantization(quantize: str, backend: str, checkpoint_quantization: dict
                             "prequantized checkpoints are not loaded and it holds no 16-bit weights\n"
                             "  fix: point model.name_or_path at the 16-bit model and set model.quantize=4bit "
                             "(it is quantized after loading)")
-        if quantize != "none":
+        if quantize not in ("none", "auto"):
             raise UserError(f"model.quantize: '{name}' is already quantized ({method}); set model.quantize=none")
         return QuantPlan("prequantized", note=f"model: prequantized checkpoint ({method}), loaded as it is")
-    if quantize == "none":
+    if quantize in ("none", "auto"):
         return QuantPlan("none")
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise UserError(f"model.quantize={quantize} needs bitsandbytes, which is not installed\n"
-                        "  fix: pip install bitsandbytes (or pip install -e '.[bnb]'), or set model.quantize=none")
+    library, why = choose_backend(library, quantize, backend)
+    if library == "torchao":
+        return QuantPlan(quantize, after_load=True, library=library,
+                         note=f"model.quantize={quantize}: torchao int8 weights after loading ({why})")
     if backend == "hip":
         return QuantPlan(quantize, after_load=True,
                          note=f"model.quantize={quantize} on ROCm: loading the 16-bit weights and quantizing the "
@@ -82,33 +87,6 @@ def bnb_config(mode: str, compute_dtype: torch.dtype):
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                   bnb_4bit_compute_dtype=compute_dtype)
     return BitsAndBytesConfig(load_in_8bit=True)
-
-
-def quantize_linear_layers(model: torch.nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.device,
-                           skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Replace every nn.Linear (but `skip`) by its bitsandbytes 4-bit/8-bit twin; returns how many."""
-    import bitsandbytes as bnb
-
-    count = 0
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear or child_name in skip:
-                continue
-            has_bias = child.bias is not None
-            if mode == "4bit":
-                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=has_bias,
-                                        compute_dtype=compute_dtype, quant_type="nf4", device="meta")
-                new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
-            else:
-                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=has_bias,
-                                          has_fp16_weights=False, threshold=6.0, device="meta")
-                new.weight = bnb.nn.Int8Params(child.weight.data, requires_grad=False, has_fp16_weights=False)
-            if has_bias:
-                new.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-            setattr(parent, child_name, new.to(device))  # bitsandbytes quantizes on the move to the device
-            count += 1
-    setattr(model, f"is_loaded_in_{mode}", True)  # PEFT and prepare_model_for_kbit_training read this
-    return count
 
 
 def check_attention(attention: str) -> None:
@@ -154,8 +132,13 @@ class LLMAdapter:
         check_attention(cfg.attention)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **common)
-            plan = plan_quantization(cfg.quantize, self.runtime.info.backend,
-                                     checkpoint_quantization_config(self.model_path, common), cfg.name_or_path)
+            quantize, why = choose_quantize(cfg.quantize, lambda: self._count_parameters(common), self.runtime.info,
+                                            self.cfg.device.memory_fraction)
+            if cfg.quantize == "auto" and self.runtime.info.backend != "cpu":
+                self._note(why)
+            plan = plan_quantization(quantize, self.runtime.info.backend,
+                                     checkpoint_quantization_config(self.model_path, common), cfg.name_or_path,
+                                     cfg.quantize_backend)
             if plan.note:
                 self._note(plan.note)
             kwargs = {}
@@ -171,10 +154,11 @@ class LLMAdapter:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         model.requires_grad_(False)
         if plan.after_load:
-            count = quantize_linear_layers(model, plan.mode, self.runtime.compute_dtype, self.runtime.device)
+            count = quantize_linear_layers(model, plan.mode, self.runtime.compute_dtype, self.runtime.device,
+                                           backend=plan.library)
             self._note(f"model: quantized {count} linear layers to {plan.mode} after loading")
             model.to(self.runtime.device)
-        if plan.mode != "none":
+        if plan.mode in ("4bit", "8bit") and plan.library == "bitsandbytes":
             # Casts norms/embeddings to fp32 and makes the inputs require grad for checkpointing.
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(self.cfg.train.gradient_checkpointing),
                                                     gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -189,9 +173,18 @@ class LLMAdapter:
         self.network = get_peft_model(model, lora, autocast_adapter_dtype=True)
         self.network.to(self.runtime.device)
 
+    def _count_parameters(self, common: dict) -> int:
+        """Parameters of the base, counted on the meta device (nothing is allocated or loaded)."""
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path, **common))
+        return sum(p.numel() for p in model.parameters())
+
     def memory_fixes(self) -> list[str]:
         """Out-of-memory remedies this family offers beyond the trainer's generic ones."""
-        return ["model.quantize=8bit (a quantized frozen base)"] if self.cfg.model.quantize == "none" else []
+        return ["model.quantize=8bit (a quantized frozen base)"] if self.cfg.model.quantize in ("none", "auto") else []
 
     def lora_targets(self) -> list[str]:
         return sorted({name.rsplit(".lora_A", 1)[0] for name, _ in self.network.named_parameters() if ".lora_A" in name})

@@ -200,3 +200,45 @@ def write_tiny_wan22_5b(out: Path) -> None:
     """Wan 2.2 TI2V-5B layout: one transformer on 48 latent channels, the Wan 2.2 VAE, per-token timesteps
     (expand_timesteps) and UniPC flow_shift 5.0 as the TI2V-5B Diffusers repo has."""
     _write_wan(out, experts=1, vae_factory=_wan22_vae, channels=48, flow_shift=5.0, expand_timesteps=True)
+
+
+def write_clips_dataset(out: Path, count: int = 6, frames: int = 9, size: tuple[int, int] = (64, 64)) -> list[Path]:
+    """Animated webp clips of a coloured shape moving left to right on white ("a red circle moving right"),
+    plus two stills, each with a caption file: a toy video set for the Wan quickstarts and tests."""
+    from PIL import Image, ImageDraw
+
+    from toolkit.models.tiny_diffusion import _COLOURS, _SHAPES
+
+    out.mkdir(parents=True, exist_ok=True)
+    w, h = size
+    side = min(w, h) * 0.4
+    written = []
+    pairs = [(c, s) for c in _COLOURS for s in _SHAPES][:count + 2]
+    for n, (colour, shape) in enumerate(pairs):
+        still = n >= count
+        images = []
+        for f in range(1 if still else frames):
+            image = Image.new("RGB", (w, h), (255, 255, 255))
+            x0 = (w - side) / 2 if still else f * (w - side) / (frames - 1)
+            y0 = (h - side) / 2
+            box = (x0, y0, x0 + side, y0 + side)
+            draw = ImageDraw.Draw(image)
+            if shape == "circle":
+                draw.ellipse(box, fill=_COLOURS[colour])
+            elif shape == "square":
+                draw.rectangle(box, fill=_COLOURS[colour])
+            else:
+                draw.polygon([(x0 + side / 2, y0), (x0, y0 + side), (x0 + side, y0 + side)], fill=_COLOURS[colour])
+            images.append(image)
+        name = f"{colour}_{shape}"
+        if still:
+            path = out / f"{name}.png"
+            images[0].save(path)
+            caption = f"a {colour} {shape} on a white background"
+        else:
+            path = out / f"{name}.webp"
+            images[0].save(path, save_all=True, append_images=images[1:], duration=62, loop=0, lossless=True)
+            caption = f"a {colour} {shape} moving right on a white background"
+        path.with_suffix(".txt").write_text(caption + "\n")
+        written.append(path)
+    return written

@@ -21,7 +21,8 @@ class LoraEMA:
     @torch.no_grad()
     def update(self) -> None:
         for name, p in self.params.items():
-            self.shadow[name].lerp_(p.detach().to(torch.float32), 1.0 - self.decay)
+            shadow = self.shadow[name]  # may sit on another device than p (an offloaded Wan 2.2 expert)
+            shadow.lerp_(p.detach().to(shadow.device, torch.float32), 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().clone() for name, t in self.shadow.items()}

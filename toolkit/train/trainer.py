@@ -216,7 +216,10 @@ class Trainer:
         started = time.perf_counter()
         try:
             with GracefulStop() as stop:
+                begin_step = getattr(self.adapter, "begin_step", None)  # per-step adapter state (Wan 2.2 experts)
                 for step in range(start + 1, steps + 1):
+                    if begin_step is not None:
+                        begin_step(step)
                     loss = self._train_step()
                     if math.isfinite(loss):
                         self.nan_streak = 0

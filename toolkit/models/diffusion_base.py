@@ -1,0 +1,399 @@
+"""What every diffusion family shares: a diffusers pipeline, PEFT LoRA on its denoiser(s), cached latents and
+text embeddings, samples, and LoRA files in the diffusers format that `pipe.load_lora_weights` reads.
+
+A family sets its pipeline class, which components carry the LoRA (`denoiser_names`), its text encoders,
+its default LoRA targets, and implements `encode_text`, `loss` and `generate`. sd/sdxl (diffusion_sd.py)
+and the flow-matching families (diffusion_flow.py: flux, sd3, wan) build on this class.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from toolkit.data.captions import apply_trigger
+from toolkit.data.images import DiffusionDataset, caption_rules, load_pixels, scan_images
+from toolkit.data.latent_cache import TensorCache, cache_key
+from toolkit.errors import UserError
+from toolkit.models.base import Runtime, load_trainable_state_dict, trainable_state_dict
+from toolkit.models.tiny import cache_root, resolve_model_path
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def target_module_list(value: Any, auto: list[str] | str, all_linear: list[str] | str) -> list[str] | str:
+    """network.target_modules for a denoiser: auto, all-linear (the family's lists), or a list of module names."""
+    if value == "auto":
+        return auto
+    if value == "all-linear":
+        return all_linear
+    if OmegaConf.is_list(value) or isinstance(value, list):
+        names = list(value)
+        if names and all(isinstance(n, str) for n in names):
+            return names
+    raise UserError(f"network.target_modules: expected auto, all-linear or a list of module names, got {value!r}")
+
+
+def unbatch(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """A dict of batched tensors as one dict per item."""
+    n = next(iter(tensors.values())).shape[0]
+    return [{k: v[i] for k, v in tensors.items()} for i in range(n)]
+
+
+class DiffusionAdapter:
+    family = ""
+    denoiser_names: tuple[str, ...] = ("unet",)      # pipeline components that carry the LoRA
+    text_encoder_names: tuple[str, ...] = ("text_encoder",)
+    # sd/sdxl sample from prompt strings and keep their (small) text encoders; the flow families sample
+    # from cached embeddings, so their text encoders (T5-XXL, UMT5-XXL: 10+ GB) can be freed after caching.
+    samples_need_text_encoders = True
+    text_encoder_lora = False                        # train.train_text_encoder is supported
+    default_timestep_sampling = "uniform"
+
+    def __init__(self, cfg: DictConfig, runtime: Runtime):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.model_path = resolve_model_path(cfg.model.name_or_path)
+        self.network: torch.nn.Module | None = None
+        self.pipe = None
+        self.prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
+        self.log = lambda msg: print(msg, file=sys.stderr, flush=True)
+        sampling = cfg.train.timestep_sampling
+        self.timestep_sampling = self.default_timestep_sampling if sampling == "auto" else sampling
+
+    # -- family hooks ----------------------------------------------------------------------
+    def pipeline_class(self):
+        raise NotImplementedError
+
+    def pipeline_kwargs(self) -> dict:
+        return {}
+
+    def lora_target_modules(self) -> list[str] | str:
+        raise NotImplementedError
+
+    def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """Batched text conditioning (prompt_embeds and whatever else the denoiser takes) for captions."""
+        raise NotImplementedError
+
+    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def generate(self, prompt: str, seed: int) -> list:
+        """The PIL frames of one sample (one frame for image families)."""
+        raise NotImplementedError
+
+    def place_denoisers(self) -> None:
+        """Put the denoiser(s) on the device (the flow families quantize first, or keep one expert off it)."""
+        for name in self.denoiser_names:
+            self.component(name).to(self.runtime.device)  # move first, then add LoRA: large cast copies fail on HIP
+
+    # -- loading ---------------------------------------------------------------------------
+    def component(self, name: str):
+        return getattr(self.pipe, name)
+
+    @property
+    def text_encoders(self) -> list[torch.nn.Module]:
+        return [m for m in (getattr(self.pipe, n, None) for n in self.text_encoder_names) if m is not None]
+
+    def load(self) -> None:
+        from diffusers.utils import logging as diffusers_logging
+        from peft import LoraConfig
+
+        diffusers_logging.disable_progress_bar()  # "Loading pipeline components" says nothing a user can act on
+        try:
+            self.pipe = self.pipeline_class().from_pretrained(self.model_path, dtype=self.runtime.base_dtype,
+                                                              revision=self.cfg.model.revision, **self.pipeline_kwargs())
+        except (OSError, ValueError) as err:
+            raise UserError(f"model.name_or_path: cannot load '{self.cfg.model.name_or_path}' as a {self.family} "
+                            f"pipeline: {str(err).splitlines()[0]}\n  fix: give a local diffusers folder "
+                            "(model_index.json) or a Hub id you can reach") from None
+        self.pipe.set_progress_bar_config(disable=True)
+        for module in self.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.requires_grad_(False)
+        self.setup_training()
+        self.place_denoisers()
+        net, train = self.cfg.network, self.cfg.train
+        lora = dict(r=net.rank, lora_alpha=net.alpha, lora_dropout=net.dropout, init_lora_weights="gaussian",
+                    use_dora=net.type == "dora", use_rslora=net.rslora)
+        modules = {}
+        for name in self.lora_denoiser_names():
+            denoiser = self.component(name)
+            denoiser.add_adapter(LoraConfig(target_modules=self.lora_target_modules(), **lora))
+            if train.gradient_checkpointing:
+                denoiser.enable_gradient_checkpointing()
+            modules[name] = denoiser
+        if train.train_text_encoder:
+            if not self.text_encoder_lora:
+                raise UserError(f"train.train_text_encoder: not available for the {self.family} family (its text "
+                                "embeddings are cached); set train.train_text_encoder=false")
+            for name in self.text_encoder_names:
+                encoder = self.component(name)
+                encoder.to(self.runtime.device)
+                encoder.add_adapter(LoraConfig(target_modules=["q_proj", "k_proj", "v_proj", "out_proj"], **lora))
+                modules[name] = encoder
+        self.network = torch.nn.ModuleDict(modules)
+        for p in self.network.parameters():  # LoRA weights train in fp32 over a bf16/fp16 base
+            if p.requires_grad:
+                p.data = p.data.float()
+
+    def setup_training(self) -> None:
+        """Family set-up between loading and LoRA (noise schedule, sigma sampler, memory plan)."""
+
+    def lora_denoiser_names(self) -> list[str]:
+        """The denoisers that get a LoRA (Wan 2.2 may train one expert of two)."""
+        return list(self.denoiser_names)
+
+    def lora_targets(self) -> list[str]:
+        return sorted({n.rsplit(".lora_A", 1)[0] for n, _ in self.network.named_parameters() if ".lora_A" in n})
+
+    # -- conditioning ----------------------------------------------------------------------
+    @contextmanager
+    def _vae_encoding(self):
+        """cuDNN/MIOpen off while encoding when device.vae_encode_cudnn is false (MIOpen can be 30x slower)."""
+        saved = torch.backends.cudnn.enabled
+        torch.backends.cudnn.enabled = bool(self.cfg.device.vae_encode_cudnn)
+        try:
+            yield
+        finally:
+            torch.backends.cudnn.enabled = saved
+
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Normalised VAE latents (the posterior mean) of images (or clips) in [-1, 1]."""
+        vae = self.pipe.vae
+        # The SDXL VAE overflows in fp16 (its config says force_upcast): encode in fp32, then go back, so the
+        # pipeline's own upcast logic still applies when sampling.
+        upcast = vae.dtype == torch.float16 and getattr(vae.config, "force_upcast", False)
+        if upcast:
+            vae.to(torch.float32)
+        try:
+            with torch.no_grad(), self._vae_encoding():
+                latents = vae.encode(pixels.to(self.runtime.device, vae.dtype)).latent_dist.mode()
+        finally:
+            if upcast:
+                vae.to(torch.float16)
+        return self.normalize_latents(latents.float())
+
+    def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        config = self.pipe.vae.config
+        shift = getattr(config, "shift_factor", None) or 0.0
+        return (latents - shift) * config.scaling_factor
+
+    def text_conditioning(self, batch: dict[str, Any], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The batch's cached text tensors on the device, or the captions encoded now."""
+        device = self.runtime.device
+        if keys[0] in batch:
+            return {k: batch[k].to(device) for k in keys if k in batch}
+        with torch.set_grad_enabled(bool(self.cfg.train.train_text_encoder)):
+            return self.encode_text(batch["captions"])
+
+    def latents_of(self, batch: dict[str, Any]) -> torch.Tensor:
+        return batch["latents"].to(self.runtime.device) if "latents" in batch else self.encode_pixels(batch["pixels"])
+
+    # -- data ------------------------------------------------------------------------------
+    def scan(self, data) -> list:
+        return scan_images(data, self.log)
+
+    def load_item(self, item) -> tuple[torch.Tensor, tuple[int, int]]:
+        return load_pixels(item)
+
+    def dataset(self) -> DiffusionDataset:
+        data, rules = self.cfg.data, caption_rules(self.cfg.data)
+        items = self.scan(data)
+        dataset = DiffusionDataset(items, rules, load=self.load_item)
+        root = cache_root() / "diffusion"
+        vae = self.pipe.vae
+        vae.to(self.runtime.device)
+        if data.cache_latents:
+            self.latent_cache = TensorCache(root, "latents")
+            vae_id = (self.model_path, self.cfg.model.revision, str(vae.dtype), "mode")
+            keys = [cache_key(it.content_hash, it.bucket, *vae_id) for it in items]
+            cached = self.latent_cache.fill(keys, lambda idx: [self._encode_item(items[i]) for i in idx])
+            dataset.latents = [c["latents"] for c in cached]
+            dataset.crops = [(int(c["crop"][0]), int(c["crop"][1])) for c in cached]
+            self.log(f"latents: {self.latent_cache.hits} cached, {self.latent_cache.misses} encoded")
+            vae.to("cpu")  # only sampling needs it again
+        self._prepare_text(dataset, items, rules, root)
+        self.after_caching()
+        return dataset
+
+    def after_caching(self) -> None:
+        """Called once the caches are filled (the flow families move their denoisers to the device here)."""
+
+    def _prepare_text(self, dataset: DiffusionDataset, items: list, rules, root: Path) -> None:
+        data, train_te = self.cfg.data, self.cfg.train.train_text_encoder
+        per_step = ("train.train_text_encoder is on" if train_te else
+                    "data.shuffle_tags changes captions every step" if rules.shuffle_tags else
+                    "data.cache_text_embeddings is off" if not data.cache_text_embeddings else None)
+        encoders = self.text_encoders
+        for encoder in encoders:
+            encoder.to(self.runtime.device)
+        if per_step is not None:
+            if data.cache_text_embeddings:
+                self.log(f"text embeddings: computed every step, not cached ({per_step}); the text encoders stay "
+                         "on the device")
+            return
+        self.text_cache = TensorCache(root, "text")
+        text_id = (self.model_path, self.cfg.model.revision, self.family, str(encoders[0].dtype))
+        captions = [it.caption for it in items]
+        extra = [""] if rules.caption_dropout > 0 else []
+        if not self.samples_need_text_encoders:
+            extra += [*self.sample_prompts(), self.cfg.sample.negative_prompt]
+        extra = list(dict.fromkeys(p for p in extra if p not in captions or p == ""))
+        texts = captions + extra
+        keys = [cache_key(text, *text_id) for text in texts]
+        with torch.no_grad():
+            cached = self.text_cache.fill(keys, lambda idx: unbatch(self.encode_text([texts[i] for i in idx])))
+        dataset.text = cached[:len(captions)]
+        self.prompt_cache = dict(zip(texts, cached))
+        dataset.empty_text = self.prompt_cache.get("")
+        self.log(f"text embeddings: {self.text_cache.hits} cached, {self.text_cache.misses} encoded")
+        if self.samples_need_text_encoders:
+            for encoder in encoders:
+                encoder.to("cpu")
+        else:
+            self.free_text_encoders()
+
+    def free_text_encoders(self) -> None:
+        """Drop the text encoders: every caption and sample prompt is cached, so nothing needs them again."""
+        for name in self.text_encoder_names:
+            if getattr(self.pipe, name, None) is not None:
+                setattr(self.pipe, name, None)
+        self.log("text encoders: freed after caching (every caption and sample prompt is cached)")
+
+    def _encode_item(self, item) -> dict[str, torch.Tensor]:
+        pixels, crop = self.load_item(item)
+        return {"latents": self.encode_pixels(pixels[None])[0], "crop": torch.tensor(crop)}
+
+    def embeddings_for(self, prompt: str) -> dict[str, torch.Tensor]:
+        """One prompt's text conditioning (batch of 1) on the device: cached, or encoded now."""
+        if prompt not in self.prompt_cache:
+            if not self.text_encoders:
+                raise UserError(f"sample prompt {prompt!r} was not cached and the text encoders were freed")
+            with torch.no_grad():
+                self.prompt_cache[prompt] = unbatch(self.encode_text([prompt]))[0]
+        return {k: v[None].to(self.runtime.device) for k, v in self.prompt_cache[prompt].items()}
+
+    def eval_loss(self) -> float | None:
+        return None
+
+    # -- sampling --------------------------------------------------------------------------
+    def sample_prompts(self) -> list[str]:
+        return [apply_trigger(p, self.cfg.data.trigger_word) for p in self.cfg.sample.prompts]
+
+    def sample_size(self) -> tuple[int, int]:
+        s = self.cfg.sample
+        return s.width or self.cfg.data.resolution, s.height or self.cfg.data.resolution
+
+    def sample(self, out_dir: Path) -> list[Path]:
+        from toolkit.train.plots import make_grid
+
+        prompts = self.sample_prompts()
+        if not prompts:
+            return []
+        was_training = self.network.training
+        self.network.eval()
+        modules = [self.pipe.vae, *(self.text_encoders if self.samples_need_text_encoders else [])]
+        moved = [m for m in modules if m.device != self.runtime.device]
+        for module in moved:
+            module.to(self.runtime.device)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stills, files = [], []
+        for i, prompt in enumerate(prompts):
+            frames = self.generate(prompt, self.cfg.sample.seed + i)
+            still = out_dir / f"{i:02d}.png"
+            frames[len(frames) // 2].save(still)  # a video's middle frame stands for it in grids and reports
+            stills.append(still)
+            files.append(still)
+            if len(frames) > 1:
+                from toolkit.data.video import write_video
+
+                files += write_video(frames, out_dir / f"{i:02d}", fps=self.cfg.sample.fps)
+        (out_dir / "prompts.txt").write_text("".join(f"{i:02d}: {p}\n" for i, p in enumerate(prompts)), encoding="utf-8")
+        grid = make_grid(stills, out_dir / "grid.png")
+        for module in moved:
+            module.to("cpu")
+        self.network.train(was_training)
+        return stills + [grid] + [f for f in files if f not in stills]
+
+    # -- LoRA weights ----------------------------------------------------------------------
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        return trainable_state_dict(self.network)
+
+    def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_trainable_state_dict(self.network, state)
+
+    def diffusers_lora_layers(self, dtype: torch.dtype, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """save_lora_weights arguments (`<component>_lora_layers`) for the trained modules (or `names`), on the CPU.
+
+        UNet and text-encoder keys take diffusers' own naming (lora.down/up), as its SD training scripts write;
+        transformer keys stay in PEFT naming (lora_A/B), as its Flux/SD3/Wan scripts write."""
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        layers = {}
+        for name in names or list(self.network.keys()):
+            state = get_peft_model_state_dict(self.network[name])
+            if name == "unet" or name.startswith("text_encoder"):
+                state = convert_state_dict_to_diffusers(state)
+            layers[f"{name}_lora_layers"] = {k: v.detach().to("cpu", dtype) for k, v in state.items()}
+            # The LoRA config (rank, alpha, rslora, targets) goes into the file, so loaders apply alpha/rank.
+            layers[f"{name}_lora_adapter_metadata"] = self.network[name].peft_config["default"].to_dict()
+        return layers
+
+    def export_formats(self) -> tuple[str, ...]:
+        """save.format values this family writes besides the diffusers file."""
+        return ("kohya",)
+
+    def check_save_format(self) -> str:
+        fmt = self.cfg.save.format
+        allowed = ("auto", "diffusers", *self.export_formats())
+        if fmt not in allowed:
+            raise UserError(f"save.format: {fmt} is not available for the {self.family} family; use one of "
+                            f"{', '.join(allowed)}")
+        return fmt
+
+    def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
+        """The diffusers file (pytorch_lora_weights.safetensors), plus the save.format export when asked."""
+        fmt = self.check_save_format()
+        self.pipeline_class().save_lora_weights(out_dir, safe_serialization=True,
+                                                **self.diffusers_lora_layers(dtype))
+        files = [out_dir / LORA_FILE]
+        if fmt not in ("auto", "diffusers"):
+            files.append(self.export(out_dir / LORA_FILE, out_dir / f"{self.cfg.run.name}_{fmt}.safetensors", fmt))
+        return files
+
+    def export(self, diffusers_file: Path, out_file: Path, fmt: str) -> Path:
+        from toolkit.models.lora_export import save_kohya
+
+        return save_kohya(diffusers_file, out_file, self.kohya_metadata())
+
+    def kohya_metadata(self) -> dict[str, str]:
+        return {"ss_base_model": str(self.cfg.model.name_or_path), "toolkit_family": self.family,
+                "ss_network_dim": str(self.cfg.network.rank), "ss_network_alpha": str(self.cfg.network.alpha),
+                "ss_steps": str(self.cfg.train.steps), "ss_trigger_word": str(self.cfg.data.trigger_word or ""),
+                "ss_network_module": "networks.lora"}
+
+    def load_lora(self, path: Path) -> None:
+        """Load a diffusers-format LoRA file (or a folder holding one) into the trained modules."""
+        self.load_lora_into(path, list(self.network.keys()))
+
+    def load_lora_into(self, path: Path, names: list[str], prefix_of: Callable[[str], str] = lambda n: n) -> None:
+        from diffusers.utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
+        from peft import set_peft_model_state_dict
+
+        path = Path(path)
+        loaded = self.pipeline_class().lora_state_dict(str(path), weight_name=LORA_FILE if path.is_dir() else None)
+        state = loaded[0] if isinstance(loaded, tuple) else loaded  # some mixins also return network alphas
+        for name in names:
+            prefix = f"{prefix_of(name)}."
+            part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            part = convert_state_dict_to_peft(part) if name.startswith("text_encoder") else convert_unet_state_dict_to_peft(part)
+            result = set_peft_model_state_dict(self.network[name], part)
+            if getattr(result, "unexpected_keys", None):
+                raise UserError(f"{path}: LoRA keys do not match the {name}: {result.unexpected_keys[:2]}")

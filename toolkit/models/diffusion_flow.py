@@ -1,0 +1,222 @@
+"""The flow-matching families `flux` (Flux.1-dev/schnell) and `sd3` (SD3 / SD3.5): PEFT LoRA on the transformer.
+
+FlowMatchingAdapter holds what they share with Wan (diffusion_wan.py): the sigma sampler (each family's
+shift), the memory plan (quantized frozen base, text encoders freed once their outputs are cached), and the
+ComfyUI export. Samples run the family's own diffusers pipeline on cached prompt embeddings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.errors import UserError
+from toolkit.models.diffusion_base import DiffusionAdapter, target_module_list
+from toolkit.models.flow_matching import SigmaSampler, flow_loss, flux_mu, noisy_latents
+from toolkit.models.quantize import choose_backend, plan_weights, quantize_linear_layers
+
+# Attention and feed-forward projections of the MMDiT blocks (Flux double/single blocks, SD3 joint blocks).
+MMDIT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                 "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+# Flux adds single blocks, whose output projection shares its name with the model's final proj_out: a regex
+# (PEFT full-matches a string) keeps that one out.
+_FLUX_DOUBLE = (r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+                r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2)EXTRA)")
+_FLUX_SINGLE = r"single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_outEXTRA)"
+FLUX_TARGETS = ".*(" + _FLUX_DOUBLE.replace("EXTRA", "") + "|" + _FLUX_SINGLE.replace("EXTRA", "") + ")"
+FLUX_ALL_LINEAR = (".*(" + _FLUX_DOUBLE.replace("EXTRA", r"|norm1\.linear|norm1_context\.linear") + "|"
+                   + _FLUX_SINGLE.replace("EXTRA", r"|norm\.linear") + ")")
+
+
+def in_blocks(name: str) -> bool:
+    """Linear layers inside the repeated transformer blocks: what the memory plan quantizes (embedders,
+    modulation of the final layer and the output head stay in 16 bits)."""
+    return ".blocks." in f".{name}" or "transformer_blocks." in name
+
+
+class FlowMatchingAdapter(DiffusionAdapter):
+    denoiser_names = ("transformer",)
+    samples_need_text_encoders = False
+    default_timestep_sampling = "logit_normal"
+    comfyui_family = ""
+
+    # -- memory plan -----------------------------------------------------------------------
+    def setup_training(self) -> None:
+        model, device = self.cfg.model, self.runtime.info
+        counts = {name: sum(p.numel() for p in self.component(name).parameters()) for name in self.denoiser_names}
+        self.quantize, self.offload, why = plan_weights(model.quantize, model.expert_offload, counts, device,
+                                                        self.cfg.device.memory_fraction)
+        self.log(why)
+        self.quantize_library = None
+        if self.quantize != "none":
+            self.quantize_library, reason = choose_backend(model.quantize_backend, self.quantize, device.backend)
+            self.log(f"model.quantize_backend={self.quantize_library}: {reason}")
+
+    def place_denoisers(self) -> None:
+        """Quantized denoisers go to the device now (the libraries quantize on the move); 16-bit ones wait in
+        CPU memory until the caches are filled, so the text encoders never share the device with them."""
+        if self.quantize == "none":
+            return
+        for name in self.denoiser_names:
+            count = quantize_linear_layers(self.component(name), self.quantize, self.runtime.compute_dtype,
+                                           self.runtime.device, skip=(), backend=self.quantize_library,
+                                           include=in_blocks)
+            self.log(f"model: quantized {count} linear layers of the {name} to {self.quantize} "
+                     f"({self.quantize_library})")
+
+    def after_caching(self) -> None:
+        for name in self.denoiser_names:
+            self.component(name).to(self.runtime.device)
+
+    def memory_fixes(self) -> list[str]:
+        fixes = []
+        if self.quantize in ("none", "8bit"):
+            fixes.append(f"model.quantize={'8bit' if self.quantize == 'none' else '4bit'} (a quantized frozen base)")
+        fixes.append("data.resolution lower (fewer latent tokens per image)")
+        return fixes
+
+    # -- sigmas ----------------------------------------------------------------------------
+    def sigma_sampler(self, shift: float | None = None, mu: float | None = None) -> SigmaSampler:
+        t = self.cfg.train
+        return SigmaSampler(self.timestep_sampling, t.logit_mean, t.logit_std, shift=shift or 1.0, mu=mu)
+
+    def configured_shift(self, default: float) -> float:
+        """train.flow_shift, or `default` (the model's scheduler config) when auto."""
+        shift = self.cfg.train.flow_shift
+        if shift == "auto":
+            return float(default)
+        try:
+            return float(shift)
+        except (TypeError, ValueError):
+            raise UserError(f"train.flow_shift: expected a number or auto, got {shift!r}") from None
+
+    def noised(self, latents: torch.Tensor, sampler: SigmaSampler, low: float = 0.0, high: float = 1.0):
+        """(noise, sigmas, noisy latents) for a batch."""
+        noise = torch.randn_like(latents)
+        sigmas = sampler.sample(latents.shape[0], latents.device, low, high)
+        return noise, sigmas, noisy_latents(latents, noise, sigmas)
+
+    # -- export ----------------------------------------------------------------------------
+    def export_formats(self) -> tuple[str, ...]:
+        return ("comfyui",)
+
+    def export(self, diffusers_file: Path, out_file: Path, fmt: str) -> Path:
+        from toolkit.models.lora_export import save_comfyui
+
+        net = self.cfg.network
+        return save_comfyui(diffusers_file, out_file, self.comfyui_family, net.alpha, self.kohya_metadata(),
+                            rslora=net.rslora)
+
+    def pipeline_call(self, seed: int, **kwargs) -> Any:
+        """Run the pipeline for one sample with the sample settings and a CPU generator seeded `seed`."""
+        s = self.cfg.sample
+        width, height = self.sample_size()
+        generator = torch.Generator("cpu").manual_seed(seed)
+        with torch.no_grad():
+            return self.pipe(num_inference_steps=s.num_inference_steps, guidance_scale=s.guidance_scale,
+                             width=width, height=height, generator=generator, **kwargs)
+
+
+class FluxAdapter(FlowMatchingAdapter):
+    family = "flux"
+    comfyui_family = "flux"
+    text_encoder_names = ("text_encoder", "text_encoder_2")
+    max_text_tokens = 512
+
+    def pipeline_class(self):
+        from diffusers import FluxPipeline
+
+        return FluxPipeline
+
+    def lora_target_modules(self) -> list[str] | str:
+        return target_module_list(self.cfg.network.target_modules, FLUX_TARGETS, FLUX_ALL_LINEAR)
+
+    def setup_training(self) -> None:
+        super().setup_training()
+        config = self.pipe.scheduler.config
+        self.dynamic_shift = self.cfg.train.flow_shift == "auto" and config.get("use_dynamic_shifting", False)
+        self.shift = self.configured_shift(config.get("shift", 1.0))
+        self.guidance_embeds = bool(self.pipe.transformer.config.guidance_embeds)
+
+    def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        embeds, pooled, _ = self.pipe.encode_prompt(captions, prompt_2=None, device=self.runtime.device,
+                                                    max_sequence_length=self.max_text_tokens)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    def sampler_for(self, latents: torch.Tensor) -> SigmaSampler:
+        """Flux-dev's resolution-dependent shift: mu from the number of 2x2 latent patches."""
+        if not self.dynamic_shift:
+            return self.sigma_sampler(shift=self.shift)
+        config = self.pipe.scheduler.config
+        tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)
+        mu = flux_mu(tokens, config.base_image_seq_len, config.max_image_seq_len, config.base_shift, config.max_shift)
+        return self.sigma_sampler(mu=mu)
+
+    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        from diffusers import FluxPipeline
+
+        latents = self.latents_of(batch)
+        text = self.text_conditioning(batch, ("prompt_embeds", "pooled_prompt_embeds"))
+        noise, sigmas, noisy = self.noised(latents, self.sampler_for(latents))
+        b, c, h, w = latents.shape
+        transformer, dtype = self.pipe.transformer, self.pipe.transformer.dtype
+        embeds = text["prompt_embeds"].to(dtype)
+        guidance = torch.full((b,), float(self.cfg.train.guidance), device=latents.device) if self.guidance_embeds else None
+        pred = transformer(
+            hidden_states=FluxPipeline._pack_latents(noisy.to(dtype), b, c, h, w),
+            timestep=sigmas.to(dtype), guidance=guidance, pooled_projections=text["pooled_prompt_embeds"].to(dtype),
+            encoder_hidden_states=embeds, txt_ids=torch.zeros(embeds.shape[1], 3, device=latents.device, dtype=dtype),
+            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, dtype),
+            return_dict=False)[0]
+        # the velocity target is packed the same way, so the loss is the MSE over the same elements
+        return flow_loss(pred, FluxPipeline._pack_latents(latents, b, c, h, w), FluxPipeline._pack_latents(noise, b, c, h, w))
+
+    def generate(self, prompt: str, seed: int) -> list:
+        text = self.embeddings_for(prompt)
+        return self.pipeline_call(seed, prompt_embeds=text["prompt_embeds"],
+                                  pooled_prompt_embeds=text["pooled_prompt_embeds"]).images
+
+
+class SD3Adapter(FlowMatchingAdapter):
+    family = "sd3"
+    comfyui_family = "sd3"
+    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    max_text_tokens = 256
+
+    def pipeline_class(self):
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline
+
+    def lora_target_modules(self) -> list[str]:
+        return target_module_list(self.cfg.network.target_modules, MMDIT_TARGETS,
+                                  MMDIT_TARGETS + ["norm1.linear", "norm1_context.linear"])
+
+    def setup_training(self) -> None:
+        super().setup_training()
+        self.shift = self.configured_shift(self.pipe.scheduler.config.get("shift", 1.0))
+
+    def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _, pooled, _ = self.pipe.encode_prompt(captions, prompt_2=None, prompt_3=None, device=self.runtime.device,
+                                                       do_classifier_free_guidance=False,
+                                                       max_sequence_length=self.max_text_tokens)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        latents = self.latents_of(batch)
+        text = self.text_conditioning(batch, ("prompt_embeds", "pooled_prompt_embeds"))
+        noise, sigmas, noisy = self.noised(latents, self.sigma_sampler(shift=self.shift))
+        transformer, dtype = self.pipe.transformer, self.pipe.transformer.dtype
+        pred = transformer(hidden_states=noisy.to(dtype), timestep=(sigmas * 1000).to(dtype),
+                           encoder_hidden_states=text["prompt_embeds"].to(dtype),
+                           pooled_projections=text["pooled_prompt_embeds"].to(dtype), return_dict=False)[0]
+        return flow_loss(pred, latents, noise)
+
+    def generate(self, prompt: str, seed: int) -> list:
+        text, negative = self.embeddings_for(prompt), self.embeddings_for(self.cfg.sample.negative_prompt)
+        return self.pipeline_call(seed, prompt_embeds=text["prompt_embeds"],
+                                  pooled_prompt_embeds=text["pooled_prompt_embeds"],
+                                  negative_prompt_embeds=negative["prompt_embeds"],
+                                  negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"]).images

@@ -1,0 +1,207 @@
+"""The video families `wan21` (Wan 2.1 T2V) and `wan22` (Wan 2.2: A14B with two experts, or TI2V-5B).
+
+Clips (toolkit.data.video) are encoded by the Wan VAE (time / 4, space / 8 or / 16) and normalised with its
+per-channel latent statistics; the transformer predicts the flow velocity at timestep 1000 * sigma.
+
+Wan 2.2 A14B splits the denoising between a high-noise expert (`transformer`, timesteps at or above
+boundary_ratio * 1000) and a low-noise expert (`transformer_2`). `train.experts` picks which get a LoRA;
+with both, training alternates every `train.expert_switch_every` steps, each expert seeing only sigmas of
+its own range. With `model.expert_offload` the idle expert's frozen weights wait in CPU memory; LoRA
+weights (and so their optimizer state) never leave the device. Each expert's LoRA is saved on its own.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.errors import UserError
+from toolkit.models.diffusion_base import LORA_FILE, target_module_list
+from toolkit.models.diffusion_flow import FlowMatchingAdapter
+from toolkit.models.flow_matching import flow_loss
+
+WAN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+WAN_ALL_LINEAR = WAN_TARGETS + ["add_k_proj", "add_v_proj", "time_embedder.linear_1", "time_embedder.linear_2",
+                                "time_proj", "text_embedder.linear_1", "text_embedder.linear_2"]
+EXPERT_FOLDERS = {"transformer": "high_noise", "transformer_2": "low_noise"}
+
+
+class WanAdapter(FlowMatchingAdapter):
+    family = "wan21"
+    comfyui_family = "wan21"
+    text_encoder_names = ("text_encoder",)
+    max_text_tokens = 512
+
+    def pipeline_class(self):
+        from diffusers import WanPipeline
+
+        return WanPipeline
+
+    def lora_target_modules(self) -> list[str]:
+        return target_module_list(self.cfg.network.target_modules, WAN_TARGETS, WAN_ALL_LINEAR)
+
+    def setup_training(self) -> None:
+        super().setup_training()
+        self.shift = self.configured_shift(self.pipe.scheduler.config.get("flow_shift", None) or 1.0)
+        self.expand_timesteps = bool(self.pipe.config.get("expand_timesteps", False))
+        self.log(f"flow matching: {self.timestep_sampling} sigmas shifted by {self.shift:g}"
+                 + (" (train.flow_shift)" if self.cfg.train.flow_shift != "auto" else " (the scheduler's flow_shift)"))
+
+    # -- data ------------------------------------------------------------------------------
+    def scan(self, data) -> list:
+        from toolkit.data.video import scan_clips
+
+        return scan_clips(data, self.log)
+
+    def load_item(self, item) -> tuple[torch.Tensor, tuple[int, int]]:
+        from toolkit.data.video import load_clip
+
+        return load_clip(item), (0, 0)
+
+    def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        config = self.pipe.vae.config
+        mean = torch.tensor(config.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(config.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
+        return (latents - mean) / std
+
+    def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _ = self.pipe.encode_prompt(captions, do_classifier_free_guidance=False, device=self.runtime.device,
+                                            max_sequence_length=self.max_text_tokens)
+        return {"prompt_embeds": embeds}
+
+    # -- loss ------------------------------------------------------------------------------
+    def expert_for_step(self) -> tuple[str, float, float]:
+        """The transformer trained now and the sigma range it sees."""
+        return "transformer", 0.0, 1.0
+
+    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        latents = self.latents_of(batch)
+        text = self.text_conditioning(batch, ("prompt_embeds",))
+        name, low, high = self.expert_for_step()
+        noise, sigmas, noisy = self.noised(latents, self.sigma_sampler(shift=self.shift), low, high)
+        transformer = self.component(name)
+        dtype = transformer.dtype
+        timestep = (sigmas * 1000).to(dtype)
+        if self.expand_timesteps:  # Wan 2.2 TI2V-5B takes a timestep per latent patch
+            _, p_h, p_w = transformer.config.patch_size
+            tokens = latents.shape[2] * (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
+            timestep = timestep[:, None].expand(-1, tokens)
+        pred = transformer(hidden_states=noisy.to(dtype), timestep=timestep,
+                           encoder_hidden_states=text["prompt_embeds"].to(dtype), return_dict=False)[0]
+        return flow_loss(pred, latents, noise)
+
+    # -- sampling --------------------------------------------------------------------------
+    def generate(self, prompt: str, seed: int) -> list:
+        text, negative = self.embeddings_for(prompt), self.embeddings_for(self.cfg.sample.negative_prompt)
+        frames = self.cfg.sample.num_frames or self.cfg.data.num_frames
+        out = self.pipeline_call(seed, prompt_embeds=text["prompt_embeds"],
+                                 negative_prompt_embeds=negative["prompt_embeds"], num_frames=frames, output_type="pil")
+        return list(out.frames[0])
+
+
+class Wan22Adapter(WanAdapter):
+    family = "wan22"
+    comfyui_family = "wan22"
+
+    def setup_training(self) -> None:
+        self.denoiser_names = tuple(n for n in ("transformer", "transformer_2") if getattr(self.pipe, n, None) is not None)
+        experts = self.cfg.train.experts
+        if len(self.denoiser_names) == 1:
+            if experts != "both":
+                raise UserError(f"train.experts={experts}: {self.cfg.model.name_or_path} has one transformer "
+                                "(Wan 2.2 TI2V-5B); only A14B has high- and low-noise experts\n"
+                                "  fix: leave train.experts=both")
+            self.trained = ["transformer"]
+        else:
+            self.trained = {"both": ["transformer", "transformer_2"], "high_noise": ["transformer"],
+                            "low_noise": ["transformer_2"]}[experts]
+        self.boundary = float(self.pipe.config.get("boundary_ratio") or 0.0)
+        self.active = self.trained[0]
+        super().setup_training()
+        if len(self.denoiser_names) > 1:
+            every = self.cfg.train.expert_switch_every
+            plan = (f"alternating every {every} steps, high-noise first" if len(self.trained) == 2 else "only")
+            self.log(f"wan22 experts: boundary sigma {self.boundary:g}; training {' and '.join(self.trained)} ({plan})")
+
+    def lora_denoiser_names(self) -> list[str]:
+        return list(self.trained)
+
+    def begin_step(self, step: int) -> None:
+        """The expert for optimizer step `step` (1-based): derived from the step, so a resumed run agrees."""
+        active = self.trained[((step - 1) // self.cfg.train.expert_switch_every) % len(self.trained)]
+        if active != self.active:
+            self.active = active
+            if self.offload:
+                self.place_experts(active)
+
+    def expert_for_step(self) -> tuple[str, float, float]:
+        if len(self.denoiser_names) == 1:
+            return "transformer", 0.0, 1.0
+        return (self.active, self.boundary, 1.0) if self.active == "transformer" else (self.active, 0.0, self.boundary)
+
+    def after_caching(self) -> None:
+        self.place_experts(self.active)
+
+    def place_experts(self, resident: str) -> None:
+        """Every expert on the device, or with offload only `resident`; LoRA weights always on the device."""
+        device = self.runtime.device
+        for name in self.denoiser_names:
+            module = self.component(name)
+            lora = [p for p in module.parameters() if p.requires_grad]
+            module.to(device if (not self.offload or name == resident) else torch.device("cpu"))
+            for p in lora:
+                p.data = p.data.to(device)
+
+    @contextmanager
+    def _experts_on_demand(self):
+        """While sampling with offload, each expert comes to the device when the pipeline calls it."""
+        if not self.offload:
+            yield
+            return
+        hooks = [self.component(name).register_forward_pre_hook(lambda module, args, name=name: self._bring(name))
+                 for name in self.denoiser_names]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self.place_experts(self.active)
+
+    def _bring(self, name: str) -> None:
+        frozen = next(p for p in self.component(name).parameters() if not p.requires_grad)
+        if frozen.device != self.runtime.device:
+            self.place_experts(name)
+
+    def generate(self, prompt: str, seed: int) -> list:
+        with self._experts_on_demand():
+            return super().generate(prompt, seed)
+
+    # -- LoRA files ------------------------------------------------------------------------
+    def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
+        """A14B: one diffusers file per trained expert, in high_noise/ and low_noise/ (load the second with
+        `pipe.load_lora_weights(..., load_into_transformer_2=True)`); TI2V-5B: one file, like wan21."""
+        if len(self.denoiser_names) == 1:
+            return super().save_lora(out_dir, dtype)
+        fmt = self.check_save_format()
+        files = []
+        for name in self.trained:
+            folder = out_dir / EXPERT_FOLDERS[name]
+            folder.mkdir(parents=True, exist_ok=True)
+            layers = self.diffusers_lora_layers(dtype, [name])
+            self.pipeline_class().save_lora_weights(
+                folder, safe_serialization=True, transformer_lora_layers=layers[f"{name}_lora_layers"],
+                transformer_lora_adapter_metadata=layers[f"{name}_lora_adapter_metadata"])
+            files.append(folder / LORA_FILE)
+            if fmt == "comfyui":
+                out = out_dir / f"{self.cfg.run.name}_{EXPERT_FOLDERS[name]}_comfyui.safetensors"
+                files.append(self.export(folder / LORA_FILE, out, fmt))
+        return files
+
+    def load_lora(self, path: Path) -> None:
+        if len(self.denoiser_names) == 1:
+            return super().load_lora(path)
+        for name in self.trained:
+            self.load_lora_into(Path(path) / EXPERT_FOLDERS[name], [name], prefix_of=lambda _: "transformer")
