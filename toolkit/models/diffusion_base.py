@@ -53,6 +53,7 @@ class DiffusionAdapter:
     # from cached embeddings, so their text encoders (T5-XXL, UMT5-XXL: 10+ GB) can be freed after caching.
     samples_need_text_encoders = True
     text_encoder_lora = False                        # train.train_text_encoder is supported
+    uses_negative_prompt = True                      # samples take negative embeddings (Flux-dev does not)
     default_timestep_sampling = "uniform"
 
     def __init__(self, cfg: DictConfig, runtime: Runtime):
@@ -243,7 +244,7 @@ class DiffusionAdapter:
         captions = [it.caption for it in items]
         extra = [""] if rules.caption_dropout > 0 else []
         if not self.samples_need_text_encoders:
-            extra += [*self.sample_prompts(), self.cfg.sample.negative_prompt]
+            extra += self.sample_prompts() + ([self.cfg.sample.negative_prompt] if self.uses_negative_prompt else [])
         extra = list(dict.fromkeys(p for p in extra if p not in captions or p == ""))
         texts = captions + extra
         keys = [cache_key(text, *text_id) for text in texts]

@@ -122,6 +122,7 @@ class FlowMatchingAdapter(DiffusionAdapter):
 class FluxAdapter(FlowMatchingAdapter):
     family = "flux"
     comfyui_family = "flux"
+    uses_negative_prompt = False
     text_encoder_names = ("text_encoder", "text_encoder_2")
     max_text_tokens = 512
 

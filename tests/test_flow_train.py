@@ -1,0 +1,266 @@
+"""flux / sd3 / wan21 / wan22 LoRA through the real entry point on tiny pipelines: files, reloading in the
+diffusers pipeline, the flow-matching loss, Wan 2.2 expert selection and switching, and resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import REPO
+from toolkit.config.run import load_run
+from toolkit.models import build_adapter
+from toolkit.models.base import Runtime
+from toolkit.models.flow_matching import SigmaSampler, flux_mu
+from toolkit.models.tiny import resolve_model_path
+
+SHAPES = REPO / "configs/examples/data/shapes"
+CLIPS = REPO / "configs/examples/data/clips"
+
+
+def _args(config: str, out: Path, *extra: str) -> list[str]:
+    return ["train", str(REPO / "configs/examples" / config), f"run.output_dir={out}", "train.steps=2",
+            "train.batch_size=2", "train.lr=1e-2", "save.every=0", "sample.every=0", "sample.num_inference_steps=2",
+            "log.every=1", *extra]
+
+
+def _adapter(config: str, tmp_path: Path, *overrides: str):
+    run = load_run([REPO / "configs/examples" / config], [f"run.output_dir={tmp_path}", *overrides])
+    adapter = build_adapter(run.cfg, Runtime(torch.device("cpu"), run.device, torch.float32, torch.float32, tmp_path))
+    adapter.load()
+    return adapter, adapter.dataset()
+
+
+def _losses(out: Path) -> list[float]:
+    records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def _pixels(images) -> np.ndarray:
+    return np.asarray(images[0], dtype=np.int16)
+
+
+@pytest.mark.parametrize("family, pipeline_name", [("flux", "FluxPipeline"), ("sd3", "StableDiffusion3Pipeline")])
+def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(family, pipeline_name, tmp_path, run_cli, capsys):
+    out = tmp_path / "run"
+    assert run_cli(*_args(f"quickstart_{family}.yaml", out, "sample.prompts=[sks a red circle]")) == 0
+    err = capsys.readouterr().err
+    # 24 captions + the sample prompt (sd3: + the negative prompt "")
+    assert f"text embeddings: 0 cached, {25 if family == 'flux' else 26} encoded" in err
+    assert "text encoders: freed after caching" in err
+    losses = _losses(out)
+    assert len(losses) == 2 and all(np.isfinite(losses))
+
+    weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    assert all(k.startswith("transformer.") and (".lora_A." in k or ".lora_B." in k) for k in weights)
+    assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in weights
+    if family == "flux":  # single blocks, but not the model's final proj_out
+        assert "transformer.single_transformer_blocks.0.proj_out.lora_A.weight" in weights
+        assert not any(k.startswith("transformer.proj_out.") for k in weights)
+        assert (out / "final" / "quickstart_flux_comfyui.safetensors").is_file()
+
+    import diffusers
+
+    pipe = getattr(diffusers, pipeline_name).from_pretrained(resolve_model_path(f"tiny:{family}"))
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(num_inference_steps=2, width=64, height=64, guidance_scale=3.5 if family == "flux" else 3.0)
+
+    def generate() -> np.ndarray:
+        return _pixels(pipe("sks a red circle", generator=torch.Generator("cpu").manual_seed(42), **call).images)
+
+    base = generate()
+    pipe.load_lora_weights(str(out / "final"))
+    with_lora = generate()
+    trained = np.asarray(Image.open(out / "samples" / "step-000002" / "00.png"), dtype=np.int16)
+    assert np.abs(with_lora - base).max() >= 2
+    assert np.abs(with_lora - trained).max() <= 1
+
+
+def test_flux_loss_is_the_velocity_mse_with_resolution_dependent_shift(tmp_path):
+    from diffusers import FluxPipeline
+
+    adapter, dataset = _adapter("quickstart_flux.yaml", tmp_path, "train.guidance=2.0")
+    batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 1][:2])  # 128x64 bucket
+    torch.manual_seed(0)
+    with torch.no_grad():
+        loss = adapter.loss(batch)
+        torch.manual_seed(0)
+        latents = batch["latents"]
+        b, c, h, w = latents.shape
+        noise = torch.randn_like(latents)
+        config = adapter.pipe.scheduler.config
+        mu = flux_mu(h // 2 * w // 2, config.base_image_seq_len, config.max_image_seq_len, config.base_shift,
+                     config.max_shift)
+        u = torch.sigmoid(torch.special.ndtri(torch.rand(b).clamp(1e-7, 1 - 1e-7)))
+        sigma = (np.exp(mu) * u / (1 + (np.exp(mu) - 1) * u)).view(-1, 1, 1, 1)
+        noisy = (1 - sigma) * latents + sigma * noise
+        pred = adapter.pipe.transformer(
+            hidden_states=FluxPipeline._pack_latents(noisy, b, c, h, w), timestep=sigma.flatten(),
+            guidance=torch.full((b,), 2.0), pooled_projections=batch["pooled_prompt_embeds"],
+            encoder_hidden_states=batch["prompt_embeds"], txt_ids=torch.zeros(batch["prompt_embeds"].shape[1], 3),
+            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", torch.float32)).sample
+        target = FluxPipeline._pack_latents(noise - latents, b, c, h, w)
+    assert latents.shape == (2, 16, 8, 16) and adapter.dynamic_shift
+    assert torch.allclose(loss, ((pred - target) ** 2).mean(), rtol=1e-5, atol=1e-7)
+
+
+def test_sigma_sampler_shift_and_expert_ranges():
+    torch.manual_seed(0)
+    sampler = SigmaSampler("logit_normal", shift=3.0)
+    full = sampler.sample(200_000, torch.device("cpu"))
+    u = torch.sigmoid(torch.randn(200_000))
+    expected = 3 * u / (1 + 2 * u)
+    assert abs(full.mean() - expected.mean()) < 0.005 and abs(full.std() - expected.std()) < 0.005
+    high = sampler.sample(50_000, torch.device("cpu"), 0.875, 1.0)
+    low = sampler.sample(50_000, torch.device("cpu"), 0.0, 0.875)
+    assert high.min() >= 0.875 and low.max() < 0.875
+    # restricted to its range, the distribution is the full one conditioned on that range
+    assert abs(high.mean() - expected[expected >= 0.875].mean()) < 0.003
+    assert abs(low.mean() - expected[expected < 0.875].mean()) < 0.005
+    uniform = SigmaSampler("uniform").sample(100_000, torch.device("cpu"))
+    assert abs(uniform.mean() - 0.5) < 0.005
+    assert flux_mu(256) == pytest.approx(0.5) and flux_mu(4096) == pytest.approx(1.15)
+
+
+def test_wan21_trains_on_clips_and_stills_writes_video_samples_and_reloads(tmp_path, run_cli, capsys):
+    out = tmp_path / "run"
+    assert run_cli(*_args("quickstart_wan21.yaml", out, "sample.num_frames=5")) == 0
+    err = capsys.readouterr().err
+    assert "64 x 64    (ratio 1.00) x   9 frames: 6 clips" in err and "x   1 frame : 2 clips" in err
+    samples = out / "samples" / "step-000002"
+    names = sorted(p.name for p in samples.iterdir())
+    assert {"00.png", "00.webp", "grid.png", "prompts.txt"} <= set(names)
+    with Image.open(samples / "00.webp") as webp:
+        assert webp.n_frames == 5 and webp.size == (64, 64)
+
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(resolve_model_path("tiny:wan21"))
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate() -> np.ndarray:
+        frames = pipe("a red circle moving right on a white background", num_frames=5, width=64, height=64,
+                      num_inference_steps=2, guidance_scale=3.0, output_type="np",
+                      generator=torch.Generator("cpu").manual_seed(42)).frames[0]
+        return frames
+
+    base = generate()
+    pipe.load_lora_weights(str(out / "final"))
+    with_lora = generate()
+    middle = np.asarray(Image.open(samples / "00.png"), dtype=np.float32)
+    assert np.abs(with_lora - base).max() > 1e-3
+    assert np.abs(with_lora[2] * 255 - middle).max() <= 1.5  # the sample's middle frame is the pipeline's
+
+
+def test_wan22_trains_both_experts_alternately_and_saves_each(tmp_path, run_cli, capsys, monkeypatch):
+    from toolkit.models.diffusion_wan import Wan22Adapter
+
+    seen = []
+    loss = Wan22Adapter.loss
+    monkeypatch.setattr(Wan22Adapter, "loss", lambda self, batch: seen.append(self.expert_for_step()) or loss(self, batch))
+    out = tmp_path / "run"
+    assert run_cli(*_args("quickstart_wan22.yaml", out, "train.steps=5", "train.expert_switch_every=2",
+                          "sample.prompts=[]")) == 0
+    assert [name for name, _, _ in seen] == ["transformer", "transformer", "transformer_2", "transformer_2", "transformer"]
+    assert seen[0][1:] == (0.875, 1.0) and seen[2][1:] == (0.0, 0.875)
+    final = out / "final"
+    assert sorted(str(p.relative_to(final)) for p in final.rglob("*.safetensors")) == [
+        "high_noise/pytorch_lora_weights.safetensors", "low_noise/pytorch_lora_weights.safetensors",
+        "quickstart_wan22_high_noise_comfyui.safetensors", "quickstart_wan22_low_noise_comfyui.safetensors"]
+    high = load_file(str(final / "high_noise" / "pytorch_lora_weights.safetensors"))
+    low = load_file(str(final / "low_noise" / "pytorch_lora_weights.safetensors"))
+    assert high.keys() == low.keys() and all(k.startswith("transformer.blocks.") for k in high)
+    comfy = load_file(str(final / "quickstart_wan22_low_noise_comfyui.safetensors"))
+    assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in comfy
+
+    # Each file loads into its expert with diffusers' loader; each expert's LoRA changes only its own stage.
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(resolve_model_path("tiny:wan22"))
+    pipe.load_lora_weights(str(final / "high_noise"))
+    pipe.load_lora_weights(str(final / "low_noise"), load_into_transformer_2=True, adapter_name="low")
+    a = pipe.transformer.blocks[0].attn1.to_q.lora_A["default_0"].weight
+    b = pipe.transformer_2.blocks[0].attn1.to_q.lora_A["low"].weight
+    assert torch.equal(a, high["transformer.blocks.0.attn1.to_q.lora_A.weight"])
+    assert torch.equal(b, low["transformer.blocks.0.attn1.to_q.lora_A.weight"])
+
+
+def test_wan22_one_expert_only(tmp_path, run_cli, monkeypatch):
+    from toolkit.models.diffusion_wan import Wan22Adapter
+
+    ranges = []
+    loss = Wan22Adapter.loss
+    monkeypatch.setattr(Wan22Adapter, "loss", lambda self, batch: ranges.append(self.expert_for_step()) or loss(self, batch))
+    out = tmp_path / "run"
+    assert run_cli(*_args("quickstart_wan22.yaml", out, "train.experts=low_noise", "save.format=diffusers",
+                          "sample.prompts=[]")) == 0
+    assert ranges == [("transformer_2", 0.0, 0.875)] * 2
+    assert sorted(p.name for p in (out / "final").iterdir()) == ["low_noise"]
+    adapter, _ = _adapter("quickstart_wan22.yaml", tmp_path / "probe", "train.experts=low_noise")
+    assert list(adapter.network.keys()) == ["transformer_2"]
+    assert not any("lora" in n for n, _ in adapter.pipe.transformer.named_parameters())
+
+
+def test_wan22_resume_across_an_expert_switch_is_bit_identical(tmp_path, run_cli):
+    common = ("sample.prompts=[]", "train.expert_switch_every=2", "save.every=3", "save.format=diffusers")
+    full = tmp_path / "full"
+    assert run_cli(*_args("quickstart_wan22.yaml", full, "train.steps=6", *common)) == 0
+    split = tmp_path / "split"
+    assert run_cli(*_args("quickstart_wan22.yaml", split, "train.steps=3", *common)) == 0
+    assert run_cli(*_args("quickstart_wan22.yaml", split, "train.steps=6", *common)) == 0  # resumes at step 3
+    assert _losses(split)[-3:] == _losses(full)[-3:]
+    for expert in ("high_noise", "low_noise"):
+        a = load_file(str(full / "final" / expert / "pytorch_lora_weights.safetensors"))
+        b = load_file(str(split / "final" / expert / "pytorch_lora_weights.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_wan22_5b_takes_a_timestep_per_latent_patch(tmp_path):
+    adapter, dataset = _adapter("quickstart_wan22.yaml", tmp_path, "model.name_or_path=tiny:wan22-5b")
+    assert adapter.denoiser_names == ("transformer",) and adapter.expand_timesteps
+    seen = {}
+    forward = adapter.pipe.transformer.forward
+
+    def spy(*args, **kwargs):
+        seen["timestep"] = kwargs["timestep"]
+        return forward(*args, **kwargs)
+
+    adapter.pipe.transformer.forward = spy
+    batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 1][:2])  # 9-frame clips
+    loss = adapter.loss(batch)
+    # 9 frames -> 3 latent frames; 64 px / 16 -> 4x4 latents -> 2x2 patches: 12 tokens, one timestep each
+    assert batch["latents"].shape == (2, 48, 3, 4, 4) and seen["timestep"].shape == (2, 12)
+    assert torch.isfinite(loss)
+    with pytest.raises(Exception, match="train.experts=high_noise: .* has one transformer"):
+        _adapter("quickstart_wan22.yaml", tmp_path / "x", "model.name_or_path=tiny:wan22-5b", "train.experts=high_noise")
+
+
+def test_caption_dropout_uses_the_cached_empty_caption(tmp_path):
+    adapter, dataset = _adapter("quickstart_sd3.yaml", tmp_path, "data.caption_dropout=1.0")
+    batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 0][:2])
+    empty = adapter.prompt_cache[""]
+    assert all(torch.equal(batch["prompt_embeds"][i], empty["prompt_embeds"]) for i in range(2))
+    assert adapter.pipe.text_encoder is None and adapter.pipe.text_encoder_3 is None
+
+
+@pytest.mark.parametrize("backend, mode", [("torchao", "8bit"), ("bitsandbytes", "4bit")])
+def test_quantized_frozen_base_trains(backend, mode, tmp_path, run_cli, capsys):
+    pytest.importorskip(backend)
+    out = tmp_path / "run"
+    assert run_cli(*_args("quickstart_flux.yaml", out, f"model.quantize={mode}", f"model.quantize_backend={backend}",
+                          "sample.prompts=[]", "save.format=diffusers")) == 0
+    err = capsys.readouterr().err
+    assert f"model: quantized 20 linear layers of the transformer to {mode} ({backend})" in err
+    assert all(np.isfinite(_losses(out)))
+    assert len(load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))) == 2 * 17
+
+
+def test_bad_num_frames_is_a_short_error(tmp_path, run_cli, capsys):
+    assert run_cli(*_args("quickstart_wan21.yaml", tmp_path / "run", "data.num_frames=6")) == 2
+    err = capsys.readouterr().err
+    assert "data.num_frames: 6 is not 4k+1" in err and "Traceback" not in err
