@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from toolkit.config.schema import AUTO_BATCH_SIZE_CAP
 from toolkit.device.detect import DeviceInfo
 from toolkit.device.presets import Preset
 from toolkit.errors import ConfigError
@@ -49,6 +50,9 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         decisions.append(Decision("model.dtype", cfg.model.dtype, "frozen base weights follow train.precision"))
     if cfg.train.batch_size == "auto":
         size, why = preset.batch_size_for(device.memory_gb)
+        cap = AUTO_BATCH_SIZE_CAP.get(cfg.model.family)
+        if cap is not None and size > cap:
+            size, why = cap, f"{why}, capped at {cap} for {cfg.model.family} (large samples)"
         cfg.train.batch_size = size
         decisions.append(Decision("train.batch_size", size, why))
     elif not isinstance(cfg.train.batch_size, int) or cfg.train.batch_size < 1:

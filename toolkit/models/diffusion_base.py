@@ -343,9 +343,13 @@ class DiffusionAdapter:
             if name == "unet" or name.startswith("text_encoder"):
                 state = convert_state_dict_to_diffusers(state)
             layers[f"{name}_lora_layers"] = {k: v.detach().to("cpu", dtype) for k, v in state.items()}
-            # The LoRA config (rank, alpha, rslora, targets) goes into the file, so loaders apply alpha/rank.
-            layers[f"{name}_lora_adapter_metadata"] = self.network[name].peft_config["default"].to_dict()
         return layers
+
+    def lora_adapter_metadata(self, names: list[str] | None = None) -> dict[str, dict]:
+        """save_lora_weights' `<component>_lora_adapter_metadata`: each LoRA config (rank, alpha, rslora, targets)
+        goes into the file, so loaders (diffusers included) scale by alpha/rank, not by 1."""
+        return {f"{name}_lora_adapter_metadata": self.network[name].peft_config["default"].to_dict()
+                for name in names or list(self.network.keys())}
 
     def export_formats(self) -> tuple[str, ...]:
         """save.format values this family writes besides the diffusers file."""
@@ -363,7 +367,7 @@ class DiffusionAdapter:
         """The diffusers file (pytorch_lora_weights.safetensors), plus the save.format export when asked."""
         fmt = self.check_save_format()
         self.pipeline_class().save_lora_weights(out_dir, safe_serialization=True,
-                                                **self.diffusers_lora_layers(dtype))
+                                                **self.diffusers_lora_layers(dtype), **self.lora_adapter_metadata())
         files = [out_dir / LORA_FILE]
         if fmt not in ("auto", "diffusers"):
             files.append(self.export(out_dir / LORA_FILE, out_dir / f"{self.cfg.run.name}_{fmt}.safetensors", fmt))

@@ -193,7 +193,7 @@ class Wan22Adapter(WanAdapter):
             layers = self.diffusers_lora_layers(dtype, [name])
             self.pipeline_class().save_lora_weights(
                 folder, safe_serialization=True, transformer_lora_layers=layers[f"{name}_lora_layers"],
-                transformer_lora_adapter_metadata=layers[f"{name}_lora_adapter_metadata"])
+                transformer_lora_adapter_metadata=self.lora_adapter_metadata([name])[f"{name}_lora_adapter_metadata"])
             files.append(folder / LORA_FILE)
             if fmt == "comfyui":
                 out = out_dir / f"{self.cfg.run.name}_{EXPERT_FOLDERS[name]}_comfyui.safetensors"

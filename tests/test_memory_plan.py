@@ -1,0 +1,65 @@
+"""The memory plan: model.quantize / model.expert_offload auto from the device memory and the preset's budget,
+the quantization library per backend, and the batch-size cap of the large diffusion families."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO
+from toolkit.config.run import load_run
+from toolkit.device.detect import DeviceInfo
+from toolkit.errors import UserError
+from toolkit.models.quantize import choose_backend, choose_quantize, plan_weights
+
+A14B = {"transformer": 14_300_000_000, "transformer_2": 14_300_000_000}
+
+
+def gpu(memory_gb: float, backend: str = "hip", arch: str = "gfx1100") -> DeviceInfo:
+    return DeviceInfo(backend=backend, arch=arch, name="test GPU", memory_gb=memory_gb, bf16=True)
+
+
+def test_wan22_a14b_on_a_24_gb_card_offloads_and_quantizes_to_4bit():
+    # budget 24 * 0.9 * 0.6 = 12.96 GB: one expert is 28.6 GB in 16 bits, 14.3 in 8 bits, 7.2 in 4 bits
+    mode, offload, why = plan_weights("auto", "auto", A14B, gpu(24), 0.9)
+    assert (mode, offload) == ("4bit", True)
+    assert "one expert resident, the other in CPU memory: 7.2 GB of weights within the 13.0 GB budget" in why
+
+
+def test_wan22_a14b_on_strix_halo_keeps_16bit_with_offload():
+    # gfx1151 reporting 96 GB, preset memory_fraction 0.75: budget 43.2 GB; both experts 57.2 GB, one 28.6 GB
+    mode, offload, _ = plan_weights("auto", "auto", A14B, gpu(96, arch="gfx1151"), 0.75)
+    assert (mode, offload) == ("none", True)
+
+
+def test_wan22_a14b_on_a_big_gpu_keeps_both_experts_in_16bit():
+    assert plan_weights("auto", "auto", A14B, gpu(141, "cuda", "sm_90"), 0.9)[:2] == ("none", False)
+
+
+def test_explicit_settings_win_and_offload_needs_two_experts():
+    assert plan_weights("8bit", "auto", A14B, gpu(24), 0.9)[:2] == ("8bit", True)
+    assert plan_weights("none", False, A14B, gpu(24), 0.9)[:2] == ("none", False)
+    with pytest.raises(UserError, match="only Wan 2.2 A14B has two experts"):
+        plan_weights("auto", True, {"transformer": 12_000_000_000}, gpu(24), 0.9)
+
+
+def test_flux_on_24_gb_is_quantized_to_8bit_and_the_cpu_never_is():
+    mode, why = choose_quantize("auto", lambda: 11_900_000_000, gpu(24), 0.9, "the transformer")
+    assert mode == "8bit" and "takes 11.9 GB in 8-bit weights, which fit the 13.0 GB weight budget" in why
+    cpu = DeviceInfo(backend="cpu", arch="cpu", name="CPU", memory_gb=24, bf16=False)
+    assert choose_quantize("auto", lambda: 1 / 0, cpu, 0.9)[0] == "none"  # not even counted
+
+
+def test_quantization_library_per_backend():
+    assert choose_backend("auto", "8bit", "hip")[0] == "torchao"
+    assert choose_backend("auto", "4bit", "hip")[0] == "bitsandbytes"
+    assert choose_backend("auto", "8bit", "cuda")[0] == "bitsandbytes"
+    with pytest.raises(UserError, match="torchao supports 8bit only"):
+        choose_backend("torchao", "4bit", "cuda")
+
+
+def test_auto_batch_size_is_capped_for_video_families():
+    run = load_run([REPO / "configs/examples/wan22_t2v_a14b_gfx1151.yaml"], ["train.batch_size=auto"],
+                   device=gpu(96, arch="gfx1151"))
+    assert run.cfg.train.batch_size == 1
+    assert any("capped at 1 for wan22" in str(d) for d in run.decisions)
+    assert run.cfg.device.memory_fraction == 0.75 and run.sources["device.memory_fraction"].startswith("preset gfx1151")
