@@ -352,8 +352,9 @@ class DiffusionAdapter:
                 for name in names or list(self.network.keys())}
 
     def export_formats(self) -> tuple[str, ...]:
-        """save.format values this family writes besides the diffusers file."""
-        return ("kohya",)
+        """save.format values this family writes besides the diffusers file (sd/sdxl: kohya key names, which
+        ComfyUI reads too)."""
+        return ("kohya", "comfyui")
 
     def check_save_format(self) -> str:
         fmt = self.cfg.save.format
