@@ -302,3 +302,16 @@ def test_sd_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
     assert "resumed from" in proc.stderr
     name = "pytorch_lora_weights.safetensors"
     assert_bit_identical(load_file(str(out / "final" / name)), load_file(str(ref / "final" / name)))
+
+
+def test_a_setting_added_since_the_run_began_is_accepted_at_its_default_only():
+    from toolkit.train.resume import config_changes
+
+    old = {"model": {"family": "wan21", "name_or_path": "tiny:wan21"}, "train": {"lr": 1e-3}}
+    new = {"model": {"family": "wan21", "name_or_path": "tiny:wan21", "quantize_backend": "auto"},
+           "train": {"lr": 1e-3, "flow_shift": "auto"}}
+    allowed, refused = config_changes(old, new)
+    assert allowed == ["model.quantize_backend: new setting, at its default 'auto'",
+                       "train.flow_shift: new setting, at its default 'auto'"] and refused == []
+    new["train"]["flow_shift"] = 5.0
+    assert config_changes(old, new)[1] == ["train.flow_shift: None in the checkpoint, 5.0 now"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from toolkit.config.schema import AUTO_BATCH_SIZE_CAP
+from toolkit.config.schema import AUTO_BATCH_SIZE_CAP, AUTO_TIMESTEP_SAMPLING
 from toolkit.device.detect import DeviceInfo
 from toolkit.device.presets import Preset
 from toolkit.errors import ConfigError
@@ -62,6 +62,10 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         decisions.append(Decision("train.gradient_checkpointing", False, "the preset does not ask for it"))
     elif not isinstance(cfg.train.gradient_checkpointing, bool):
         problems.append(f"'train.gradient_checkpointing' must be true, false or auto, got {cfg.train.gradient_checkpointing!r}")
+    if cfg.train.timestep_sampling == "auto":
+        sampling = AUTO_TIMESTEP_SAMPLING.get(cfg.model.family, "logit_normal")
+        cfg.train.timestep_sampling = sampling
+        decisions.append(Decision("train.timestep_sampling", sampling, f"the {cfg.model.family} family's usual"))
     if cfg.model.attention == "auto":
         cfg.model.attention = "sdpa"
         decisions.append(Decision("model.attention", "sdpa", "PyTorch scaled_dot_product_attention, the default"))

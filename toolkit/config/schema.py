@@ -30,6 +30,8 @@ FAMILIES = ("llm", "sd", "sdxl", "flux", "sd3", "wan21", "wan22")
 # train.batch_size=auto never exceeds these for the large diffusion families, whatever the preset's memory table
 # says: their samples are far larger than an LLM sequence or an SD image (a Wan clip is 33-81 frames).
 AUTO_BATCH_SIZE_CAP = {"flux": 2, "sd3": 4, "wan21": 1, "wan22": 1}
+# train.timestep_sampling=auto: DDPM families draw timesteps uniformly, flow-matching ones logit-normal sigmas.
+AUTO_TIMESTEP_SAMPLING = {"sd": "uniform", "sdxl": "uniform"}
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 

@@ -54,7 +54,6 @@ class DiffusionAdapter:
     samples_need_text_encoders = True
     text_encoder_lora = False                        # train.train_text_encoder is supported
     uses_negative_prompt = True                      # samples take negative embeddings (Flux-dev does not)
-    default_timestep_sampling = "uniform"
 
     def __init__(self, cfg: DictConfig, runtime: Runtime):
         self.cfg = cfg
@@ -64,8 +63,7 @@ class DiffusionAdapter:
         self.pipe = None
         self.prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
         self.log = lambda msg: print(msg, file=sys.stderr, flush=True)
-        sampling = cfg.train.timestep_sampling
-        self.timestep_sampling = self.default_timestep_sampling if sampling == "auto" else sampling
+        self.timestep_sampling = cfg.train.timestep_sampling  # resolved from auto per family (config/resolve.py)
 
     # -- family hooks ----------------------------------------------------------------------
     def pipeline_class(self):

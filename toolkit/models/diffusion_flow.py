@@ -39,7 +39,6 @@ def in_blocks(name: str) -> bool:
 class FlowMatchingAdapter(DiffusionAdapter):
     denoiser_names = ("transformer",)
     samples_need_text_encoders = False
-    default_timestep_sampling = "logit_normal"
     comfyui_family = ""
 
     # -- memory plan -----------------------------------------------------------------------

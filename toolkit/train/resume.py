@@ -23,15 +23,30 @@ def is_resume_safe(key: str) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUME_SAFE_PREFIXES)
 
 
+def schema_defaults(family: str | None) -> dict:
+    """Dotted key -> default value of the schema for `family` (what a setting added since a run began means)."""
+    from omegaconf import OmegaConf
+
+    from toolkit.config.load import schema_for
+
+    return dict(flatten(OmegaConf.to_container(schema_for(family), resolve=False)))
+
+
 def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
-    """(allowed notices, refused keys) between the checkpoint's config and the current one."""
+    """(allowed notices, refused keys) between the checkpoint's config and the current one.
+
+    A key the checkpoint's config lacks (a setting added to the toolkit since the run began) is accepted
+    while it keeps its default, which reproduces what the older toolkit did."""
     old_flat, new_flat = dict(flatten(old)), dict(flatten(new))
+    defaults = schema_defaults(new.get("model", {}).get("family"))
     allowed, refused = [], []
     for key in sorted(set(old_flat) | set(new_flat)):
         before, after = old_flat.get(key), new_flat.get(key)
         if before == after:
             continue
-        if is_resume_safe(key):
+        if key not in old_flat and key in defaults and after == defaults[key]:
+            allowed.append(f"{key}: new setting, at its default {after!r}")
+        elif is_resume_safe(key):
             allowed.append(f"{key}: {before!r} -> {after!r}")
         else:
             refused.append(f"{key}: {before!r} in the checkpoint, {after!r} now")
