@@ -312,7 +312,7 @@ class DiffusionAdapter:
             if len(frames) > 1:
                 from toolkit.data.video import write_video
 
-                files += write_video(frames, out_dir / f"{i:02d}", fps=self.cfg.sample.fps)
+                files += write_video(frames, out_dir / f"{i:02d}", fps=self.cfg.sample.fps, log=self.log)
         (out_dir / "prompts.txt").write_text("".join(f"{i:02d}: {p}\n" for i, p in enumerate(prompts)), encoding="utf-8")
         grid = make_grid(stills, out_dir / "grid.png")
         for module in moved:
