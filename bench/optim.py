@@ -69,6 +69,19 @@ def _record_kernel(fused_step):
 triton_kernels.fused_step = _record_kernel(triton_kernels.fused_step)
 
 
+def package_versions() -> str:
+    """torch, triton, bitsandbytes and torchao versions as installed ('missing' where not)."""
+    from importlib import metadata
+
+    versions = []
+    for name in ("torch", "triton", "bitsandbytes", "torchao"):
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{name} missing")
+    return ", ".join(versions)
+
+
 def make_optimizers():
     """name -> constructor(params); a constructor raising ImportError marks the package missing."""
 
@@ -92,11 +105,7 @@ def make_optimizers():
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
 
     builders = {}
-    builders["toolkit AdamW8bit (defaults)"] = toolkit(None)
-    for blocks, warps, search in ((2, 2, 1), (4, 4, 1), (8, 8, 1), (4, 4, 0)):
-        label = "guess" if search else "bsearch"
-        builders[f"toolkit triton {label} {blocks}x256/w{warps}"] = toolkit(
-            {"blocks": blocks, "num_warps": warps, "quant_search": search})
+    builders["toolkit AdamW8bit (Triton)"] = toolkit(None)  # bench/optim_sweep.py times other kernel configs
     builders["bitsandbytes AdamW8bit"] = bnb
     builders["torchao AdamW8bit"] = torchao
     builders["torch AdamW fused"] = fused
@@ -111,7 +120,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
-    print(f"device: {device}; torch {torch.__version__}; {args.tensors} x {args.size}x{args.size} params "
+    print(f"device: {device}; {package_versions()}", flush=True)
+    print(f"{args.tensors} x {args.size}x{args.size} params "
           f"({args.tensors * args.size**2 / 1e6:.0f}M); median of {args.steps} steps after 5 warm-up", flush=True)
     rows = []
     for dtype_name in args.dtypes.split(","):

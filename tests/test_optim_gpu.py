@@ -10,8 +10,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")]
 
 SHAPES = [(256, 1024), (4099,), (33, 257), (32, 16)]  # several 8-bit tensors, partial blocks, one fp32-state
-QUANT_CONFIGS = [{"blocks": 8, "num_warps": 8, "quant_search": 0}, {"blocks": 8, "num_warps": 8, "quant_search": 1},
-                 None]  # None: the defaults
+QUANT_CONFIGS = [{"blocks": 8, "num_warps": 8, "quant_search": 0, "dequant": 0},  # exact search, table lookups
+                 {"blocks": 2, "num_warps": 2, "quant_search": 1, "dequant": 0},
+                 None]  # None: the defaults (affine quantize and dequantize)
 
 
 def _params(dtype, seed=0):
@@ -26,7 +27,7 @@ def _copy_state(src_opt, src_params, dst_opt, dst_params):
             dst_opt.state[b][key] = value.clone() if torch.is_tensor(value) else value
 
 
-@pytest.mark.parametrize("config", QUANT_CONFIGS, ids=["binary-search", "guess-8x256", "default"])
+@pytest.mark.parametrize("config", QUANT_CONFIGS, ids=["binary-search", "affine-table", "default"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
 def test_triton_step_matches_reference(cls, dtype, config, monkeypatch):

@@ -17,62 +17,89 @@ import triton
 import triton.language as tl
 
 from toolkit.optim.quant import BLOCK_SIZE, quant_tables
+from toolkit.optim.quant_arith import NEAR_BOUNDARY, POW5_SLOPE, clamp_line, dequant_constants, quantize_steps
 
 ADAMW, LION = 0, 1
-BINARY_SEARCH, ARITHMETIC_GUESS = 0, 1
-# Fastest measured on an H200 (bench/optim.py, 16 x 4096x4096 params): 1024 elements per program for fp32
-# params, 512 for 16-bit ones; fewer registers per program keep more loads in flight.
+# config["quant_search"]: how a value finds its code; config["dequant"]: how a code finds its value
+BINARY_SEARCH, AFFINE = 0, 1
+TABLE = 0
+# One 256-element block per single-warp program was fastest on an H200 (bench/optim_sweep.py)
 DEFAULT_CONFIGS = {
-    torch.float32: {"blocks": 4, "num_warps": 4, "quant_search": ARITHMETIC_GUESS},
-    torch.bfloat16: {"blocks": 2, "num_warps": 2, "quant_search": ARITHMETIC_GUESS},
-    torch.float16: {"blocks": 2, "num_warps": 2, "quant_search": ARITHMETIC_GUESS},
+    dtype: {"blocks": 1, "num_warps": 1, "quant_search": AFFINE, "dequant": AFFINE}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16)
 }
 CONFIG_OVERRIDE: dict | None = None  # set by tests and benchmarks to try other configs
+# quant_arith's constants, by signedness (0: signed, 1: unsigned)
+_QUANT_STEPS = tl.constexpr((quantize_steps(True), quantize_steps(False)))
+_CLAMP_LINES = tl.constexpr((clamp_line(True), clamp_line(False)))
+_DEQUANT_CONSTANTS = tl.constexpr((dequant_constants(True), dequant_constants(False)))
+_POW5_SLOPE = tl.constexpr(POW5_SLOPE)
+_NEAR_BOUNDARY = tl.constexpr(NEAR_BOUNDARY)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 SUPPORTED_DTYPES = tuple(_TL_DTYPES)
 
 
 @triton.jit
-def _guess_code(x, SIGNED: tl.constexpr):
-    """A map index within one of the nearest entry's, from the map's structure (7 decades, linear within)."""
+def _quantize_affine(x, unscaled, absmax, inv_absmax, mid_ptr, SIGNED: tl.constexpr):
+    """Nearest code of x = unscaled * inv_absmax as quant_arith.quantize_arith computes it, step for step.
+
+    The decade's constants come from a chain of compares and selects: no memory traffic, no layout change.
+    Only a program with a value next to a midpoint loads midpoints (a few percent of programs)."""
+    steps = _QUANT_STEPS[0 if SIGNED else 1]
+    line = _CLAMP_LINES[0 if SIGNED else 1]
     ax = tl.abs(x)
-    decade = tl.floor(tl.log2(tl.maximum(ax, 1e-30)) * 0.30102999566398120) + 7.0  # floor(log10(ax)) + 7
-    d = tl.minimum(tl.maximum(decade, 0.0), 6.0)
-    d_int = d.to(tl.int32)
-    scale = tl.exp2((d - 6.0) * 3.3219280948873623)  # 10 ** (d - 6): top of the decade
+    a = tl.full(x.shape, steps[0], tl.float32)
+    c = tl.full(x.shape, steps[1], tl.float32)
+    for i in tl.static_range(2, len(steps) - 1, 3):
+        hit = ax > steps[i]
+        a = tl.where(hit, steps[i + 1], a)
+        c = tl.where(hit, steps[i + 2], c)
+    z = tl.minimum(tl.fma(ax, a, c), tl.fma(c, line[0], line[1]))
+    z = tl.where(x > steps[len(steps) - 1], 255.5, z)
     if SIGNED:
-        count = tl.full(d_int.shape, 1, tl.int32) << d_int
-        first = 127 + count
-        zero = 127
-    else:
-        count = tl.full(d_int.shape, 2, tl.int32) << d_int
-        first = count - 1
-        zero = 0
-    # entries sit at the middles of `count` equal bins spanning [0.1, 1] * scale
-    k = tl.floor((ax / scale - 0.1) * (count.to(tl.float32) / 0.9)).to(tl.int32)
-    k = tl.minimum(tl.maximum(k, 0), count - 1)
-    guess = first + k
-    guess = tl.where(decade < 0.0, zero, guess)
-    guess = tl.where(ax >= 1.0, 255, guess)
-    if SIGNED:
-        guess = tl.where(x < 0.0, 254 - guess, guess)
-    return tl.minimum(tl.maximum(guess, 1), 254)
+        z = tl.where(x < 0.0, 255.0 - z, z)
+    code = z.to(tl.int32)  # z >= 0: truncation is floor
+    nearest = (z + 0.5).to(tl.int32)
+    near = tl.abs(z - nearest.to(tl.float32)) < _NEAR_BOUNDARY
+    if tl.max(near.to(tl.int32)) > 0:
+        below = tl.minimum(tl.maximum(nearest - 1, 0), 254)
+        exact = tl.fma(tl.fma(-x, absmax, unscaled), inv_absmax, x)  # unscaled / absmax, correctly rounded
+        mid = tl.load(mid_ptr + below)  # unmasked: a mask would move `near` to the load's layout out here
+        code = tl.where(near, below + (mid < exact).to(tl.int32), code)
+    return code.to(tl.uint8)
 
 
 @triton.jit
-def _quantize(x, mid_ptr, SIGNED: tl.constexpr, QUANT_SEARCH: tl.constexpr):
-    """Index of the nearest map entry: the number of midpoints below x (exact)."""
-    if QUANT_SEARCH == 0:
+def _dequantize(codes, qmap_ptr, SIGNED: tl.constexpr, DEQUANT: tl.constexpr):
+    """Map entry of each int32 code: a table load, or quant_arith.dequantize_arith's arithmetic."""
+    if DEQUANT == 0:
+        return tl.load(qmap_ptr + codes)
+    else:
+        p, q, r, x0 = _DEQUANT_CONSTANTS[0 if SIGNED else 1]
+        j = (codes - 127 if SIGNED else codes + 1).to(tl.float32)
+        j0_bits = j.to(tl.int32, bitcast=True) & 0x7F800000
+        j0 = j0_bits.to(tl.float32, bitcast=True)  # 2**floor(log2|j|): j of the decade's first code
+        pow5 = tl.floor(tl.exp2(tl.fma(j0_bits.to(tl.float32), _POW5_SLOPE, x0)) + 0.5)  # 5**decade, exact
+        value = tl.minimum(pow5 * tl.fma(tl.abs(j) - j0, p, tl.fma(j0, q, r)), 1.0)
+        if SIGNED:  # the sign of code - 127
+            value = (value.to(tl.int32, bitcast=True) | (j.to(tl.int32, bitcast=True) & -2147483648)).to(
+                tl.float32, bitcast=True)
+        return value
+
+
+@triton.jit
+def _quantize(unscaled, absmax, inv_absmax, mid_ptr, SIGNED: tl.constexpr, QUANT_SEARCH: tl.constexpr):
+    """Index of the nearest map entry: the number of midpoints below unscaled / absmax."""
+    x = unscaled * inv_absmax
+    if QUANT_SEARCH == 1:
+        return _quantize_affine(x, unscaled, absmax, inv_absmax, mid_ptr, SIGNED)
+    else:  # binary search over the midpoints: 8 dependent table loads, exact
+        x = tl.fma(tl.fma(-x, absmax, unscaled), inv_absmax, x)  # unscaled / absmax, correctly rounded
         code = tl.zeros(x.shape, tl.int32)
         for s in tl.static_range(8):
             probe = tl.load(mid_ptr + code + ((128 >> s) - 1))
             code = tl.where(probe < x, code + (128 >> s), code)
-    else:
-        guess = _guess_code(x, SIGNED)
-        below = tl.load(mid_ptr + guess - 1)
-        above = tl.load(mid_ptr + guess)
-        code = guess - 1 + (below < x).to(tl.int32) + (above < x).to(tl.int32)
-    return code.to(tl.uint8)
+        return code.to(tl.uint8)
 
 
 @triton.jit
@@ -92,35 +119,40 @@ def _store(ptrs, values, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _update_blocks(p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, start, n,
+def _update_blocks(p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, rem,
                    qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
-                   lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, correction2,
+                   lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, inv_correction2,
                    OPTIMIZER: tl.constexpr, PARAM_DTYPE: tl.constexpr, BLOCKS: tl.constexpr,
-                   QUANT_SEARCH: tl.constexpr, MASKED: tl.constexpr):
-    blocks = start // 256 + tl.arange(0, BLOCKS)
+                   QUANT_SEARCH: tl.constexpr, DEQUANT: tl.constexpr, MASKED: tl.constexpr):
+    # pointers start at this program's first block: 32-bit offsets, `rem` elements left in the tensor
+    blocks = tl.arange(0, BLOCKS)
     offs = blocks[:, None] * 256 + tl.arange(0, 256)[None, :]
-    mask = offs < n  # used only for the tensor's last chunk: unmasked loads of full chunks vectorize
-    bmask = blocks * 256 < n
+    mask = offs < rem  # used only for the tensor's last chunk: unmasked loads of full chunks vectorize
+    bmask = blocks * 256 < rem
 
     g = _load(g_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
     p = _load(p_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
     c1 = _load(s1_ptr + offs, mask, 127, MASKED).to(tl.int32)  # 127: 0.0 in the signed map
     a1 = _load(a1_ptr + blocks, bmask, 0.0, MASKED)
-    m = tl.load(qmap1_ptr + c1) * a1[:, None]
+    m = _dequantize(c1, qmap1_ptr, True, DEQUANT)
 
     if OPTIMIZER == 0:
         c2 = _load(s2_ptr + offs, mask, 0, MASKED).to(tl.int32)  # 0: 0.0 in the unsigned map
         a2 = _load(a2_ptr + blocks, bmask, 0.0, MASKED)
-        v = tl.load(qmap2_ptr + c2) * a2[:, None]
-        m = m * beta1 + one_minus_beta1 * g
-        v = v * beta2 + one_minus_beta2 * (g * g)
+        v = _dequantize(c2, qmap2_ptr, False, DEQUANT)
+        # the betas ride on the per-block scales: one multiply per block instead of per element
+        m = m * (a1 * beta1)[:, None] + one_minus_beta1 * g
+        v = v * (a2 * beta2)[:, None] + (one_minus_beta2 * g) * g
         p = p * decay
-        p = p - step_size * (m / (tl.sqrt(v) / correction2 + eps))
+        p = p - step_size * (m / (tl.sqrt(v) * inv_correction2 + eps))
         new_a2 = tl.max(v, axis=1)  # v >= 0
+        # one division per block, a multiply per element (exact division only next to a midpoint)
         safe2 = tl.where(new_a2 > 0.0, new_a2, 1.0)
-        _store(s2_ptr + offs, _quantize(v / safe2[:, None], mid2_ptr, False, QUANT_SEARCH), mask, MASKED)
+        code2 = _quantize(v, safe2[:, None], (1.0 / safe2)[:, None], mid2_ptr, False, QUANT_SEARCH)
+        _store(s2_ptr + offs, code2, mask, MASKED)
         _store(a2_ptr + blocks, new_a2, bmask, MASKED)
     else:
+        m = m * a1[:, None]
         p = p * decay
         u = m * beta1 + g * one_minus_beta1
         p = p - lr * tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
@@ -128,7 +160,8 @@ def _update_blocks(p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, start, n,
 
     new_a1 = tl.max(tl.abs(m), axis=1)
     safe1 = tl.where(new_a1 > 0.0, new_a1, 1.0)
-    _store(s1_ptr + offs, _quantize(m / safe1[:, None], mid1_ptr, True, QUANT_SEARCH), mask, MASKED)
+    _store(s1_ptr + offs, _quantize(m, safe1[:, None], (1.0 / safe1)[:, None], mid1_ptr, True, QUANT_SEARCH),
+           mask, MASKED)
     _store(a1_ptr + blocks, new_a1, bmask, MASKED)
     _store(p_ptr + offs, p.to(PARAM_DTYPE), mask, MASKED)
 
@@ -137,28 +170,28 @@ def _update_blocks(p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, start, n,
 def _blockwise_8bit_kernel(
     chunk_tensor_ptr, chunk_start_ptr, addrs_ptr, numels_ptr,
     qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
-    lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, correction2,
+    lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, inv_correction2,
     OPTIMIZER: tl.constexpr, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    BLOCKS: tl.constexpr, QUANT_SEARCH: tl.constexpr,
+    BLOCKS: tl.constexpr, QUANT_SEARCH: tl.constexpr, DEQUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(chunk_tensor_ptr + pid)
     start = tl.multiple_of(tl.load(chunk_start_ptr + pid), BLOCKS * 256)
-    n = tl.load(numels_ptr + t)
+    rem = tl.load(numels_ptr + t) - start
     row = addrs_ptr + t * 6
     # the host sends only 16-byte aligned tensors here: the hints let loads and stores go 16 bytes wide
-    p_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE)), 16)
-    g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE)), 16)
-    s1_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.uint8)), 16)
-    s2_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.uint8)), 16)
-    a1_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(tl.float32)), 16)
-    a2_ptr = tl.multiple_of(tl.load(row + 5).to(tl.pointer_type(tl.float32)), 16)
-    args = (p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, start, n, qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
-            lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, correction2)
-    if start + BLOCKS * 256 <= n:
-        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, False)
+    p_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE)), 16) + start
+    g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE)), 16) + start
+    s1_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.uint8)), 16) + start
+    s2_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.uint8)), 16) + start
+    a1_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(tl.float32)), 16) + start // 256
+    a2_ptr = tl.multiple_of(tl.load(row + 5).to(tl.pointer_type(tl.float32)), 16) + start // 256
+    args = (p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, rem, qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
+            lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, inv_correction2)
+    if rem >= BLOCKS * 256:
+        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, DEQUANT, False)
     else:
-        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, True)
+        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, DEQUANT, True)
 
 
 def is_aligned(*tensors: torch.Tensor) -> bool:
@@ -214,13 +247,14 @@ def fused_step(optimizer: str, params: list[torch.Tensor], grads: list[torch.Ten
     qmap2, mid2 = quant_tables(False, device)
     if optimizer == "adamw":
         kind, step_size = ADAMW, lr / (1.0 - beta1**step)
-        correction2 = math.sqrt(1.0 - beta2**step)
+        inv_correction2 = 1.0 / math.sqrt(1.0 - beta2**step)
     else:
-        kind, step_size, correction2 = LION, lr, 1.0
+        kind, step_size, inv_correction2 = LION, lr, 1.0
     return _blockwise_8bit_kernel[(chunk_tensor.numel(),)](
         chunk_tensor, chunk_start, addrs, numels, qmap1, mid1, qmap2, mid2,
-        lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, 1.0 - lr * weight_decay, step_size, correction2,
+        lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, 1.0 - lr * weight_decay, step_size, inv_correction2,
         OPTIMIZER=kind, PARAM_DTYPE=_TL_DTYPES[params[0].dtype], GRAD_DTYPE=_TL_DTYPES[grads[0].dtype],
-        BLOCKS=config["blocks"], QUANT_SEARCH=config["quant_search"], num_warps=config["num_warps"],
+        BLOCKS=config["blocks"], QUANT_SEARCH=config["quant_search"], DEQUANT=config["dequant"],
+        num_warps=config["num_warps"],
     )
 
