@@ -29,6 +29,8 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     # PEFT's note that a torchao LoRA layer cannot be merged: the toolkit never merges into a quantized base.
     warnings.filterwarnings("ignore", message=".*TorchaoLoraLinear was instantiated without")
+    # bitsandbytes' 8-bit matmul notes, on every call, that bf16 inputs run in fp16: how LLM.int8 works.
+    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
     for name in ("bitsandbytes", "torchao", "torch.utils._pytree"):  # import-time notices of optional kernels
         logging.getLogger(name).setLevel(logging.ERROR)
 
