@@ -138,6 +138,7 @@ def test_wan21_trains_on_clips_and_stills_writes_video_samples_and_reloads(tmp_p
     assert {"00.png", "00.webp", "grid.png", "prompts.txt"} <= set(names)
     with Image.open(samples / "00.webp") as webp:
         assert webp.n_frames == 5 and webp.size == (64, 64)
+    assert 'src="samples/step-000002/00.webp"' in (out / "report.html").read_text()  # the report plays the video
 
     from diffusers import WanPipeline
 

@@ -243,7 +243,7 @@ class DiffusionAdapter:
         extra = [""] if rules.caption_dropout > 0 else []
         if not self.samples_need_text_encoders:
             extra += self.sample_prompts() + ([self.cfg.sample.negative_prompt] if self.uses_negative_prompt else [])
-        extra = list(dict.fromkeys(p for p in extra if p not in captions or p == ""))
+        extra = [p for p in dict.fromkeys(extra) if p not in captions]
         texts = captions + extra
         keys = [cache_key(text, *text_id) for text in texts]
         with torch.no_grad():

@@ -162,10 +162,13 @@ class MetricsLogger:
             self._wandb.log({tag: wandb.Image(pixels)}, step=step)
 
     def samples(self, paths: list[Path], step: int) -> None:
-        """Log the images among one sampling round's files (text samples live in samples/ and the report)."""
+        """Log the images among one sampling round's files (text samples live in samples/ and the report); a
+        video sample is logged by the still that comes first in `paths` (its middle frame, 00.png before 00.webp)."""
+        logged = set()
         for path in paths:
-            if path.suffix.lower() in IMAGE_SUFFIXES:
+            if path.suffix.lower() in IMAGE_SUFFIXES and path.stem not in logged:
                 self.image(f"samples/{path.stem}", path, step)
+                logged.add(path.stem)
 
     def message(self, text: str) -> None:
         """Print above the progress bar without breaking it."""

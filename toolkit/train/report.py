@@ -49,7 +49,9 @@ def _sample_step_html(run_dir: RunDir, folder: Path) -> str:
             parts.append(f'<div class="sample-text"><span class="prompt">{_esc(record.get("prompt", ""))}</span>'
                          f'{_esc(record.get("completion", ""))}</div>')
     grid = folder / "grid.png"
-    images = [grid] if grid.exists() else sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    videos = sorted(folder.glob("*.webp"))  # video samples: browsers play animated webp in an <img>
+    images = videos or ([grid] if grid.exists() else
+                        sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES))
     prompts = folder / "prompts.txt"  # image families: which prompt made which numbered image
     if images and prompts.exists():
         parts.append(f'<pre class="prompts">{_esc(prompts.read_text(encoding="utf-8").strip())}</pre>')
