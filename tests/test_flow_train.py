@@ -184,12 +184,20 @@ def test_wan22_trains_both_experts_alternately_and_saves_each(tmp_path, run_cli,
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(resolve_model_path("tiny:wan22"))
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate() -> np.ndarray:
+        return pipe("a red circle moving right", num_frames=5, width=64, height=64, num_inference_steps=4,
+                    guidance_scale=3.0, output_type="np", generator=torch.Generator("cpu").manual_seed(0)).frames[0]
+
+    base = generate()
     pipe.load_lora_weights(str(final / "high_noise"))
     pipe.load_lora_weights(str(final / "low_noise"), load_into_transformer_2=True, adapter_name="low")
     a = pipe.transformer.blocks[0].attn1.to_q.lora_A["default_0"].weight
     b = pipe.transformer_2.blocks[0].attn1.to_q.lora_A["low"].weight
     assert torch.equal(a, high["transformer.blocks.0.attn1.to_q.lora_A.weight"])
     assert torch.equal(b, low["transformer.blocks.0.attn1.to_q.lora_A.weight"])
+    assert np.abs(generate() - base).max() > 1e-3
 
 
 def test_wan22_one_expert_only(tmp_path, run_cli, monkeypatch):
