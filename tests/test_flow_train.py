@@ -159,12 +159,19 @@ def test_wan21_trains_on_clips_and_stills_writes_video_samples_and_reloads(tmp_p
     assert np.abs(with_lora[2] * 255 - middle).max() <= 1.5  # the sample's middle frame is the pipeline's
 
 
-def test_wan22_trains_both_experts_alternately_and_saves_each(tmp_path, run_cli, capsys, monkeypatch):
+@pytest.fixture
+def experts_seen(monkeypatch) -> list:
+    """(expert, sigma low, sigma high) of every Wan 2.2 loss call."""
     from toolkit.models.diffusion_wan import Wan22Adapter
 
     seen = []
     loss = Wan22Adapter.loss
     monkeypatch.setattr(Wan22Adapter, "loss", lambda self, batch: seen.append(self.expert_for_step()) or loss(self, batch))
+    return seen
+
+
+def test_wan22_trains_both_experts_alternately_and_saves_each(tmp_path, run_cli, experts_seen):
+    seen = experts_seen
     out = tmp_path / "run"
     assert run_cli(*_args("quickstart_wan22.yaml", out, "train.steps=5", "train.expert_switch_every=2",
                           "sample.prompts=[]")) == 0
@@ -180,7 +187,7 @@ def test_wan22_trains_both_experts_alternately_and_saves_each(tmp_path, run_cli,
     comfy = load_file(str(final / "quickstart_wan22_low_noise_comfyui.safetensors"))
     assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in comfy
 
-    # Each file loads into its expert with diffusers' loader; each expert's LoRA changes only its own stage.
+    # Each file loads into its expert with diffusers' loader, and together they change the output.
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(resolve_model_path("tiny:wan22"))
@@ -200,12 +207,8 @@ def test_wan22_trains_both_experts_alternately_and_saves_each(tmp_path, run_cli,
     assert np.abs(generate() - base).max() > 1e-3
 
 
-def test_wan22_one_expert_only(tmp_path, run_cli, monkeypatch):
-    from toolkit.models.diffusion_wan import Wan22Adapter
-
-    ranges = []
-    loss = Wan22Adapter.loss
-    monkeypatch.setattr(Wan22Adapter, "loss", lambda self, batch: ranges.append(self.expert_for_step()) or loss(self, batch))
+def test_wan22_one_expert_only(tmp_path, run_cli, experts_seen):
+    ranges = experts_seen
     out = tmp_path / "run"
     assert run_cli(*_args("quickstart_wan22.yaml", out, "train.experts=low_noise", "save.format=diffusers",
                           "sample.prompts=[]")) == 0

@@ -76,6 +76,15 @@ def _oriented_size(image) -> tuple[int, int]:
     return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
 
 
+def warn_skipped(log: Callable[[str], None], root: Path, noun: str, unreadable: list[str], small: list[str],
+                 step: int) -> None:
+    """One warning line each for the unreadable files and the ones under one bucket step, naming them."""
+    if unreadable:
+        log(f"warning: skipped {len(unreadable)} unreadable {noun}(s) in {root}: {', '.join(unreadable)}")
+    if small:
+        log(f"warning: skipped {len(small)} {noun}(s) smaller than {step} px: {', '.join(small)}")
+
+
 def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
     """Every readable image under data.path with its caption and bucket; corrupt files are skipped and named."""
     root = Path(data.path)
@@ -97,10 +106,7 @@ def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
             continue
         content_hash = hashlib.sha256(path.read_bytes()).hexdigest()[:32]
         items.append(ImageItem(path, rules.base(raw), size, bucket, content_hash))
-    if skipped:
-        log(f"warning: skipped {len(skipped)} unreadable image(s) in {root}: {', '.join(skipped)}")
-    if small:
-        log(f"warning: skipped {len(small)} image(s) smaller than {data.bucket_step} px: {', '.join(small)}")
+    warn_skipped(log, root, "image", skipped, small, data.bucket_step)
     if not items:
         raise UserError(f"data.path: no usable images in {root}\n  fix: add .png/.jpg/.webp images "
                         f"(with same-name {data.caption_ext} captions, or a metadata.jsonl)")

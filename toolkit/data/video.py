@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from toolkit.data.buckets import bucket_table, choose_bucket
-from toolkit.data.images import IMAGE_EXTS, _oriented_size, _raw_captions, caption_rules, cover_and_crop
+from toolkit.data.images import (IMAGE_EXTS, _oriented_size, _raw_captions, caption_rules, cover_and_crop,
+                                 warn_skipped)
 from toolkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -132,10 +133,7 @@ def scan_clips(data, log: Callable[[str], None]) -> list[ClipItem]:
             continue
         bucket = (*spatial, clip_frames(count, data.num_frames))
         items.append(ClipItem(path, rules.base(raw), size, count, bucket, _file_hash(path)))
-    if skipped:
-        log(f"warning: skipped {len(skipped)} unreadable clip(s) in {root}: {', '.join(skipped)}")
-    if small:
-        log(f"warning: skipped {len(small)} clip(s) smaller than {data.bucket_step} px: {', '.join(small)}")
+    warn_skipped(log, root, "clip", skipped, small, data.bucket_step)
     if not items:
         raise UserError(f"data.path: no usable videos or images in {root}\n  fix: add .mp4/.webm/.gif videos or "
                         f".png/.jpg images (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
