@@ -4,7 +4,8 @@ the plain stack a user would write.
     python bench/diffusion.py [--steps 10] [--warmup 3] [--frames 81] [--height 480] [--width 832] [--skip-smoke]
 
 Smoke: every tiny flow-matching family (flux with bitsandbytes 8-bit, sd3 with torchao 8-bit, wan21, wan22 with
-expert offload, wan22-5b) trains a few bf16 steps on the GPU with samples and checkpoints; prints OK or the error.
+expert offload, also over quantized bases, wan22-5b) trains a few bf16 steps on the GPU with samples and
+checkpoints; prints OK or the error.
 
 Timing: a Wan 2.1 1.3B-shaped transformer (random weights, no download; a small VAE and text encoder, whose
 outputs are cached anyway), LoRA r=16 on attention + FFN, bf16, gradient checkpointing, one clip of
@@ -43,6 +44,11 @@ def smoke(work: Path) -> None:
              ("sd3", ["model.quantize=8bit", "model.quantize_backend=torchao"]),
              ("wan21", ["train.optimizer=adamw8bit"]),
              ("wan22", ["model.expert_offload=true", "train.expert_switch_every=2", "train.ema_decay=0.99"]),
+             ("wan22", ["model.expert_offload=true", "train.expert_switch_every=2", "model.quantize=8bit",
+                        "model.quantize_backend=bitsandbytes"]),
+             ("wan22", ["model.expert_offload=true", "train.expert_switch_every=2", "model.quantize=8bit",
+                        "model.quantize_backend=torchao"]),
+             ("wan22", ["model.expert_offload=true", "train.expert_switch_every=2", "model.quantize=4bit"]),
              ("wan22", ["model.name_or_path=tiny:wan22-5b"])]
     for family, extra in cases:
         out = work / f"smoke-{family}-{len(extra)}"

@@ -277,3 +277,14 @@ def test_bad_num_frames_is_a_short_error(tmp_path, run_cli, capsys):
     assert run_cli(*_args("quickstart_wan21.yaml", tmp_path / "run", "data.num_frames=6")) == 2
     err = capsys.readouterr().err
     assert "data.num_frames: 6 is not 4k+1" in err and "Traceback" not in err
+
+
+def test_comfyui_export_of_a_module_it_cannot_name_warns_and_keeps_the_diffusers_file(tmp_path, run_cli, capsys):
+    out = tmp_path / "run"
+    assert run_cli(*_args("quickstart_wan21.yaml", out, "save.format=comfyui", "sample.prompts=[]",
+                          "network.target_modules=[to_q,patch_embedding]")) == 0
+    err = capsys.readouterr().err
+    assert "warning: save.format=comfyui: quickstart_wan21_comfyui.safetensors not written:" in err
+    assert sorted(p.name for p in (out / "final").iterdir()) == ["pytorch_lora_weights.safetensors"]
+    assert run_cli(*_args("quickstart_flux.yaml", tmp_path / "dora", "network.type=dora")) == 2  # comfyui + dora
+    assert "network.type is dora" in capsys.readouterr().err

@@ -104,6 +104,7 @@ class DiffusionAdapter:
         from peft import LoraConfig
 
         diffusers_logging.disable_progress_bar()  # "Loading pipeline components" says nothing a user can act on
+        self.check_save_format()
         try:
             self.pipe = self.pipeline_class().from_pretrained(self.model_path, dtype=self.runtime.base_dtype,
                                                               revision=self.cfg.model.revision, **self.pipeline_kwargs())
@@ -355,11 +356,15 @@ class DiffusionAdapter:
         return ("kohya", "comfyui")
 
     def check_save_format(self) -> str:
+        """save.format, checked when the model loads, so a run never ends without the file it was asked for."""
         fmt = self.cfg.save.format
         allowed = ("auto", "diffusers", *self.export_formats())
         if fmt not in allowed:
             raise UserError(f"save.format: {fmt} is not available for the {self.family} family; use one of "
                             f"{', '.join(allowed)}")
+        if fmt not in ("auto", "diffusers") and self.cfg.network.type == "dora":
+            raise UserError(f"save.format: {fmt} files hold plain LoRA weights, and network.type is dora\n"
+                            "  fix: save.format=diffusers, or network.type=lora")
         return fmt
 
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
@@ -369,8 +374,18 @@ class DiffusionAdapter:
                                                 **self.diffusers_lora_layers(dtype), **self.lora_adapter_metadata())
         files = [out_dir / LORA_FILE]
         if fmt not in ("auto", "diffusers"):
-            files.append(self.export(out_dir / LORA_FILE, out_dir / f"{self.cfg.run.name}_{fmt}.safetensors", fmt))
+            files += self.export_or_warn(out_dir / LORA_FILE, out_dir / f"{self.cfg.run.name}_{fmt}.safetensors", fmt)
         return files
+
+    def export_or_warn(self, diffusers_file: Path, out_file: Path, fmt: str) -> list[Path]:
+        """The save.format export; one that fails (a module the format has no name for) is named in a warning,
+        and the diffusers file, already written, stays the run's output."""
+        try:
+            return [self.export(diffusers_file, out_file, fmt)]
+        except ValueError as err:
+            self.log(f"warning: save.format={fmt}: {out_file.name} not written: {err}; "
+                     f"{diffusers_file.name} was written")
+            return []
 
     def export(self, diffusers_file: Path, out_file: Path, fmt: str) -> Path:
         from toolkit.models.lora_export import save_kohya

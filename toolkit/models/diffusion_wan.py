@@ -197,7 +197,7 @@ class Wan22Adapter(WanAdapter):
             files.append(folder / LORA_FILE)
             if fmt == "comfyui":
                 out = out_dir / f"{self.cfg.run.name}_{EXPERT_FOLDERS[name]}_comfyui.safetensors"
-                files.append(self.export(folder / LORA_FILE, out, fmt))
+                files += self.export_or_warn(folder / LORA_FILE, out, fmt)
         return files
 
     def load_lora(self, path: Path) -> None:
