@@ -59,6 +59,10 @@ class Trainer:
         runtime = Runtime(device=self.accelerator.device, info=device, base_dtype=DTYPES[cfg.model.dtype],
                           compute_dtype=DTYPES[cfg.train.precision], run_dir=self.run_dir.root)
         seed_everything(cfg.run.seed)
+        if device.backend == "cuda":
+            # cuDNN's SDPA backend crashed on Flux shapes (FINDINGS.md); PyTorch picks flash or efficient instead
+            torch.backends.cuda.enable_cudnn_sdp(bool(cfg.device.cudnn_sdpa))
+            self.log(f"attention: SDPA cuDNN backend {'on' if cfg.device.cudnn_sdpa else 'off'} (device.cudnn_sdpa)")
         self.adapter = build_adapter(cfg, runtime)
         self.adapter.load()
         self.dataset = self.adapter.dataset()
