@@ -2,9 +2,11 @@
 
     python bench/optim.py [--tensors 16] [--size 4096] [--steps 50]
 
-Times each optimizer's step() with CUDA events (warm-up first, then the median of --steps steps) on
---tensors parameters of --size x --size, for fp32 and bf16 params, and prints ms/step, bytes of state per
-parameter and speed relative to bitsandbytes AdamW8bit. Optimizers whose package is missing are listed as such.
+Times each optimizer's step() with CUDA events on --tensors parameters of --size x --size, for fp32 and
+bf16 params, each step with the next of --grad-sets gradient sets: after 5 warm-up steps, the median of
+--steps synchronized single steps, then the mean of --steps back-to-back steps and the host time to issue
+them. Prints ms/step, bytes of state per parameter and speed relative to bitsandbytes AdamW8bit (TB/s
+counts the bytes an 8-bit step must move). Optimizers whose package is missing are listed as such.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -38,21 +41,38 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def time_steps(opt, params, grads, steps: int, warmup: int = 5) -> float:
-    for p, g in zip(params, grads):
-        p.grad = g
-    for _ in range(warmup):
+def time_steps(opt, params, grad_sets, steps: int, warmup: int = 5) -> tuple[float, float, float]:
+    """(median ms of single steps, each synchronized; mean ms of back-to-back steps; host ms per step).
+
+    Each step takes the next of `grad_sets`, as training brings new gradients: one fixed gradient would let
+    the moments settle on values that a data-dependent kernel handles unlike real training. A synchronized
+    step also counts the Python and launch time of step() before the GPU starts; back-to-back steps
+    overlap it with the previous step's GPU work."""
+    def step(i):
+        for p, g in zip(params, grad_sets[i % len(grad_sets)]):
+            p.grad = g
         opt.step()
+
+    for i in range(warmup):
+        step(i)
     torch.cuda.synchronize()
     times = []
-    for _ in range(steps):
+    for i in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        opt.step()
+        step(i)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = time.perf_counter()
+    start.record()
+    for i in range(steps):
+        step(i)
+    end.record()
+    host = (time.perf_counter() - host) * 1e3 / steps
+    end.synchronize()
+    return statistics.median(times), start.elapsed_time(end) / steps, host
 
 
 LAST_KERNEL = []
@@ -118,6 +138,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--grad-sets", type=int, default=3, help="gradient sets the steps rotate through")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     print(f"device: {device}; {package_versions()}", flush=True)
@@ -127,21 +148,22 @@ def main() -> None:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         gen = torch.Generator(device="cuda").manual_seed(0)
-        grads = [torch.randn(args.size, args.size, device="cuda", dtype=dtype, generator=gen) * 1e-3
-                 for _ in range(args.tensors)]
+        grad_sets = [[torch.randn(args.size, args.size, device="cuda", dtype=dtype, generator=gen) * 1e-3
+                      for _ in range(args.tensors)] for _ in range(args.grad_sets)]
         for name, build in make_optimizers().items():
             params = [torch.nn.Parameter(torch.randn(args.size, args.size, device="cuda", dtype=dtype, generator=gen))
                       for _ in range(args.tensors)]
             try:
                 opt = build(params)
-                ms = time_steps(opt, params, grads, args.steps)
+                ms, b2b, host = time_steps(opt, params, grad_sets, args.steps)
                 bpp = state_bytes(opt) / sum(p.numel() for p in params)
-                rows.append((dtype_name, name, ms, bpp))
+                rows.append((dtype_name, name, ms, b2b, host, bpp))
                 compiled = ""
                 if name.startswith("toolkit") and LAST_KERNEL:
                     k = LAST_KERNEL[0]
                     compiled = f"  regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')}"
-                print(f"  {dtype_name:9s} {name:34s} {ms:8.3f} ms  {bpp:5.3f} B/param{compiled}", flush=True)
+                print(f"  {dtype_name:9s} {name:34s} {ms:8.3f} ms synced {b2b:8.3f} ms back-to-back {host:6.3f} ms "
+                      f"host  {bpp:5.3f} B/param{compiled}", flush=True)
             except ImportError as exc:
                 print(f"  {dtype_name:9s} {name:34s} not installed ({exc})", flush=True)
             except Exception:
@@ -151,13 +173,15 @@ def main() -> None:
                 del params
                 torch.cuda.empty_cache()
     param_bytes = {"float32": 4, "bfloat16": 2}
-    print(f"\n{'dtype':9s} {'optimizer':34s} {'ms/step':>8s} {'B/param':>8s} {'vs bnb':>7s} {'TB/s':>6s}")
-    for dtype_name, name, ms, bpp in rows:
-        bnb_ms = next((r[2] for r in rows if r[0] == dtype_name and r[1] == "bitsandbytes AdamW8bit"), None)
-        ratio = f"{bnb_ms / ms:6.2f}x" if bnb_ms else "   n/a"
+    print(f"\n{'dtype':9s} {'optimizer':30s} {'synced':>7s} {'vs bnb':>7s} {'b2b':>7s} {'vs bnb':>7s} {'host':>6s} "
+          f"{'B/param':>7s} {'TB/s':>5s}")
+    for dtype_name, name, ms, b2b, host, bpp in rows:
+        bnb = next((r for r in rows if r[0] == dtype_name and r[1] == "bitsandbytes AdamW8bit"), None)
+        ratios = [f"{bnb[i] / t:6.2f}x" if bnb else "   n/a" for i, t in ((2, ms), (3, b2b))]
         # bytes an 8-bit step must move: read p, g, both codes; write p, both codes (absmax ~1%)
         moved = args.tensors * args.size**2 * (3 * param_bytes[dtype_name] + 4)
-        print(f"{dtype_name:9s} {name:34s} {ms:8.3f} {bpp:8.3f} {ratio} {moved / ms / 1e9:6.2f}")
+        print(f"{dtype_name:9s} {name:30s} {ms:7.3f} {ratios[0]} {b2b:7.3f} {ratios[1]} {host:6.3f} {bpp:7.3f} "
+              f"{moved / b2b / 1e9:5.2f}")
 
 
 if __name__ == "__main__":

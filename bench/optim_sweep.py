@@ -4,7 +4,7 @@
 
 For each variant (quantize search, dequantize method, blocks per program, warps) and param dtype: one fused
 step against the pure-torch reference on a few tensors (codes that differ, largest param error), then the
-median step time over --tensors parameters of --size x --size, as in bench/optim.py. --baseline times an
+step times over --tensors parameters of --size x --size, timed as bench/optim.py times them. --baseline times an
 older copy of toolkit/optim/triton_kernels.py in the same run, for a before/after from one machine.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,9 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from toolkit.optim import AdamW8bit, triton_kernels  # noqa: E402
 from toolkit.optim.reference import adamw_8bit_update_  # noqa: E402
 
-# (quant_search, dequant, blocks, num_warps)
-VARIANTS = [(1, 1, 1, 1), (1, 1, 2, 2), (1, 1, 4, 4), (1, 1, 8, 8), (1, 1, 1, 2), (1, 1, 2, 4), (1, 1, 4, 8),
-            (1, 1, 2, 1), (1, 0, 1, 1), (1, 0, 4, 4), (0, 1, 1, 1)]
+_spec = importlib.util.spec_from_file_location("bench_optim", Path(__file__).with_name("optim.py"))
+BENCH = importlib.util.module_from_spec(_spec)  # bench/optim.py: the same timing as the comparison table
+_spec.loader.exec_module(BENCH)
+
+# (quant_search, dequant, blocks, num_warps); the midpoint check on every step (not only the first) as a probe
+VARIANTS = [(1, 1, 1, 1), (1, 1, 1, 2), (1, 1, 2, 2), (1, 1, 4, 4), (1, 0, 1, 1), (0, 1, 1, 1)]
+PROBES = [{"quant_search": 1, "dequant": 1, "blocks": 1, "num_warps": 1, "exact_ties": True}]
 
 
 def check_one_step(fused_step, config: dict, dtype: torch.dtype) -> str:
@@ -60,35 +63,18 @@ def check_one_step(fused_step, config: dict, dtype: torch.dtype) -> str:
     return f"codes differing {diffs}/{2 * n} (max {max_diff}), param max err {err:.1e}"
 
 
-def time_step(fused_step, config: dict, dtype: torch.dtype, tensors: int, size: int, steps: int) -> tuple[float, float]:
-    """(median ms of single synced steps, mean ms of back-to-back steps) of AdamW8bit.step()."""
+def time_step(fused_step, config: dict, dtype: torch.dtype, tensors: int, size: int, steps: int) -> tuple:
+    """bench/optim.py's (synced ms, back-to-back ms, host ms) of AdamW8bit.step() with this kernel config."""
     saved = triton_kernels.fused_step
     triton_kernels.fused_step = lambda *a, **k: fused_step(*a, **{**k, "config": config})
     try:
         gen = torch.Generator(device="cuda").manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(size, size, device="cuda", dtype=dtype, generator=gen))
                   for _ in range(tensors)]
-        for p in params:
-            p.grad = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) * 1e-3
+        grad_sets = [[torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) * 1e-3
+                      for _ in range(tensors)] for _ in range(3)]
         opt = AdamW8bit(params, lr=1e-4, weight_decay=0.01, impl="triton")
-        for _ in range(5):
-            opt.step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            opt.step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            opt.step()
-        end.record()
-        end.synchronize()
-        return statistics.median(times), start.elapsed_time(end) / steps
+        return BENCH.time_steps(opt, params, grad_sets, steps)
     finally:
         triton_kernels.fused_step = saved
 
@@ -112,6 +98,9 @@ def main() -> None:
     for q, d, b, w in VARIANTS:
         config = {"quant_search": q, "dequant": d, "blocks": b, "num_warps": w}
         runs.append((f"q{q} d{d} {b}x256/w{w}", triton_kernels.fused_step, lambda dt, c=config: c))
+    for config in PROBES:
+        name = f"q1 d1 {config['blocks']}x256/w{config['num_warps']} exact"
+        runs.append((name, triton_kernels.fused_step, lambda dt, c=config: c))
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -119,13 +108,13 @@ def main() -> None:
             config = config_for(dtype)
             try:
                 check = check_one_step(fused_step, config, dtype)
-                synced, back_to_back = time_step(fused_step, config, dtype, args.tensors, args.size, args.steps)
+                synced, back_to_back, host = time_step(fused_step, config, dtype, args.tensors, args.size, args.steps)
             except Exception as exc:  # a variant that fails to compile is reported, the sweep goes on
                 print(f"  {dtype_name:9s} {name:24s} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
             rows.append((dtype_name, name, synced, back_to_back))
-            print(f"  {dtype_name:9s} {name:24s} {synced:7.3f} ms synced {back_to_back:7.3f} ms back-to-back; {check}",
-                  flush=True)
+            print(f"  {dtype_name:9s} {name:24s} {synced:7.3f} ms synced {back_to_back:7.3f} ms back-to-back "
+                  f"{host:6.3f} ms host; {check}", flush=True)
             torch.cuda.empty_cache()
     param_bytes = {"float32": 4, "bfloat16": 2}
     print(f"\n{'dtype':9s} {'variant':24s} {'synced':>7s} {'b2b':>7s} {'TB/s':>5s}")

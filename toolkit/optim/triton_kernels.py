@@ -40,11 +40,9 @@ SUPPORTED_DTYPES = tuple(_TL_DTYPES)
 
 
 @triton.jit
-def _quantize_affine(x, unscaled, absmax, inv_absmax, mid_ptr, SIGNED: tl.constexpr):
-    """Nearest code of x = unscaled * inv_absmax as quant_arith.quantize_arith computes it, step for step.
-
-    The decade's constants come from a chain of compares and selects: no memory traffic, no layout change.
-    Only a program with a value next to a midpoint loads midpoints (a few percent of programs)."""
+def _code_position(x, SIGNED: tl.constexpr):
+    """quant_arith.code_position: its floor is the code of x, an integer is a midpoint. The decade's
+    constants come from a chain of compares and selects: no memory traffic, no layout change."""
     steps = _QUANT_STEPS[0 if SIGNED else 1]
     line = _CLAMP_LINES[0 if SIGNED else 1]
     ax = tl.abs(x)
@@ -58,15 +56,36 @@ def _quantize_affine(x, unscaled, absmax, inv_absmax, mid_ptr, SIGNED: tl.conste
     z = tl.where(x > steps[len(steps) - 1], 255.5, z)
     if SIGNED:
         z = tl.where(x < 0.0, 255.0 - z, z)
-    code = z.to(tl.int32)  # z >= 0: truncation is floor
-    nearest = (z + 0.5).to(tl.int32)
-    near = tl.abs(z - nearest.to(tl.float32)) < _NEAR_BOUNDARY
-    if tl.max(near.to(tl.int32)) > 0:
-        below = tl.minimum(tl.maximum(nearest - 1, 0), 254)
-        exact = tl.fma(tl.fma(-x, absmax, unscaled), inv_absmax, x)  # unscaled / absmax, correctly rounded
-        mid = tl.load(mid_ptr + below)  # unmasked: a mask would move `near` to the load's layout out here
-        code = tl.where(near, below + (mid < exact).to(tl.int32), code)
-    return code.to(tl.uint8)
+    return z
+
+
+@triton.jit
+def _near_midpoint(z):
+    return tl.abs(z - tl.floor(z + 0.5)) < _NEAR_BOUNDARY
+
+
+@triton.jit
+def _checked_position(z, unscaled, absmax, inv_absmax, mid_ptr):
+    """z, with the value compared with the map's midpoint where z is next to one (then z = code + 0.5)."""
+    nearest = tl.floor(z + 0.5)
+    below = tl.minimum(tl.maximum(nearest.to(tl.int32) - 1, 0), 254)
+    q = unscaled / absmax  # a division, not the caller's product: that product need not live this long
+    exact = tl.fma(tl.fma(-q, absmax, unscaled), inv_absmax, q)  # correctly rounded
+    mid = tl.load(mid_ptr + below)  # unmasked: a mask would move the near flags to the load's layout early
+    checked = below.to(tl.float32) + tl.where(mid < exact, 1.5, 0.5)
+    return tl.where(tl.abs(z - nearest) < _NEAR_BOUNDARY, checked, z)
+
+
+@triton.jit
+def _quantize_bsearch(unscaled, absmax, inv_absmax, mid_ptr):
+    """The number of midpoints below unscaled / absmax by binary search: 8 dependent table loads, exact."""
+    x = unscaled * inv_absmax
+    x = tl.fma(tl.fma(-x, absmax, unscaled), inv_absmax, x)  # unscaled / absmax, correctly rounded
+    code = tl.zeros(x.shape, tl.int32)
+    for s in tl.static_range(8):
+        probe = tl.load(mid_ptr + code + ((128 >> s) - 1))
+        code = tl.where(probe < x, code + (128 >> s), code)
+    return code
 
 
 @triton.jit
@@ -85,21 +104,6 @@ def _dequantize(codes, qmap_ptr, SIGNED: tl.constexpr, DEQUANT: tl.constexpr):
             value = (value.to(tl.int32, bitcast=True) | (j.to(tl.int32, bitcast=True) & -2147483648)).to(
                 tl.float32, bitcast=True)
         return value
-
-
-@triton.jit
-def _quantize(unscaled, absmax, inv_absmax, mid_ptr, SIGNED: tl.constexpr, QUANT_SEARCH: tl.constexpr):
-    """Index of the nearest map entry: the number of midpoints below unscaled / absmax."""
-    x = unscaled * inv_absmax
-    if QUANT_SEARCH == 1:
-        return _quantize_affine(x, unscaled, absmax, inv_absmax, mid_ptr, SIGNED)
-    else:  # binary search over the midpoints: 8 dependent table loads, exact
-        x = tl.fma(tl.fma(-x, absmax, unscaled), inv_absmax, x)  # unscaled / absmax, correctly rounded
-        code = tl.zeros(x.shape, tl.int32)
-        for s in tl.static_range(8):
-            probe = tl.load(mid_ptr + code + ((128 >> s) - 1))
-            code = tl.where(probe < x, code + (128 >> s), code)
-        return code.to(tl.uint8)
 
 
 @triton.jit
@@ -123,7 +127,8 @@ def _update_blocks(p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, rem,
                    qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
                    lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, inv_correction2,
                    OPTIMIZER: tl.constexpr, PARAM_DTYPE: tl.constexpr, BLOCKS: tl.constexpr,
-                   QUANT_SEARCH: tl.constexpr, DEQUANT: tl.constexpr, MASKED: tl.constexpr):
+                   QUANT_SEARCH: tl.constexpr, DEQUANT: tl.constexpr, EXACT_TIES: tl.constexpr,
+                   MASKED: tl.constexpr):
     # pointers start at this program's first block: 32-bit offsets, `rem` elements left in the tensor
     blocks = tl.arange(0, BLOCKS)
     offs = blocks[:, None] * 256 + tl.arange(0, 256)[None, :]
@@ -145,25 +150,46 @@ def _update_blocks(p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, rem,
         v = v * (a2 * beta2)[:, None] + (one_minus_beta2 * g) * g
         p = p * decay
         p = p - step_size * (m / (tl.sqrt(v) * inv_correction2 + eps))
-        new_a2 = tl.max(v, axis=1)  # v >= 0
-        # one division per block, a multiply per element (exact division only next to a midpoint)
-        safe2 = tl.where(new_a2 > 0.0, new_a2, 1.0)
-        code2 = _quantize(v, safe2[:, None], (1.0 / safe2)[:, None], mid2_ptr, False, QUANT_SEARCH)
-        _store(s2_ptr + offs, code2, mask, MASKED)
-        _store(a2_ptr + blocks, new_a2, bmask, MASKED)
     else:
         m = m * a1[:, None]
         p = p * decay
         u = m * beta1 + g * one_minus_beta1
         p = p - lr * tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
         m = m * beta2 + g * one_minus_beta2
+        v = m  # unused: Lion has one moment
+    _store(p_ptr + offs, p.to(PARAM_DTYPE), mask, MASKED)  # first, so nothing of p lives across branches
 
+    # one division per block, a multiply per element (the exact quotient only next to a midpoint)
     new_a1 = tl.max(tl.abs(m), axis=1)
-    safe1 = tl.where(new_a1 > 0.0, new_a1, 1.0)
-    _store(s1_ptr + offs, _quantize(m, safe1[:, None], (1.0 / safe1)[:, None], mid1_ptr, True, QUANT_SEARCH),
-           mask, MASKED)
+    safe1 = tl.where(new_a1 > 0.0, new_a1, 1.0)[:, None]
+    inv1 = 1.0 / safe1
+    new_a2 = tl.max(v, axis=1)  # v >= 0
+    safe2 = tl.where(new_a2 > 0.0, new_a2, 1.0)[:, None]
+    inv2 = 1.0 / safe2
+    if QUANT_SEARCH == 0:
+        code1 = _quantize_bsearch(m, safe1, inv1, mid1_ptr)
+        code2 = _quantize_bsearch(v, safe2, inv2, mid2_ptr) if OPTIMIZER == 0 else code1
+    else:
+        z1 = _code_position(m * inv1, True)
+        near = _near_midpoint(z1)
+        z2 = z1
+        if OPTIMIZER == 0:
+            z2 = _code_position(v * inv2, False)
+            near = near | _near_midpoint(z2)
+        # rare (5% of programs, half of them on a first step from 16-bit grads): only then the midpoint
+        # table, in a layout of its own
+        if EXACT_TIES:
+            if tl.max(near.to(tl.int32)) > 0:
+                z1 = _checked_position(z1, m, safe1, inv1, mid1_ptr)
+                if OPTIMIZER == 0:
+                    z2 = _checked_position(z2, v, safe2, inv2, mid2_ptr)
+        code1 = z1.to(tl.int32)  # z >= 0: truncation is floor
+        code2 = z2.to(tl.int32)
+    if OPTIMIZER == 0:
+        _store(s2_ptr + offs, code2.to(tl.uint8), mask, MASKED)
+        _store(a2_ptr + blocks, new_a2, bmask, MASKED)
+    _store(s1_ptr + offs, code1.to(tl.uint8), mask, MASKED)
     _store(a1_ptr + blocks, new_a1, bmask, MASKED)
-    _store(p_ptr + offs, p.to(PARAM_DTYPE), mask, MASKED)
 
 
 @triton.jit
@@ -172,7 +198,7 @@ def _blockwise_8bit_kernel(
     qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
     lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, inv_correction2,
     OPTIMIZER: tl.constexpr, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    BLOCKS: tl.constexpr, QUANT_SEARCH: tl.constexpr, DEQUANT: tl.constexpr,
+    BLOCKS: tl.constexpr, QUANT_SEARCH: tl.constexpr, DEQUANT: tl.constexpr, EXACT_TIES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(chunk_tensor_ptr + pid)
@@ -189,9 +215,9 @@ def _blockwise_8bit_kernel(
     args = (p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, rem, qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
             lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, inv_correction2)
     if rem >= BLOCKS * 256:
-        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, DEQUANT, False)
+        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, DEQUANT, EXACT_TIES, False)
     else:
-        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, DEQUANT, True)
+        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, DEQUANT, EXACT_TIES, True)
 
 
 def is_aligned(*tensors: torch.Tensor) -> bool:
@@ -240,6 +266,10 @@ def fused_step(optimizer: str, params: list[torch.Tensor], grads: list[torch.Ten
 
     Returns the launched kernel (its n_regs and n_spills say how it compiled)."""
     config = config or CONFIG_OVERRIDE or DEFAULT_CONFIGS[params[0].dtype]
+    # The first step quantizes (1 - beta) * grad / max|(1 - beta) * grad|: with 16-bit grads, ratios that sit
+    # exactly on the map's midpoints are common, and the affine form alone may put them on the wrong side
+    # (0.05% of codes). From then on values are generic and its rare +-1 codes (1e-5) cost less than the
+    # check, which takes about 15% of a step.
     device = params[0].device
     chunk = config["blocks"] * BLOCK_SIZE
     chunk_tensor, chunk_start, addrs, numels = tables.get(params, grads, states, chunk, device)
@@ -255,6 +285,6 @@ def fused_step(optimizer: str, params: list[torch.Tensor], grads: list[torch.Ten
         lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, 1.0 - lr * weight_decay, step_size, inv_correction2,
         OPTIMIZER=kind, PARAM_DTYPE=_TL_DTYPES[params[0].dtype], GRAD_DTYPE=_TL_DTYPES[grads[0].dtype],
         BLOCKS=config["blocks"], QUANT_SEARCH=config["quant_search"], DEQUANT=config["dequant"],
-        num_warps=config["num_warps"],
+        EXACT_TIES=config.get("exact_ties", step == 1), num_warps=config["num_warps"],
     )
 
