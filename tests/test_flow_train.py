@@ -130,7 +130,9 @@ def test_sigma_sampler_shift_and_expert_ranges():
 
 def test_wan21_trains_on_clips_and_stills_writes_video_samples_and_reloads(tmp_path, run_cli, capsys):
     out = tmp_path / "run"
-    assert run_cli(*_args("quickstart_wan21.yaml", out, "sample.num_frames=5", "network.alpha=4")) == 0
+    # gradient checkpointing on: the LoRA still gets gradients (the reloaded LoRA below changes the output)
+    assert run_cli(*_args("quickstart_wan21.yaml", out, "sample.num_frames=5", "network.alpha=4",
+                          "train.gradient_checkpointing=true")) == 0
     err = capsys.readouterr().err
     assert "64 x 64    (ratio 1.00) x   9 frames: 6 clips" in err and "x   1 frame : 2 clips" in err
     samples = out / "samples" / "step-000002"
@@ -288,3 +290,11 @@ def test_comfyui_export_of_a_module_it_cannot_name_warns_and_keeps_the_diffusers
     assert sorted(p.name for p in (out / "final").iterdir()) == ["pytorch_lora_weights.safetensors"]
     assert run_cli(*_args("quickstart_flux.yaml", tmp_path / "dora", "network.type=dora")) == 2  # comfyui + dora
     assert "network.type is dora" in capsys.readouterr().err
+
+
+def test_text_encoder_lora_is_refused_before_loading_a_flow_model(tmp_path, run_cli, capsys, monkeypatch):
+    import diffusers
+
+    monkeypatch.setattr(diffusers.FluxPipeline, "from_pretrained", lambda *a, **k: pytest.fail("loaded anyway"))
+    assert run_cli(*_args("quickstart_flux.yaml", tmp_path / "run", "train.train_text_encoder=true")) == 2
+    assert "train.train_text_encoder: not available for the flux family" in capsys.readouterr().err

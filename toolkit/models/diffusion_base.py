@@ -105,6 +105,9 @@ class DiffusionAdapter:
 
         diffusers_logging.disable_progress_bar()  # "Loading pipeline components" says nothing a user can act on
         self.check_save_format()
+        if self.cfg.train.train_text_encoder and not self.text_encoder_lora:
+            raise UserError(f"train.train_text_encoder: not available for the {self.family} family (its text "
+                            "embeddings are cached and its encoders freed); set train.train_text_encoder=false")
         try:
             self.pipe = self.pipeline_class().from_pretrained(self.model_path, dtype=self.runtime.base_dtype,
                                                               revision=self.cfg.model.revision, **self.pipeline_kwargs())
@@ -129,9 +132,6 @@ class DiffusionAdapter:
                 denoiser.enable_gradient_checkpointing()
             modules[name] = denoiser
         if train.train_text_encoder:
-            if not self.text_encoder_lora:
-                raise UserError(f"train.train_text_encoder: not available for the {self.family} family (its text "
-                                "embeddings are cached); set train.train_text_encoder=false")
             for name in self.text_encoder_names:
                 encoder = self.component(name)
                 encoder.to(self.runtime.device)
