@@ -2,8 +2,15 @@
 
 Each program takes BLOCKS consecutive 256-element blocks of one tensor (found through a table of block
 descriptors built on the host and cached), and in one pass: dequantizes both moments, updates them in
-fp32, takes the new absmax of each block, requantizes to the nearest map entry, and updates the
-parameter (fp32, bf16 or fp16 storage; fp32 math). The same source compiles for CUDA and ROCm.
+fp32, updates the parameter (fp32, bf16 or fp16 storage; fp32 math), takes the new absmax of each block
+and requantizes to the nearest map entry. The same source compiles for CUDA and ROCm.
+
+The step is bound by instructions, not memory. Loads from the 256-entry maps (a gather per value, and
+two per code for a guess-and-refine search) also made Triton move every tensor through shared memory into
+a second register layout: about 216 instructions per element (sm_90 SASS, Triton 3.6). So by default codes
+and values are computed from the maps' structure (quant_arith.py: a chain of compares and selects per
+decade, then a fused multiply-add): about 126. The midpoint table is read only on a first step, by the
+programs that hold a value next to a midpoint.
 
 Importing this module imports triton; the optimizers import it only when a parameter is on a GPU.
 """
@@ -20,10 +27,13 @@ from toolkit.optim.quant import BLOCK_SIZE, quant_tables
 from toolkit.optim.quant_arith import NEAR_BOUNDARY, POW5_SLOPE, clamp_line, dequant_constants, quantize_steps
 
 ADAMW, LION = 0, 1
-# config["quant_search"]: how a value finds its code; config["dequant"]: how a code finds its value
+# config["quant_search"]: BINARY_SEARCH over the midpoint table (exact, slow) or AFFINE (quant_arith);
+# config["dequant"]: TABLE (the map entry, exact) or AFFINE (within 3 ulps); config["exact_ties"]: check
+# values next to a midpoint against the table (default: on the first step only, see fused_step)
 BINARY_SEARCH, AFFINE = 0, 1
 TABLE = 0
-# One 256-element block per single-warp program was fastest on an H200 (bench/optim_sweep.py)
+# One 256-element block per single-warp program: fastest for bf16, within 5% for fp32 on an H200
+# (bench/optim_sweep.py; docs/optimizers.md)
 DEFAULT_CONFIGS = {
     dtype: {"blocks": 1, "num_warps": 1, "quant_search": AFFINE, "dequant": AFFINE}
     for dtype in (torch.float32, torch.bfloat16, torch.float16)
