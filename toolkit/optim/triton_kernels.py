@@ -7,9 +7,9 @@ and requantizes to the nearest map entry. The same source compiles for CUDA and 
 
 The step is bound by instructions, not memory. Loads from the 256-entry maps (a gather per value, and
 two per code for a guess-and-refine search) also made Triton move every tensor through shared memory into
-a second register layout: about 216 instructions per element (sm_90 SASS, Triton 3.6). So by default codes
+a second register layout: 218-229 instructions per element (sm_90 SASS, Triton 3.6). So by default codes
 and values are computed from the maps' structure (quant_arith.py: a chain of compares and selects per
-decade, then a fused multiply-add): about 126. The midpoint table is read only on a first step, by the
+decade, then a fused multiply-add): 124-126. The midpoint table is read only on a first step, by the
 programs that hold a value next to a midpoint.
 
 Importing this module imports triton; the optimizers import it only when a parameter is on a GPU.
