@@ -103,12 +103,14 @@ def write_clip(folder: Path, frames: int, height: int, width: int) -> None:
     (folder / "clip.txt").write_text("a random pattern drifting right\n")
 
 
-def plain_stack(model_dir: Path, steps: int, warmup: int, frames: int, height: int, width: int) -> dict:
+def plain_stack(model_dir: Path, steps: int, warmup: int, frames: int, height: int, width: int,
+                cudnn_sdpa: bool) -> dict:
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
     from toolkit.models.diffusion_wan import WAN_TARGETS
 
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_sdpa)
     torch.manual_seed(0)
     transformer = WanTransformer3DModel.from_pretrained(model_dir / "transformer", torch_dtype=torch.bfloat16).cuda()
     transformer.requires_grad_(False)
@@ -187,8 +189,12 @@ def main() -> None:
     print(f"\nWan 2.1 1.3B shape, LoRA r=16 attention + FFN, bf16, gradient checkpointing, "
           f"{args.frames} x {args.height} x {args.width}, mean of {args.steps} steps after {args.warmup} warm-up")
     print(f"{'stack':<28} {'s/step':>8} {'peak GiB':>9} {'plain/toolkit':>14}", flush=True)
-    plain = plain_stack(model_dir, args.steps, args.warmup, args.frames, args.height, args.width)
+    # PyTorch's SDPA may pick its cuDNN backend; the toolkit decides per family (device.cudnn_sdpa): time both
+    plain = plain_stack(model_dir, args.steps, args.warmup, args.frames, args.height, args.width, cudnn_sdpa=True)
     print(f"{'plain (PEFT + fused AdamW)':<28} {plain['s_per_step']:>8.3f} {plain['peak_gib']:>9.1f} {1.0:>14.2f}", flush=True)
+    other = plain_stack(model_dir, args.steps, args.warmup, args.frames, args.height, args.width, cudnn_sdpa=False)
+    print(f"{'plain, SDPA cuDNN off':<28} {other['s_per_step']:>8.3f} {other['peak_gib']:>9.1f} "
+          f"{plain['s_per_step'] / other['s_per_step']:>14.2f}", flush=True)
     for optimizer in ("adamw", "adamw8bit"):
         try:
             r = toolkit_run(model_dir, data, work / f"run-{optimizer}", optimizer, args.steps, args.warmup,

@@ -50,8 +50,9 @@ class DeviceSection:
                        choices=("auto", "cpu"))
     vae_encode_cudnn: bool = opt(True, "Keep cuDNN/MIOpen on while VAE-encoding latents; the HIP presets turn it "
                                  "off (MIOpen convolutions can be 30x slower there).")
-    cudnn_sdpa: bool = opt(False, "Let PyTorch's scaled_dot_product_attention use its cuDNN backend (CUDA); off by "
-                           "default: it crashed on Flux shapes with cuDNN 9.19, and flash / memory-efficient serve.")
+    cudnn_sdpa: Union[bool, str] = opt("auto", "Let PyTorch's scaled_dot_product_attention use its cuDNN backend "
+                                       "(CUDA): true, false, or auto (on, but off for flux, whose shapes crashed it "
+                                       "with cuDNN 9.19).")
     memory_fraction: float = opt(0.9, "Share of the device memory the auto memory options (model.quantize, "
                                  "model.expert_offload) plan with; unified-memory presets lower it.", minimum=0.05)
 

@@ -76,7 +76,7 @@ class ModelAdapter(Protocol):
 
     # Optional: `begin_step(step)`, called before each optimizer step (1-based) when the adapter has it, for
     # state that follows the step number (the Wan 2.2 expert being trained); `memory_fixes()`, out-of-memory
-    # remedies specific to the family.
+    # remedies specific to the family; `cudnn_sdpa` (bool), the family's default for device.cudnn_sdpa=auto.
 
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -122,6 +122,7 @@ class FluxAdapter(FlowMatchingAdapter):
     family = "flux"
     comfyui_family = "flux"
     uses_negative_prompt = False
+    cudnn_sdpa = False  # PyTorch's cuDNN SDPA crashed on Flux shapes (cuDNN 9.19, FINDINGS.md)
     text_encoder_names = ("text_encoder", "text_encoder_2")
     max_text_tokens = 512
 

@@ -59,11 +59,9 @@ class Trainer:
         runtime = Runtime(device=self.accelerator.device, info=device, base_dtype=DTYPES[cfg.model.dtype],
                           compute_dtype=DTYPES[cfg.train.precision], run_dir=self.run_dir.root)
         seed_everything(cfg.run.seed)
-        if device.backend == "cuda":
-            # cuDNN's SDPA backend crashed on Flux shapes (FINDINGS.md); PyTorch picks flash or efficient instead
-            torch.backends.cuda.enable_cudnn_sdp(bool(cfg.device.cudnn_sdpa))
-            self.log(f"attention: SDPA cuDNN backend {'on' if cfg.device.cudnn_sdpa else 'off'} (device.cudnn_sdpa)")
         self.adapter = build_adapter(cfg, runtime)
+        if device.backend == "cuda":
+            self._choose_cudnn_sdpa(cfg.device.cudnn_sdpa)
         self.adapter.load()
         self.dataset = self.adapter.dataset()
         if len(self.dataset) == 0:
@@ -89,6 +87,17 @@ class Trainer:
         n_train = sum(p.numel() for p in params)
         self.log(f"model: {cfg.model.family} {cfg.model.name_or_path}; {len(self.adapter.lora_targets())} LoRA "
                  f"modules, {n_train:,} trainable parameters; {len(self.dataset)} training samples")
+
+    def _choose_cudnn_sdpa(self, setting) -> None:
+        """PyTorch SDPA's cuDNN backend: the adapter's default under auto (Flux shapes crashed it, FINDINGS.md)."""
+        if setting == "auto":
+            enabled, why = getattr(self.adapter, "cudnn_sdpa", True), f"auto for {self.cfg.model.family}"
+        elif isinstance(setting, bool):
+            enabled, why = setting, "set in the config"
+        else:
+            raise UserError(f"device.cudnn_sdpa: expected true, false or auto, got {setting!r}")
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
+        self.log(f"attention: SDPA cuDNN backend {'on' if enabled else 'off'} (device.cudnn_sdpa {why})")
 
     # -- state -----------------------------------------------------------------------------
     def _trainer_state(self, step: int) -> dict:
