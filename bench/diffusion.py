@@ -18,7 +18,6 @@ Prints s/step, peak memory and the ratio plain/toolkit (above 1: the toolkit is 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import sys
@@ -149,25 +148,15 @@ def plain_stack(model_dir: Path, steps: int, warmup: int, frames: int, height: i
 
 def toolkit_run(model_dir: Path, data: Path, out: Path, optimizer: str, steps: int, warmup: int, frames: int,
                 height: int, width: int) -> dict:
-    from toolkit.config.run import load_run
-    from toolkit.train.trainer import Trainer
+    from trainer_rate import trainer_rate
 
     overrides = [f"model.name_or_path={model_dir}", f"data.path={data}", f"data.num_frames={frames}",
-                 f"data.resolution={math.ceil(math.sqrt(height * width))}", f"train.steps={steps + warmup}",
-                 f"train.optimizer={optimizer}", f"run.output_dir={out}", f"log.every={warmup}"]
-    if optimizer.endswith("8bit"):
-        overrides.append("train.optimizer_backend=toolkit")
-    cfg = Path(tempfile.mkdtemp()) / "bench.yaml"
-    cfg.write_text("model: {family: wan21}\nnetwork: {rank: 16, alpha: 16}\ndata: {bucket_step: 32}\n"
-                   "train: {lr: 1.0e-4, precision: bf16, gradient_checkpointing: true, batch_size: 1}\n"
-                   "save: {every: 0}\nsample: {prompts: []}\nlog: {tensorboard: false}\n")
-    run = load_run([cfg], overrides)
-    torch.cuda.reset_peak_memory_stats()
-    Trainer(run, fresh=True, log=lambda m: None).run()
-    records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if "steps_per_s" in r and r["step"] > warmup]
-    rate = sum(r["steps_per_s"] for r in timed) / len(timed)
-    return {"s_per_step": 1 / rate, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+                 f"data.resolution={math.ceil(math.sqrt(height * width))}"]
+    config = ("model: {family: wan21}\nnetwork: {rank: 16, alpha: 16}\ndata: {bucket_step: 32}\n"
+              "train: {lr: 1.0e-4, precision: bf16, gradient_checkpointing: true, batch_size: 1}\n"
+              "save: {every: 0}\nsample: {prompts: []}\nlog: {tensorboard: false}\n")
+    rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup)
+    return {"s_per_step": 1 / rate, "peak_gib": peak}
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -83,24 +82,14 @@ def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int) 
 
 def toolkit_run(model_dir: Path, data: Path, out: Path, optimizer: str, steps: int, warmup: int, batch: int,
                 seq: int) -> dict:
-    from toolkit.config.run import load_run
-    from toolkit.train.trainer import Trainer
+    from trainer_rate import trainer_rate
 
     overrides = [f"model.name_or_path={model_dir}", f"data.path={data}", f"data.max_seq_len={seq}",
-                 f"train.steps={steps + warmup}", f"train.batch_size={batch}", f"train.optimizer={optimizer}",
-                 f"run.output_dir={out}", f"log.every={warmup}"]
-    if optimizer.endswith("8bit"):
-        overrides.append("train.optimizer_backend=toolkit")  # measure the toolkit's kernels, not bitsandbytes
-    cfg = Path(tempfile.mkdtemp()) / "bench.yaml"
-    cfg.write_text("model: {family: llm}\nnetwork: {rank: 16, alpha: 16}\ntrain: {lr: 1.0e-4, precision: bf16,"
-                   " gradient_checkpointing: false}\nsave: {every: 0}\nlog: {tensorboard: false}\n")
-    run = load_run([cfg], overrides)
-    torch.cuda.reset_peak_memory_stats()
-    Trainer(run, fresh=True, log=lambda m: None).run()
-    records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if "steps_per_s" in r and r["step"] > warmup]
-    rate = sum(r["steps_per_s"] for r in timed) / len(timed)
-    return {"tokens_per_s": rate * batch * seq, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+                 f"train.batch_size={batch}"]
+    config = ("model: {family: llm}\nnetwork: {rank: 16, alpha: 16}\ntrain: {lr: 1.0e-4, precision: bf16,"
+              " gradient_checkpointing: false}\nsave: {every: 0}\nlog: {tensorboard: false}\n")
+    rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup)
+    return {"tokens_per_s": rate * batch * seq, "peak_gib": peak}
 
 
 def main() -> None:
