@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -20,11 +20,9 @@ from toolkit.data.captions import apply_trigger
 from toolkit.data.images import DiffusionDataset, caption_rules, load_pixels, scan_images
 from toolkit.data.latent_cache import TensorCache, cache_key
 from toolkit.errors import UserError
-from toolkit.models.base import Runtime, load_trainable_state_dict, trainable_state_dict
+from toolkit.models.base import Runtime
+from toolkit.models.diffusion_files import DiffusersLoraFiles
 from toolkit.models.tiny import cache_root, resolve_model_path
-
-LORA_FILE = "pytorch_lora_weights.safetensors"
-
 
 def target_module_list(value: Any, auto: list[str] | str, all_linear: list[str] | str) -> list[str] | str:
     """network.target_modules for a denoiser: auto, all-linear (the family's lists), or a list of module names."""
@@ -45,7 +43,7 @@ def unbatch(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return [{k: v[i] for k, v in tensors.items()} for i in range(n)]
 
 
-class DiffusionAdapter:
+class DiffusionAdapter(DiffusersLoraFiles):
     family = ""
     denoiser_names: tuple[str, ...] = ("unet",)      # pipeline components that carry the LoRA
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
@@ -320,99 +318,3 @@ class DiffusionAdapter:
             module.to("cpu")
         self.network.train(was_training)
         return stills + [grid] + [f for f in files if f not in stills]
-
-    # -- LoRA weights ----------------------------------------------------------------------
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
-        return trainable_state_dict(self.network)
-
-    def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_trainable_state_dict(self.network, state)
-
-    def diffusers_lora_layers(self, dtype: torch.dtype, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-        """save_lora_weights arguments (`<component>_lora_layers`) for the trained modules (or `names`), on the CPU.
-
-        UNet and text-encoder keys take diffusers' own naming (lora.down/up), as its SD training scripts write;
-        transformer keys stay in PEFT naming (lora_A/B), as its Flux/SD3/Wan scripts write."""
-        from diffusers.utils import convert_state_dict_to_diffusers
-        from peft.utils import get_peft_model_state_dict
-
-        layers = {}
-        for name in names or list(self.network.keys()):
-            state = get_peft_model_state_dict(self.network[name])
-            if name == "unet" or name.startswith("text_encoder"):
-                state = convert_state_dict_to_diffusers(state)
-            layers[f"{name}_lora_layers"] = {k: v.detach().to("cpu", dtype) for k, v in state.items()}
-        return layers
-
-    def lora_adapter_metadata(self, names: list[str] | None = None) -> dict[str, dict]:
-        """save_lora_weights' `<component>_lora_adapter_metadata`: each LoRA config (rank, alpha, rslora, targets)
-        goes into the file, so loaders (diffusers included) scale by alpha/rank, not by 1."""
-        return {f"{name}_lora_adapter_metadata": self.network[name].peft_config["default"].to_dict()
-                for name in names or list(self.network.keys())}
-
-    def export_formats(self) -> tuple[str, ...]:
-        """save.format values this family writes besides the diffusers file (sd/sdxl: kohya key names, which
-        ComfyUI reads too)."""
-        return ("kohya", "comfyui")
-
-    def check_save_format(self) -> str:
-        """save.format, checked when the model loads, so a run never ends without the file it was asked for."""
-        fmt = self.cfg.save.format
-        allowed = ("auto", "diffusers", *self.export_formats())
-        if fmt not in allowed:
-            raise UserError(f"save.format: {fmt} is not available for the {self.family} family; use one of "
-                            f"{', '.join(allowed)}")
-        if fmt not in ("auto", "diffusers") and self.cfg.network.type == "dora":
-            raise UserError(f"save.format: {fmt} files hold plain LoRA weights, and network.type is dora\n"
-                            "  fix: save.format=diffusers, or network.type=lora")
-        return fmt
-
-    def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
-        """The diffusers file (pytorch_lora_weights.safetensors), plus the save.format export when asked."""
-        fmt = self.check_save_format()
-        self.pipeline_class().save_lora_weights(out_dir, safe_serialization=True,
-                                                **self.diffusers_lora_layers(dtype), **self.lora_adapter_metadata())
-        files = [out_dir / LORA_FILE]
-        if fmt not in ("auto", "diffusers"):
-            files += self.export_or_warn(out_dir / LORA_FILE, out_dir / f"{self.cfg.run.name}_{fmt}.safetensors", fmt)
-        return files
-
-    def export_or_warn(self, diffusers_file: Path, out_file: Path, fmt: str) -> list[Path]:
-        """The save.format export; one that fails (a module the format has no name for) is named in a warning,
-        and the diffusers file, already written, stays the run's output."""
-        try:
-            return [self.export(diffusers_file, out_file, fmt)]
-        except ValueError as err:
-            self.log(f"warning: save.format={fmt}: {out_file.name} not written: {err}; "
-                     f"{diffusers_file.name} was written")
-            return []
-
-    def export(self, diffusers_file: Path, out_file: Path, fmt: str) -> Path:
-        from toolkit.models.lora_export import save_kohya
-
-        return save_kohya(diffusers_file, out_file, self.kohya_metadata())
-
-    def kohya_metadata(self) -> dict[str, str]:
-        return {"ss_base_model": str(self.cfg.model.name_or_path), "toolkit_family": self.family,
-                "ss_network_dim": str(self.cfg.network.rank), "ss_network_alpha": str(self.cfg.network.alpha),
-                "ss_steps": str(self.cfg.train.steps), "ss_trigger_word": str(self.cfg.data.trigger_word or ""),
-                "ss_network_module": "networks.lora"}
-
-    def load_lora(self, path: Path) -> None:
-        """Load a diffusers-format LoRA file (or a folder holding one) into the trained modules."""
-        self.load_lora_into(path, list(self.network.keys()))
-
-    def load_lora_into(self, path: Path, names: list[str], prefix_of: Callable[[str], str] = lambda n: n) -> None:
-        from diffusers.utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
-        from peft import set_peft_model_state_dict
-
-        path = Path(path)
-        loaded = self.pipeline_class().lora_state_dict(str(path), weight_name=LORA_FILE if path.is_dir() else None)
-        state = loaded[0] if isinstance(loaded, tuple) else loaded  # some mixins also return network alphas
-        for name in names:
-            prefix = f"{prefix_of(name)}."
-            part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            part = convert_state_dict_to_peft(part) if name.startswith("text_encoder") else convert_unet_state_dict_to_peft(part)
-            result = set_peft_model_state_dict(self.network[name], part)
-            if getattr(result, "unexpected_keys", None):
-                raise UserError(f"{path}: LoRA keys do not match the {name}: {result.unexpected_keys[:2]}")

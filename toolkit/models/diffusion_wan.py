@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from toolkit.errors import UserError
-from toolkit.models.diffusion_base import LORA_FILE, target_module_list
+from toolkit.models.diffusion_base import target_module_list
+from toolkit.models.diffusion_files import LORA_FILE
 from toolkit.models.diffusion_flow import FlowMatchingAdapter
 from toolkit.models.flow_matching import flow_loss
 
