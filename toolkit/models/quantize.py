@@ -26,6 +26,11 @@ def weights_gb(num_params: int, mode: str) -> float:
     return num_params * BYTES_PER_PARAM[mode] / 1e9
 
 
+def weight_budget_gb(device: DeviceInfo, memory_fraction: float) -> float:
+    """GB of device memory the frozen weights may take."""
+    return device.memory_gb * memory_fraction * WEIGHT_SHARE
+
+
 def choose_quantize(requested: str, count_params: Callable[[], int], device: DeviceInfo, memory_fraction: float,
                     what: str = "the base") -> tuple[str, str]:
     """model.quantize resolved for the resident weights (`count_params()`, called only when needed), and why."""
@@ -34,7 +39,7 @@ def choose_quantize(requested: str, count_params: Callable[[], int], device: Dev
     if device.backend == "cpu":
         return "none", "model.quantize=auto -> none: the CPU is never quantized automatically"
     num_params = count_params()
-    budget = device.memory_gb * memory_fraction * WEIGHT_SHARE
+    budget = weight_budget_gb(device, memory_fraction)
     for mode in ("none", "8bit", "4bit"):
         need = weights_gb(num_params, mode)
         if need <= budget or mode == "4bit":
@@ -67,7 +72,7 @@ def plan_weights(quantize: str, offload: bool | str, counts: dict[str, int], dev
                                     f"the {what}" if not chosen else f"one expert of the {what}")
         note = "" if not several else f"; model.expert_offload={str(chosen).lower()}"
         return mode, chosen, why + note
-    budget = device.memory_gb * memory_fraction * WEIGHT_SHARE
+    budget = weight_budget_gb(device, memory_fraction)
     modes = ("none", "8bit", "4bit") if quantize == "auto" else (quantize,)
     for mode in modes:
         for chosen, resident in ((False, total), (True, largest)):
@@ -95,10 +100,9 @@ def choose_backend(requested: str, mode: str, backend: str) -> tuple[str, str]:
             chosen, why = "bitsandbytes", f"auto on {backend}: bitsandbytes"
     else:
         chosen, why = requested, "set in the config"
-    package = {"bitsandbytes": "bitsandbytes", "torchao": "torchao"}[chosen]
-    if importlib.util.find_spec(package) is None:
-        raise UserError(f"model.quantize={mode} needs {package}, which is not installed\n"
-                        f"  fix: pip install {package}, or set model.quantize=none")
+    if importlib.util.find_spec(chosen) is None:  # the library's name is its package's
+        raise UserError(f"model.quantize={mode} needs {chosen}, which is not installed\n"
+                        f"  fix: pip install {chosen}, or set model.quantize=none")
     return chosen, why
 
 
