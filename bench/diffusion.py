@@ -76,15 +76,15 @@ def write_wan_1p3b(folder: Path) -> None:
     from diffusers import WanPipeline, WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
-    from toolkit.models.tiny_flow import _t5_config, _wan21_vae, _wan_scheduler, write_t5_tokenizer
+    from toolkit.tiny.flow import t5_config, wan21_vae, wan_scheduler, write_t5_tokenizer
 
     tokenizer = write_t5_tokenizer(folder / "tokenizer")
     torch.manual_seed(0)
     with torch.device("cuda"):
         transformer = WanTransformer3DModel(**WAN_1P3B).to(torch.bfloat16)
-    text_encoder = UMT5EncoderModel(_t5_config(len(tokenizer), d_model=4096, umt5=True))
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=_wan21_vae(),
-                       scheduler=_wan_scheduler(3.0), transformer=transformer)
+    text_encoder = UMT5EncoderModel(t5_config(len(tokenizer), d_model=4096, umt5=True))
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=wan21_vae(),
+                       scheduler=wan_scheduler(3.0), transformer=transformer)
     pipe.save_pretrained(folder, safe_serialization=True)
     del pipe, transformer
     torch.cuda.empty_cache()

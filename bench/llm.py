@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 def write_model(folder: Path, layers: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from toolkit.models.tiny import _write_tokenizer
+    from toolkit.tiny.llm import write_tokenizer
 
-    _write_tokenizer(folder)  # a small BPE tokenizer; its ids are valid in the large vocabulary
+    write_tokenizer(folder)  # a small BPE tokenizer; its ids are valid in the large vocabulary
     config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
                          rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=3,

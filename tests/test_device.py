@@ -9,7 +9,7 @@ import torch
 
 from conftest import run_toolkit
 from toolkit.device.detect import DeviceInfo, detect_device
-from toolkit.device.presets import choose_preset, load_presets
+from toolkit.config.presets import choose_preset, load_presets
 from toolkit.errors import UserError
 
 

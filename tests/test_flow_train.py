@@ -17,7 +17,7 @@ from toolkit.config.run import load_run
 from toolkit.models import build_adapter
 from toolkit.models.base import Runtime
 from toolkit.models.flow_matching import SigmaSampler, flux_mu
-from toolkit.models.tiny import resolve_model_path
+from toolkit.paths import resolve_model_path
 
 SHAPES = REPO / "configs/examples/data/shapes"
 CLIPS = REPO / "configs/examples/data/clips"

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from toolkit.data.packing import PackedTextDataset, flatten_samples, pack_greedy
 from toolkit.data.text import IGNORE_INDEX, alpaca_prompt, build_text_data, pad_samples, tokenize_chat
 from toolkit.errors import UserError
-from toolkit.models.tiny import resolve_model_path
+from toolkit.paths import resolve_model_path
 
 CHAT = {"messages": [
     {"role": "system", "content": "answer with colours"},

@@ -11,7 +11,7 @@ import torch
 from conftest import REPO
 from toolkit.cli import main
 from toolkit.errors import UserError
-from toolkit.models.tiny import resolve_model_path
+from toolkit.paths import resolve_model_path
 
 PROMPT = "what colour is the star"
 

@@ -13,7 +13,8 @@ import pytest
 from PIL import Image
 
 from conftest import REPO, run_toolkit
-from toolkit.train.plots import make_grid, plot_loss
+from toolkit.data.media import make_grid
+from toolkit.train.plots import plot_loss
 
 STEPS = 6
 

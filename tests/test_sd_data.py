@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from toolkit.config.schema import ImageDataSection
 from toolkit.data.images import DiffusionDataset, caption_rules, load_pixels, scan_images
 from toolkit.errors import UserError
-from toolkit.models.tiny_diffusion import write_shapes_dataset
+from toolkit.tiny.fixtures import write_shapes_dataset
 
 
 def _data(path, **kw):

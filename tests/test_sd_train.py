@@ -18,8 +18,8 @@ from toolkit.config.run import load_run
 from toolkit.models import build_adapter
 from toolkit.models.base import Runtime
 from toolkit.models.diffusion_sd import StableDiffusionAdapter, min_snr_weights, sample_timesteps
-from toolkit.models.tiny import resolve_model_path
-from toolkit.models.tiny_diffusion import write_shapes_dataset
+from toolkit.paths import resolve_model_path
+from toolkit.tiny.fixtures import write_shapes_dataset
 
 
 @pytest.fixture(scope="module")

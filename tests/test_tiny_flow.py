@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from toolkit.models.tiny import TINY_WRITERS, resolve_model_path, write_tiny
+from toolkit.paths import resolve_model_path
+from toolkit.tiny import TINY_WRITERS, write_tiny
 
 # kind -> (pipeline class, components in model_index.json, output shape of a 64x64 generation)
 KINDS = {

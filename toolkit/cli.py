@@ -81,7 +81,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_presets(args: argparse.Namespace) -> int:
     from toolkit.device.detect import detect_device
-    from toolkit.device.presets import describe_presets
+    from toolkit.config.presets import describe_presets
 
     print(describe_presets(detect_device()))
     return 0

@@ -141,7 +141,7 @@ def run_doctor(print_=print) -> int:
 
     from toolkit.device.archs import lookup_amd_arch
     from toolkit.device.detect import detect_device
-    from toolkit.device.presets import choose_preset
+    from toolkit.config.presets import choose_preset
 
     checks = Checklist(print_)
     device = detect_device()

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from toolkit.config.schema import AUTO_BATCH_SIZE_CAP, AUTO_TIMESTEP_SAMPLING
 from toolkit.device.detect import DeviceInfo
-from toolkit.device.presets import Preset
+from toolkit.config.presets import Preset
 from toolkit.errors import ConfigError
 
 

@@ -11,7 +11,7 @@ from toolkit.config.layers import Layer, dotlist_layer, peek, read_yaml_layer
 from toolkit.config.load import LoadedConfig, merge_layers
 from toolkit.config.resolve import Decision, resolve_auto
 from toolkit.device.detect import DeviceInfo, detect_device
-from toolkit.device.presets import Preset, choose_preset
+from toolkit.config.presets import Preset, choose_preset
 from toolkit.errors import UserError
 
 

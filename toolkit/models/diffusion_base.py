@@ -22,7 +22,7 @@ from toolkit.data.latent_cache import TensorCache, cache_key
 from toolkit.errors import UserError
 from toolkit.models.base import Runtime
 from toolkit.models.diffusion_files import DiffusersLoraFiles
-from toolkit.models.tiny import cache_root, resolve_model_path
+from toolkit.paths import cache_root, resolve_model_path
 
 def target_module_list(value: Any, auto: list[str] | str, all_linear: list[str] | str) -> list[str] | str:
     """network.target_modules for a denoiser: auto, all-linear (the family's lists), or a list of module names."""
@@ -289,7 +289,7 @@ class DiffusionAdapter(DiffusersLoraFiles):
         return s.width or self.cfg.data.resolution, s.height or self.cfg.data.resolution
 
     def sample(self, out_dir: Path) -> list[Path]:
-        from toolkit.train.plots import make_grid
+        from toolkit.data.media import make_grid
 
         prompts = self.sample_prompts()
         if not prompts:

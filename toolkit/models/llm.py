@@ -17,7 +17,7 @@ from toolkit.data.records import read_records
 from toolkit.errors import UserError
 from toolkit.models.base import Runtime, load_trainable_state_dict, trainable_state_dict
 from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
-from toolkit.models.tiny import resolve_model_path
+from toolkit.paths import resolve_model_path
 
 
 def peft_lora_config(network: DictConfig, target_modules: Any):

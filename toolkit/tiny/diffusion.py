@@ -16,8 +16,6 @@ import torch
 _WORDS = ("a an the on of and with in photo picture drawing image background white black red green blue "
           "yellow purple orange circle square triangle star small large big tiny shape shapes colour color "
           "sks toy dog cat style").split()
-_COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 30)}
-_SHAPES = ("circle", "square", "triangle")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -58,7 +56,7 @@ def write_clip_tokenizer(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _clip_config(vocab_size: int, projection: bool):
+def clip_config(vocab_size: int, projection: bool):
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
@@ -82,7 +80,7 @@ def _scheduler(prediction_type: str):
                          clip_sample=False, prediction_type=prediction_type, steps_offset=1)
 
 
-def _keeps_global_rng(writer):
+def keeps_global_rng(writer):
     """Run a writer without touching the caller's RNG streams: a tiny model written on first use inside a
     training run must not change that run's noise (or a resumed run would differ from an uninterrupted one)."""
     def wrapped(*args, **kwargs):
@@ -92,7 +90,7 @@ def _keeps_global_rng(writer):
     return wrapped
 
 
-@_keeps_global_rng
+@keeps_global_rng
 def write_tiny_sd(out: Path, prediction_type: str = "epsilon") -> None:
     """SD 1.x layout: UNet (32/64 channels, cross-attention 32), tiny VAE (x2 downsampling), 2-layer CLIP."""
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
@@ -106,7 +104,7 @@ def write_tiny_sd(out: Path, prediction_type: str = "epsilon") -> None:
                                 up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32,
                                 attention_head_dim=(2, 4), norm_num_groups=32)
     vae = _vae()
-    text_encoder = CLIPTextModel(_clip_config(len(tokenizer), projection=False))
+    text_encoder = CLIPTextModel(clip_config(len(tokenizer), projection=False))
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                    scheduler=_scheduler(prediction_type), safety_checker=None,
                                    feature_extractor=None, requires_safety_checker=False)
@@ -118,7 +116,7 @@ def write_tiny_sd_v(out: Path) -> None:
     write_tiny_sd(out, prediction_type="v_prediction")
 
 
-@_keeps_global_rng
+@keeps_global_rng
 def write_tiny_sdxl(out: Path) -> None:
     """SDXL layout: two CLIP encoders (hidden 32 each, the second with a 32-d projection), text_time conditioning."""
     from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
@@ -139,38 +137,9 @@ def write_tiny_sdxl(out: Path) -> None:
         # six time ids (original h/w, crop top/left, target h/w), each embedded to time_embed_dim, plus pooled text
         projection_class_embeddings_input_dim=6 * time_embed_dim + projection_dim, norm_num_groups=32)
     vae = _vae()
-    text_encoder = CLIPTextModel(_clip_config(len(tokenizer), projection=False))
-    text_encoder_2 = CLIPTextModelWithProjection(_clip_config(len(tokenizer_2), projection=True))
+    text_encoder = CLIPTextModel(clip_config(len(tokenizer), projection=False))
+    text_encoder_2 = CLIPTextModelWithProjection(clip_config(len(tokenizer_2), projection=True))
     pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
                                      tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet,
                                      scheduler=_scheduler("epsilon"), force_zeros_for_empty_prompt=True)
     pipe.save_pretrained(out, safe_serialization=True)
-
-
-def write_shapes_dataset(out: Path, sizes: tuple[tuple[int, int], ...] = ((64, 64), (128, 64)),
-                         count: int = 12) -> list[Path]:
-    """Coloured shapes on white with matching captions ("a red circle on a white background"): the first
-    `count` colour/shape pairs, each at every size."""
-    from PIL import Image, ImageDraw
-
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    pairs = [(c, s) for c in _COLOURS for s in _SHAPES][:count]
-    for colour, shape in pairs:
-        for w, h in sizes:
-            image = Image.new("RGB", (w, h), (255, 255, 255))
-            draw = ImageDraw.Draw(image)
-            side = min(w, h) * 0.6
-            x0, y0 = (w - side) / 2, (h - side) / 2
-            box = (x0, y0, x0 + side, y0 + side)
-            if shape == "circle":
-                draw.ellipse(box, fill=_COLOURS[colour])
-            elif shape == "square":
-                draw.rectangle(box, fill=_COLOURS[colour])
-            else:
-                draw.polygon([(w / 2, y0), (x0, y0 + side), (x0 + side, y0 + side)], fill=_COLOURS[colour])
-            name = f"{colour}_{shape}_{w}x{h}"
-            image.save(out / f"{name}.png")
-            (out / f"{name}.txt").write_text(f"a {colour} {shape} on a white background\n")
-            written.append(out / f"{name}.png")
-    return written

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.models.tiny_diffusion import _WORDS, _clip_config, _keeps_global_rng, write_clip_tokenizer
+from toolkit.tiny.diffusion import _WORDS, clip_config, keeps_global_rng, write_clip_tokenizer
 
 # Flux.1 and SD3 VAEs (ae.safetensors / sd3 vae): latents are (x - shift_factor) * scaling_factor.
 FLUX_VAE_SCALING, FLUX_VAE_SHIFT = 0.3611, 0.1159
@@ -49,7 +49,7 @@ def write_t5_tokenizer(out: Path, model_max_length: int = 512) -> "T5Tokenizer":
     return tokenizer
 
 
-def _t5_config(vocab_size: int, d_model: int, umt5: bool = False):
+def t5_config(vocab_size: int, d_model: int, umt5: bool = False):
     """A 2-layer T5 v1.1 / UMT5 encoder config (gated-gelu feed-forward, untied embeddings, no dropout)."""
     from transformers import T5Config, UMT5Config
 
@@ -70,7 +70,7 @@ def _flow_vae(scaling_factor: float, shift_factor: float):
                          use_post_quant_conv=False, scaling_factor=scaling_factor, shift_factor=shift_factor)
 
 
-@_keeps_global_rng
+@keeps_global_rng
 def write_tiny_flux(out: Path) -> None:
     """Flux.1-dev layout: CLIP-L-like + T5 encoders, a guidance-distilled transformer (1 double + 1 single block,
     2 heads of 16), a 16-channel VAE and the dynamically shifted flow-matching Euler scheduler."""
@@ -81,8 +81,8 @@ def write_tiny_flux(out: Path) -> None:
     tokenizer = CLIPTokenizer.from_pretrained(out / "tokenizer")
     tokenizer_2 = write_t5_tokenizer(out / "tokenizer_2")
     torch.manual_seed(0)
-    text_encoder = CLIPTextModel(_clip_config(len(tokenizer), projection=False))
-    text_encoder_2 = T5EncoderModel(_t5_config(len(tokenizer_2), d_model=32))
+    text_encoder = CLIPTextModel(clip_config(len(tokenizer), projection=False))
+    text_encoder_2 = T5EncoderModel(t5_config(len(tokenizer_2), d_model=32))
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=64,  # 16 latent channels packed 2x2
         num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
@@ -99,7 +99,7 @@ def write_tiny_flux(out: Path) -> None:
     pipe.save_pretrained(out, safe_serialization=True)
 
 
-@_keeps_global_rng
+@keeps_global_rng
 def write_tiny_sd3(out: Path) -> None:
     """SD3 layout: two CLIP encoders with projections (pooled 32 + 32), T5 (d_model 96, so the concatenated CLIP
     states are zero-padded as in the real model), a 2-block MMDiT (patch 2), a 16-channel VAE, shift 3.0."""
@@ -112,9 +112,9 @@ def write_tiny_sd3(out: Path) -> None:
     tokenizer_2 = CLIPTokenizer.from_pretrained(out / "tokenizer_2")
     tokenizer_3 = write_t5_tokenizer(out / "tokenizer_3")
     torch.manual_seed(0)
-    text_encoder = CLIPTextModelWithProjection(_clip_config(len(tokenizer), projection=True))
-    text_encoder_2 = CLIPTextModelWithProjection(_clip_config(len(tokenizer_2), projection=True))
-    text_encoder_3 = T5EncoderModel(_t5_config(len(tokenizer_3), d_model=96))
+    text_encoder = CLIPTextModelWithProjection(clip_config(len(tokenizer), projection=True))
+    text_encoder_2 = CLIPTextModelWithProjection(clip_config(len(tokenizer_2), projection=True))
+    text_encoder_3 = T5EncoderModel(t5_config(len(tokenizer_3), d_model=96))
     transformer = SD3Transformer2DModel(
         sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
         num_attention_heads=2, caption_projection_dim=32,  # = heads * head dim
@@ -139,7 +139,7 @@ def _wan_transformer(channels: int):
                                  rope_max_seq_len=1024)
 
 
-def _wan21_vae():
+def wan21_vae():
     """Wan 2.1 VAE layout (z_dim 16, x8 spatial / x4 temporal, the real per-channel latent statistics), width 8."""
     from diffusers import AutoencoderKLWan
 
@@ -147,7 +147,7 @@ def _wan21_vae():
                             temperal_downsample=[False, True, True])
 
 
-def _wan_scheduler(flow_shift: float):
+def wan_scheduler(flow_shift: float):
     from diffusers import UniPCMultistepScheduler
 
     return UniPCMultistepScheduler(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
@@ -161,27 +161,27 @@ def _write_wan(out: Path, experts: int, vae_factory, channels: int, flow_shift: 
 
     tokenizer = write_t5_tokenizer(out / "tokenizer")
     torch.manual_seed(0)
-    text_encoder = UMT5EncoderModel(_t5_config(len(tokenizer), d_model=32, umt5=True))
+    text_encoder = UMT5EncoderModel(t5_config(len(tokenizer), d_model=32, umt5=True))
     transformer = _wan_transformer(channels)
     # Drawn after the first expert from the same stream, so the two experts have different weights.
     transformer_2 = _wan_transformer(channels) if experts == 2 else None
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae_factory(),
-                       scheduler=_wan_scheduler(flow_shift), transformer=transformer, transformer_2=transformer_2,
+                       scheduler=wan_scheduler(flow_shift), transformer=transformer, transformer_2=transformer_2,
                        **pipeline_config)
     pipe.save_pretrained(out, safe_serialization=True)
 
 
-@_keeps_global_rng
+@keeps_global_rng
 def write_tiny_wan21(out: Path) -> None:
     """Wan 2.1 T2V layout: UMT5 encoder, one transformer (16 latent channels), Wan 2.1 VAE, UniPC flow_shift 3.0."""
-    _write_wan(out, experts=1, vae_factory=_wan21_vae, channels=16, flow_shift=3.0)
+    _write_wan(out, experts=1, vae_factory=wan21_vae, channels=16, flow_shift=3.0)
 
 
-@_keeps_global_rng
+@keeps_global_rng
 def write_tiny_wan22(out: Path) -> None:
     """Wan 2.2 T2V A14B layout: a high-noise `transformer` and a low-noise `transformer_2` (different weights)
     switched at boundary_ratio 0.875, with the Wan 2.1 VAE and UniPC flow_shift 3.0."""
-    _write_wan(out, experts=2, vae_factory=_wan21_vae, channels=16, flow_shift=3.0,
+    _write_wan(out, experts=2, vae_factory=wan21_vae, channels=16, flow_shift=3.0,
                boundary_ratio=WAN22_BOUNDARY_RATIO)
 
 
@@ -195,50 +195,8 @@ def _wan22_vae():
                             latents_std=WAN22_LATENTS_STD)
 
 
-@_keeps_global_rng
+@keeps_global_rng
 def write_tiny_wan22_5b(out: Path) -> None:
     """Wan 2.2 TI2V-5B layout: one transformer on 48 latent channels, the Wan 2.2 VAE, per-token timesteps
     (expand_timesteps) and UniPC flow_shift 5.0 as the TI2V-5B Diffusers repo has."""
     _write_wan(out, experts=1, vae_factory=_wan22_vae, channels=48, flow_shift=5.0, expand_timesteps=True)
-
-
-def write_clips_dataset(out: Path, count: int = 6, frames: int = 9, size: tuple[int, int] = (64, 64)) -> list[Path]:
-    """Animated webp clips of a coloured shape moving left to right on white ("a red circle moving right"),
-    plus two stills, each with a caption file: a toy video set for the Wan quickstarts and tests."""
-    from PIL import Image, ImageDraw
-
-    from toolkit.models.tiny_diffusion import _COLOURS, _SHAPES
-
-    out.mkdir(parents=True, exist_ok=True)
-    w, h = size
-    side = min(w, h) * 0.4
-    written = []
-    pairs = [(c, s) for c in _COLOURS for s in _SHAPES][:count + 2]
-    for n, (colour, shape) in enumerate(pairs):
-        still = n >= count
-        images = []
-        for f in range(1 if still else frames):
-            image = Image.new("RGB", (w, h), (255, 255, 255))
-            x0 = (w - side) / 2 if still else f * (w - side) / (frames - 1)
-            y0 = (h - side) / 2
-            box = (x0, y0, x0 + side, y0 + side)
-            draw = ImageDraw.Draw(image)
-            if shape == "circle":
-                draw.ellipse(box, fill=_COLOURS[colour])
-            elif shape == "square":
-                draw.rectangle(box, fill=_COLOURS[colour])
-            else:
-                draw.polygon([(x0 + side / 2, y0), (x0, y0 + side), (x0 + side, y0 + side)], fill=_COLOURS[colour])
-            images.append(image)
-        name = f"{colour}_{shape}"
-        if still:
-            path = out / f"{name}.png"
-            images[0].save(path)
-            caption = f"a {colour} {shape} on a white background"
-        else:
-            path = out / f"{name}.webp"
-            images[0].save(path, save_all=True, append_images=images[1:], duration=62, loop=0, lossless=True)
-            caption = f"a {colour} {shape} moving right on a white background"
-        path.with_suffix(".txt").write_text(caption + "\n")
-        written.append(path)
-    return written

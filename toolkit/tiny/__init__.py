@@ -1,0 +1,65 @@
+"""Tiny, deterministic random models written in the real Hugging Face layout.
+
+Tests and the quickstart configs use `model.name_or_path: tiny:<kind>`: the first use writes the
+model into the cache folder (TOOLKIT_CACHE, default ~/.cache/lora-toolkit) and everything then
+loads it through the same `from_pretrained` path as a Hub id. Nothing is downloaded.
+
+    python -m toolkit.tiny llm /tmp/tiny-llm     # write one to a folder of your choice
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+# Bump when a writer changes, so caches of older tiny models are not reused.
+TINY_VERSION = "1"
+
+
+# kind -> "module:function", imported on use (an LLM test never imports diffusers).
+TINY_WRITERS: dict[str, str] = {
+    "llm": "toolkit.tiny.llm:write_tiny_llm",
+    "sd": "toolkit.tiny.diffusion:write_tiny_sd",
+    "sd-v": "toolkit.tiny.diffusion:write_tiny_sd_v",
+    "sdxl": "toolkit.tiny.diffusion:write_tiny_sdxl",
+    "flux": "toolkit.tiny.flow:write_tiny_flux",
+    "sd3": "toolkit.tiny.flow:write_tiny_sd3",
+    "wan21": "toolkit.tiny.flow:write_tiny_wan21",
+    "wan22": "toolkit.tiny.flow:write_tiny_wan22",
+    "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b",
+}
+
+
+def tiny_writer(kind: str) -> Callable[[Path], None]:
+    module_name, function = TINY_WRITERS[kind].split(":")
+    return getattr(importlib.import_module(module_name), function)
+
+
+def write_tiny(kind: str, out: Path) -> Path:
+    """Write tiny model `kind` into `out` atomically (a temporary folder renamed into place)."""
+    if kind not in TINY_WRITERS:
+        from toolkit.errors import UserError
+        raise UserError(f"unknown tiny model 'tiny:{kind}'; available: {', '.join('tiny:' + k for k in TINY_WRITERS)}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        # Writers seed torch; a run that writes its tiny model must not have its own RNG streams reset.
+        with torch.random.fork_rng(devices=[]):
+            tiny_writer(kind)(tmp)
+        (tmp / "tiny_model.json").write_text(json.dumps({"kind": kind, "version": TINY_VERSION}) + "\n")
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "tiny_model.json").exists():  # another process did not win the race: a real error
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

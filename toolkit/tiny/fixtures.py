@@ -1,0 +1,75 @@
+"""Toy training data for tests and quickstarts: coloured shapes on white, with matching captions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 30)}
+SHAPES = ("circle", "square", "triangle")
+
+
+def _draw_shape(image, shape: str, colour: str, x0: float, y0: float, side: float) -> None:
+    from PIL import ImageDraw
+
+    draw, fill = ImageDraw.Draw(image), COLOURS[colour]
+    if shape == "circle":
+        draw.ellipse((x0, y0, x0 + side, y0 + side), fill=fill)
+    elif shape == "square":
+        draw.rectangle((x0, y0, x0 + side, y0 + side), fill=fill)
+    else:
+        draw.polygon([(x0 + side / 2, y0), (x0, y0 + side), (x0 + side, y0 + side)], fill=fill)
+
+
+def _pairs(count: int) -> list[tuple[str, str]]:
+    return [(c, s) for c in COLOURS for s in SHAPES][:count]
+
+
+def write_shapes_dataset(out: Path, sizes: tuple[tuple[int, int], ...] = ((64, 64), (128, 64)),
+                         count: int = 12) -> list[Path]:
+    """Coloured shapes on white with matching captions ("a red circle on a white background"): the first
+    `count` colour/shape pairs, each at every size."""
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for colour, shape in _pairs(count):
+        for w, h in sizes:
+            image = Image.new("RGB", (w, h), (255, 255, 255))
+            side = min(w, h) * 0.6
+            _draw_shape(image, shape, colour, (w - side) / 2, (h - side) / 2, side)
+            name = f"{colour}_{shape}_{w}x{h}"
+            image.save(out / f"{name}.png")
+            (out / f"{name}.txt").write_text(f"a {colour} {shape} on a white background\n")
+            written.append(out / f"{name}.png")
+    return written
+
+
+def write_clips_dataset(out: Path, count: int = 6, frames: int = 9, size: tuple[int, int] = (64, 64)) -> list[Path]:
+    """Animated webp clips of a coloured shape moving left to right on white ("a red circle moving right"),
+    plus two stills, each with a caption file: the toy video set in configs/examples/data/clips."""
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    w, h = size
+    side = min(w, h) * 0.4
+    written = []
+    for n, (colour, shape) in enumerate(_pairs(count + 2)):
+        still = n >= count
+        images = []
+        for f in range(1 if still else frames):
+            image = Image.new("RGB", (w, h), (255, 255, 255))
+            x0 = (w - side) / 2 if still else f * (w - side) / (frames - 1)
+            _draw_shape(image, shape, colour, x0, (h - side) / 2, side)
+            images.append(image)
+        name = f"{colour}_{shape}"
+        if still:
+            path = out / f"{name}.png"
+            images[0].save(path)
+            caption = f"a {colour} {shape} on a white background"
+        else:
+            path = out / f"{name}.webp"
+            images[0].save(path, save_all=True, append_images=images[1:], duration=62, loop=0, lossless=True)
+            caption = f"a {colour} {shape} moving right on a white background"
+        path.with_suffix(".txt").write_text(caption + "\n")
+        written.append(path)
+    return written
