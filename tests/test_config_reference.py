@@ -9,7 +9,8 @@ import sys
 from conftest import REPO
 from toolkit.config.reference import (DOC_PATH, END_MARKER, START_MARKER, render_reference, stale_files,
                                       write_reference)
-from toolkit.config.schema import DATA_SCHEMAS, RunConfig
+from toolkit.config.families import FAMILY_SPECS
+from toolkit.config.schema import RunConfig
 
 
 def test_committed_reference_is_current():
@@ -27,7 +28,7 @@ def test_check_flag_through_the_module_entry_point():
 def test_every_field_has_a_documented_row():
     text = render_reference()
     sections = {f.name: f.default_factory().__class__ for f in dataclasses.fields(RunConfig) if f.name != "data"}
-    schemas = [(name, schema) for name, schema in sections.items()] + [("data", s) for s in set(DATA_SCHEMAS.values())]
+    schemas = [(name, schema) for name, schema in sections.items()] + [("data", s) for s in {spec.data_schema for spec in FAMILY_SPECS.values()}]
     for prefix, schema in schemas:
         for f in dataclasses.fields(schema):
             assert f.metadata.get("doc"), f"{prefix}.{f.name} has no doc"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from toolkit.config.schema import ImageDataSection
+from toolkit.config.data_schemas import ImageDataSection
 from toolkit.data.images import DiffusionDataset, caption_rules, load_pixels, scan_images
 from toolkit.errors import UserError
 from toolkit.tiny.fixtures import write_shapes_dataset

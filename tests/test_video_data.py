@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
-from toolkit.config.schema import VideoDataSection
+from toolkit.config.data_schemas import VideoDataSection
 from toolkit.data.video import (H264_ENCODERS, check_num_frames, clip_frames, frame_indices, load_clip, scan_clips,
                                 write_video)
 from toolkit.errors import UserError

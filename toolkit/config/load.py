@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config.layers import Layer, peek
-from toolkit.config.schema import DATA_SCHEMAS, RunConfig
+from toolkit.config.families import FAMILY_SPECS
+from toolkit.config.schema import RunConfig
 from toolkit.errors import ConfigError
 
 DEFAULTS_LABEL = "default"
@@ -33,7 +34,7 @@ class LoadedConfig:
 def schema_for(family: str | None) -> DictConfig:
     """The structured config for a family: RunConfig with the family's data section."""
     cfg = OmegaConf.structured(RunConfig)
-    data_schema = DATA_SCHEMAS.get(family) if family else None
+    data_schema = FAMILY_SPECS[family].data_schema if family in FAMILY_SPECS else None
     if data_schema is not None:
         cfg.data = OmegaConf.structured(data_schema)
     else:
@@ -174,7 +175,7 @@ def merge_layers(layers: list[Layer]) -> LoadedConfig:
     """Merge layers over the schema defaults and validate; raises ConfigError with every problem."""
     problems: list[str] = []
     family = peek(layers, "model.family")
-    if family not in DATA_SCHEMAS:
+    if family not in FAMILY_SPECS:
         family = None  # reported by the choices check on model.family
     cfg = schema_for(family)
     sources: dict[str, str] = {}

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from toolkit.config.schema import DATA_SCHEMAS, RunConfig
+from toolkit.config.families import FAMILY_SPECS
+from toolkit.config.schema import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DOC_PATH = Path("docs/config-reference.md")
@@ -92,7 +93,7 @@ def _sections(level: int) -> list[str]:
             lines += [f"{heading} data", "",
                       "The `data` section's keys depend on `model.family`.", ""]
             families_by_schema: dict[type, list[str]] = {}
-            for family, schema in DATA_SCHEMAS.items():
+            for family, schema in ((f, spec.data_schema) for f, spec in FAMILY_SPECS.items()):
                 families_by_schema.setdefault(schema, []).append(family)
             for schema, families in families_by_schema.items():
                 lines += [f"{heading}# data for model.family: {', '.join(families)}", ""]

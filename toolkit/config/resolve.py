@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from toolkit.config.schema import AUTO_BATCH_SIZE_CAP, AUTO_TIMESTEP_SAMPLING
+from toolkit.config.families import family_spec
 from toolkit.device.detect import DeviceInfo
 from toolkit.config.presets import Preset
 from toolkit.errors import ConfigError
@@ -50,7 +50,7 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         decisions.append(Decision("model.dtype", cfg.model.dtype, "frozen base weights follow train.precision"))
     if cfg.train.batch_size == "auto":
         size, why = preset.batch_size_for(device.memory_gb)
-        cap = AUTO_BATCH_SIZE_CAP.get(cfg.model.family)
+        cap = family_spec(cfg.model.family).batch_cap
         if cap is not None and size > cap:
             size, why = cap, f"{why}, capped at {cap} for {cfg.model.family} (large samples)"
         cfg.train.batch_size = size
@@ -63,7 +63,7 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
     elif not isinstance(cfg.train.gradient_checkpointing, bool):
         problems.append(f"'train.gradient_checkpointing' must be true, false or auto, got {cfg.train.gradient_checkpointing!r}")
     if cfg.train.timestep_sampling == "auto":
-        sampling = AUTO_TIMESTEP_SAMPLING.get(cfg.model.family, "logit_normal")
+        sampling = family_spec(cfg.model.family).timestep_sampling or "uniform"
         cfg.train.timestep_sampling = sampling
         decisions.append(Decision("train.timestep_sampling", sampling, f"the {cfg.model.family} family's usual"))
     if cfg.model.attention == "auto":

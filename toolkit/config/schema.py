@@ -2,36 +2,20 @@
 
 Every field carries a one-line `doc` (shown by `validate` and in the generated reference) and,
 where the value is one of a fixed set, its `choices`. Unknown keys and wrong types are errors.
-The `data` section's shape depends on `model.family` (see DATA_SCHEMAS).
+The `data` section's shape depends on `model.family` (its FamilySpec's data_schema, config/families.py).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Union
 
 from omegaconf import MISSING
 
-
-def opt(default: Any, doc: str, choices: tuple | None = None, minimum: float | None = None) -> Any:
-    """A schema field with its documentation and optional allowed values / lower bound."""
-    meta = {"doc": doc}
-    if choices is not None:
-        meta["choices"] = tuple(choices)
-    if minimum is not None:
-        meta["min"] = minimum
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
-    return field(default=default, metadata=meta)
+from toolkit.config.families import FAMILIES, FAMILY_SPECS
+from toolkit.config.fields import opt
 
 
-FAMILIES = ("llm", "sd", "sdxl", "flux", "sd3", "wan21", "wan22")
-# train.batch_size=auto never exceeds these for the large diffusion families, whatever the preset's memory table
-# says: their samples are far larger than an LLM sequence or an SD image (a Wan clip is 33-81 frames).
-AUTO_BATCH_SIZE_CAP = {"flux": 2, "sd3": 4, "wan21": 1, "wan22": 1}
-# train.timestep_sampling=auto: DDPM families draw timesteps uniformly, flow-matching ones logit-normal sigmas.
-AUTO_TIMESTEP_SAMPLING = {"sd": "uniform", "sdxl": "uniform"}
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
@@ -59,7 +43,8 @@ class DeviceSection:
 
 @dataclass
 class ModelSection:
-    family: str = opt(MISSING, "Model family: llm, sd, sdxl, flux, sd3, wan21, wan22.", choices=FAMILIES)
+    family: str = opt(MISSING, "Model family: " + "; ".join(f"{s.name} ({s.description})" for s in FAMILY_SPECS.values())
+                      + ".", choices=FAMILIES)
     name_or_path: str = opt(MISSING, "Hub id or local folder loaded with from_pretrained; tiny:<family> for a tiny test model.")
     revision: Optional[str] = opt(None, "Hub revision (branch, tag or commit) of name_or_path.")
     dtype: str = opt("auto", "dtype of the frozen base weights; auto follows train.precision.", choices=PRECISIONS)
@@ -83,55 +68,6 @@ class NetworkSection:
     dropout: float = opt(0.0, "Dropout on the LoRA input.", minimum=0.0)
     rslora: bool = opt(False, "Rank-stabilised LoRA scaling (alpha/sqrt(rank)).")
     target_modules: Any = opt("auto", "Modules to adapt: auto (the family's default), all-linear, or a list of module names.")
-
-
-@dataclass
-class TextDataSection:
-    path: str = opt(MISSING, "Training data: a .jsonl, .json, .parquet or .txt file.")
-    format: str = opt("auto", "Sample format: auto (detect from the fields), text, alpaca or chat.",
-                      choices=("auto", "text", "alpaca", "chat"))
-    text_field: str = opt("text", "Field holding the text for the text format.")
-    max_seq_len: int = opt(512, "Tokens per sequence; longer samples are truncated.", minimum=8)
-    packing: bool = opt(False, "Pack several samples into each sequence (no attention across samples).")
-    train_on_prompt: bool = opt(False, "Also compute the loss on prompt/user tokens (alpaca, chat).")
-    eval_path: Optional[str] = opt(None, "Held-out data file for eval loss; else eval_fraction of path is held out.")
-    eval_fraction: float = opt(0.0, "Fraction of the training samples held out for eval when eval_path is unset.",
-                               minimum=0.0)
-
-
-@dataclass
-class ImageDataSection:
-    path: str = opt(MISSING, "Folder of images with same-name .txt captions (or a metadata.jsonl).")
-    resolution: int = opt(512, "Training resolution (the side of a square of the same area).", minimum=64)
-    caption_ext: str = opt(".txt", "Caption file extension.")
-    default_caption: str = opt("", "Caption for images that have none.")
-    trigger_word: Optional[str] = opt(None, "Replaces [trigger] in captions and prompts; prepended when missing.")
-    caption_dropout: float = opt(0.0, "Probability of training on an empty caption.", minimum=0.0)
-    shuffle_tags: bool = opt(False, "Shuffle comma-separated tags (after keep_tokens).")
-    keep_tokens: int = opt(0, "Leading tags kept in place when shuffle_tags is on.", minimum=0)
-    cache_latents: bool = opt(True, "Cache VAE latents to disk.")
-    cache_text_embeddings: bool = opt(True, "Cache text-encoder outputs to disk (not with shuffle_tags, caption_dropout "
-                                      "or train.train_text_encoder: those compute them every step).")
-    bucket_step: int = opt(64, "Aspect-ratio buckets: sides are multiples of this many pixels.", minimum=8)
-    min_bucket_side: int = opt(0, "Smallest bucket side in pixels; 0 means bucket_step.", minimum=0)
-    max_bucket_side: int = opt(0, "Largest bucket side in pixels; 0 means 2 x resolution.", minimum=0)
-
-
-@dataclass
-class VideoDataSection(ImageDataSection):
-    num_frames: int = opt(17, "Frames per clip (4k+1: 1, 5, 9, ... 81), taken evenly from each video; shorter "
-                          "clips train on the largest 4k+1 they have; images are 1-frame clips.", minimum=1)
-
-
-DATA_SCHEMAS: dict[str, type] = {
-    "llm": TextDataSection,
-    "sd": ImageDataSection,
-    "sdxl": ImageDataSection,
-    "flux": ImageDataSection,
-    "sd3": ImageDataSection,
-    "wan21": VideoDataSection,
-    "wan22": VideoDataSection,
-}
 
 
 @dataclass
@@ -219,7 +155,7 @@ class RunConfig:
     device: DeviceSection = field(default_factory=DeviceSection)
     model: ModelSection = field(default_factory=ModelSection)
     network: NetworkSection = field(default_factory=NetworkSection)
-    data: Any = None  # replaced by DATA_SCHEMAS[model.family] when the config is loaded
+    data: Any = None  # replaced by the family's data_schema when the config is loaded
     train: TrainSection = field(default_factory=TrainSection)
     save: SaveSection = field(default_factory=SaveSection)
     sample: SampleSection = field(default_factory=SampleSection)

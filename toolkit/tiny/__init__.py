@@ -18,22 +18,10 @@ from typing import Callable
 
 import torch
 
+from toolkit.config.families import TINY_WRITERS
+
 # Bump when a writer changes, so caches of older tiny models are not reused.
 TINY_VERSION = "1"
-
-
-# kind -> "module:function", imported on use (an LLM test never imports diffusers).
-TINY_WRITERS: dict[str, str] = {
-    "llm": "toolkit.tiny.llm:write_tiny_llm",
-    "sd": "toolkit.tiny.diffusion:write_tiny_sd",
-    "sd-v": "toolkit.tiny.diffusion:write_tiny_sd_v",
-    "sdxl": "toolkit.tiny.diffusion:write_tiny_sdxl",
-    "flux": "toolkit.tiny.flow:write_tiny_flux",
-    "sd3": "toolkit.tiny.flow:write_tiny_sd3",
-    "wan21": "toolkit.tiny.flow:write_tiny_wan21",
-    "wan22": "toolkit.tiny.flow:write_tiny_wan22",
-    "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b",
-}
 
 
 def tiny_writer(kind: str) -> Callable[[Path], None]:

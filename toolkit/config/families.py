@@ -1,0 +1,87 @@
+"""The one family table: what config loading, the trainer and the tiny writers know about each model family.
+
+Pure data (no torch, no diffusers), so the config can be checked before anything heavy is imported. The
+adapter class named by `adapter` holds the family's code; everything else that used to be a string-keyed
+table elsewhere (the family list, the data schema, auto batch caps, timestep sampling, save formats, tiny
+models, which family-scoped settings apply) is read from here.
+
+Adding a family: one FamilySpec below, one adapter file, one tiny writer, an example config and a test
+parametrisation (docs/ARCHITECTURE.md, "Adding a family").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.config.data_schemas import ImageDataSection, TextDataSection, VideoDataSection
+
+# Settings that only some families read. A family's spec lists the ones it reads (`settings`); a value set for
+# a family that does not read it is a config error, and the resolved config of a run shows only its own.
+LLM_SETTINGS = frozenset({"model.attention", "model.trust_remote_code", "model.quantize", "model.quantize_backend",
+                          "sample.max_new_tokens", "sample.temperature"})
+DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.timestep_sampling", "train.logit_mean",
+                                "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",
+                                "sample.width", "sample.height"})
+DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_offset", "train.min_snr_gamma",
+                                      "sample.negative_prompt"}
+FLOW_SETTINGS = DIFFUSION_SETTINGS | {"train.flow_shift", "model.quantize", "model.quantize_backend"}
+VIDEO_SETTINGS = FLOW_SETTINGS | {"sample.negative_prompt", "sample.num_frames", "sample.fps"}
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    adapter: str                        # "module:Class", imported only when the family trains
+    data_schema: type                   # the `data` section's dataclass
+    settings: frozenset[str]            # family-scoped settings this family reads
+    description: str
+    timestep_sampling: str | None = None   # train.timestep_sampling=auto resolves to this
+    batch_cap: int | None = None        # train.batch_size=auto never exceeds this (large samples)
+    save_formats: tuple[str, ...] = ()  # save.format values besides auto (the first is what auto writes)
+    tiny: dict[str, str] = field(default_factory=dict)  # tiny:<kind> -> "module:function" writing it
+    cudnn_sdpa: bool = True             # device.cudnn_sdpa=auto: PyTorch SDPA's cuDNN backend on CUDA
+
+
+FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
+    FamilySpec("llm", "toolkit.models.llm:LLMAdapter", TextDataSection, LLM_SETTINGS,
+               "any transformers causal LM", save_formats=("peft",),
+               tiny={"llm": "toolkit.tiny.llm:write_tiny_llm"}),
+    FamilySpec("sd", "toolkit.models.diffusion_sd:StableDiffusionAdapter", ImageDataSection, DDPM_SETTINGS,
+               "Stable Diffusion 1.x/2.x", timestep_sampling="uniform",
+               save_formats=("diffusers", "kohya", "comfyui"),
+               tiny={"sd": "toolkit.tiny.diffusion:write_tiny_sd", "sd-v": "toolkit.tiny.diffusion:write_tiny_sd_v"}),
+    FamilySpec("sdxl", "toolkit.models.diffusion_sd:StableDiffusionXLAdapter", ImageDataSection, DDPM_SETTINGS,
+               "Stable Diffusion XL", timestep_sampling="uniform", save_formats=("diffusers", "kohya", "comfyui"),
+               tiny={"sdxl": "toolkit.tiny.diffusion:write_tiny_sdxl"}),
+    FamilySpec("flux", "toolkit.models.diffusion_flow:FluxAdapter", ImageDataSection,
+               FLOW_SETTINGS | {"train.guidance"}, "Flux.1 dev/schnell", timestep_sampling="logit_normal",
+               batch_cap=2, save_formats=("diffusers", "comfyui"),
+               tiny={"flux": "toolkit.tiny.flow:write_tiny_flux"},
+               cudnn_sdpa=False),  # PyTorch's cuDNN SDPA crashed on Flux shapes (cuDNN 9.19)
+    FamilySpec("sd3", "toolkit.models.diffusion_flow:SD3Adapter", ImageDataSection,
+               FLOW_SETTINGS | {"sample.negative_prompt"}, "Stable Diffusion 3 / 3.5",
+               timestep_sampling="logit_normal", batch_cap=4, save_formats=("diffusers", "comfyui"),
+               tiny={"sd3": "toolkit.tiny.flow:write_tiny_sd3"}),
+    FamilySpec("wan21", "toolkit.models.diffusion_wan:WanAdapter", VideoDataSection, VIDEO_SETTINGS,
+               "Wan 2.1 text-to-video", timestep_sampling="logit_normal", batch_cap=1,
+               save_formats=("diffusers", "comfyui"), tiny={"wan21": "toolkit.tiny.flow:write_tiny_wan21"}),
+    FamilySpec("wan22", "toolkit.models.diffusion_wan:Wan22Adapter", VideoDataSection,
+               VIDEO_SETTINGS | {"train.experts", "train.expert_switch_every", "model.expert_offload"},
+               "Wan 2.2 A14B (two experts) and TI2V-5B", timestep_sampling="logit_normal", batch_cap=1,
+               save_formats=("diffusers", "comfyui"),
+               tiny={"wan22": "toolkit.tiny.flow:write_tiny_wan22", "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b"}),
+)}
+
+FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
+FAMILY_SCOPED_SETTINGS: frozenset[str] = frozenset().union(*(spec.settings for spec in FAMILY_SPECS.values()))
+TINY_WRITERS: dict[str, str] = {kind: where for spec in FAMILY_SPECS.values() for kind, where in spec.tiny.items()}
+
+
+def family_spec(name: str) -> FamilySpec:
+    """The spec of `name`; model.family's choices check reports unknown names before this is reached."""
+    return FAMILY_SPECS[name]
+
+
+def applies_to(key: str, family: str) -> bool:
+    """Whether dotted setting `key` does something for `family` (every shared setting does)."""
+    return key not in FAMILY_SCOPED_SETTINGS or key in FAMILY_SPECS[family].settings
