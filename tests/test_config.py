@@ -128,3 +128,82 @@ def test_cli_validate_prints_sources(tmp_path, base_yaml):
     assert "# preset cpu" in lines["train.optimizer_backend"]
     assert "# auto: frozen base weights follow train.precision" in lines["model.dtype"]
     assert lines["run.output_dir"].split("=", 1)[1].split("#")[0].strip() == "outputs/t"
+
+
+def flux_yaml(tmp_path: Path, extra: str = "") -> Path:
+    return write(tmp_path / "my.yaml", "model:\n  family: flux\n  name_or_path: tiny:flux\ndata:\n  path: imgs\n"
+                 "train:\n  steps: 10\n" + extra)
+
+
+def test_a_family_setting_another_family_reads_is_an_error(tmp_path):
+    cfg = flux_yaml(tmp_path, "  noise_offset: 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_run([cfg], ["sample.max_new_tokens=32", "train.lrr=1"], device=CPU)
+    assert info.value.problems == [
+        "unknown key 'train.lrr' in command line; did you mean 'train.lr'?",
+        "'sample.max_new_tokens' in command line has no effect for model.family flux; remove it (it applies to: llm)",
+        f"'train.noise_offset' in {cfg}:8 has no effect for model.family flux; remove it (it applies to: sd, sdxl)",
+    ]
+    # The same key where the family reads it, and at its default where it does not, both pass.
+    assert load_run([cfg], ["model.family=sd"], device=CPU).cfg.train.noise_offset == pytest.approx(0.1)
+    assert load_run([flux_yaml(tmp_path, "  noise_offset: 0\n")], [], device=CPU).cfg.model.family == "flux"
+
+
+def test_a_preset_setting_that_does_not_apply_is_no_error(base_yaml):
+    from toolkit.device.detect import DeviceInfo
+
+    # The HIP presets turn device.vae_encode_cudnn off for every family; an llm run does not read it.
+    gfx1100 = DeviceInfo("hip", "gfx1100", "RX 7900 XTX", 24.0, bf16=True)
+    run = load_run([base_yaml], [], device=gfx1100)
+    assert run.sources["device.vae_encode_cudnn"].startswith("preset gfx1100")
+    assert run.cfg.device.vae_encode_cudnn is False
+    with pytest.raises(ConfigError, match=r"'device.vae_encode_cudnn' in command line has no effect for "
+                                          r"model.family llm; remove it \(it applies to: sd, sdxl, flux, sd3, wan21, wan22\)"):
+        load_run([base_yaml], ["device.vae_encode_cudnn=false"], device=gfx1100)
+
+
+def test_resolved_config_holds_only_the_family_settings(tmp_path, base_yaml):
+    from toolkit.config.families import FAMILY_SCOPED_SETTINGS, applies_to
+    from toolkit.config.load import flatten, resolved_container
+
+    for run, family in ((load_run([base_yaml], [], device=CPU), "llm"), (load_run([flux_yaml(tmp_path)], [], device=CPU), "flux")):
+        keys = dict(flatten(resolved_container(run.cfg)))
+        scoped = {k for k in keys if k in FAMILY_SCOPED_SETTINGS}
+        assert scoped == {k for k in FAMILY_SCOPED_SETTINGS if applies_to(k, family)}
+    assert "train.guidance" in keys and "train.noise_offset" not in keys and "sample.max_new_tokens" not in keys
+    assert keys["train.timestep_sampling"] == "logit_normal" and "model.attention" not in keys
+
+
+def test_cli_validate_shows_only_the_family_settings(tmp_path):
+    proc = run_toolkit("validate", flux_yaml(tmp_path), "device.backend=cpu", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    keys = {line.split("=")[0].strip() for line in proc.stdout.splitlines() if " = " in line}
+    assert {"train.guidance", "train.flow_shift", "sample.guidance_scale", "device.vae_encode_cudnn"} <= keys
+    assert not keys & {"train.noise_offset", "train.experts", "sample.max_new_tokens", "model.trust_remote_code"}
+
+
+def test_an_older_run_folder_with_every_family_setting_resumes(tmp_path):
+    """Older toolkits wrote every setting into a checkpoint's config.yaml; those of other families are ignored."""
+    import copy
+
+    import yaml
+
+    from toolkit.config.load import resolved_container
+    from toolkit.train.checkpoint import Checkpoint
+    from toolkit.train.resume import check_resume_config
+
+    current = resolved_container(load_run([flux_yaml(tmp_path)], [], device=CPU).cfg)
+    saved = copy.deepcopy(current)
+    saved["train"].update(noise_offset=0.0, min_snr_gamma=0.0, experts="both")
+    saved["sample"].update(max_new_tokens=64, temperature=0.0)
+    saved["model"].update(trust_remote_code=False, attention="sdpa")
+    folder = tmp_path / "step-000010"
+    folder.mkdir()
+    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
+    notices: list[str] = []
+    check_resume_config(Checkpoint(folder, 10, {}), current, notices.append)
+    assert notices == []
+    saved["train"]["guidance"] = 3.0  # a flux setting still counts
+    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(UserError, match=r"train.guidance: 3.0 in the checkpoint, 1.0 now"):
+        check_resume_config(Checkpoint(folder, 10, {}), current, notices.append)

@@ -18,6 +18,7 @@ class Layer:
     label: str                      # shown to users: "my.yaml", "preset gfx1151", "command line"
     data: dict
     lines: dict[str, int] = field(default_factory=dict)  # dotted key -> line number in the file
+    preset: bool = False            # an arch preset: it sets keys for every family, so none is an error
 
     def where(self, key: str) -> str:
         line = self.lines.get(key)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config.layers import Layer, peek
-from toolkit.config.families import FAMILY_SPECS
+from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS, applies_to
 from toolkit.config.schema import RunConfig
 from toolkit.errors import ConfigError
 
@@ -29,6 +29,11 @@ class LoadedConfig:
     cfg: DictConfig
     sources: dict[str, str]                 # dotted key -> layer label (with line) that set it
     layers: list[Layer] = field(default_factory=list)
+
+
+def schema_defaults(family: str | None) -> dict[str, Any]:
+    """Dotted key -> default value of the schema for `family` (interpolations left as written)."""
+    return dict(flatten(OmegaConf.to_container(schema_for(family), resolve=False)))
 
 
 def schema_for(family: str | None) -> DictConfig:
@@ -81,8 +86,10 @@ def _is_section(node: Any) -> bool:
     return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
 
 
-def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problems: list[str]) -> None:
-    """Merge one layer into cfg key by key, so every bad key is reported, not just the first."""
+def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problems: list[str]) -> list[str]:
+    """Merge one layer into cfg key by key, so every bad key is reported, not just the first; returns the
+    dotted keys it set."""
+    applied: list[str] = []
 
     def walk(node: DictConfig, data: dict, prefix: str) -> None:
         for key, value in data.items():
@@ -109,8 +116,10 @@ def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problem
                                 + ("" if expected else f" ({str(err).splitlines()[0]})"))
                 continue
             sources[dotted] = layer.where(dotted)
+            applied.append(dotted)
 
     walk(cfg, layer.data, "")
+    return applied
 
 
 def _as_float(value: Any) -> Any:
@@ -171,6 +180,24 @@ def _check_values(cfg: DictConfig, sources: dict[str, str], problems: list[str])
             problems.append(f"'{dotted}' in {where}: {value} is below the minimum {meta['min']}")
 
 
+def _check_family_settings(cfg: DictConfig, family: str, set_by: dict[str, Layer], problems: list[str]) -> None:
+    """A family-scoped setting that a user layer changed from its default, for a family that does not read it."""
+    defaults = schema_defaults(family)
+    for key in sorted(FAMILY_SCOPED_SETTINGS):
+        layer = set_by.get(key)
+        if layer is None or layer.preset or applies_to(key, family):
+            continue
+        try:
+            value = OmegaConf.select(cfg, key, throw_on_missing=False)
+        except OmegaConfBaseException:
+            continue  # interpolation problems are reported separately
+        if value == defaults[key]:
+            continue
+        readers = ", ".join(name for name, spec in FAMILY_SPECS.items() if key in spec.settings)
+        problems.append(f"'{key}' in {layer.where(key)} has no effect for model.family {family}; remove it "
+                        f"(it applies to: {readers})")
+
+
 def merge_layers(layers: list[Layer]) -> LoadedConfig:
     """Merge layers over the schema defaults and validate; raises ConfigError with every problem."""
     problems: list[str] = []
@@ -179,11 +206,13 @@ def merge_layers(layers: list[Layer]) -> LoadedConfig:
         family = None  # reported by the choices check on model.family
     cfg = schema_for(family)
     sources: dict[str, str] = {}
+    set_by: dict[str, Layer] = {}           # dotted key -> the last layer that set it
     for layer in layers:
         if family is None and "data" in layer.data:
             # Without a family the data section has no schema yet; report the family instead.
-            layer = Layer(layer.label, {k: v for k, v in layer.data.items() if k != "data"}, layer.lines)
-        _apply_layer(cfg, layer, sources, problems)
+            layer = dataclasses.replace(layer, data={k: v for k, v in layer.data.items() if k != "data"})
+        for key in _apply_layer(cfg, layer, sources, problems):
+            set_by[key] = layer
 
     for dotted in _missing_keys(cfg):
         problems.append(f"'{dotted}' is required: set it in your YAML or on the command line ({dotted}=...)")
@@ -194,6 +223,8 @@ def merge_layers(layers: list[Layer]) -> LoadedConfig:
             key = getattr(err, "full_key", "") or "?"
             problems.append(f"'{key}' in {sources.get(key, DEFAULTS_LABEL)}: {str(err).splitlines()[0]}")
     _check_values(cfg, sources, problems)
+    if family is not None:
+        _check_family_settings(cfg, family, set_by, problems)
     if problems:
         raise ConfigError(problems)
     return LoadedConfig(cfg=cfg, sources=sources, layers=list(layers))
@@ -207,8 +238,15 @@ def load_config(user_layers: list[Layer], preset_layer_for: Callable[[list[Layer
 
 
 def resolved_container(cfg: DictConfig) -> dict:
-    """The config as plain, fully interpolated Python data."""
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    """The config as plain, fully interpolated Python data, without the settings its family does not read."""
+    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    family = container.get("model", {}).get("family")
+    if family in FAMILY_SPECS:
+        for key in FAMILY_SCOPED_SETTINGS:
+            if not applies_to(key, family):
+                section, name = key.split(".")
+                container[section].pop(name, None)
+    return container
 
 
 def flatten(data: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

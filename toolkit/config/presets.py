@@ -66,7 +66,8 @@ def _load_preset(path: Path) -> Preset:
                         else f"{path}: bad preset file: match.backend is required (cuda, hip or cpu)")
     table = {float(k): int(v) for k, v in (raw.get("batch_size_by_memory_gb") or {}).items()}
     config_layer = Layer(layer.label, raw.get("config") or {},
-                         {k[len("config."):]: v for k, v in layer.lines.items() if k.startswith("config.")})
+                         {k[len("config."):]: v for k, v in layer.lines.items() if k.startswith("config.")},
+                         preset=True)
     return Preset(name=path.stem, path=path, description=str(raw.get("description", "")),
                   backend=match["backend"], archs=list(match.get("archs") or []),
                   families=list(match.get("families") or []), generic=bool(match.get("generic", False)),

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from toolkit.config.families import family_spec
+from toolkit.config.families import applies_to, family_spec
 from toolkit.device.detect import DeviceInfo
 from toolkit.config.presets import Preset
 from toolkit.errors import ConfigError
@@ -44,15 +44,16 @@ def _precision(cfg: DictConfig, device: DeviceInfo, problems: list[str]) -> Deci
 def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[Decision]:
     """Replace auto values in place; raise ConfigError for settings this device cannot run."""
     problems: list[str] = []
+    family = cfg.model.family
     decisions = [d for d in [_precision(cfg, device, problems)] if d]
     if cfg.model.dtype == "auto":
         cfg.model.dtype = cfg.train.precision
         decisions.append(Decision("model.dtype", cfg.model.dtype, "frozen base weights follow train.precision"))
     if cfg.train.batch_size == "auto":
         size, why = preset.batch_size_for(device.memory_gb)
-        cap = family_spec(cfg.model.family).batch_cap
+        cap = family_spec(family).batch_cap
         if cap is not None and size > cap:
-            size, why = cap, f"{why}, capped at {cap} for {cfg.model.family} (large samples)"
+            size, why = cap, f"{why}, capped at {cap} for {family} (large samples)"
         cfg.train.batch_size = size
         decisions.append(Decision("train.batch_size", size, why))
     elif not isinstance(cfg.train.batch_size, int) or cfg.train.batch_size < 1:
@@ -62,11 +63,11 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         decisions.append(Decision("train.gradient_checkpointing", False, "the preset does not ask for it"))
     elif not isinstance(cfg.train.gradient_checkpointing, bool):
         problems.append(f"'train.gradient_checkpointing' must be true, false or auto, got {cfg.train.gradient_checkpointing!r}")
-    if cfg.train.timestep_sampling == "auto":
-        sampling = family_spec(cfg.model.family).timestep_sampling or "uniform"
+    if cfg.train.timestep_sampling == "auto" and applies_to("train.timestep_sampling", family):
+        sampling = family_spec(family).timestep_sampling or "uniform"
         cfg.train.timestep_sampling = sampling
-        decisions.append(Decision("train.timestep_sampling", sampling, f"the {cfg.model.family} family's usual"))
-    if cfg.model.attention == "auto":
+        decisions.append(Decision("train.timestep_sampling", sampling, f"the {family} family's usual"))
+    if cfg.model.attention == "auto" and applies_to("model.attention", family):
         cfg.model.attention = "sdpa"
         decisions.append(Decision("model.attention", "sdpa", "PyTorch scaled_dot_product_attention, the default"))
     resume = cfg.train.resume

@@ -7,7 +7,8 @@ from typing import Callable
 
 import yaml
 
-from toolkit.config.load import flatten
+from toolkit.config.families import FAMILY_SPECS, applies_to
+from toolkit.config.load import flatten, schema_defaults
 from toolkit.errors import UserError
 from toolkit.train.checkpoint import Checkpoint, find_latest_checkpoint, list_checkpoints, verify_checkpoint
 from toolkit.train.run_dir import RunDir
@@ -23,24 +24,20 @@ def is_resume_safe(key: str) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUME_SAFE_PREFIXES)
 
 
-def schema_defaults(family: str | None) -> dict:
-    """Dotted key -> default value of the schema for `family` (what a setting added since a run began means)."""
-    from omegaconf import OmegaConf
-
-    from toolkit.config.load import schema_for
-
-    return dict(flatten(OmegaConf.to_container(schema_for(family), resolve=False)))
-
-
 def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
     """(allowed notices, refused keys) between the checkpoint's config and the current one.
 
     A key the checkpoint's config lacks (a setting added to the toolkit since the run began) is accepted
-    while it keeps its default, which reproduces what the older toolkit did."""
+    while it keeps its default, which reproduces what the older toolkit did. Settings the run's family does
+    not read are ignored: older run folders wrote every family's."""
     old_flat, new_flat = dict(flatten(old)), dict(flatten(new))
-    defaults = schema_defaults(new.get("model", {}).get("family"))
+    family = new.get("model", {}).get("family")
+    defaults = schema_defaults(family)
+    keys = set(old_flat) | set(new_flat)
+    if family in FAMILY_SPECS:
+        keys = {key for key in keys if applies_to(key, family)}
     allowed, refused = [], []
-    for key in sorted(set(old_flat) | set(new_flat)):
+    for key in sorted(keys):
         before, after = old_flat.get(key), new_flat.get(key)
         if before == after:
             continue
