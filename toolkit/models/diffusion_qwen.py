@@ -1,0 +1,158 @@
+"""The `qwen_image` family (Qwen-Image, diffusers QwenImagePipeline): PEFT LoRA on the dual-stream MMDiT.
+
+DRAFT, written against the adapter contract being introduced (predict / sigma_sampler_for / encode_text on a
+FlowMatchingAdapter base); it waits for that base before it is registered in config/families.py.
+
+What differs from Flux / SD3:
+- Text: the last hidden state of Qwen2.5-VL over a chat template, the template's system prefix dropped; the
+  pipeline returns variable-length embeddings and a mask. They are padded here to `max_text_tokens` (zeros, mask
+  0), so cached items stack into a batch; predict trims the batch's common trailing padding before the forward
+  (exact: padded tokens are masked keys, and RoPE positions do not depend on the sequence length).
+- Latents: the causal-3D VAE takes and returns [B, C, frames, H, W]; an image is one frame. Latents are kept
+  as [B, 16, H/8, W/8] (the frame axis dropped), normalised per channel: (z - latents_mean) / latents_std.
+- The transformer takes 2x2-packed patches, timestep = sigma (the pipeline's t / 1000), the text mask and
+  img_shapes [(1, H/16, W/16)] per sample for its RoPE; it predicts the velocity noise - x0.
+- Sigma shift: the scheduler's dynamic exponential shift, mu linear in the number of patches (Flux's formula
+  with Qwen-Image's max_shift 0.9 at 8192 patches). shift_terminal (0.02) only stretches the inference schedule.
+- Samples: true classifier-free guidance (true_cfg_scale with a negative prompt); the transformer has no
+  guidance embedding, so sample.guidance_scale is used as true_cfg_scale.
+- ComfyUI reads the diffusers keys (`transformer.<module>.lora_A/B.weight`) for Qwen-Image directly: its
+  QwenImage model has the diffusers module names (comfy/lora.py model_lora_keys_unet, the QwenImage branch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.models.diffusion_base import target_module_list
+from toolkit.models.diffusion_flow import FlowMatchingAdapter
+from toolkit.models.flow_matching import SigmaSampler, flux_mu
+from toolkit.models.lora_export import diffusers_keys_scaled
+
+# Attention (image stream to_*, text stream add_*_proj / to_add_out) and the two streams' feed-forward layers.
+QWEN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+# ... and each block's AdaLN modulation (the Linear of nn.Sequential(SiLU, Linear), 6 * dim outputs).
+QWEN_ALL_LINEAR = QWEN_TARGETS + ["img_mod.1", "txt_mod.1"]
+
+
+def trim_text(embeds: torch.Tensor, mask: torch.Tensor | None,
+              keep_full_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drop the padding columns no sample of the batch uses. A mask with every remaining token valid becomes None
+    (attention then runs unmasked, as the pipeline does), unless `keep_full_mask` (the pipeline, given embeddings
+    without a mask, warns, and drops a full one itself)."""
+    if mask is None:
+        return embeds, None
+    used = mask.bool().any(dim=0).nonzero()
+    length = int(used.max()) + 1 if used.numel() else 1
+    embeds, mask = embeds[:, :length], mask[:, :length]
+    return embeds, (None if bool(mask.all()) and not keep_full_mask else mask)
+
+
+class QwenImageAdapter(FlowMatchingAdapter):
+    family = "qwen_image"
+    text_encoder_names = ("text_encoder",)
+    text_keys = ("prompt_embeds", "prompt_embeds_mask")
+    max_text_tokens = 512  # the pipeline's default max_sequence_length (it allows up to 1024)
+    # save.format=comfyui: ComfyUI maps `transformer.<diffusers module>` for Qwen-Image itself; the alpha/rank
+    # scale is folded into lora_A (no .alpha keys), as for Flux / SD3.
+    comfyui_keys = staticmethod(diffusers_keys_scaled)
+
+    def pipeline_class(self):
+        from diffusers import QwenImagePipeline
+
+        return QwenImagePipeline
+
+    def lora_target_modules(self) -> list[str]:
+        return target_module_list(self.cfg.network.target_modules, QWEN_TARGETS, QWEN_ALL_LINEAR)
+
+    def setup_training(self) -> None:
+        super().setup_training()
+        config = self.pipe.scheduler.config
+        self.dynamic_shift = self.cfg.train.flow_shift == "auto" and config.get("use_dynamic_shifting", False)
+        self.shift = self.configured_shift(config.get("shift", 1.0))
+        if self.pipe.transformer.config.get("guidance_embeds", False):
+            self.log("warning: this Qwen-Image transformer has guidance_embeds set; it is trained without guidance")
+
+    # -- latents ---------------------------------------------------------------------------
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, 16, H/8, W/8] normalised latents of images [B, 3, H, W] (one frame each for the 3D VAE)."""
+        latents = super().encode_pixels(pixels.unsqueeze(2) if pixels.dim() == 4 else pixels)
+        return latents[:, :, 0] if pixels.dim() == 4 else latents
+
+    def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """(z - latents_mean) / latents_std per channel: the inverse of the pipeline's decode step."""
+        config = self.pipe.vae.config
+        shape = (1, -1) + (1,) * (latents.dim() - 2)
+        mean = torch.tensor(config.latents_mean, device=latents.device, dtype=latents.dtype).view(shape)
+        std = torch.tensor(config.latents_std, device=latents.device, dtype=latents.dtype).view(shape)
+        return (latents - mean) / std
+
+    # -- text ------------------------------------------------------------------------------
+    def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """prompt_embeds [B, max_text_tokens, hidden] and prompt_embeds_mask [B, max_text_tokens] (1 = token)."""
+        n = self.max_text_tokens
+        embeds, mask = self.pipe.encode_prompt(captions, device=self.runtime.device, max_sequence_length=n)
+        b, length, _ = embeds.shape
+        if mask is None:  # the pipeline drops an all-ones mask
+            mask = torch.ones(b, length, dtype=torch.long, device=embeds.device)
+        return {"prompt_embeds": F.pad(embeds, (0, 0, 0, n - length)),
+                "prompt_embeds_mask": F.pad(mask.long(), (0, n - length))}
+
+    # -- sigmas ----------------------------------------------------------------------------
+    def sigma_sampler_for(self, latents: torch.Tensor) -> SigmaSampler:
+        """The pipeline's resolution-dependent shift: mu from the number of 2x2 latent patches."""
+        if not self.dynamic_shift:
+            return self.sigma_sampler(shift=self.shift)
+        config = self.pipe.scheduler.config
+        tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+        mu = flux_mu(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                     config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        if config.get("time_shift_type", "exponential") == "linear":  # mu / (mu + 1/t - 1): a plain shift by mu
+            return self.sigma_sampler(shift=mu)
+        return self.sigma_sampler(mu=mu)
+
+    # -- the denoiser ----------------------------------------------------------------------
+    def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, sigmas: torch.Tensor,
+                text: dict[str, torch.Tensor], batch: dict[str, Any]) -> torch.Tensor:
+        """The velocity prediction for `noisy` ([B, C, H, W], or [B, C, 1, H, W]), in its layout."""
+        from diffusers import QwenImagePipeline
+
+        frames = noisy.dim() == 5
+        x = noisy[:, :, 0] if frames else noisy
+        b, c, h, w = x.shape
+        dtype = self.component("transformer").dtype  # a trainer's wrapper (DDP) may not expose it
+        embeds, mask = trim_text(text["prompt_embeds"], text.get("prompt_embeds_mask"))
+        packed = denoiser(hidden_states=QwenImagePipeline._pack_latents(x.to(dtype), b, c, h, w),
+                          timestep=sigmas.to(dtype), encoder_hidden_states=embeds.to(dtype),
+                          encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]] * b,
+                          return_dict=False)[0]
+        scale = self.pipe.vae_scale_factor
+        pred = QwenImagePipeline._unpack_latents(packed, h * scale, w * scale, scale)  # [B, C, 1, H, W]
+        return pred if frames else pred[:, :, 0]
+
+    # -- samples ---------------------------------------------------------------------------
+    def generate(self, prompt: str, seed: int) -> list:
+        text = self.embeddings_for(prompt)
+        embeds, mask = trim_text(text["prompt_embeds"], text["prompt_embeds_mask"], keep_full_mask=True)
+        kwargs = dict(prompt_embeds=embeds, prompt_embeds_mask=mask)
+        if self.cfg.sample.guidance_scale > 1:
+            negative = self.embeddings_for(self.cfg.sample.negative_prompt)
+            neg_embeds, neg_mask = trim_text(negative["prompt_embeds"], negative["prompt_embeds_mask"],
+                                             keep_full_mask=True)
+            kwargs.update(negative_prompt_embeds=neg_embeds, negative_prompt_embeds_mask=neg_mask)
+        return self.pipeline_call(seed, **kwargs).images
+
+    def pipeline_call(self, seed: int, **kwargs) -> Any:
+        """The pipeline for one sample; sample.guidance_scale is Qwen-Image's true_cfg_scale (true CFG with the
+        negative prompt), since its transformer has no guidance embedding for guidance_scale."""
+        s = self.cfg.sample
+        width, height = self.sample_size()
+        generator = torch.Generator("cpu").manual_seed(seed)
+        with torch.no_grad():
+            return self.pipe(num_inference_steps=s.num_inference_steps, true_cfg_scale=s.guidance_scale,
+                             width=width, height=height, generator=generator,
+                             max_sequence_length=self.max_text_tokens, **kwargs)
