@@ -15,6 +15,9 @@ usage: ./start_toolkit.sh [--debug-hip] COMMAND [ARGS...]
 
 commands (passed to `python -m toolkit COMMAND`):
   train CONFIG.yaml [key=value ...]   train a LoRA (dotlist overrides win last; resumes a run folder)
+        [--gpus N|all]                one process per GPU on this node (default: one process)
+        [--nnodes M --node-rank R --master-addr HOST [--master-port PORT]]
+                                      several nodes: run it on every node, R = that node's rank
   validate CONFIG.yaml                the merged config and where each value came from
   presets                             GPU architecture presets, and which one applies here
   doctor                              backend, arch, ROCm environment, bitsandbytes, torch
@@ -30,7 +33,8 @@ environment:
   TOOLKIT_TORCH_SPEC=SPEC          what `pip install` gets for torch in a new .venv (default torch==2.13.0)
 
 The first run creates .venv in the repository and installs the toolkit; later runs reuse it.
-ROCm variables you set yourself are never overridden.
+ROCm variables you set yourself are never overridden; every training process (--gpus) inherits them.
+Several GPUs and nodes: docs/multi-gpu.md.
 EOF
 }
 
@@ -136,6 +140,9 @@ rocm_exports="$("$PY" -m toolkit.device.rocm_env "${rocm_args[@]}")" || {
     exit 1
 }
 eval "$rocm_exports"
+# These exports are in this shell's environment before the exec below, so `python -m toolkit` has them, and
+# so does every worker that `train --gpus N` starts (torch's launcher copies the parent's environment into
+# each worker's). HSA reads them when the HIP runtime starts, in each process.
 
 command="$1"
 case "$command" in

@@ -38,6 +38,13 @@ def test_help_prints_usage_and_exits_0(flag):
     assert "test [PYTEST ARGS]" in done.stdout
 
 
+def test_help_names_the_multi_process_flags():
+    done = launch("--help")
+    assert done.returncode == 0
+    for flag in ("--gpus N|all", "--nnodes", "--node-rank", "--master-addr", "--master-port", "docs/multi-gpu.md"):
+        assert flag in done.stdout
+
+
 def test_no_arguments_prints_usage_and_exits_2():
     done = launch()
     assert done.returncode == 2

@@ -13,6 +13,7 @@ from toolkit.errors import UserError
 USAGE_EXAMPLES = """examples:
   ./start_toolkit.sh train configs/examples/quickstart_llm.yaml
   ./start_toolkit.sh train my.yaml train.lr=5e-5 train.steps=4000
+  ./start_toolkit.sh train my.yaml --gpus all          # one process per visible GPU
   ./start_toolkit.sh validate my.yaml
   ./start_toolkit.sh presets
   ./start_toolkit.sh doctor
@@ -36,12 +37,26 @@ def _quiet_libraries() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from toolkit import launch
     from toolkit.config.run import load_run, split_args
-    from toolkit.train.trainer import Trainer
 
     files, overrides = split_args(args.config)
-    run = load_run(files, overrides)
-    _print_decisions(run)
+    # A worker started by --gpus (a parent like this one), torchrun or accelerate launch trains as its rank.
+    worker = launch.launched_worker()
+    main_process = os.environ.get("RANK", "0") == "0"
+    if worker and main_process and launch.launch_requested(args):
+        print(f"note: already one of {os.environ.get('WORLD_SIZE', '?')} launched processes: the launch flags "
+              "(--gpus, --nnodes, ...) are ignored", file=sys.stderr)
+    run = load_run(files, overrides)  # in a launching parent: a config error stops here, before any worker starts
+    if not worker and launch.launch_requested(args):
+        visible = 0 if run.device.backend == "cpu" else run.device.device_count
+        plan = launch.plan_from_args(args, visible, run.device.backend)
+        if plan.several:
+            return launch.launch_train(plan, args.config, fresh=args.fresh)
+    from toolkit.train.trainer import Trainer
+
+    if main_process:
+        _print_decisions(run)
     Trainer(run, fresh=args.fresh).run()
     return 0
 
@@ -109,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="YAML files (merged in order) and key=value overrides")
     train.add_argument("--fresh", action="store_true",
                        help="start over: move an existing run folder aside (it is never deleted)")
+    from toolkit.launch import add_launch_arguments
+
+    add_launch_arguments(train)
     train.set_defaults(func=cmd_train)
     validate = sub.add_parser("validate", help="print the merged config and where each value came from")
     validate.add_argument("config", nargs="+", metavar="CONFIG.yaml|key=value")

@@ -1,0 +1,301 @@
+"""Several training processes (`train --gpus N|all`, `--nnodes ...`) through torch.distributed's own launcher.
+
+The parent process validates the config once (in cli.cmd_train), then `elastic_launch` (the API behind
+`torchrun`) starts the workers: `python -u -m toolkit train <the same config arguments>`, each with
+RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set and the parent's environment (the ROCm
+variables that start_toolkit.sh exported included). There are no restarts: when one worker fails, the
+agent stops the others (SIGTERM, then SIGKILL after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) and
+the parent reports the first failed rank in one line. Workers recognise that they were launched from
+LOCAL_RANK/WORLD_SIZE, so `torchrun -m toolkit train ...` and `accelerate launch -m toolkit train ...`
+work the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from toolkit.errors import UserError
+
+DEFAULT_MULTI_NODE_PORT = 29500  # torchrun's default
+BACKENDS = {"cuda": "nccl", "hip": "nccl (RCCL)", "cpu": "gloo"}
+
+
+class WorkersFailed(Exception):
+    """A worker stopped with an error or a signal; the others were stopped. `exit_code` is for the CLI."""
+
+    def __init__(self, message: str, rank: int, world_size: int, exitcode: int):
+        super().__init__(message)
+        self.rank = rank
+        self.world_size = world_size
+        self.exitcode = exitcode      # the worker's: negative for a signal, as in subprocess
+        self.exit_code = 2 if exitcode == 2 else 1   # 2: the worker stopped on a user error
+
+
+class LaunchInterrupted(Exception):
+    """The parent got SIGINT/SIGTERM/...: every worker was stopped. `exit_code` is 128 + the signal number."""
+
+    def __init__(self, signum: int, world_size: int):
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+        super().__init__(f"interrupted ({self.signal_name}): the {world_size} processes were stopped")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Processes on this node, nodes in all, and where they meet (static rendezvous on the master's port)."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    device_backend: str = "cpu"   # "cuda", "hip" or "cpu" (from the validated run's device)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def several(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        backend = BACKENDS.get(self.device_backend, self.device_backend)
+        where = "GPU" if self.device_backend != "cpu" else "CPU"
+        procs = f"{self.nproc_per_node} {where} process{'es' if self.nproc_per_node != 1 else ''}"
+        if self.nnodes == 1:
+            text = f"launch: {procs} on this node ({backend}), rendezvous {self.master_addr}:{self.master_port}"
+        else:
+            text = (f"launch: {procs} on node {self.node_rank} of {self.nnodes} ({self.world_size} in all, {backend}), "
+                    f"rendezvous {self.master_addr}:{self.master_port}; waiting for every node to join")
+        if self.device_backend == "cpu":
+            text += "\n  note: no GPU in use (none visible, or device.backend=cpu): the processes train on the CPU"
+        return text
+
+
+def _gpus_type(value: str) -> int | str:
+    if value == "all":
+        return "all"
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes or 'all', got {value!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 process, got {count}")
+    return count
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {number}")
+    return number
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {value!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {port}")
+    return port
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The launch flags of `train`: --gpus, --nnodes, --node-rank, --master-addr, --master-port."""
+    group = parser.add_argument_group("several processes (see docs/multi-gpu.md)")
+    group.add_argument("--gpus", type=_gpus_type, default=None, metavar="N|all",
+                       help="processes on this node, one per GPU (all: every visible GPU); "
+                            "without a GPU, N CPU processes (gloo). Default: one process")
+    group.add_argument("--nnodes", type=_positive_int, default=1, metavar="M", help="nodes in all (default 1)")
+    group.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0 to M-1 (default 0)")
+    group.add_argument("--master-addr", default=None, metavar="HOST",
+                       help="address of node 0, reachable from every node (needed with --nnodes > 1)")
+    group.add_argument("--master-port", type=_port, default=None, metavar="PORT",
+                       help=f"free TCP port on node 0 (default: {DEFAULT_MULTI_NODE_PORT} across nodes, "
+                            "any free port on one node)")
+
+
+def launch_requested(args: argparse.Namespace) -> bool:
+    """Whether any launch flag asks for more than the default single process."""
+    return (getattr(args, "gpus", None) is not None or getattr(args, "nnodes", 1) > 1
+            or getattr(args, "master_addr", None) is not None or getattr(args, "master_port", None) is not None
+            or getattr(args, "node_rank", 0) != 0)
+
+
+def launched_worker(environ: dict[str, str] | None = None) -> bool:
+    """True inside a process started by torchrun, accelerate launch or this module."""
+    environ = os.environ if environ is None else environ
+    return "LOCAL_RANK" in environ or "WORLD_SIZE" in environ
+
+
+def processes_per_node(gpus: int | str | None, visible_gpus: int) -> int:
+    """`--gpus` as a process count for this node; user errors name the count and the fix."""
+    if gpus is None:
+        return 1
+    if gpus == "all":
+        if visible_gpus == 0:
+            raise UserError("--gpus all: no GPU is visible to PyTorch (or the config sets device.backend=cpu), so "
+                            "there is nothing to count\n  fix: give the number of CPU processes (e.g. --gpus 2), or "
+                            "check the GPU setup with ./start_toolkit.sh doctor")
+        return visible_gpus
+    if visible_gpus and gpus > visible_gpus:
+        raise UserError(f"--gpus {gpus}: only {visible_gpus} GPU{'s are' if visible_gpus != 1 else ' is'} visible "
+                        "(CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES limit what PyTorch sees)\n"
+                        f"  fix: --gpus {visible_gpus} or --gpus all")
+    return int(gpus)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def make_plan(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
+              master_port: int | None = None, device_backend: str = "cpu") -> LaunchPlan:
+    """Checks the multi-node flags; one node defaults to 127.0.0.1 and a free port."""
+    if not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} with --nnodes {nnodes}")
+    if nnodes > 1:
+        if not master_addr:
+            raise UserError(f"--nnodes {nnodes} needs --master-addr: the address of node 0 that every node can "
+                            f"reach (e.g. --master-addr 10.0.0.1), the same on every node")
+        port = master_port or DEFAULT_MULTI_NODE_PORT
+    else:
+        master_addr = master_addr or "127.0.0.1"
+        port = master_port or free_port()
+    return LaunchPlan(nproc_per_node, nnodes, node_rank, master_addr, port, device_backend)
+
+
+def plan_from_args(args: argparse.Namespace, visible_gpus: int, device_backend: str) -> LaunchPlan:
+    """The plan for the parsed `train` flags; `visible_gpus` is 0 when training on the CPU."""
+    nproc = processes_per_node(args.gpus, visible_gpus)
+    return make_plan(nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                     device_backend if visible_gpus else "cpu")
+
+
+def launch_config(plan: LaunchPlan, run_id: str | None = None, log_dir: str | None = None):
+    """torch's LaunchConfig for the plan: static rendezvous, no restarts."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=plan.nnodes,
+        max_nodes=plan.nnodes,
+        nproc_per_node=plan.nproc_per_node,
+        run_id=run_id or f"toolkit-{uuid.uuid4().hex[:12]}",
+        role="trainer",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
+        rdzv_configs={"rank": plan.node_rank},
+        max_restarts=0,
+        monitor_interval=0.1,
+        # Workers write to this console directly (no redirection, no prefixes): their output is live.
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )
+
+
+@contextmanager
+def _worker_environment(nproc_per_node: int) -> Iterator[None]:
+    """OMP_NUM_THREADS=1 for the workers when the user has not set it (torchrun's rule); restored afterwards."""
+    added = "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1
+    if added:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if added:
+            os.environ.pop("OMP_NUM_THREADS", None)
+
+
+@contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """The agent's own warnings (closing signals, its failure table) are left out: the parent prints one line.
+    LOGLEVEL=INFO (torchrun's variable) shows them all."""
+    if os.environ.get("LOGLEVEL"):
+        yield
+        return
+    names = [n for n in logging.root.manager.loggerDict
+             if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
+    loggers = [logging.getLogger(n) for n in names]
+    before = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, before):
+            lg.setLevel(level)
+
+
+def describe_failure(rank: int, world_size: int, exitcode: int) -> str:
+    """One line naming the failed rank and how it stopped."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        how = f"killed by {name}" + (" (often: out of memory; see dmesg)" if name == "SIGKILL" else "")
+    else:
+        how = f"exit code {exitcode}"
+    return f"rank {rank} of {world_size} stopped ({how}); the other processes were stopped (its output is above)"
+
+
+def run_workers(plan: LaunchPlan, entrypoint: str, args: Sequence[str], run_id: str | None = None) -> None:
+    """Run `entrypoint args` in plan.nproc_per_node processes on this node and wait for all of them.
+
+    Raises WorkersFailed when one fails (the others are stopped first), LaunchInterrupted when this process
+    got a termination signal (the workers get it too, then SIGTERM and SIGKILL)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    log_dir = tempfile.mkdtemp(prefix="toolkit-launch-")
+    try:
+        config = launch_config(plan, run_id=run_id, log_dir=log_dir)
+        with _worker_environment(plan.nproc_per_node), _quiet_agent():
+            try:
+                elastic_launch(config, entrypoint)(*args)
+            except ChildFailedError as err:
+                rank, failure = err.get_first_failure()
+                raise WorkersFailed(describe_failure(rank, plan.world_size, failure.exitcode), rank,
+                                    plan.world_size, failure.exitcode) from None
+            except SignalException as err:
+                raise LaunchInterrupted(int(err.sigval), plan.world_size) from None
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def train_worker_args(config_args: Sequence[str], fresh: bool = False) -> list[str]:
+    """The workers' command line after the interpreter: the same config arguments, no launch flags."""
+    return ["-u", "-m", "toolkit", "train", *config_args, *(["--fresh"] if fresh else [])]
+
+
+def launch_train(plan: LaunchPlan, config_args: Sequence[str], fresh: bool = False) -> int:
+    """`train` in every process of the plan; prints the outcome's one line and returns the exit code."""
+    print(plan.describe(), file=sys.stderr, flush=True)
+    try:
+        run_workers(plan, sys.executable, train_worker_args(config_args, fresh))
+    except WorkersFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except LaunchInterrupted as err:
+        print(str(err), file=sys.stderr)
+        return err.exit_code
+    return 0
