@@ -207,3 +207,16 @@ def test_an_older_run_folder_with_every_family_setting_resumes(tmp_path):
     (folder / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(UserError, match=r"train.guidance: 3.0 in the checkpoint, 1.0 now"):
         check_resume_config(Checkpoint(folder, 10, {}), current, notices.append)
+
+
+def test_resume_safe_settings_come_from_the_schema():
+    from toolkit.train.resume import RESUME_SAFE_KEYS, is_resume_safe
+
+    assert {k for k in RESUME_SAFE_KEYS if not k.startswith(("device.", "sample.", "log."))} == {
+        "run.name", "run.output_dir", "save.every", "save.keep_last", "save.dtype", "save.format", "train.steps",
+        "train.resume", "train.max_nan_steps", "train.eval_every", "train.optimizer_backend",
+        "train.gradient_checkpointing", "model.attention"}
+    assert {"device.preset", "device.distributed", "device.timeout_minutes", "sample.prompts", "log.wandb"} <= RESUME_SAFE_KEYS
+    assert not any(is_resume_safe(k) for k in ("train.lr", "train.optimizer", "train.optimizer_args.d_coef",
+                                               "network.rank", "data.path", "model.name_or_path", "run.seed"))
+    assert is_resume_safe("device.a_setting_since_dropped") and not is_resume_safe("train.a_setting_since_dropped")

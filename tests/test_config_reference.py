@@ -59,3 +59,9 @@ def test_readme_section_is_replaced_between_markers_only(tmp_path):
     (plain / "README.md").write_text("no markers here\n", encoding="utf-8")
     assert write_reference(plain) == [plain / DOC_PATH]
     assert (plain / "README.md").read_text(encoding="utf-8") == "no markers here\n"
+
+
+def test_resume_safe_fields_say_so():
+    text = render_reference()
+    assert "| `train.steps` | int | `1000` | Optimizer steps to train. At least 1. A resumed run may change it. |" in text
+    assert "| `train.lr` | float | `0.0001` | Peak learning rate. At least 0. |" in text

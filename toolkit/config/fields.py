@@ -1,4 +1,4 @@
-"""Schema fields: a default with its documentation, allowed values and lower bound as metadata."""
+"""Schema fields: a default with its documentation, allowed values, lower bound and resume safety as metadata."""
 
 from __future__ import annotations
 
@@ -7,13 +7,19 @@ from dataclasses import field
 from typing import Any
 
 
-def opt(default: Any, doc: str, choices: tuple | None = None, minimum: float | None = None) -> Any:
-    """A schema field with its documentation and optional allowed values / lower bound."""
-    meta = {"doc": doc}
+def opt(default: Any, doc: str, choices: tuple | None = None, minimum: float | None = None,
+        resume_safe: bool = False) -> Any:
+    """A schema field with its documentation and optional allowed values / lower bound.
+
+    resume_safe: a resumed run may change it, because it alters cadence, output or where the run goes, not
+    what it learns; any other change between a checkpoint's config and the current one refuses the resume."""
+    meta: dict[str, Any] = {"doc": doc}
     if choices is not None:
         meta["choices"] = tuple(choices)
     if minimum is not None:
         meta["min"] = minimum
+    if resume_safe:
+        meta["resume_safe"] = True
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)

@@ -74,6 +74,8 @@ def _description(f: dataclasses.Field) -> str:
         text += " One of " + ", ".join(f"`{c}`" for c in meta["choices"]) + "."
     if "min" in meta:
         text += f" At least {meta['min']:g}."
+    if meta.get("resume_safe"):
+        text += " A resumed run may change it."
     return _cell(text)
 
 

@@ -8,7 +8,7 @@ The `data` section's shape depends on `model.family` (its FamilySpec's data_sche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from omegaconf import MISSING
 
@@ -22,23 +22,33 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
 
 @dataclass
 class RunSection:
-    name: str = opt("lora", "Run name; the run folder is named after it by default.")
-    output_dir: str = opt("outputs/${run.name}", "Run folder: config, checkpoints, samples, logs and the final LoRA.")
+    name: str = opt("lora", "Run name; the run folder is named after it by default.", resume_safe=True)
+    output_dir: str = opt("outputs/${run.name}", "Run folder: config, checkpoints, samples, logs and the final LoRA.",
+                          resume_safe=True)
     seed: int = opt(42, "Seed for python, numpy and torch RNGs and the data order.")
 
 
 @dataclass
 class DeviceSection:
-    preset: str = opt("auto", "Arch preset: auto (detect the GPU), or a name from `presets` (gfx1151, sm_90, cpu, ...).")
+    preset: str = opt("auto", "Arch preset: auto (detect the GPU), or a name from `presets` (gfx1151, sm_90, cpu, ...).",
+                      resume_safe=True)
     backend: str = opt("auto", "Device to train on: auto (GPU when one is visible), or cpu to force the CPU.",
-                       choices=("auto", "cpu"))
+                       choices=("auto", "cpu"), resume_safe=True)
     vae_encode_cudnn: bool = opt(True, "Keep cuDNN/MIOpen on while VAE-encoding latents; the HIP presets turn it "
-                                 "off (MIOpen convolutions can be 30x slower there).")
+                                 "off (MIOpen convolutions can be 30x slower there).", resume_safe=True)
     cudnn_sdpa: Union[bool, str] = opt("auto", "Let PyTorch's scaled_dot_product_attention use its cuDNN backend "
                                        "(CUDA): true, false, or auto (on, but off for flux, whose shapes crashed it "
-                                       "with cuDNN 9.19).")
+                                       "with cuDNN 9.19).", resume_safe=True)
     memory_fraction: float = opt(0.9, "Share of the device memory the auto memory options (model.quantize, "
-                                 "model.expert_offload) plan with; unified-memory presets lower it.", minimum=0.05)
+                                 "model.expert_offload) plan with; unified-memory presets lower it.", minimum=0.05,
+                                 resume_safe=True)
+    distributed: str = opt("auto", "How several processes (`./start_toolkit.sh train CONFIG --gpus N`) share the work: "
+                           "ddp keeps a full copy of the model on every GPU and averages gradients; fsdp (not "
+                           "available yet) will shard the frozen base weights; auto: ddp.",
+                           choices=("auto", "ddp", "fsdp"), resume_safe=True)
+    timeout_minutes: int = opt(30, "How long a process waits for the others at a collective or barrier (the main "
+                               "process filling caches included) before the run stops with an error instead of "
+                               "hanging.", minimum=1, resume_safe=True)
 
 
 @dataclass
@@ -49,7 +59,7 @@ class ModelSection:
     revision: Optional[str] = opt(None, "Hub revision (branch, tag or commit) of name_or_path.")
     dtype: str = opt("auto", "dtype of the frozen base weights; auto follows train.precision.", choices=PRECISIONS)
     attention: str = opt("auto", "Attention implementation: auto (the preset's), sdpa, eager, flash_attention_2.",
-                         choices=("auto", "sdpa", "eager", "flash_attention_2"))
+                         choices=("auto", "sdpa", "eager", "flash_attention_2"), resume_safe=True)
     quantize: str = opt("auto", "Quantize the frozen base (QLoRA): none, 8bit, 4bit, or auto (8bit/4bit only when the "
                         "16-bit weights do not fit the device memory budget; never on the CPU).",
                         choices=("auto", "none", "8bit", "4bit"))
@@ -72,7 +82,7 @@ class NetworkSection:
 
 @dataclass
 class TrainSection:
-    steps: int = opt(1000, "Optimizer steps to train.", minimum=1)
+    steps: int = opt(1000, "Optimizer steps to train.", minimum=1, resume_safe=True)
     batch_size: Union[int, str] = opt("auto", "Samples per micro-batch; auto: the preset's value for this GPU's memory.")
     grad_accum: int = opt(1, "Micro-batches accumulated per optimizer step.", minimum=1)
     lr: float = opt(1e-4, "Peak learning rate.", minimum=0.0)
@@ -80,18 +90,23 @@ class TrainSection:
     warmup_steps: int = opt(0, "Linear warmup steps from 0 to lr.", minimum=0)
     optimizer: str = opt("adamw8bit", "Optimizer: adamw, adamw8bit, lion8bit, lion, adafactor, prodigy.")
     optimizer_backend: str = opt("auto", "8-bit optimizer implementation: auto, toolkit or bitsandbytes.",
-                                 choices=("auto", "toolkit", "bitsandbytes"))
+                                 choices=("auto", "toolkit", "bitsandbytes"), resume_safe=True)
+    optimizer_args: Dict[str, Any] = opt({}, "Extra keyword arguments for the optimizer (e.g. {d_coef: 0.5} for "
+                                         "prodigy), checked against what the optimizer accepts.")
     weight_decay: float = opt(0.0, "Decoupled weight decay.", minimum=0.0)
     betas: List[float] = opt([0.9, 0.999], "Adam/Lion betas.")
     eps: float = opt(1e-8, "Adam epsilon.")
     precision: str = opt("auto", "Compute precision: auto (the preset's), fp32, bf16, fp16 (with loss scaling).",
                          choices=PRECISIONS)
-    gradient_checkpointing: Union[bool, str] = opt("auto", "Recompute activations in backward to save memory; auto: the preset's.")
+    gradient_checkpointing: Union[bool, str] = opt("auto", "Recompute activations in backward to save memory; auto: "
+                                                   "the preset's.", resume_safe=True)
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
-    resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a checkpoint path.")
+    resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "
+                                   "checkpoint path.", resume_safe=True)
     eval_every: int = opt(0, "Compute the eval loss every N steps, when the family has eval data (0: only at the end).",
-                          minimum=0)
-    max_nan_steps: int = opt(5, "Stop after this many non-finite losses in a row (each one skips its step).", minimum=1)
+                          minimum=0, resume_safe=True)
+    max_nan_steps: int = opt(5, "Stop after this many non-finite losses in a row (each one skips its step).", minimum=1,
+                             resume_safe=True)
     ema_decay: float = opt(0.0, "EMA of the LoRA weights, updated after each optimizer step; saved in checkpoints "
                            "(ema.safetensors) and used for the final export. 0 turns it off; 0.999 is usual.",
                            minimum=0.0)
@@ -116,37 +131,39 @@ class TrainSection:
 
 @dataclass
 class SaveSection:
-    every: int = opt(250, "Checkpoint every N steps (0: only at the end).", minimum=0)
-    keep_last: int = opt(3, "Checkpoints kept; older ones are removed.", minimum=1)
-    dtype: str = opt("bf16", "dtype of the exported LoRA weights.", choices=("fp32", "bf16", "fp16"))
+    every: int = opt(250, "Checkpoint every N steps (0: only at the end).", minimum=0, resume_safe=True)
+    keep_last: int = opt(3, "Checkpoints kept; older ones are removed.", minimum=1, resume_safe=True)
+    dtype: str = opt("bf16", "dtype of the exported LoRA weights.", choices=("fp32", "bf16", "fp16"), resume_safe=True)
     format: str = opt("auto", "Export format: auto (the family's: peft or diffusers), peft, diffusers; kohya (sd, sdxl) "
                       "or comfyui (every diffusion family) also write a file with ComfyUI / A1111 key names.",
-                      choices=("auto", "peft", "diffusers", "kohya", "comfyui"))
+                      choices=("auto", "peft", "diffusers", "kohya", "comfyui"), resume_safe=True)
 
 
 @dataclass
 class SampleSection:
-    every: int = opt(250, "Sample every N steps (0: only at the end).", minimum=0)
-    prompts: List[str] = opt([], "Prompts to sample from; none disables sampling.")
-    seed: int = opt(42, "Sampling seed, fixed so samples are comparable across steps.")
-    max_new_tokens: int = opt(64, "LLM: tokens generated per prompt.", minimum=1)
-    temperature: float = opt(0.0, "LLM: sampling temperature; 0 means greedy.", minimum=0.0)
-    num_inference_steps: int = opt(20, "Diffusion: denoising steps per sample.", minimum=1)
-    guidance_scale: float = opt(5.0, "Diffusion: classifier-free guidance scale.")
-    negative_prompt: str = opt("", "Diffusion: negative prompt for classifier-free guidance (families that use it).")
-    num_frames: int = opt(0, "Video: frames per sample; 0 means data.num_frames.", minimum=0)
-    fps: int = opt(16, "Video: frames per second of the written samples.", minimum=1)
-    width: int = opt(0, "Diffusion: sample width; 0 means data.resolution.", minimum=0)
-    height: int = opt(0, "Diffusion: sample height; 0 means data.resolution.", minimum=0)
+    every: int = opt(250, "Sample every N steps (0: only at the end).", minimum=0, resume_safe=True)
+    prompts: List[str] = opt([], "Prompts to sample from; none disables sampling.", resume_safe=True)
+    seed: int = opt(42, "Sampling seed, fixed so samples are comparable across steps.", resume_safe=True)
+    max_new_tokens: int = opt(64, "LLM: tokens generated per prompt.", minimum=1, resume_safe=True)
+    temperature: float = opt(0.0, "LLM: sampling temperature; 0 means greedy.", minimum=0.0, resume_safe=True)
+    num_inference_steps: int = opt(20, "Diffusion: denoising steps per sample.", minimum=1, resume_safe=True)
+    guidance_scale: float = opt(5.0, "Diffusion: classifier-free guidance scale.", resume_safe=True)
+    negative_prompt: str = opt("", "Diffusion: negative prompt for classifier-free guidance (families that use it).",
+                               resume_safe=True)
+    num_frames: int = opt(0, "Video: frames per sample; 0 means data.num_frames.", minimum=0, resume_safe=True)
+    fps: int = opt(16, "Video: frames per second of the written samples.", minimum=1, resume_safe=True)
+    width: int = opt(0, "Diffusion: sample width; 0 means data.resolution.", minimum=0, resume_safe=True)
+    height: int = opt(0, "Diffusion: sample height; 0 means data.resolution.", minimum=0, resume_safe=True)
 
 
 @dataclass
 class LogSection:
-    every: int = opt(10, "Log metrics every N steps.", minimum=1)
-    tensorboard: bool = opt(True, "Write TensorBoard events under logs/.")
-    wandb: bool = opt(False, "Also log to Weights & Biases (needs `pip install wandb` and a login).")
-    wandb_project: Optional[str] = opt(None, "Weights & Biases project; None: the run name.")
-    profile: bool = opt(False, "Write a PyTorch profiler trace of steps 2-4 (Chrome trace JSON under logs/profile/).")
+    every: int = opt(10, "Log metrics every N steps.", minimum=1, resume_safe=True)
+    tensorboard: bool = opt(True, "Write TensorBoard events under logs/.", resume_safe=True)
+    wandb: bool = opt(False, "Also log to Weights & Biases (needs `pip install wandb` and a login).", resume_safe=True)
+    wandb_project: Optional[str] = opt(None, "Weights & Biases project; None: the run name.", resume_safe=True)
+    profile: bool = opt(False, "Write a PyTorch profiler trace of steps 2-4 (Chrome trace JSON under logs/profile/).",
+                        resume_safe=True)
 
 
 @dataclass

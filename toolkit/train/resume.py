@@ -2,26 +2,50 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import yaml
 
 from toolkit.config.families import FAMILY_SPECS, applies_to
 from toolkit.config.load import flatten, schema_defaults
+from toolkit.config.schema import RunConfig
 from toolkit.errors import UserError
 from toolkit.train.checkpoint import Checkpoint, find_latest_checkpoint, list_checkpoints, verify_checkpoint
 from toolkit.train.run_dir import RunDir
 
-# Settings a resumed run may change: they alter cadence, output or where it runs, not what it learns.
-RESUME_SAFE_PREFIXES = ("run.name", "run.output_dir", "device.", "sample.", "log.", "save.every", "save.keep_last",
-                        "save.dtype", "save.format", "train.steps", "train.resume", "train.max_nan_steps",
-                        "train.eval_every", "train.optimizer_backend", "train.gradient_checkpointing",
-                        "model.attention")
+
+def _schema_sections() -> Iterator[tuple[str, type]]:
+    """(section name, dataclass) of every config section, the data section once per family data schema."""
+    for section in dataclasses.fields(RunConfig):
+        if section.name == "data":
+            yield from (("data", schema) for schema in dict.fromkeys(s.data_schema for s in FAMILY_SPECS.values()))
+        else:
+            yield section.name, section.default_factory
+
+
+def _resume_safe() -> tuple[frozenset[str], frozenset[str]]:
+    """The settings a resumed run may change (fields marked resume_safe in the schema: they alter cadence, output
+    or where the run goes, not what it learns), and the sections whose every setting is."""
+    keys, sections, partly = set(), set(), set()
+    for name, schema in _schema_sections():
+        for f in dataclasses.fields(schema):
+            if f.metadata.get("resume_safe"):
+                keys.add(f"{name}.{f.name}")
+            else:
+                partly.add(name)
+        sections.add(name)
+    return frozenset(keys), frozenset(sections - partly)
+
+
+RESUME_SAFE_KEYS, RESUME_SAFE_SECTIONS = _resume_safe()
 
 
 def is_resume_safe(key: str) -> bool:
-    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUME_SAFE_PREFIXES)
+    """Whether a resumed run may change dotted `key`; in a section where every setting may (device, save, sample,
+    log), so may one that the toolkit has dropped since the run began."""
+    return key in RESUME_SAFE_KEYS or key.split(".", 1)[0] in RESUME_SAFE_SECTIONS
 
 
 def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
