@@ -158,7 +158,7 @@ def test_a_preset_setting_that_does_not_apply_is_no_error(base_yaml):
     assert run.sources["device.vae_encode_cudnn"].startswith("preset gfx1100")
     assert run.cfg.device.vae_encode_cudnn is False
     with pytest.raises(ConfigError, match=r"'device.vae_encode_cudnn' in command line has no effect for "
-                                          r"model.family llm; remove it \(it applies to: sd, sdxl, flux, sd3, wan21, wan22\)"):
+                                          r"model.family llm; remove it \(it applies to: sd, sdxl, flux, sd3, wan21, wan22"):
         load_run([base_yaml], ["device.vae_encode_cudnn=false"], device=gfx1100)
 
 
@@ -220,3 +220,39 @@ def test_resume_safe_settings_come_from_the_schema():
     assert not any(is_resume_safe(k) for k in ("train.lr", "train.optimizer", "train.optimizer_args.d_coef",
                                                "network.rank", "data.path", "model.name_or_path", "run.seed"))
     assert is_resume_safe("device.a_setting_since_dropped") and not is_resume_safe("train.a_setting_since_dropped")
+
+
+def test_validate_rejects_an_unknown_optimizer_before_any_model_loads(tmp_path, base_yaml):
+    proc = run_toolkit("validate", base_yaml, "train.optimizer=adamw9bit", "device.backend=cpu", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert ("'train.optimizer' in command line: 'adamw9bit' is not one of adamw, adamw8bit, lion8bit, lion, "
+            "adafactor, prodigy; did you mean 'adamw8bit'?") in proc.stderr
+
+
+def test_optimizer_args_are_checked_against_the_optimizer(tmp_path, base_yaml):
+    extra = write(tmp_path / "opt.yaml", "train:\n  optimizer: prodigy\n  optimizer_args:\n    d_coef: 0.5\n"
+                                         "    d_coeff: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_run([base_yaml, extra], ["train.optimizer_args.growth_rat=1.02"], device=CPU)
+    accepted = "beta3, d0, d_coef, decouple, growth_rate, safeguard_warmup, use_bias_correction"
+    assert info.value.problems == [
+        f"'train.optimizer_args.d_coeff' in {extra}:5: prodigy does not accept 'd_coeff'; it accepts: {accepted}; "
+        "did you mean 'd_coef'?",
+        f"'train.optimizer_args.growth_rat' in command line: prodigy does not accept 'growth_rat'; it accepts: "
+        f"{accepted}; did you mean 'growth_rate'?"]
+    # Layers merge the mapping key by key, each key keeping its source.
+    good = write(tmp_path / "good.yaml", "train:\n  optimizer: prodigy\n  optimizer_args: {d_coef: 0.5}\n")
+    run = load_run([base_yaml, good], ["train.optimizer_args.growth_rate=1.02"], device=CPU)
+    assert dict(run.cfg.train.optimizer_args) == {"d_coef": 0.5, "growth_rate": 1.02}
+    assert run.sources["train.optimizer_args.d_coef"] == f"{good}:3"
+    assert run.sources["train.optimizer_args.growth_rate"] == "command line"
+    with pytest.raises(ConfigError, match=r"'train.optimizer_args.d_coef' in .*good.yaml:3: adamw does not accept"):
+        load_run([base_yaml, good], ["train.optimizer=adamw"], device=CPU)
+
+
+def test_accepted_optimizer_args_show_in_validate(tmp_path, base_yaml):
+    proc = run_toolkit("validate", base_yaml, "train.optimizer=adamw", "train.optimizer_args.amsgrad=true",
+                       "device.backend=cpu", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("train.optimizer_args.amsgrad "))
+    assert line.split("=", 1)[1].split("#")[0].strip() == "True" and line.rstrip().endswith("# command line")

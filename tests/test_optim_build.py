@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from toolkit.errors import UserError
-from toolkit.optim import OPTIMIZER_NAMES, AdamW8bit, Lion, Lion8bit, build_optimizer
+from toolkit.optim import OPTIMIZER_NAMES, AdamW8bit, Lion, Lion8bit, build_optimizer, optimizer_spec
 from toolkit.optim.bnb_compat import bnb_self_check
 
 
@@ -23,8 +23,86 @@ def test_unknown_name_lists_the_valid_ones():
 
 
 def test_names_are_exact_match():
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="did you mean 'adamw'"):
         build_optimizer("AdamW", _params(), lr=1e-3)
+    with pytest.raises(UserError, match="unknown optimizer 'adamw9bit'.*did you mean 'adamw8bit'"):
+        optimizer_spec("adamw9bit")
+
+
+def test_specs_say_which_optimizers_are_memory_light():
+    assert {name for name in OPTIMIZER_NAMES if optimizer_spec(name).memory_light} == {"adamw8bit", "lion8bit",
+                                                                                        "adafactor"}
+    assert not any(optimizer_spec(name).needs_eval_mode for name in OPTIMIZER_NAMES)
+    assert all(optimizer_spec(name).description for name in OPTIMIZER_NAMES)
+
+
+def test_accepted_args_are_constructor_parameters():
+    """Every name a spec accepts is a keyword of the class it builds (prodigy: when prodigyopt is installed)."""
+    import inspect
+
+    from transformers.optimization import Adafactor
+
+    classes = {"adamw": torch.optim.AdamW, "adafactor": Adafactor}
+    if importlib.util.find_spec("prodigyopt") is not None:
+        from prodigyopt import Prodigy
+        classes["prodigy"] = Prodigy
+    for name, cls in classes.items():
+        assert optimizer_spec(name).accepts <= set(inspect.signature(cls).parameters), name
+    for name in ("adamw8bit", "lion8bit", "lion"):  # bitsandbytes and the toolkit must take the same arguments
+        assert optimizer_spec(name).accepts == frozenset()
+
+
+def test_optimizer_args_are_passed_through():
+    opt, reason = build_optimizer("adamw", _params(), lr=1e-3, args={"amsgrad": True})
+    assert opt.param_groups[0]["amsgrad"] is True
+    assert reason.endswith("; optimizer_args: amsgrad=True")
+    opt, _ = build_optimizer("adafactor", _params(), lr=1e-3, args={"clip_threshold": 0.5, "scale_parameter": True})
+    assert opt.param_groups[0]["clip_threshold"] == 0.5 and opt.param_groups[0]["scale_parameter"] is True
+    assert build_optimizer("adafactor", _params(), lr=1e-3)[0].param_groups[0]["scale_parameter"] is False
+
+
+def test_prodigy_gets_its_args(monkeypatch):
+    """prodigyopt is optional: a stand-in module records what the builder passes to Prodigy."""
+    import importlib.machinery
+    import sys
+    import types
+
+    seen = {}
+
+    class Prodigy(torch.optim.SGD):
+        def __init__(self, params, lr, betas, eps, weight_decay, **kwargs):
+            seen.update(kwargs, betas=betas)
+            super().__init__(params, lr=lr, weight_decay=weight_decay)
+
+    module = types.ModuleType("prodigyopt")
+    module.__spec__ = importlib.machinery.ModuleSpec("prodigyopt", None)
+    module.Prodigy = Prodigy
+    monkeypatch.setitem(sys.modules, "prodigyopt", module)
+    opt, reason = build_optimizer("prodigy", _params(), lr=1.0, betas=(0.9, 0.99),
+                                  args={"d_coef": 0.5, "safeguard_warmup": True})
+    assert type(opt) is Prodigy and seen == {"d_coef": 0.5, "safeguard_warmup": True, "betas": (0.9, 0.99)}
+    assert reason.endswith("; optimizer_args: d_coef=0.5, safeguard_warmup=True")
+
+
+def test_unknown_optimizer_args_are_refused_not_dropped():
+    with pytest.raises(UserError, match=r"adamw does not accept 'amsgrd'; it accepts: amsgrad, maximize; "
+                                        r"did you mean 'amsgrad'\?"):
+        build_optimizer("adamw", _params(), lr=1e-3, args={"amsgrd": True})
+    with pytest.raises(UserError, match="adamw8bit accepts no optimizer_args"):
+        build_optimizer("adamw8bit", _params(), lr=1e-3, args={"min_8bit_size": 1})
+    with pytest.raises(UserError, match="adamw takes lr from train.lr"):
+        build_optimizer("adamw", _params(), lr=1e-3, args={"lr": 1.0})
+
+
+def test_the_registry_imports_no_optional_library():
+    import subprocess
+    import sys
+
+    code = ("import sys, toolkit.config.schema, toolkit.optim.build; "
+            "print(sorted(m for m in ('bitsandbytes', 'prodigyopt', 'transformers', 'triton') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("name,cls", [("adamw8bit", AdamW8bit), ("lion8bit", Lion8bit)])

@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from toolkit.config.layers import Layer, peek
 from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS, applies_to
 from toolkit.config.schema import RunConfig
+from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_args_problem
 from toolkit.errors import ConfigError
 
 DEFAULTS_LABEL = "default"
@@ -106,6 +107,13 @@ def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problem
                     problems.append(f"'{dotted}' in {layer.where(dotted)} must be a mapping of keys, "
                                     f"got {type(value).__name__} {value!r}")
                 continue
+            if isinstance(child, DictConfig) and isinstance(value, dict):
+                # A free-form mapping (train.optimizer_args): merged key by key, later layers win per key.
+                for name, item in value.items():
+                    child[str(name)] = item
+                    sources[f"{dotted}.{name}"] = layer.where(f"{dotted}.{name}")
+                    applied.append(f"{dotted}.{name}")
+                continue
             if _expected_type(node, key) == "a number":
                 value = _as_float(value)
             try:
@@ -144,7 +152,7 @@ def _expected_type(node: DictConfig, key: str) -> str:
             return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
                     "List[str]": "a list of strings", "List[float]": "a list of numbers",
                     "Union[int, str]": "an integer or 'auto'", "Union[bool, str]": "true, false or 'auto'",
-                    "Optional[str]": "a string or null"}.get(hint, hint)
+                    "Optional[str]": "a string or null", "Dict[str, Any]": "a mapping"}.get(hint, hint)
     return ""
 
 
@@ -198,6 +206,18 @@ def _check_family_settings(cfg: DictConfig, family: str, set_by: dict[str, Layer
                         f"(it applies to: {readers})")
 
 
+def _check_optimizer_args(cfg: DictConfig, sources: dict[str, str], problems: list[str]) -> None:
+    """train.optimizer_args against what train.optimizer accepts (an unknown optimizer is reported by its choices)."""
+    name = OmegaConf.select(cfg, "train.optimizer", throw_on_missing=False)
+    if name not in OPTIMIZER_NAMES:
+        return
+    for key in cfg.train.optimizer_args:
+        problem = optimizer_args_problem(name, str(key))
+        if problem:
+            dotted = f"train.optimizer_args.{key}"
+            problems.append(f"'{dotted}' in {sources.get(dotted, DEFAULTS_LABEL)}: {problem}")
+
+
 def merge_layers(layers: list[Layer]) -> LoadedConfig:
     """Merge layers over the schema defaults and validate; raises ConfigError with every problem."""
     problems: list[str] = []
@@ -223,6 +243,7 @@ def merge_layers(layers: list[Layer]) -> LoadedConfig:
             key = getattr(err, "full_key", "") or "?"
             problems.append(f"'{key}' in {sources.get(key, DEFAULTS_LABEL)}: {str(err).splitlines()[0]}")
     _check_values(cfg, sources, problems)
+    _check_optimizer_args(cfg, sources, problems)
     if family is not None:
         _check_family_settings(cfg, family, set_by, problems)
     if problems:

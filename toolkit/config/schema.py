@@ -14,10 +14,15 @@ from omegaconf import MISSING
 
 from toolkit.config.families import FAMILIES, FAMILY_SPECS
 from toolkit.config.fields import opt
+from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_spec
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+# train.optimizer's and train.optimizer_args' docs, from the optimizer registry (toolkit/optim/build.py).
+_OPTIMIZERS = "; ".join(f"{name} ({optimizer_spec(name).description})" for name in OPTIMIZER_NAMES)
+_OPTIMIZER_ARGS = "; ".join(f"{name}: {', '.join(sorted(optimizer_spec(name).accepts))}"
+                            for name in OPTIMIZER_NAMES if optimizer_spec(name).accepts)
 
 
 @dataclass
@@ -88,11 +93,11 @@ class TrainSection:
     lr: float = opt(1e-4, "Peak learning rate.", minimum=0.0)
     lr_scheduler: str = opt("constant", "Learning-rate schedule after warmup.", choices=LR_SCHEDULERS)
     warmup_steps: int = opt(0, "Linear warmup steps from 0 to lr.", minimum=0)
-    optimizer: str = opt("adamw8bit", "Optimizer: adamw, adamw8bit, lion8bit, lion, adafactor, prodigy.")
+    optimizer: str = opt("adamw8bit", f"Optimizer: {_OPTIMIZERS}.", choices=OPTIMIZER_NAMES)
     optimizer_backend: str = opt("auto", "8-bit optimizer implementation: auto, toolkit or bitsandbytes.",
                                  choices=("auto", "toolkit", "bitsandbytes"), resume_safe=True)
-    optimizer_args: Dict[str, Any] = opt({}, "Extra keyword arguments for the optimizer (e.g. {d_coef: 0.5} for "
-                                         "prodigy), checked against what the optimizer accepts.")
+    optimizer_args: Dict[str, Any] = opt({}, "Extra keyword arguments for the optimizer, e.g. {d_coef: 0.5} for "
+                                         f"prodigy. Those each optimizer accepts: {_OPTIMIZER_ARGS}; no others.")
     weight_decay: float = opt(0.0, "Decoupled weight decay.", minimum=0.0)
     betas: List[float] = opt([0.9, 0.999], "Adam/Lion betas.")
     eps: float = opt(1e-8, "Adam epsilon.")

@@ -1,9 +1,16 @@
-"""Optimizer registry and the selection function the trainer calls."""
+"""The optimizer registry: one OptimizerSpec per exact name, and the selection function the trainer calls.
+
+Optional libraries (bitsandbytes, transformers' Adafactor, prodigyopt) are imported inside the builders, so the
+names and specs can be read (config validation does) without them.
+"""
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
-from typing import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
 
 import torch
 
@@ -15,78 +22,55 @@ from toolkit.optim.lion import Lion
 BACKENDS = ("auto", "toolkit", "bitsandbytes")
 DEVICE_TYPES = ("cuda", "hip", "cpu")
 _EIGHT_BIT = {"adamw8bit": AdamW8bit, "lion8bit": Lion8bit}
+# Settings with their own train.* key; optimizer_args must not set them a second way.
+_OWN_SETTINGS = {"lr": "train.lr", "betas": "train.betas", "eps": "train.eps", "weight_decay": "train.weight_decay"}
+
+# build(params, lr, betas, eps, weight_decay, device_type, backend, args) -> (optimizer, reason)
+Builder = Callable[..., tuple[torch.optim.Optimizer, str]]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    build: Builder
+    accepts: frozenset[str]     # the keyword arguments train.optimizer_args may pass
+    memory_light: bool          # state well under fp32 AdamW's two moments (suggested when memory runs out)
+    needs_eval_mode: bool       # optimizer.eval() around eval, sampling and saving, train() after (schedule-free)
+    description: str
 
 
 def _on_gpu(params: list) -> bool:
     return any(p.device.type == "cuda" for g in params for p in (g["params"] if isinstance(g, dict) else [g]))
 
 
-def _adamw(params, lr, betas, eps, weight_decay, device_type):
+def _adamw(params, lr, betas, eps, weight_decay, device_type, backend, args):
     fused = _on_gpu(params)
-    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None,
+                            **args)
     return opt, f"adamw: torch.optim.AdamW ({'fused kernel, params on the GPU' if fused else 'params on the CPU'})"
 
 
-def _lion(params, lr, betas, eps, weight_decay, device_type):
+def _lion(params, lr, betas, eps, weight_decay, device_type, backend, args):
     return Lion(params, lr=lr, betas=betas, weight_decay=weight_decay), "lion: toolkit fp32 Lion (eps is not used)"
 
 
-def _adafactor(params, lr, betas, eps, weight_decay, device_type):
+def _adafactor(params, lr, betas, eps, weight_decay, device_type, backend, args):
     from transformers.optimization import Adafactor
 
-    opt = Adafactor(params, lr=lr, relative_step=False, scale_parameter=False, warmup_init=False,
-                    weight_decay=weight_decay)
+    kwargs = {"scale_parameter": False, **args}  # with a fixed lr, no scaling by the parameters' RMS by default
+    opt = Adafactor(params, lr=lr, relative_step=False, warmup_init=False, weight_decay=weight_decay, **kwargs)
     return opt, "adafactor: transformers Adafactor (relative_step=False, fixed lr; betas/eps use its defaults)"
 
 
-def _prodigy(params, lr, betas, eps, weight_decay, device_type):
+def _prodigy(params, lr, betas, eps, weight_decay, device_type, backend, args):
     if importlib.util.find_spec("prodigyopt") is None:
         raise UserError("optimizer 'prodigy' needs the prodigyopt package: pip install prodigyopt")
     from prodigyopt import Prodigy
 
-    opt = Prodigy(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    opt = Prodigy(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **args)
     return opt, "prodigy: prodigyopt.Prodigy (lr is a multiplier of the estimated step size; 1.0 is usual)"
 
 
-def _eight_bit(name: str) -> Callable:
-    def build(params, lr, betas, eps, weight_decay, device_type, backend):
-        return _build_eight_bit(name, params, lr, betas, eps, weight_decay, device_type, backend)
-
-    return build
-
-
-_REGISTRY: dict[str, Callable] = {
-    "adamw": _adamw,
-    "adamw8bit": _eight_bit("adamw8bit"),
-    "lion8bit": _eight_bit("lion8bit"),
-    "lion": _lion,
-    "adafactor": _adafactor,
-    "prodigy": _prodigy,
-}
-OPTIMIZER_NAMES = tuple(_REGISTRY)
-
-
-def build_optimizer(name: str, params, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                    weight_decay: float = 0.0, backend: str = "auto",
-                    device_type: str = "cpu") -> tuple[torch.optim.Optimizer, str]:
-    """Return the optimizer and a one-line human-readable reason for the implementation chosen."""
-    if name not in _REGISTRY:
-        raise UserError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZER_NAMES)}")
-    if backend not in BACKENDS:
-        raise UserError(f"unknown optimizer_backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if device_type not in DEVICE_TYPES:
-        raise UserError(f"unknown device type {device_type!r}; valid: {', '.join(DEVICE_TYPES)}")
-    params = list(params)
-    if name not in _EIGHT_BIT:
-        # Presets set optimizer_backend per device; it only chooses between 8-bit implementations.
-        opt, reason = _REGISTRY[name](params, lr, tuple(betas), eps, weight_decay, device_type)
-        if backend != "auto":
-            reason += f" (optimizer_backend={backend} applies to adamw8bit and lion8bit only)"
-        return opt, reason
-    return _REGISTRY[name](params, lr, tuple(betas), eps, weight_decay, device_type, backend)
-
-
-def _build_eight_bit(name, params, lr, betas, eps, weight_decay, device_type, backend):
+def _eight_bit(params, lr, betas, eps, weight_decay, device_type, backend, args, *, name: str):
     kwargs = dict(lr=lr, betas=betas, weight_decay=weight_decay)
     if name == "adamw8bit":
         kwargs["eps"] = eps
@@ -119,3 +103,72 @@ def _build_eight_bit(name, params, lr, betas, eps, weight_decay, device_type, ba
     else:
         reason = "CPU device; the reference implementation"
     return opt, f"{name}: toolkit ({impl}) — {reason}"
+
+
+_REGISTRY: dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec(_adamw, frozenset({"amsgrad", "maximize"}), memory_light=False, needs_eval_mode=False,
+                           description="torch AdamW with fp32 state, fused on the GPU"),
+    "adamw8bit": OptimizerSpec(partial(_eight_bit, name="adamw8bit"), frozenset(), memory_light=True,
+                               needs_eval_mode=False,
+                               description="AdamW with 8-bit block-quantized state, the toolkit's or bitsandbytes'"),
+    "lion8bit": OptimizerSpec(partial(_eight_bit, name="lion8bit"), frozenset(), memory_light=True,
+                              needs_eval_mode=False,
+                              description="Lion with 8-bit block-quantized state, the toolkit's or bitsandbytes'"),
+    "lion": OptimizerSpec(_lion, frozenset(), memory_light=False, needs_eval_mode=False,
+                          description="Lion with one fp32 state tensor"),
+    "adafactor": OptimizerSpec(_adafactor, frozenset({"clip_threshold", "decay_rate", "beta1", "scale_parameter"}),
+                               memory_light=True, needs_eval_mode=False,
+                               description="transformers Adafactor, factored second moments, fixed lr"),
+    "prodigy": OptimizerSpec(_prodigy, frozenset({"beta3", "decouple", "use_bias_correction", "safeguard_warmup",
+                                                  "d0", "d_coef", "growth_rate"}),
+                             memory_light=False, needs_eval_mode=False,
+                             description="prodigyopt Prodigy, which estimates the step size: lr 1.0 is usual, needs pip install prodigyopt"),
+}
+OPTIMIZER_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The spec registered under exactly `name`; an unknown name lists the valid ones."""
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, OPTIMIZER_NAMES, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise UserError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZER_NAMES)}{hint}")
+    return _REGISTRY[name]
+
+
+def optimizer_args_problem(name: str, key: str) -> str | None:
+    """Why optimizer `name` cannot take keyword argument `key` from train.optimizer_args (None: it can)."""
+    spec = optimizer_spec(name)
+    if key in spec.accepts:
+        return None
+    if key in _OWN_SETTINGS:
+        return f"{name} takes {key} from {_OWN_SETTINGS[key]}, not from optimizer_args"
+    if not spec.accepts:
+        return f"{name} accepts no optimizer_args"
+    close = difflib.get_close_matches(key, sorted(spec.accepts), n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"{name} does not accept '{key}'; it accepts: {', '.join(sorted(spec.accepts))}{hint}"
+
+
+def build_optimizer(name: str, params, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                    weight_decay: float = 0.0, backend: str = "auto", device_type: str = "cpu",
+                    args: dict[str, Any] | None = None) -> tuple[torch.optim.Optimizer, str]:
+    """Return the optimizer and a one-line human-readable reason for the implementation chosen.
+
+    args: extra keyword arguments for the optimizer (train.optimizer_args), each one its spec accepts."""
+    spec = optimizer_spec(name)
+    if backend not in BACKENDS:
+        raise UserError(f"unknown optimizer_backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if device_type not in DEVICE_TYPES:
+        raise UserError(f"unknown device type {device_type!r}; valid: {', '.join(DEVICE_TYPES)}")
+    args = dict(args or {})
+    problems = [problem for key in args if (problem := optimizer_args_problem(name, key))]
+    if problems:
+        raise UserError("train.optimizer_args: " + "; ".join(problems))
+    opt, reason = spec.build(list(params), lr, tuple(betas), eps, weight_decay, device_type, backend, args)
+    if backend != "auto" and name not in _EIGHT_BIT:
+        # Presets set optimizer_backend per device; it only chooses between 8-bit implementations.
+        reason += f" (optimizer_backend={backend} applies to adamw8bit and lion8bit only)"
+    if args:
+        reason += "; optimizer_args: " + ", ".join(f"{key}={value!r}" for key, value in sorted(args.items()))
+    return opt, reason
