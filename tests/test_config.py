@@ -256,3 +256,25 @@ def test_accepted_optimizer_args_show_in_validate(tmp_path, base_yaml):
     assert proc.returncode == 0, proc.stderr
     line = next(line for line in proc.stdout.splitlines() if line.startswith("train.optimizer_args.amsgrad "))
     assert line.split("=", 1)[1].split("#")[0].strip() == "True" and line.rstrip().endswith("# command line")
+
+
+def test_save_format_is_checked_against_the_family(tmp_path, base_yaml):
+    with pytest.raises(ConfigError) as info:
+        load_run([base_yaml], ["save.format=diffusers"], device=CPU)
+    assert info.value.problems == ["'save.format' in command line: diffusers is not available for model.family llm; "
+                                   "use one of auto, peft"]
+    with pytest.raises(ConfigError, match="'save.format' in command line: kohya is not available for model.family "
+                                          "flux; use one of auto, diffusers, comfyui"):
+        load_run([flux_yaml(tmp_path)], ["save.format=kohya"], device=CPU)
+    assert load_run([flux_yaml(tmp_path)], ["save.format=kohya", "model.family=sd"], device=CPU).cfg.save.format == "kohya"
+    assert load_run([base_yaml], ["network.type=dora", "save.format=peft"], device=CPU).cfg.network.type == "dora"
+
+
+def test_dora_needs_the_family_format(tmp_path):
+    cfg = flux_yaml(tmp_path, "network:\n  type: dora\nsave:\n  format: comfyui\n")
+    with pytest.raises(ConfigError) as info:
+        load_run([cfg], [], device=CPU)
+    assert info.value.problems == [f"'save.format' in {cfg}:11: comfyui files hold plain LoRA weights, and "
+                                   f"network.type is dora ({cfg}:9); use save.format=diffusers (or auto), or "
+                                   "network.type=lora"]
+    assert load_run([cfg], ["save.format=diffusers"], device=CPU).cfg.save.format == "diffusers"

@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config.layers import Layer, peek
 from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS, applies_to
-from toolkit.config.schema import RunConfig
+from toolkit.config.schema import SAVE_FORMATS, RunConfig
 from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_args_problem
 from toolkit.errors import ConfigError
 
@@ -218,6 +218,22 @@ def _check_optimizer_args(cfg: DictConfig, sources: dict[str, str], problems: li
             problems.append(f"'{dotted}' in {sources.get(dotted, DEFAULTS_LABEL)}: {problem}")
 
 
+def _check_save_format(cfg: DictConfig, family: str, sources: dict[str, str], problems: list[str]) -> None:
+    """save.format against the formats the family writes; a DoRA network only fits the family's own format."""
+    fmt = OmegaConf.select(cfg, "save.format", throw_on_missing=False)
+    written = FAMILY_SPECS[family].save_formats
+    where = sources.get("save.format", DEFAULTS_LABEL)
+    if fmt not in SAVE_FORMATS:
+        return  # reported by the choices check
+    if fmt != "auto" and fmt not in written:
+        problems.append(f"'save.format' in {where}: {fmt} is not available for model.family {family}; use one of "
+                        f"{', '.join(('auto',) + written)}")
+    elif fmt not in ("auto", written[0]) and cfg.network.type == "dora":
+        problems.append(f"'save.format' in {where}: {fmt} files hold plain LoRA weights, and network.type is dora "
+                        f"({sources.get('network.type', DEFAULTS_LABEL)}); use save.format={written[0]} (or auto), "
+                        "or network.type=lora")
+
+
 def merge_layers(layers: list[Layer]) -> LoadedConfig:
     """Merge layers over the schema defaults and validate; raises ConfigError with every problem."""
     problems: list[str] = []
@@ -246,6 +262,7 @@ def merge_layers(layers: list[Layer]) -> LoadedConfig:
     _check_optimizer_args(cfg, sources, problems)
     if family is not None:
         _check_family_settings(cfg, family, set_by, problems)
+        _check_save_format(cfg, family, sources, problems)
     if problems:
         raise ConfigError(problems)
     return LoadedConfig(cfg=cfg, sources=sources, layers=list(layers))

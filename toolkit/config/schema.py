@@ -18,6 +18,7 @@ from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_spec
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+SAVE_FORMATS = ("auto", *dict.fromkeys(fmt for spec in FAMILY_SPECS.values() for fmt in spec.save_formats))
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 # train.optimizer's and train.optimizer_args' docs, from the optimizer registry (toolkit/optim/build.py).
 _OPTIMIZERS = "; ".join(f"{name} ({optimizer_spec(name).description})" for name in OPTIMIZER_NAMES)
@@ -141,7 +142,7 @@ class SaveSection:
     dtype: str = opt("bf16", "dtype of the exported LoRA weights.", choices=("fp32", "bf16", "fp16"), resume_safe=True)
     format: str = opt("auto", "Export format: auto (the family's: peft or diffusers), peft, diffusers; kohya (sd, sdxl) "
                       "or comfyui (every diffusion family) also write a file with ComfyUI / A1111 key names.",
-                      choices=("auto", "peft", "diffusers", "kohya", "comfyui"), resume_safe=True)
+                      choices=SAVE_FORMATS, resume_safe=True)
 
 
 @dataclass
