@@ -278,3 +278,13 @@ def test_dora_needs_the_family_format(tmp_path):
                                    f"network.type is dora ({cfg}:9); use save.format=diffusers (or auto), or "
                                    "network.type=lora"]
     assert load_run([cfg], ["save.format=diffusers"], device=CPU).cfg.save.format == "diffusers"
+
+
+def test_distributed_settings(base_yaml):
+    run = load_run([base_yaml], [], device=CPU)
+    assert run.cfg.device.distributed == "auto" and run.cfg.device.timeout_minutes == 30
+    with pytest.raises(ConfigError) as info:
+        load_run([base_yaml], ["device.distributed=fsdpp", "device.timeout_minutes=0"], device=CPU)
+    assert info.value.problems == [
+        "'device.distributed' in command line: 'fsdpp' is not one of auto, ddp, fsdp; did you mean 'fsdp'?",
+        "'device.timeout_minutes' in command line: 0 is below the minimum 1"]

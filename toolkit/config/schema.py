@@ -49,11 +49,11 @@ class DeviceSection:
                                  "model.expert_offload) plan with; unified-memory presets lower it.", minimum=0.05,
                                  resume_safe=True)
     distributed: str = opt("auto", "How several processes (`./start_toolkit.sh train CONFIG --gpus N`) share the work: "
-                           "ddp keeps a full copy of the model on every GPU and averages gradients; fsdp (not "
-                           "available yet) will shard the frozen base weights; auto: ddp.",
-                           choices=("auto", "ddp", "fsdp"), resume_safe=True)
-    timeout_minutes: int = opt(30, "How long a process waits for the others at a collective or barrier (the main "
-                               "process filling caches included) before the run stops with an error instead of "
+                           "ddp keeps a full copy of the model on every GPU and averages gradients; fsdp shards the "
+                           "frozen base weights (FSDP2) so a base that does not fit one GPU trains across several; "
+                           "auto: ddp.", choices=("auto", "ddp", "fsdp"), resume_safe=True)
+    timeout_minutes: int = opt(30, "How long a process waits for the others at a collective or barrier (cache filling "
+                               "on the main process included) before the run stops with an error instead of "
                                "hanging.", minimum=1, resume_safe=True)
 
 
