@@ -4,10 +4,12 @@ The parent process validates the config once (in cli.cmd_train), then `elastic_l
 `torchrun`) starts the workers: `python -u -m toolkit train <the same config arguments>`, each with
 RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set and the parent's environment (the ROCm
 variables that start_toolkit.sh exported included). There are no restarts: when one worker fails, the
-agent stops the others (SIGTERM, then SIGKILL after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) and
-the parent reports the first failed rank in one line. Workers recognise that they were launched from
-LOCAL_RANK/WORLD_SIZE, so `torchrun -m toolkit train ...` and `accelerate launch -m toolkit train ...`
-work the same way.
+agent stops the others (SIGTERM, then SIGKILL 30 s later for one that is still running, e.g. blocked in a
+collective, where a Python signal handler cannot run) and the parent reports the first failed rank in one
+line. On Ctrl-C the workers get SIGINT (the trainer finishes its step and saves), then SIGKILL after
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 by default); a second Ctrl-C sends SIGTERM at once.
+Workers recognise that they were launched from LOCAL_RANK/WORLD_SIZE, so `torchrun -m toolkit train ...`
+and `accelerate launch -m toolkit train ...` work the same way.
 """
 
 from __future__ import annotations
