@@ -6,10 +6,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from conftest import run_toolkit
+from conftest import REPO, run_toolkit
 from toolkit.config.run import load_run
-from toolkit.device.detect import cpu_device_info
+from toolkit.device.detect import DeviceInfo, cpu_device_info
 from toolkit.errors import ConfigError, UserError
 
 CPU = cpu_device_info("test")
@@ -103,7 +104,6 @@ def test_missing_file_and_bad_override(tmp_path, base_yaml):
 
 
 def test_bf16_refused_where_the_arch_has_none(base_yaml):
-    from toolkit.device.detect import DeviceInfo
     gfx906 = DeviceInfo("hip", "gfx906", "Radeon VII", 16.0, bf16=False)
     with pytest.raises(ConfigError, match="gfx906 has no bf16 support: use train.precision=fp16"):
         load_run([base_yaml], ["train.precision=bf16"], device=gfx906)
@@ -150,8 +150,6 @@ def test_a_family_setting_another_family_reads_is_an_error(tmp_path):
 
 
 def test_a_preset_setting_that_does_not_apply_is_no_error(base_yaml):
-    from toolkit.device.detect import DeviceInfo
-
     # The HIP presets turn device.vae_encode_cudnn off for every family; an llm run does not read it.
     gfx1100 = DeviceInfo("hip", "gfx1100", "RX 7900 XTX", 24.0, bf16=True)
     run = load_run([base_yaml], [], device=gfx1100)
@@ -288,3 +286,44 @@ def test_distributed_settings(base_yaml):
     assert info.value.problems == [
         "'device.distributed' in command line: 'fsdpp' is not one of auto, ddp, fsdp; did you mean 'fsdp'?",
         "'device.timeout_minutes' in command line: 0 is below the minimum 1"]
+
+
+EXAMPLES = sorted((REPO / "configs" / "examples").glob("*.yaml"))
+
+
+def preset_device(preset) -> DeviceInfo:
+    """A stand-in for the hardware a preset is for: its first arch (or a generic one), bf16 unless it asks for fp16."""
+    if preset.backend == "cpu":
+        return CPU
+    arch = preset.archs[0] if preset.archs else {"cuda": "sm_75", "hip": "gfx9999"}[preset.backend]
+    precision = preset.layer.data.get("train", {}).get("precision")
+    return DeviceInfo(preset.backend, arch, f"test {arch}", 64.0, bf16=precision not in ("fp16", None))
+
+
+@pytest.fixture(scope="module")
+def presets() -> dict:
+    from toolkit.config.presets import load_presets
+
+    return load_presets()
+
+
+@pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_config_validates_under_every_preset(config, presets, run_cli):
+    """`validate` on every configs/examples/*.yaml exits 0; the config merges under each preset in configs/presets/
+    and its auto values resolve on that preset's hardware; the llm examples' data files exist."""
+    from toolkit.config.layers import read_yaml_layer
+    from toolkit.config.load import merge_layers
+    from toolkit.config.resolve import resolve_auto
+
+    assert run_cli("validate", config) == 0
+    user = read_yaml_layer(config)
+    problems = []
+    for name, preset in presets.items():
+        try:
+            resolve_auto(merge_layers([preset.layer, user]).cfg, preset_device(preset), preset)
+        except UserError as err:
+            problems.append(f"preset {name}: {err}")
+    assert not problems, "\n".join(problems)
+    cfg = OmegaConf.load(config)
+    if cfg.model.family == "llm":
+        assert (REPO / cfg.data.path).is_file()
