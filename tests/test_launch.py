@@ -121,11 +121,11 @@ def _plan(*flags: str, visible: int = 0, backend: str = "cpu") -> launch.LaunchP
     return launch.plan_from_args(args, visible, backend)
 
 
-def test_multi_node_flags_reach_the_launch_config():
+def test_multi_node_flags_reach_the_launch_config(tmp_path):
     plan = _plan("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500",
                  "--gpus", "4", visible=8, backend="cuda")
     assert (plan.nproc_per_node, plan.nnodes, plan.node_rank, plan.world_size) == (4, 2, 1, 8)
-    config = launch.launch_config(plan, run_id="r1")
+    config = launch.launch_config(plan, str(tmp_path), run_id="r1")
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 4)
     assert config.rdzv_backend == "static" and config.rdzv_endpoint == "10.0.0.1:29500"
     assert config.rdzv_configs["rank"] == 1

@@ -192,8 +192,9 @@ def plan_from_args(args: argparse.Namespace, visible_gpus: int, device_backend: 
                      device_backend if visible_gpus else "cpu")
 
 
-def launch_config(plan: LaunchPlan, run_id: str | None = None, log_dir: str | None = None):
-    """torch's LaunchConfig for the plan: static rendezvous, no restarts."""
+def launch_config(plan: LaunchPlan, log_dir: str, run_id: str | None = None):
+    """torch's LaunchConfig for the plan: static rendezvous, no restarts. `log_dir` is the agent's folder
+    (it stays empty: the workers' output is not redirected); without one torch makes a new /tmp folder."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -270,7 +271,7 @@ def run_workers(plan: LaunchPlan, entrypoint: str, args: Sequence[str], run_id: 
 
     log_dir = tempfile.mkdtemp(prefix="toolkit-launch-")
     try:
-        config = launch_config(plan, run_id=run_id, log_dir=log_dir)
+        config = launch_config(plan, log_dir, run_id=run_id)
         with _worker_environment(plan.nproc_per_node), _quiet_agent():
             try:
                 elastic_launch(config, entrypoint)(*args)
