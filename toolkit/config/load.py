@@ -1,7 +1,9 @@
 """Layered config loading: defaults < preset < user YAML files < command line, validated strictly.
 
 Every problem (unknown key, wrong type, value out of range, missing required value, broken
-interpolation) is collected with the file and line it came from, then reported together.
+interpolation, a family setting set for a family that does not read it, an optimizer argument the optimizer
+does not take, a save format the family does not write) is collected with the file and line it came from,
+then reported together.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -266,13 +268,6 @@ def merge_layers(layers: list[Layer]) -> LoadedConfig:
     if problems:
         raise ConfigError(problems)
     return LoadedConfig(cfg=cfg, sources=sources, layers=list(layers))
-
-
-def load_config(user_layers: list[Layer], preset_layer_for: Callable[[list[Layer]], Layer | None]) -> LoadedConfig:
-    """Merge the preset (chosen from the user's layers) under the user's layers and validate."""
-    preset = preset_layer_for(user_layers)
-    layers = ([preset] if preset is not None else []) + list(user_layers)
-    return merge_layers(layers)
 
 
 def resolved_container(cfg: DictConfig) -> dict:
