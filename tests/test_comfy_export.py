@@ -1,4 +1,4 @@
-"""ComfyUI export for Flux, SD3 and Wan: the written keys, alphas, and a round trip through diffusers' own readers.
+"""ComfyUI export for Flux, SD3, Qwen-Image and Wan: the written keys, alphas, and a round trip through diffusers' own readers.
 
 Each test puts a PEFT LoRA (rank 4, non-zero B) on a tiny transformer, saves it with the pipeline's
 save_lora_weights, converts it with save_comfyui, reads the ComfyUI file back with the pipeline's lora_state_dict,
@@ -12,7 +12,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from toolkit.models.lora_export import save_comfyui
+from toolkit.models.lora_export import diffusers_keys_scaled, save_comfyui, wan_native_keys
+
+# Each family's ComfyUI key style, as its adapter names it (comfyui_keys).
+KEYS = {"flux": diffusers_keys_scaled, "sd3": diffusers_keys_scaled, "wan21": wan_native_keys, "wan22": wan_native_keys,
+        "qwen_image": diffusers_keys_scaled}
 
 RANK = 4
 METADATA = {"ss_network_dim": str(RANK), "toolkit_family": "test"}
@@ -38,7 +42,7 @@ def _export(tmp_path, pipeline_class, transformer, family: str, alpha: float):
 
     pipeline_class.save_lora_weights(tmp_path, transformer_lora_layers=get_peft_model_state_dict(transformer))
     diffusers_file = tmp_path / "pytorch_lora_weights.safetensors"
-    out = save_comfyui(diffusers_file, tmp_path / f"{family}_comfyui.safetensors", family, alpha,
+    out = save_comfyui(diffusers_file, tmp_path / f"{family}_comfyui.safetensors", KEYS[family], alpha,
                        {**METADATA, "ss_network_alpha": str(alpha)})
     return diffusers_file, out
 
@@ -126,7 +130,7 @@ def test_wan_native_keys_round_trip_through_diffusers(tmp_path):
 
     _assert_same_output(original, _reloaded(_tiny_wan_i2v, back), _wan_inputs())
 
-    wan22 = load_file(str(save_comfyui(diffusers_file, tmp_path / "wan22.safetensors", "wan22", alpha, METADATA)))
+    wan22 = load_file(str(save_comfyui(diffusers_file, tmp_path / "wan22.safetensors", KEYS["wan22"], alpha, METADATA)))
     assert wan22.keys() == comfy.keys() and all(torch.equal(wan22[k], comfy[k]) for k in comfy)
 
 
@@ -135,18 +139,16 @@ def test_wan_module_without_comfyui_name_is_an_error(tmp_path):
     save_file({"transformer.patch_embedding.lora_A.weight": torch.zeros(RANK, 4, 1, 2, 2),
                "transformer.patch_embedding.lora_B.weight": torch.zeros(24, RANK, 1, 1, 1)}, str(diffusers_file))
     with pytest.raises(ValueError, match="no ComfyUI Wan name for the LoRA modules \\['patch_embedding'\\]"):
-        save_comfyui(diffusers_file, tmp_path / "out.safetensors", "wan21", 8.0, METADATA)
+        save_comfyui(diffusers_file, tmp_path / "out.safetensors", KEYS["wan21"], 8.0, METADATA)
 
 
-def test_unknown_family_and_non_lora_keys_are_errors(tmp_path):
+def test_dora_keys_are_errors(tmp_path):
     diffusers_file = tmp_path / "lora.safetensors"
     save_file({"transformer.proj_out.lora_A.weight": torch.zeros(RANK, 8),
                "transformer.proj_out.lora_B.weight": torch.zeros(8, RANK),
                "transformer.proj_out.lora_magnitude_vector": torch.zeros(8)}, str(diffusers_file))
-    with pytest.raises(ValueError, match="valid: flux, sd3, wan21, wan22"):
-        save_comfyui(diffusers_file, tmp_path / "out.safetensors", "sdxl", 8.0, METADATA)
     with pytest.raises(ValueError, match="DoRA.*transformer.proj_out.lora_magnitude_vector"):
-        save_comfyui(diffusers_file, tmp_path / "out.safetensors", "flux", 8.0, METADATA)
+        save_comfyui(diffusers_file, tmp_path / "out.safetensors", KEYS["flux"], 8.0, METADATA)
 
 
 def test_rslora_scale_is_alpha_over_sqrt_rank(tmp_path):
@@ -156,10 +158,10 @@ def test_rslora_scale_is_alpha_over_sqrt_rank(tmp_path):
                "transformer.blocks.0.attn1.to_q.lora_B.weight": up,
                "transformer.proj_out.lora_A.weight": down.clone(), "transformer.proj_out.lora_B.weight": up.clone()},
               str(diffusers_file))
-    wan = load_file(str(save_comfyui(diffusers_file, tmp_path / "w.safetensors", "wan21", 8.0, METADATA, rslora=True)))
+    wan = load_file(str(save_comfyui(diffusers_file, tmp_path / "w.safetensors", KEYS["wan21"], 8.0, METADATA, rslora=True)))
     assert wan["diffusion_model.blocks.0.self_attn.q.alpha"].item() == 16.0  # alpha / rank = 8 / sqrt(4)
     assert torch.equal(wan["diffusion_model.head.head.lora_A.weight"], down * 4.0)
-    flux = load_file(str(save_comfyui(diffusers_file, tmp_path / "f.safetensors", "flux", 8.0, METADATA, rslora=True)))
+    flux = load_file(str(save_comfyui(diffusers_file, tmp_path / "f.safetensors", KEYS["flux"], 8.0, METADATA, rslora=True)))
     assert torch.equal(flux["transformer.proj_out.lora_A.weight"], down * 4.0)
 
 
@@ -199,6 +201,23 @@ def _sd3_inputs():
             "pooled_projections": torch.randn(1, 24, generator=g), "timestep": torch.tensor([500])}
 
 
+def _tiny_qwen_image():
+    """Qwen-Image layout (dual-stream blocks with img_mod / txt_mod), 2 blocks, 2 heads of 16."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                                       num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6))
+
+
+def _qwen_image_inputs():
+    g = torch.Generator().manual_seed(1)
+    return {"hidden_states": torch.randn(1, 16, 16, generator=g), "encoder_hidden_states": torch.randn(1, 5, 16, generator=g),
+            "timestep": torch.tensor([0.5]), "img_shapes": [[(1, 4, 4)]]}
+
+
+QWEN_LINEAR = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "img_mod.1",
+               "txt_mod.1", "net.0.proj", "net.2", "img_in", "txt_in", "linear_1", "linear_2", "norm_out.linear",
+               "proj_out"]
 ALL_LINEAR = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "proj_mlp",
               "proj_out", "norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear", "x_embedder",
               "context_embedder", "linear_1", "linear_2", "net.0.proj", "net.2"]
@@ -208,12 +227,13 @@ SD3_LINEAR = [t for t in ALL_LINEAR if t not in ("proj_mlp", "norm.linear", "x_e
 @pytest.mark.parametrize("family, make_transformer, targets, inputs, known_module", [
     ("flux", _tiny_flux, ALL_LINEAR, _flux_inputs, "single_transformer_blocks.0.proj_mlp"),
     ("sd3", _tiny_sd35, SD3_LINEAR, _sd3_inputs, "transformer_blocks.0.attn2.to_q"),
+    ("qwen_image", _tiny_qwen_image, QWEN_LINEAR, _qwen_image_inputs, "transformer_blocks.1.txt_mod.1"),
 ])
 def test_flux_sd3_keep_diffusers_keys_with_the_scale_folded_in(tmp_path, family, make_transformer, targets, inputs,
                                                                  known_module):
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
 
-    pipeline_class = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline}[family]
+    pipeline_class = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline, "qwen_image": QwenImagePipeline}[family]
     alpha = 8.0
     original = _lora(make_transformer, targets, alpha)
     diffusers_file, out = _export(tmp_path, pipeline_class, original, family, alpha)

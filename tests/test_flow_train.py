@@ -13,6 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import REPO
+from helpers import adapter_for, mean_loss
 from toolkit.config.run import load_run
 from toolkit.models import build_adapter
 from toolkit.models.base import Runtime
@@ -30,10 +31,7 @@ def _args(config: str, out: Path, *extra: str) -> list[str]:
 
 
 def _adapter(config: str, tmp_path: Path, *overrides: str):
-    run = load_run([REPO / "configs/examples" / config], [f"run.output_dir={tmp_path}", *overrides])
-    adapter = build_adapter(run.cfg, Runtime(torch.device("cpu"), run.device, torch.float32, torch.float32, tmp_path))
-    adapter.load()
-    return adapter, adapter.dataset()
+    return adapter_for(config, tmp_path, *overrides)
 
 
 def _losses(out: Path) -> list[float]:
@@ -45,8 +43,14 @@ def _pixels(images) -> np.ndarray:
     return np.asarray(images[0], dtype=np.int16)
 
 
-@pytest.mark.parametrize("family, pipeline_name", [("flux", "FluxPipeline"), ("sd3", "StableDiffusion3Pipeline")])
-def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(family, pipeline_name, tmp_path, run_cli, capsys):
+# family, its pipeline, and the pipeline call settings that match the quickstart's samples
+@pytest.mark.parametrize("family, pipeline_name, guidance", [
+    ("flux", "FluxPipeline", dict(guidance_scale=3.5)),
+    ("sd3", "StableDiffusion3Pipeline", dict(guidance_scale=3.0)),
+    ("qwen_image", "QwenImagePipeline", dict(true_cfg_scale=4.0, negative_prompt=" ")),  # true CFG
+])
+def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(family, pipeline_name, guidance, tmp_path,
+                                                                            run_cli, capsys):
     out = tmp_path / "run"
     # alpha != rank: the file's adapter metadata makes diffusers scale by alpha/rank, as training did
     assert run_cli(*_args(f"quickstart_{family}.yaml", out, "sample.prompts=[sks a red circle]", "network.alpha=16")) == 0
@@ -63,13 +67,14 @@ def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(fami
     if family == "flux":  # single blocks, but not the model's final proj_out
         assert "transformer.single_transformer_blocks.0.proj_out.lora_A.weight" in weights
         assert not any(k.startswith("transformer.proj_out.") for k in weights)
-        assert (out / "final" / "quickstart_flux_comfyui.safetensors").is_file()
+    if family != "sd3":  # the quickstarts with save.format=comfyui
+        assert (out / "final" / f"quickstart_{family}_comfyui.safetensors").is_file()
 
     import diffusers
 
     pipe = getattr(diffusers, pipeline_name).from_pretrained(resolve_model_path(f"tiny:{family}"))
     pipe.set_progress_bar_config(disable=True)
-    call = dict(num_inference_steps=2, width=64, height=64, guidance_scale=3.5 if family == "flux" else 3.0)
+    call = dict(num_inference_steps=2, width=64, height=64, **guidance)
 
     def generate() -> np.ndarray:
         return _pixels(pipe("sks a red circle", generator=torch.Generator("cpu").manual_seed(42), **call).images)
@@ -89,7 +94,7 @@ def test_flux_loss_is_the_velocity_mse_with_resolution_dependent_shift(tmp_path)
     batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 1][:2])  # 128x64 bucket
     torch.manual_seed(0)
     with torch.no_grad():
-        loss = adapter.loss(batch)
+        loss = mean_loss(adapter, batch)
         torch.manual_seed(0)
         latents = batch["latents"]
         b, c, h, w = latents.shape
@@ -168,7 +173,8 @@ def experts_seen(monkeypatch) -> list:
 
     seen = []
     loss = Wan22Adapter.loss
-    monkeypatch.setattr(Wan22Adapter, "loss", lambda self, batch: seen.append(self.expert_for_step()) or loss(self, batch))
+    monkeypatch.setattr(Wan22Adapter, "loss", lambda self, batch, modules:
+                        seen.append((self.active_denoiser(), *self.noise_range())) or loss(self, batch, modules))
     return seen
 
 
@@ -247,7 +253,7 @@ def test_wan22_5b_takes_a_timestep_per_latent_patch(tmp_path):
 
     adapter.pipe.transformer.forward = spy
     batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 1][:2])  # 9-frame clips
-    loss = adapter.loss(batch)
+    loss = mean_loss(adapter, batch)
     # 9 frames -> 3 latent frames; 64 px / 16 -> 4x4 latents -> 2x2 patches: 12 tokens, one timestep each
     assert batch["latents"].shape == (2, 48, 3, 4, 4) and seen["timestep"].shape == (2, 12)
     assert torch.isfinite(loss)
@@ -297,4 +303,5 @@ def test_text_encoder_lora_is_refused_before_loading_a_flow_model(tmp_path, run_
 
     monkeypatch.setattr(diffusers.FluxPipeline, "from_pretrained", lambda *a, **k: pytest.fail("loaded anyway"))
     assert run_cli(*_args("quickstart_flux.yaml", tmp_path / "run", "train.train_text_encoder=true")) == 2
-    assert "train.train_text_encoder: not available for the flux family" in capsys.readouterr().err
+    assert ("'train.train_text_encoder' in command line has no effect for model.family flux"
+            in capsys.readouterr().err)

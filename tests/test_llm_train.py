@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from helpers import cpu_runtime
 from toolkit.cli import main
 from toolkit.errors import UserError
 from toolkit.paths import resolve_model_path
@@ -58,7 +59,7 @@ def test_chat_prompts_go_through_the_template(chat_run):
     from toolkit.models.llm import LLMAdapter
 
     run = load_run([chat_run / "config.yaml"], [])
-    adapter = LLMAdapter(run.cfg, runtime=None)
+    adapter = LLMAdapter(run.cfg, cpu_runtime(run, chat_run))
     from transformers import AutoTokenizer
     adapter.tokenizer = AutoTokenizer.from_pretrained(adapter.model_path)
     assert adapter.data_format() == "chat"
@@ -191,7 +192,7 @@ def test_qlora_4bit_trains_on_cpu(tmp_path, monkeypatch):
 
 # -- HIP decisions, with a fake HIP DeviceInfo on the CPU ----------------------------------------
 
-def hip_adapter(tmp_path, name_or_path: str, quantize: str):
+def hip_adapter(tmp_path, name_or_path: str, quantize: str, notes: list | None = None):
     from toolkit.config.run import load_run
     from toolkit.device.detect import DeviceInfo
     from toolkit.models.base import Runtime
@@ -200,7 +201,8 @@ def hip_adapter(tmp_path, name_or_path: str, quantize: str):
     run = load_run([REPO / "configs/examples/quickstart_llm.yaml"],
                    [f"model.name_or_path={name_or_path}", f"model.quantize={quantize}", f"run.output_dir={tmp_path}"])
     info = DeviceInfo(backend="hip", arch="gfx1151", name="fake", memory_gb=96.0, bf16=True)
-    return LLMAdapter(run.cfg, Runtime(torch.device("cpu"), info, torch.float32, torch.float32, tmp_path))
+    log = notes.append if notes is not None else print
+    return LLMAdapter(run.cfg, Runtime(torch.device("cpu"), info, torch.float32, torch.float32, tmp_path, log=log))
 
 
 def test_hip_refuses_a_prequantized_checkpoint(tmp_path):
@@ -217,14 +219,15 @@ def test_hip_refuses_a_prequantized_checkpoint(tmp_path):
 def test_hip_quantizes_after_loading_16bit_weights(tmp_path):
     bnb = pytest.importorskip("bitsandbytes")
 
-    adapter = hip_adapter(tmp_path, "tiny:llm", "4bit")
+    notes = []
+    adapter = hip_adapter(tmp_path, "tiny:llm", "4bit", notes)
     adapter.load()
-    assert any("quantizing the linear layers after loading" in n for n in adapter.notes)
-    assert "model: quantized 14 linear layers to 4bit after loading" in adapter.notes
+    assert any("quantizing the linear layers after loading" in n for n in notes)
+    assert "model: quantized 14 linear layers to 4bit after loading" in notes
     q_proj = adapter.network.base_model.model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj.base_layer, bnb.nn.Linear4bit)
     ids = torch.tensor([[1, 20, 30, 40]])
-    loss = adapter.loss({"input_ids": ids, "labels": ids})
+    loss = adapter.loss({"input_ids": ids, "labels": ids}, adapter.trainable_modules())
     loss.backward()
     assert torch.isfinite(loss) and q_proj.lora_A["default"].weight.grad is not None
 

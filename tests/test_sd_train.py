@@ -14,10 +14,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import REPO
+from helpers import adapter_for, mean_loss
 from toolkit.config.run import load_run
 from toolkit.models import build_adapter
 from toolkit.models.base import Runtime
-from toolkit.models.diffusion_sd import StableDiffusionAdapter, min_snr_weights, sample_timesteps
+from toolkit.models.diffusion_sd import StableDiffusionAdapter
+from toolkit.models.objectives import min_snr_weights, sample_timesteps
 from toolkit.paths import resolve_model_path
 from toolkit.tiny.fixtures import write_shapes_dataset
 
@@ -37,10 +39,7 @@ def _args(config: str, shapes: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _adapter(config: str, shapes: Path, tmp_path: Path, *overrides: str):
-    run = load_run([REPO / "configs/examples" / config], [f"data.path={shapes}", f"run.output_dir={tmp_path}", *overrides])
-    adapter = build_adapter(run.cfg, Runtime(torch.device("cpu"), run.device, torch.float32, torch.float32, tmp_path))
-    adapter.load()
-    return adapter, adapter.dataset()
+    return adapter_for(config, tmp_path, f"data.path={shapes}", *overrides)
 
 
 def test_sd_trains_saves_a_diffusers_lora_and_reuses_its_caches(shapes, tmp_path, run_cli, monkeypatch, capsys):
@@ -102,18 +101,18 @@ def test_sd_trains_saves_a_diffusers_lora_and_reuses_its_caches(shapes, tmp_path
 def test_loss_is_the_mse_against_the_scheduler_target(shapes, tmp_path, model, prediction_type, noise_offset):
     adapter, dataset = _adapter("quickstart_sd.yaml", shapes, tmp_path, f"model.name_or_path={model}",
                                 f"train.noise_offset={noise_offset}")
-    assert adapter.prediction_type == prediction_type
+    assert adapter.objective.prediction_type == prediction_type
     batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 0])
     torch.manual_seed(0)
     with torch.no_grad():
-        loss = adapter.loss(batch)
+        loss = mean_loss(adapter, batch)
         torch.manual_seed(0)
         latents = batch["latents"]
         noise = torch.randn_like(latents)
         if noise_offset:
             noise = noise + noise_offset * torch.randn(latents.shape[0], latents.shape[1], 1, 1)
         timesteps = torch.randint(0, 1000, (latents.shape[0],))
-        scheduler = adapter.noise_scheduler
+        scheduler = adapter.objective.scheduler
         pred = adapter.pipe.unet(scheduler.add_noise(latents, noise, timesteps), timesteps, batch["prompt_embeds"]).sample
         target = noise if prediction_type == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
     assert latents.shape == (2, 4, 32, 32)
@@ -144,7 +143,10 @@ def test_min_snr_weights():
 def test_sdxl_conditions_on_sizes_and_exports_kohya(shapes, tmp_path, run_cli, capsys):
     adapter, dataset = _adapter("quickstart_sdxl.yaml", shapes, tmp_path / "probe")
     wide = [i for i, item in enumerate(dataset.items) if item.size == (128, 64)]
-    latents, embeds, added = adapter.conditioning(dataset.collate(wide))
+    batch = dataset.collate(wide)
+    latents = adapter.latents_of(batch)
+    cond = adapter.conditioning(batch, adapter.trainable_modules())
+    embeds, added = cond["prompt_embeds"], adapter.unet_kwargs(cond, batch, torch.float32)["added_cond_kwargs"]
     assert latents.shape == (2, 4, 32, 64) and embeds.shape == (2, 77, 64)  # two encoders: 32 + 32
     assert added["text_embeds"].shape == (2, 32)
     assert added["time_ids"].tolist() == [[64.0, 128.0, 0.0, 0.0, 64.0, 128.0]] * 2

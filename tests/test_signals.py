@@ -30,9 +30,9 @@ def loss_failing_at(monkeypatch, calls: set[int], make) -> None:
     original = LLMAdapter.loss
     count = {"n": 0}
 
-    def loss(self, batch):
+    def loss(self, batch, modules):
         count["n"] += 1
-        value = original(self, batch)
+        value = original(self, batch, modules)
         return make(value) if count["n"] in calls else value
 
     monkeypatch.setattr(LLMAdapter, "loss", loss)

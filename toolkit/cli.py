@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if str(err):  # empty: another process of the run failed and printed its error
+            print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     except StopRequested as stop:
         print(str(stop), file=sys.stderr)

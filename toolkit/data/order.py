@@ -1,9 +1,11 @@
 """The order batches are drawn in: deterministic per (seed, epoch), resumable at any position.
 
 Items are grouped (aspect-ratio buckets for images, one group for text); a batch never mixes
-groups. Each epoch shuffles items within groups, cuts them into batches and shuffles the batches.
+groups. Each epoch shuffles items within groups, cuts them into global batches (batch_size x
+world_size items) and shuffles the batches. With several processes each takes its own contiguous share
+of every global batch, so 2 processes x batch b see exactly the items of 1 process x batch 2b, and a run
+resumed on another number of processes with the same global batch draws the same items.
 The state is (epoch, position), so a resumed run draws exactly the batches it would have drawn.
-With several processes each takes its own batch of every `world_size` consecutive batches.
 """
 
 from __future__ import annotations
@@ -31,22 +33,32 @@ def epoch_batches(groups: Sequence[int], batch_size: int, seed: int, epoch: int,
     return batches
 
 
+def shard(batch: list[int], world_size: int, rank: int) -> list[int]:
+    """This rank's contiguous share of a global batch (sizes differ by at most one). A batch with fewer items
+    than processes (the tail of a small bucket) gives each rank one item, repeating items."""
+    if len(batch) < world_size:
+        return [batch[rank % len(batch)]]
+    size, extra = divmod(len(batch), world_size)
+    start = rank * size + min(rank, extra)
+    return batch[start:start + size + (1 if rank < extra else 0)]
+
+
 class BatchOrder:
-    """Yields batches of item indices forever, epoch after epoch; `state_dict` marks the position."""
+    """Yields this process's batches of item indices forever, epoch after epoch; `state_dict` marks the position."""
 
     def __init__(self, groups: Sequence[int], batch_size: int, seed: int, shuffle: bool = True,
                  world_size: int = 1, rank: int = 0):
         if len(groups) == 0:
             raise ValueError("BatchOrder needs at least one item")
         self.groups = list(groups)
-        self.batch_size = batch_size
+        self.batch_size = batch_size * world_size   # the global batch
         self.seed = seed
         self.shuffle = shuffle
         self.world_size = world_size
         self.rank = rank
         self.epoch = 0
-        self.position = 0  # index of the next batch in this epoch's list (counting every process's)
-        self._batches = epoch_batches(self.groups, batch_size, seed, 0, shuffle)
+        self.position = 0  # index of the next global batch in this epoch's list
+        self._batches = epoch_batches(self.groups, self.batch_size, seed, 0, shuffle)
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -54,21 +66,23 @@ class BatchOrder:
         self._batches = epoch_batches(self.groups, self.batch_size, self.seed, epoch, self.shuffle)
 
     def next_batch(self) -> list[int]:
-        """This process's next batch; every process advances by world_size batches."""
-        if self.position + self.world_size > len(self._batches):
+        """This process's share of the next global batch."""
+        if self.position >= len(self._batches):
             self._start_epoch(self.epoch + 1)
-        batch = self._batches[(self.position + self.rank) % len(self._batches)]
-        self.position += self.world_size
-        return batch
+        batch = self._batches[self.position]
+        self.position += 1
+        return shard(batch, self.world_size, self.rank)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "batch_size": self.batch_size, "num_items": len(self.groups), "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        # batch_size is the global batch (per-process batch x processes); older checkpoints ran one process.
         for key in ("seed", "batch_size", "num_items"):
             current = {"seed": self.seed, "batch_size": self.batch_size, "num_items": len(self.groups)}[key]
             if state[key] != current:
-                raise ValueError(f"data order mismatch on resume: {key} was {state[key]}, now {current}")
+                name = "global batch size" if key == "batch_size" else key
+                raise ValueError(f"data order mismatch on resume: {name} was {state[key]}, now {current}")
         self._start_epoch(state["epoch"])
         self.position = state["position"]

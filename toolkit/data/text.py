@@ -229,10 +229,3 @@ def build_text_data(data_cfg, tokenizer, seed: int) -> TextData:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train = PackedTextDataset(samples, data_cfg.max_seq_len) if data_cfg.packing else TextDataset(samples, pad)
     return TextData(train, TextDataset(eval_samples, pad) if eval_samples else None, fmt)
-
-
-def token_loss_sum(logits_loss_mean: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-    """(sum of token losses, token count) from a batch's mean causal-LM loss and its labels."""
-    count = int((labels[..., 1:] != IGNORE_INDEX).sum())
-    return (float(logits_loss_mean) * count if count else 0.0), count
-

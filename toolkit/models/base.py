@@ -1,29 +1,54 @@
-"""The model adapter interface: everything family-specific lives behind it.
+"""The model adapter contract: everything family-specific lives behind it.
 
-The trainer never asks which family it is training; it calls these methods.
+The trainer never asks which family it is training. It drives every adapter through the same sequence:
+
+    adapter = AdapterClass(cfg, runtime)
+    adapter.load()                      # base weights, frozen, with the LoRA added
+    dataset = adapter.prepare_data()    # data and caches (the VAE / text encoders may come and go here)
+    adapter.place_for_training()        # trainable modules (and what they need) onto the device
+    modules = {name: wrap(m) for name, m in adapter.trainable_modules().items()}   # DDP when several processes
+    each step: adapter.begin_step(step); weight = adapter.loss_weight(batch); adapter.loss(batch, modules)
+
+`loss` must call the modules it is given (the trainer's wrappers), never its own references to them: DDP
+averages gradients only for a forward through its wrapper. The optional hooks have no-op defaults on
+AdapterBase; the trainer calls them unconditionally and never probes an adapter with getattr.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 from omegaconf import DictConfig
 
+from toolkit.config.families import FamilySpec, family_spec
 from toolkit.device.detect import DeviceInfo
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass
 class Runtime:
-    """Where and how the adapter runs: the resolved device, dtypes and output folder."""
+    """Where and how the adapter runs: device, dtypes, run folder, and how it logs and shares work with
+    other processes (the trainer fills these in; the defaults describe a single process)."""
 
     device: torch.device
     info: DeviceInfo
     base_dtype: torch.dtype        # frozen base weights
     compute_dtype: torch.dtype     # autocast dtype (fp32 means no autocast)
     run_dir: Path
+    log: Callable[[str], None] = _stderr          # the run's log; silent on every process but the main one
+    is_main: bool = True
+    world_size: int = 1
+    rank: int = 0
+    main_process_first: Callable[[], AbstractContextManager] = field(default=nullcontext)
+    """Context for work that writes shared files (caches): the main process runs it first, then the others."""
 
 
 class TrainDataset(Protocol):
@@ -38,26 +63,33 @@ class TrainDataset(Protocol):
 
 
 class ModelAdapter(Protocol):
-    """One model family: loading, data, loss, sampling and LoRA files."""
+    """One model family: loading, data, loss, sampling and LoRA files (see the module docstring)."""
 
-    family: str
+    spec: FamilySpec
     network: torch.nn.Module
-    """The module that holds the trainable LoRA weights (the trainer may wrap it for DDP)."""
+    """The root module of every LoRA weight; its parameter names are the names in checkpoints."""
 
     def load(self) -> None:
         """Load the base model from cfg.model.name_or_path, freeze it and add the LoRA."""
 
+    def prepare_data(self) -> TrainDataset:
+        """The training data (cfg.data), with its caches filled; leaves the trainable modules where they are."""
+
+    def place_for_training(self) -> None:
+        """Put the trainable modules and what their forward needs onto the device (after prepare_data)."""
+
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules that carry LoRA weights, each run by its own forward: what the trainer wraps."""
+
     def lora_targets(self) -> list[str]:
         """The names of the modules that carry LoRA weights."""
 
-    def dataset(self) -> TrainDataset:
-        """The training data for this family (cfg.data)."""
+    def loss_weight(self, batch: dict[str, Any]) -> int:
+        """How many units (tokens, samples) the loss of `batch` averages over, counted before the forward."""
 
-    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
-        """The scalar training loss of a batch."""
-
-    def eval_loss(self) -> float | None:
-        """Loss on held-out data, or None when the family/config has none."""
+    def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
+        """The SUM of the batch's per-unit losses, computed through `modules` (the trainer divides by the
+        step's total loss_weight over micro-batches and processes, so every unit counts the same)."""
 
     def sample(self, out_dir: Path) -> list[Path]:
         """Generate from cfg.sample.prompts into out_dir; return the files written."""
@@ -71,12 +103,73 @@ class ModelAdapter(Protocol):
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
         """Export the LoRA in the ecosystem's format (cfg.save.format) into out_dir."""
 
-    def load_lora(self, path: Path) -> None:
-        """Load an exported LoRA (for sampling from a finished run)."""
 
-    # Optional: `begin_step(step)`, called before each optimizer step (1-based) when the adapter has it, for
-    # state that follows the step number (the Wan 2.2 expert being trained); `memory_fixes()`, out-of-memory
-    # remedies specific to the family; `cudnn_sdpa` (bool), the family's default for device.cudnn_sdpa=auto.
+class AdapterBase:
+    """What every adapter shares: the config, runtime and spec, LoRA state dicts over `network`, and the
+    optional hooks with their defaults."""
+
+    network: torch.nn.Module | None
+
+    def __init__(self, cfg: DictConfig, runtime: Runtime):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.spec = family_spec(cfg.model.family)
+        self.network = None
+
+    @property
+    def family(self) -> str:
+        return self.spec.name
+
+    def log(self, message: str) -> None:
+        self.runtime.log(message)
+
+    # -- LoRA weights ----------------------------------------------------------------------
+    def lora_targets(self) -> list[str]:
+        return sorted({n.rsplit(".lora_A", 1)[0] for n, _ in self.network.named_parameters() if ".lora_A" in n})
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        return trainable_state_dict(self.network)
+
+    def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_trainable_state_dict(self.network, state)
+
+    # -- optional hooks (no-op defaults) ------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Called before optimizer step `step` (1-based), for state that follows the step number."""
+
+    def eval_loss(self) -> float | None:
+        """Mean loss on held-out data, or None when the family/config has none."""
+        return None
+
+    def memory_fixes(self) -> list[str]:
+        """Out-of-memory remedies specific to the family (the trainer adds the generic ones)."""
+        return []
+
+    def tokens_in(self, batch: dict[str, Any]) -> int:
+        """Tokens in a batch, for the tokens/s metric (0: the family does not count tokens)."""
+        return 0
+
+    def unused_parameters(self) -> bool:
+        """Whether some LoRA weights get no gradient in a step (DDP must then look for them)."""
+        return False
+
+    def state_dict(self) -> dict:
+        """Adapter state beyond the LoRA tensors, saved in checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict returned."""
+
+
+@contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """`module` in eval mode for the block (dropout off), then back in the mode it was in."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
 
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -1,40 +1,44 @@
 """What every diffusion family shares: a diffusers pipeline, PEFT LoRA on its denoiser(s), cached latents and
-text embeddings, samples, and LoRA files in the diffusers format that `pipe.load_lora_weights` reads.
+text embeddings, the training loss (written once: latents -> objective.noise -> the family's predict ->
+objective.loss), samples, and LoRA files in the diffusers format that `pipe.load_lora_weights` reads.
 
-A family sets its pipeline class, which components carry the LoRA (`denoiser_names`), its text encoders,
-its default LoRA targets, and implements `encode_text`, `loss` and `generate`. sd/sdxl (diffusion_sd.py)
-and the flow-matching families (diffusion_flow.py: flux, sd3, wan) build on this class.
+A family sets its pipeline class, which components carry the LoRA (`denoiser_names`), its text encoders and
+the text tensors its denoiser takes (`text_keys`), its default LoRA targets, its objective (setup_training),
+and implements `encode_text`, `predict` and `generate`. sd/sdxl (diffusion_sd.py) and the flow-matching
+families (diffusion_flow.py, diffusion_wan.py) build on this class.
 """
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from toolkit.data.captions import apply_trigger
 from toolkit.data.images import DiffusionDataset, caption_rules, load_pixels, scan_images
 from toolkit.data.latent_cache import TensorCache, cache_key
 from toolkit.errors import UserError
-from toolkit.models.base import Runtime
+from toolkit.models.base import AdapterBase, Runtime, eval_mode
 from toolkit.models.diffusion_files import DiffusersLoraFiles
+from toolkit.models.lora import lora_config
+from toolkit.models.objectives import Noised
 from toolkit.paths import cache_root, resolve_model_path
 
-def target_module_list(value: Any, auto: list[str] | str, all_linear: list[str] | str) -> list[str] | str:
-    """network.target_modules for a denoiser: auto, all-linear (the family's lists), or a list of module names."""
-    if value == "auto":
-        return auto
-    if value == "all-linear":
-        return all_linear
-    if OmegaConf.is_list(value) or isinstance(value, list):
-        names = list(value)
-        if names and all(isinstance(n, str) for n in names):
-            return names
-    raise UserError(f"network.target_modules: expected auto, all-linear or a list of module names, got {value!r}")
+TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
+@dataclass
+class Denoiser:
+    """What a family's predict() gets: the module to call (the trainer's wrapper, e.g. DDP, of the pipeline
+    component) and the component's dtype and config, which a wrapper does not expose."""
+
+    forward: torch.nn.Module
+    dtype: torch.dtype
+    config: Any
 
 
 def unbatch(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -43,24 +47,21 @@ def unbatch(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return [{k: v[i] for k, v in tensors.items()} for i in range(n)]
 
 
-class DiffusionAdapter(DiffusersLoraFiles):
-    family = ""
+class DiffusionAdapter(DiffusersLoraFiles, AdapterBase):
     denoiser_names: tuple[str, ...] = ("unet",)      # pipeline components that carry the LoRA
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
+    text_keys: tuple[str, ...] = ("prompt_embeds",)   # the cached text tensors the denoiser takes
     # sd/sdxl sample from prompt strings and keep their (small) text encoders; the flow families sample
     # from cached embeddings, so their text encoders (T5-XXL, UMT5-XXL: 10+ GB) can be freed after caching.
     samples_need_text_encoders = True
-    text_encoder_lora = False                        # train.train_text_encoder is supported
     uses_negative_prompt = True                      # samples take negative embeddings (Flux-dev does not)
 
     def __init__(self, cfg: DictConfig, runtime: Runtime):
-        self.cfg = cfg
-        self.runtime = runtime
+        super().__init__(cfg, runtime)
         self.model_path = resolve_model_path(cfg.model.name_or_path)
-        self.network: torch.nn.Module | None = None
         self.pipe = None
+        self.objective = None   # DDPMObjective or FlowObjective, set by setup_training
         self.prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
-        self.log = lambda msg: print(msg, file=sys.stderr, flush=True)
         self.timestep_sampling = cfg.train.timestep_sampling  # resolved from auto per family (config/resolve.py)
 
     # -- family hooks ----------------------------------------------------------------------
@@ -74,10 +75,12 @@ class DiffusionAdapter(DiffusersLoraFiles):
         raise NotImplementedError
 
     def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
-        """Batched text conditioning (prompt_embeds and whatever else the denoiser takes) for captions."""
+        """Batched text conditioning (the `text_keys` tensors) for captions, batch first."""
         raise NotImplementedError
 
-    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+    def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
+                batch: dict[str, Any]) -> torch.Tensor:
+        """The denoiser's prediction for `noised`, in the latents' layout: the one forward a family writes."""
         raise NotImplementedError
 
     def generate(self, prompt: str, seed: int) -> list:
@@ -85,7 +88,8 @@ class DiffusionAdapter(DiffusersLoraFiles):
         raise NotImplementedError
 
     def place_denoisers(self) -> None:
-        """Put the denoiser(s) on the device (the flow families quantize first, or keep one expert off it)."""
+        """At load, before the LoRA is added: put the denoiser(s) on the device (the flow families quantize
+        here and wait with 16-bit weights until place_for_training, after the caches are filled)."""
         for name in self.denoiser_names:
             self.component(name).to(self.runtime.device)  # move first, then add LoRA: large cast copies fail on HIP
 
@@ -99,13 +103,9 @@ class DiffusionAdapter(DiffusersLoraFiles):
 
     def load(self) -> None:
         from diffusers.utils import logging as diffusers_logging
-        from peft import LoraConfig
 
         diffusers_logging.disable_progress_bar()  # "Loading pipeline components" says nothing a user can act on
         self.check_save_format()
-        if self.cfg.train.train_text_encoder and not self.text_encoder_lora:
-            raise UserError(f"train.train_text_encoder: not available for the {self.family} family (its text "
-                            "embeddings are cached and its encoders freed); set train.train_text_encoder=false")
         try:
             self.pipe = self.pipeline_class().from_pretrained(self.model_path, dtype=self.runtime.base_dtype,
                                                               revision=self.cfg.model.revision, **self.pipeline_kwargs())
@@ -120,20 +120,18 @@ class DiffusionAdapter(DiffusersLoraFiles):
         self.setup_training()
         self.place_denoisers()
         net, train = self.cfg.network, self.cfg.train
-        lora = dict(r=net.rank, lora_alpha=net.alpha, lora_dropout=net.dropout, init_lora_weights="gaussian",
-                    use_dora=net.type == "dora", use_rslora=net.rslora)
         modules = {}
         for name in self.lora_denoiser_names():
             denoiser = self.component(name)
-            denoiser.add_adapter(LoraConfig(target_modules=self.lora_target_modules(), **lora))
+            denoiser.add_adapter(lora_config(net, self.lora_target_modules(), init_lora_weights="gaussian"))
             if train.gradient_checkpointing:
                 denoiser.enable_gradient_checkpointing()
             modules[name] = denoiser
-        if train.train_text_encoder:
+        if self.trains_text_encoders:
             for name in self.text_encoder_names:
                 encoder = self.component(name)
                 encoder.to(self.runtime.device)
-                encoder.add_adapter(LoraConfig(target_modules=["q_proj", "k_proj", "v_proj", "out_proj"], **lora))
+                encoder.add_adapter(lora_config(net, TEXT_ENCODER_TARGETS, init_lora_weights="gaussian"))
                 modules[name] = encoder
         self.network = torch.nn.ModuleDict(modules)
         for p in self.network.parameters():  # LoRA weights train in fp32 over a bf16/fp16 base
@@ -141,14 +139,48 @@ class DiffusionAdapter(DiffusersLoraFiles):
                 p.data = p.data.float()
 
     def setup_training(self) -> None:
-        """Family set-up between loading and LoRA (noise schedule, sigma sampler, memory plan)."""
+        """Family set-up between loading and LoRA: the objective (noise schedule, sigma sampler), memory plan."""
 
     def lora_denoiser_names(self) -> list[str]:
         """The denoisers that get a LoRA (Wan 2.2 may train one expert of two)."""
         return list(self.denoiser_names)
 
-    def lora_targets(self) -> list[str]:
-        return sorted({n.rsplit(".lora_A", 1)[0] for n, _ in self.network.named_parameters() if ".lora_A" in n})
+    @property
+    def trains_text_encoders(self) -> bool:
+        """train.train_text_encoder (config validation refuses it for families whose spec does not read it)."""
+        return "train.train_text_encoder" in self.spec.settings and bool(self.cfg.train.train_text_encoder)
+
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        return dict(self.network.items())
+
+    def place_for_training(self) -> None:
+        """The denoisers onto the device once the caches are filled (sd/sdxl put theirs there at load)."""
+
+    # -- loss ------------------------------------------------------------------------------
+    def active_denoiser(self) -> str:
+        """The denoiser trained at this step (Wan 2.2 alternates its experts)."""
+        return self.lora_denoiser_names()[0]
+
+    def noise_range(self) -> tuple[float, float]:
+        """The noise levels (fractions of the schedule) this step trains: a Wan 2.2 expert's range."""
+        return 0.0, 1.0
+
+    def conditioning(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+        """The text tensors (and any other conditioning) the denoiser takes, on the device."""
+        return self.text_conditioning(batch, self.text_keys, modules)
+
+    def loss_weight(self, batch: dict[str, Any]) -> int:
+        return int((batch["latents"] if "latents" in batch else batch["pixels"]).shape[0])
+
+    def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
+        """Sum over the batch of each sample's loss: noise the latents, let the family predict, weigh."""
+        latents = self.latents_of(batch)
+        cond = self.conditioning(batch, modules)
+        name = self.active_denoiser()
+        noised = self.objective.noise(latents, *self.noise_range())
+        component = self.component(name)
+        pred = self.predict(Denoiser(modules[name], component.dtype, component.config), noised, cond, batch)
+        return self.objective.loss(pred, noised).sum()
 
     # -- conditioning ----------------------------------------------------------------------
     @contextmanager
@@ -182,13 +214,17 @@ class DiffusionAdapter(DiffusersLoraFiles):
         shift = getattr(config, "shift_factor", None) or 0.0
         return (latents - shift) * config.scaling_factor
 
-    def text_conditioning(self, batch: dict[str, Any], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """The batch's cached text tensors on the device, or the captions encoded now."""
+    def text_conditioning(self, batch: dict[str, Any], keys: tuple[str, ...],
+                          modules: Mapping[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+        """The batch's cached text tensors on the device, or the captions encoded now (through the trainer's
+        modules when the text encoders carry a LoRA)."""
         device = self.runtime.device
         if keys[0] in batch:
             return {k: batch[k].to(device) for k in keys if k in batch}
-        with torch.set_grad_enabled(bool(self.cfg.train.train_text_encoder)):
-            return self.encode_text(batch["captions"])
+        if not self.trains_text_encoders:
+            with torch.no_grad():
+                return self.encode_text(batch["captions"])
+        return self.encode_text(batch["captions"], encoders={n: modules[n] for n in self.text_encoder_names})
 
     def latents_of(self, batch: dict[str, Any]) -> torch.Tensor:
         return batch["latents"].to(self.runtime.device) if "latents" in batch else self.encode_pixels(batch["pixels"])
@@ -200,7 +236,14 @@ class DiffusionAdapter(DiffusersLoraFiles):
     def load_item(self, item) -> tuple[torch.Tensor, tuple[int, int]]:
         return load_pixels(item)
 
-    def dataset(self) -> DiffusionDataset:
+    def prepare_data(self) -> DiffusionDataset:
+        """Scan the data and fill the latent and text caches (the main process first; the others then read
+        what it wrote). The VAE visits the device for encoding; text encoders are freed when nothing needs
+        them again."""
+        with self.runtime.main_process_first():
+            return self._prepare_data()
+
+    def _prepare_data(self) -> DiffusionDataset:
         data, rules = self.cfg.data, caption_rules(self.cfg.data)
         items = self.scan(data)
         dataset = DiffusionDataset(items, rules, load=self.load_item)
@@ -217,14 +260,10 @@ class DiffusionAdapter(DiffusersLoraFiles):
             self.log(f"latents: {self.latent_cache.hits} cached, {self.latent_cache.misses} encoded")
             vae.to("cpu")  # only sampling needs it again
         self._prepare_text(dataset, items, rules, root)
-        self.after_caching()
         return dataset
 
-    def after_caching(self) -> None:
-        """Called once the caches are filled (the flow families move their denoisers to the device here)."""
-
     def _prepare_text(self, dataset: DiffusionDataset, items: list, rules, root: Path) -> None:
-        data, train_te = self.cfg.data, self.cfg.train.train_text_encoder
+        data, train_te = self.cfg.data, self.trains_text_encoders
         per_step = ("train.train_text_encoder is on" if train_te else
                     "data.shuffle_tags changes captions every step" if rules.shuffle_tags else
                     "data.cache_text_embeddings is off" if not data.cache_text_embeddings else None)
@@ -277,9 +316,6 @@ class DiffusionAdapter(DiffusersLoraFiles):
                 self.prompt_cache[prompt] = unbatch(self.encode_text([prompt]))[0]
         return {k: v[None].to(self.runtime.device) for k, v in self.prompt_cache[prompt].items()}
 
-    def eval_loss(self) -> float | None:
-        return None
-
     # -- sampling --------------------------------------------------------------------------
     def sample_prompts(self) -> list[str]:
         return [apply_trigger(p, self.cfg.data.trigger_word) for p in self.cfg.sample.prompts]
@@ -294,16 +330,15 @@ class DiffusionAdapter(DiffusersLoraFiles):
         prompts = self.sample_prompts()
         if not prompts:
             return []
-        was_training = self.network.training
-        self.network.eval()
         modules = [self.pipe.vae, *(self.text_encoders if self.samples_need_text_encoders else [])]
         moved = [m for m in modules if m.device != self.runtime.device]
         for module in moved:
             module.to(self.runtime.device)
         out_dir.mkdir(parents=True, exist_ok=True)
         stills, files = [], []
-        for i, prompt in enumerate(prompts):
-            frames = self.generate(prompt, self.cfg.sample.seed + i)
+        with eval_mode(self.network):
+            generated = [self.generate(prompt, self.cfg.sample.seed + i) for i, prompt in enumerate(prompts)]
+        for i, (prompt, frames) in enumerate(zip(prompts, generated)):
             still = out_dir / f"{i:02d}.png"
             frames[len(frames) // 2].save(still)  # a video's middle frame stands for it in grids and reports
             stills.append(still)
@@ -316,5 +351,4 @@ class DiffusionAdapter(DiffusersLoraFiles):
         grid = make_grid(stills, out_dir / "grid.png")
         for module in moved:
             module.to("cpu")
-        self.network.train(was_training)
         return stills + [grid] + [f for f in files if f not in stills]

@@ -1,6 +1,6 @@
 """LoRA weights of the diffusion families: checkpoints (the exact trainable tensors), the diffusers file that
 `pipe.load_lora_weights` reads (with the LoRA config as metadata), the kohya / ComfyUI exports, and loading
-an exported file back. Mixed into DiffusionAdapter, which provides `network`, `cfg`, `family` and `log`.
+an exported file back. Mixed into DiffusionAdapter, which provides `network`, `cfg`, `family`, `spec` and `log`.
 """
 
 from __future__ import annotations
@@ -11,19 +11,11 @@ from typing import Callable
 import torch
 
 from toolkit.errors import UserError
-from toolkit.models.base import load_trainable_state_dict, trainable_state_dict
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 class DiffusersLoraFiles:
-    # -- LoRA weights ----------------------------------------------------------------------
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
-        return trainable_state_dict(self.network)
-
-    def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_trainable_state_dict(self.network, state)
-
     def diffusers_lora_layers(self, dtype: torch.dtype, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
         """save_lora_weights arguments (`<component>_lora_layers`) for the trained modules (or `names`), on the CPU.
 

@@ -1,8 +1,9 @@
 """The flow-matching families `flux` (Flux.1-dev/schnell) and `sd3` (SD3 / SD3.5): PEFT LoRA on the transformer.
 
-FlowMatchingAdapter holds what they share with Wan (diffusion_wan.py): the sigma sampler (each family's
-shift), the memory plan (quantized frozen base, text encoders freed once their outputs are cached), and the
-ComfyUI export. Samples run the family's own diffusers pipeline on cached prompt embeddings.
+FlowMatchingAdapter holds what they share with Wan (diffusion_wan.py): the flow objective with each family's
+sigma sampler (shift), the memory plan (quantized frozen base, text encoders freed once their outputs are
+cached), and the ComfyUI export (each family names its key style in `comfyui_keys`). Samples run the
+family's own diffusers pipeline on cached prompt embeddings.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from typing import Any
 import torch
 
 from toolkit.errors import UserError
-from toolkit.models.diffusion_base import DiffusionAdapter, target_module_list
-from toolkit.models.flow_matching import SigmaSampler, flow_loss, flux_mu, noisy_latents
+from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
+from toolkit.models.flow_matching import SigmaSampler, flux_mu
+from toolkit.models.lora import target_modules
+from toolkit.models.lora_export import diffusers_keys_scaled
+from toolkit.models.objectives import FlowObjective, Noised
 from toolkit.models.quantize import choose_backend, plan_weights, quantize_linear_layers
 
 # Attention and feed-forward projections of the MMDiT blocks (Flux double/single blocks, SD3 joint blocks).
@@ -30,6 +34,11 @@ FLUX_ALL_LINEAR = (".*(" + _FLUX_DOUBLE.replace("EXTRA", r"|norm1\.linear|norm1_
                    + _FLUX_SINGLE.replace("EXTRA", r"|norm\.linear") + ")")
 
 
+def unpack_flux(packed: torch.Tensor, b: int, c: int, h: int, w: int) -> torch.Tensor:
+    """The inverse of FluxPipeline._pack_latents: (b, h/2 * w/2, c*4) patches back to (b, c, h, w)."""
+    return packed.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+
 def in_blocks(name: str) -> bool:
     """Linear layers inside the repeated transformer blocks: what the memory plan quantizes (embedders,
     modulation of the final layer and the output head stay in 16 bits)."""
@@ -39,10 +48,12 @@ def in_blocks(name: str) -> bool:
 class FlowMatchingAdapter(DiffusionAdapter):
     denoiser_names = ("transformer",)
     samples_need_text_encoders = False
-    comfyui_family = ""
+    # save.format=comfyui: maps {module: (down, up)} and a rank -> scale function to ComfyUI's key names
+    comfyui_keys = staticmethod(diffusers_keys_scaled)
 
     # -- memory plan -----------------------------------------------------------------------
     def setup_training(self) -> None:
+        self.objective = FlowObjective(self.sampler_for)
         model, device = self.cfg.model, self.runtime.info
         counts = {name: sum(p.numel() for p in self.component(name).parameters()) for name in self.denoiser_names}
         self.quantize, self.offload, why = plan_weights(model.quantize, model.expert_offload, counts, device,
@@ -65,7 +76,7 @@ class FlowMatchingAdapter(DiffusionAdapter):
             self.log(f"model: quantized {count} linear layers of the {name} to {self.quantize} "
                      f"({self.quantize_library})")
 
-    def after_caching(self) -> None:
+    def place_for_training(self) -> None:
         for name in self.denoiser_names:
             self.component(name).to(self.runtime.device)
 
@@ -91,11 +102,9 @@ class FlowMatchingAdapter(DiffusionAdapter):
         except (TypeError, ValueError):
             raise UserError(f"train.flow_shift: expected a number or auto, got {shift!r}") from None
 
-    def noised(self, latents: torch.Tensor, sampler: SigmaSampler, low: float = 0.0, high: float = 1.0):
-        """(noise, sigmas, noisy latents) for a batch."""
-        noise = torch.randn_like(latents)
-        sigmas = sampler.sample(latents.shape[0], latents.device, low, high)
-        return noise, sigmas, noisy_latents(latents, noise, sigmas)
+    def sampler_for(self, latents: torch.Tensor) -> SigmaSampler:
+        """The sigma sampler for a batch of latents: the family's fixed shift (Flux: resolution-dependent)."""
+        return self.sigma_sampler(shift=self.shift)
 
     # -- export ----------------------------------------------------------------------------
     def export_formats(self) -> tuple[str, ...]:
@@ -105,7 +114,7 @@ class FlowMatchingAdapter(DiffusionAdapter):
         from toolkit.models.lora_export import save_comfyui
 
         net = self.cfg.network
-        return save_comfyui(diffusers_file, out_file, self.comfyui_family, net.alpha, self.kohya_metadata(),
+        return save_comfyui(diffusers_file, out_file, self.comfyui_keys, net.alpha, self.kohya_metadata(),
                             rslora=net.rslora)
 
     def pipeline_call(self, seed: int, **kwargs) -> Any:
@@ -119,11 +128,9 @@ class FlowMatchingAdapter(DiffusionAdapter):
 
 
 class FluxAdapter(FlowMatchingAdapter):
-    family = "flux"
-    comfyui_family = "flux"
     uses_negative_prompt = False
-    cudnn_sdpa = False  # PyTorch's cuDNN SDPA crashed on Flux shapes (cuDNN 9.19, FINDINGS.md)
     text_encoder_names = ("text_encoder", "text_encoder_2")
+    text_keys = ("prompt_embeds", "pooled_prompt_embeds")
     max_text_tokens = 512
 
     def pipeline_class(self):
@@ -132,7 +139,7 @@ class FluxAdapter(FlowMatchingAdapter):
         return FluxPipeline
 
     def lora_target_modules(self) -> list[str] | str:
-        return target_module_list(self.cfg.network.target_modules, FLUX_TARGETS, FLUX_ALL_LINEAR)
+        return target_modules(self.cfg.network.target_modules, FLUX_TARGETS, FLUX_ALL_LINEAR)
 
     def setup_training(self) -> None:
         super().setup_training()
@@ -155,24 +162,22 @@ class FluxAdapter(FlowMatchingAdapter):
         mu = flux_mu(tokens, config.base_image_seq_len, config.max_image_seq_len, config.base_shift, config.max_shift)
         return self.sigma_sampler(mu=mu)
 
-    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+    def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
+                batch: dict[str, Any]) -> torch.Tensor:
+        """The transformer on 2x2-packed latent patches; the velocity comes back unpacked."""
         from diffusers import FluxPipeline
 
-        latents = self.latents_of(batch)
-        text = self.text_conditioning(batch, ("prompt_embeds", "pooled_prompt_embeds"))
-        noise, sigmas, noisy = self.noised(latents, self.sampler_for(latents))
-        b, c, h, w = latents.shape
-        transformer, dtype = self.pipe.transformer, self.pipe.transformer.dtype
-        embeds = text["prompt_embeds"].to(dtype)
-        guidance = torch.full((b,), float(self.cfg.train.guidance), device=latents.device) if self.guidance_embeds else None
-        pred = transformer(
-            hidden_states=FluxPipeline._pack_latents(noisy.to(dtype), b, c, h, w),
-            timestep=sigmas.to(dtype), guidance=guidance, pooled_projections=text["pooled_prompt_embeds"].to(dtype),
-            encoder_hidden_states=embeds, txt_ids=torch.zeros(embeds.shape[1], 3, device=latents.device, dtype=dtype),
-            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, dtype),
+        b, c, h, w = noised.noisy.shape
+        dtype, device = denoiser.dtype, noised.noisy.device
+        embeds = cond["prompt_embeds"].to(dtype)
+        guidance = torch.full((b,), float(self.cfg.train.guidance), device=device) if self.guidance_embeds else None
+        pred = denoiser.forward(
+            hidden_states=FluxPipeline._pack_latents(noised.noisy.to(dtype), b, c, h, w),
+            timestep=noised.t.to(dtype), guidance=guidance, pooled_projections=cond["pooled_prompt_embeds"].to(dtype),
+            encoder_hidden_states=embeds, txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
+            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
             return_dict=False)[0]
-        # the velocity target is packed the same way, so the loss is the MSE over the same elements
-        return flow_loss(pred, FluxPipeline._pack_latents(latents, b, c, h, w), FluxPipeline._pack_latents(noise, b, c, h, w))
+        return unpack_flux(pred, b, c, h, w)
 
     def generate(self, prompt: str, seed: int) -> list:
         text = self.embeddings_for(prompt)
@@ -181,9 +186,8 @@ class FluxAdapter(FlowMatchingAdapter):
 
 
 class SD3Adapter(FlowMatchingAdapter):
-    family = "sd3"
-    comfyui_family = "sd3"
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    text_keys = ("prompt_embeds", "pooled_prompt_embeds")
     max_text_tokens = 256
 
     def pipeline_class(self):
@@ -192,7 +196,7 @@ class SD3Adapter(FlowMatchingAdapter):
         return StableDiffusion3Pipeline
 
     def lora_target_modules(self) -> list[str]:
-        return target_module_list(self.cfg.network.target_modules, MMDIT_TARGETS,
+        return target_modules(self.cfg.network.target_modules, MMDIT_TARGETS,
                                   MMDIT_TARGETS + ["norm1.linear", "norm1_context.linear"])
 
     def setup_training(self) -> None:
@@ -205,15 +209,12 @@ class SD3Adapter(FlowMatchingAdapter):
                                                        max_sequence_length=self.max_text_tokens)
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
-    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
-        latents = self.latents_of(batch)
-        text = self.text_conditioning(batch, ("prompt_embeds", "pooled_prompt_embeds"))
-        noise, sigmas, noisy = self.noised(latents, self.sigma_sampler(shift=self.shift))
-        transformer, dtype = self.pipe.transformer, self.pipe.transformer.dtype
-        pred = transformer(hidden_states=noisy.to(dtype), timestep=(sigmas * 1000).to(dtype),
-                           encoder_hidden_states=text["prompt_embeds"].to(dtype),
-                           pooled_projections=text["pooled_prompt_embeds"].to(dtype), return_dict=False)[0]
-        return flow_loss(pred, latents, noise)
+    def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
+                batch: dict[str, Any]) -> torch.Tensor:
+        dtype = denoiser.dtype
+        return denoiser.forward(hidden_states=noised.noisy.to(dtype), timestep=(noised.t * 1000).to(dtype),
+                                encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+                                pooled_projections=cond["pooled_prompt_embeds"].to(dtype), return_dict=False)[0]
 
     def generate(self, prompt: str, seed: int) -> list:
         text, negative = self.embeddings_for(prompt), self.embeddings_for(self.cfg.sample.negative_prompt)

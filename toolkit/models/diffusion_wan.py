@@ -19,10 +19,12 @@ from typing import Any
 import torch
 
 from toolkit.errors import UserError
-from toolkit.models.diffusion_base import target_module_list
+from toolkit.models.diffusion_base import Denoiser
 from toolkit.models.diffusion_files import LORA_FILE
 from toolkit.models.diffusion_flow import FlowMatchingAdapter
-from toolkit.models.flow_matching import flow_loss
+from toolkit.models.lora import target_modules
+from toolkit.models.lora_export import wan_native_keys
+from toolkit.models.objectives import Noised
 
 WAN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 WAN_ALL_LINEAR = WAN_TARGETS + ["add_k_proj", "add_v_proj", "time_embedder.linear_1", "time_embedder.linear_2",
@@ -31,8 +33,7 @@ EXPERT_FOLDERS = {"transformer": "high_noise", "transformer_2": "low_noise"}
 
 
 class WanAdapter(FlowMatchingAdapter):
-    family = "wan21"
-    comfyui_family = "wan21"
+    comfyui_keys = staticmethod(wan_native_keys)
     text_encoder_names = ("text_encoder",)
     max_text_tokens = 512
 
@@ -42,7 +43,7 @@ class WanAdapter(FlowMatchingAdapter):
         return WanPipeline
 
     def lora_target_modules(self) -> list[str]:
-        return target_module_list(self.cfg.network.target_modules, WAN_TARGETS, WAN_ALL_LINEAR)
+        return target_modules(self.cfg.network.target_modules, WAN_TARGETS, WAN_ALL_LINEAR)
 
     def setup_training(self) -> None:
         super().setup_training()
@@ -74,25 +75,16 @@ class WanAdapter(FlowMatchingAdapter):
         return {"prompt_embeds": embeds}
 
     # -- loss ------------------------------------------------------------------------------
-    def expert_for_step(self) -> tuple[str, float, float]:
-        """The transformer trained now and the sigma range it sees."""
-        return "transformer", 0.0, 1.0
-
-    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
-        latents = self.latents_of(batch)
-        text = self.text_conditioning(batch, ("prompt_embeds",))
-        name, low, high = self.expert_for_step()
-        noise, sigmas, noisy = self.noised(latents, self.sigma_sampler(shift=self.shift), low, high)
-        transformer = self.component(name)
-        dtype = transformer.dtype
-        timestep = (sigmas * 1000).to(dtype)
+    def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
+                batch: dict[str, Any]) -> torch.Tensor:
+        dtype = denoiser.dtype
+        timestep = (noised.t * 1000).to(dtype)
         if self.expand_timesteps:  # Wan 2.2 TI2V-5B takes a timestep per latent patch
-            _, p_h, p_w = transformer.config.patch_size
-            tokens = latents.shape[2] * (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
-            timestep = timestep[:, None].expand(-1, tokens)
-        pred = transformer(hidden_states=noisy.to(dtype), timestep=timestep,
-                           encoder_hidden_states=text["prompt_embeds"].to(dtype), return_dict=False)[0]
-        return flow_loss(pred, latents, noise)
+            _, p_h, p_w = denoiser.config.patch_size
+            shape = noised.noisy.shape
+            timestep = timestep[:, None].expand(-1, shape[2] * (shape[3] // p_h) * (shape[4] // p_w))
+        return denoiser.forward(hidden_states=noised.noisy.to(dtype), timestep=timestep,
+                                encoder_hidden_states=cond["prompt_embeds"].to(dtype), return_dict=False)[0]
 
     # -- sampling --------------------------------------------------------------------------
     def generate(self, prompt: str, seed: int) -> list:
@@ -104,13 +96,14 @@ class WanAdapter(FlowMatchingAdapter):
 
 
 class Wan22Adapter(WanAdapter):
-    family = "wan22"
-    comfyui_family = "wan22"
+    """A14B (two experts: `transformer` for high noise, `transformer_2` for low) or TI2V-5B (one transformer);
+    which one is resolved once, from the pipeline, in setup_training."""
 
     def setup_training(self) -> None:
-        self.denoiser_names = tuple(n for n in ("transformer", "transformer_2") if getattr(self.pipe, n, None) is not None)
+        self.experts = [n for n in ("transformer", "transformer_2") if getattr(self.pipe, n, None) is not None]
+        self.two_experts = len(self.experts) == 2
         experts = self.cfg.train.experts
-        if len(self.denoiser_names) == 1:
+        if not self.two_experts:
             if experts != "both":
                 raise UserError(f"train.experts={experts}: {self.cfg.model.name_or_path} has one transformer "
                                 "(Wan 2.2 TI2V-5B); only A14B has high- and low-noise experts\n"
@@ -122,10 +115,14 @@ class Wan22Adapter(WanAdapter):
         self.boundary = float(self.pipe.config.get("boundary_ratio") or 0.0)
         self.active = self.trained[0]
         super().setup_training()
-        if len(self.denoiser_names) > 1:
+        if self.two_experts:
             every = self.cfg.train.expert_switch_every
             plan = (f"alternating every {every} steps, high-noise first" if len(self.trained) == 2 else "only")
             self.log(f"wan22 experts: boundary sigma {self.boundary:g}; training {' and '.join(self.trained)} ({plan})")
+
+    @property
+    def denoiser_names(self) -> tuple[str, ...]:
+        return tuple(self.experts)
 
     def lora_denoiser_names(self) -> list[str]:
         return list(self.trained)
@@ -138,12 +135,16 @@ class Wan22Adapter(WanAdapter):
             if self.offload:
                 self.place_experts(active)
 
-    def expert_for_step(self) -> tuple[str, float, float]:
-        if len(self.denoiser_names) == 1:
-            return "transformer", 0.0, 1.0
-        return (self.active, self.boundary, 1.0) if self.active == "transformer" else (self.active, 0.0, self.boundary)
+    def active_denoiser(self) -> str:
+        return self.active
 
-    def after_caching(self) -> None:
+    def noise_range(self) -> tuple[float, float]:
+        """The active expert's sigmas: at or above the boundary for the high-noise expert, below for the low."""
+        if not self.two_experts:
+            return 0.0, 1.0
+        return (self.boundary, 1.0) if self.active == "transformer" else (0.0, self.boundary)
+
+    def place_for_training(self) -> None:
         self.place_experts(self.active)
 
     def place_experts(self, resident: str) -> None:
@@ -184,7 +185,7 @@ class Wan22Adapter(WanAdapter):
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
         """A14B: one diffusers file per trained expert, in high_noise/ and low_noise/ (load the second with
         `pipe.load_lora_weights(..., load_into_transformer_2=True)`); TI2V-5B: one file, like wan21."""
-        if len(self.denoiser_names) == 1:
+        if not self.two_experts:
             return super().save_lora(out_dir, dtype)
         fmt = self.check_save_format()
         files = []
@@ -202,7 +203,7 @@ class Wan22Adapter(WanAdapter):
         return files
 
     def load_lora(self, path: Path) -> None:
-        if len(self.denoiser_names) == 1:
+        if not self.two_experts:
             return super().load_lora(path)
         for name in self.trained:
             self.load_lora_into(Path(path) / EXPERT_FOLDERS[name], [name], prefix_of=lambda _: "transformer")

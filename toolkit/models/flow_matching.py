@@ -78,10 +78,3 @@ def noisy_latents(latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tens
     """(1 - sigma) * x0 + sigma * noise, with sigma broadcast over all but the batch dimension."""
     s = sigmas.view(-1, *([1] * (latents.dim() - 1))).to(latents.dtype)
     return (1 - s) * latents + s * noise
-
-
-def flow_loss(pred: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Mean squared error against the velocity noise - x0 (per sample, then over the batch)."""
-    target = (noise - latents).float()
-    per_sample = (pred.float() - target).pow(2).flatten(1).mean(dim=1)
-    return per_sample.mean()

@@ -4,39 +4,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from toolkit.data.text import TextData, build_text_data, detect_format, render_chat, token_loss_sum
 from toolkit.data.records import read_records
+from toolkit.data.text import IGNORE_INDEX, TextData, build_text_data, detect_format, render_chat
 from toolkit.errors import UserError
-from toolkit.models.base import Runtime, load_trainable_state_dict, trainable_state_dict
+from toolkit.models.base import AdapterBase, Runtime, eval_mode
+from toolkit.models.lora import lora_config, target_modules
 from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
 from toolkit.paths import resolve_model_path
-
-
-def peft_lora_config(network: DictConfig, target_modules: Any):
-    from peft import LoraConfig
-
-    return LoraConfig(r=network.rank, lora_alpha=network.alpha, lora_dropout=network.dropout,
-                      target_modules=target_modules, use_dora=network.type == "dora",
-                      use_rslora=network.rslora, task_type="CAUSAL_LM")
-
-
-def resolve_target_modules(value: Any) -> Any:
-    """auto and all-linear adapt every linear layer but the output head; a list names modules."""
-    if value in ("auto", "all-linear"):
-        return "all-linear"
-    if OmegaConf.is_list(value) or isinstance(value, list):
-        names = list(value)
-        if names and all(isinstance(n, str) for n in names):
-            return names
-    raise UserError(f"network.target_modules: expected auto, all-linear or a list of module names, got {value!r}")
 
 
 @dataclass
@@ -106,21 +87,20 @@ def checkpoint_quantization_config(path: str, common: dict) -> dict | None:
     return value if isinstance(value, dict) else value.to_dict()
 
 
-class LLMAdapter:
-    family = "llm"
+def label_tokens(labels: torch.Tensor) -> int:
+    """Tokens a causal-LM loss counts: labels after the one-token shift that are not IGNORE_INDEX."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+class LLMAdapter(AdapterBase):
+    """PEFT LoRA on a transformers causal LM; the loss is the sum of token losses (mean over every token of a
+    step, whatever the micro-batch and process it is in)."""
 
     def __init__(self, cfg: DictConfig, runtime: Runtime):
-        self.cfg = cfg
-        self.runtime = runtime
-        self.network: torch.nn.Module | None = None
+        super().__init__(cfg, runtime)
         self.tokenizer = None
         self.model_path = resolve_model_path(cfg.model.name_or_path)
         self.data: TextData | None = None
-        self.notes: list[str] = []   # loading decisions, also printed
-
-    def _note(self, message: str) -> None:
-        self.notes.append(message)
-        print(message, file=sys.stderr, flush=True)
 
     # -- loading ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -135,12 +115,12 @@ class LLMAdapter:
             quantize, why = choose_quantize(cfg.quantize, lambda: self._count_parameters(common), self.runtime.info,
                                             self.cfg.device.memory_fraction)
             if cfg.quantize == "auto" and self.runtime.info.backend != "cpu":
-                self._note(why)
+                self.log(why)
             plan = plan_quantization(quantize, self.runtime.info.backend,
                                      checkpoint_quantization_config(self.model_path, common), cfg.name_or_path,
                                      cfg.quantize_backend)
             if plan.note:
-                self._note(plan.note)
+                self.log(plan.note)
             kwargs = {}
             if plan.mode in ("4bit", "8bit") and not plan.after_load:
                 kwargs = {"quantization_config": bnb_config(plan.mode, self.runtime.compute_dtype),
@@ -156,7 +136,7 @@ class LLMAdapter:
         if plan.after_load:
             count = quantize_linear_layers(model, plan.mode, self.runtime.compute_dtype, self.runtime.device,
                                            backend=plan.library)
-            self._note(f"model: quantized {count} linear layers to {plan.mode} after loading")
+            self.log(f"model: quantized {count} linear layers to {plan.mode} after loading")
             model.to(self.runtime.device)
         if plan.mode in ("4bit", "8bit") and plan.library == "bitsandbytes":
             # Casts norms/embeddings to fp32 and makes the inputs require grad for checkpointing.
@@ -168,7 +148,9 @@ class LLMAdapter:
         if self.cfg.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-        lora = peft_lora_config(self.cfg.network, resolve_target_modules(self.cfg.network.target_modules))
+        # auto and all-linear adapt every linear layer but the output head; a list names modules.
+        targets = target_modules(self.cfg.network.target_modules, "all-linear", "all-linear")
+        lora = lora_config(self.cfg.network, targets, task_type="CAUSAL_LM")
         # autocast_adapter_dtype keeps the LoRA weights in fp32 over a bf16/fp16 base.
         self.network = get_peft_model(model, lora, autocast_adapter_dtype=True)
         self.network.to(self.runtime.device)
@@ -186,40 +168,44 @@ class LLMAdapter:
         """Out-of-memory remedies this family offers beyond the trainer's generic ones."""
         return ["model.quantize=8bit (a quantized frozen base)"] if self.cfg.model.quantize in ("none", "auto") else []
 
-    def lora_targets(self) -> list[str]:
-        return sorted({name.rsplit(".lora_A", 1)[0] for name, _ in self.network.named_parameters() if ".lora_A" in name})
-
     # -- data and loss ---------------------------------------------------------------------
-    def dataset(self):
+    def prepare_data(self):
         self.data = build_text_data(self.cfg.data, self.tokenizer, self.cfg.run.seed)
         return self.data.train
 
-    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+    def place_for_training(self) -> None:
+        """The model is on the device since load()."""
+
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        return {"model": self.network}
+
+    def loss_weight(self, batch: dict[str, Any]) -> int:
+        return label_tokens(batch["labels"])
+
+    def tokens_in(self, batch: dict[str, Any]) -> int:
+        return batch["input_ids"].numel()
+
+    def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
         batch = {k: v.to(self.runtime.device, non_blocking=True) for k, v in batch.items()}
         # use_cache=False: with a KV cache transformers ignores packed position_ids when building the mask.
-        return self.network(**batch, use_cache=False).loss
+        # num_items_in_batch=1: transformers' causal-LM loss sums the token losses and divides by this.
+        return modules["model"](**batch, use_cache=False, num_items_in_batch=1).loss
 
     @torch.no_grad()
     def eval_loss(self) -> float | None:
         """Mean token loss over the held-out set (sum of token losses / token count)."""
         if self.data is None or self.data.eval is None:
             return None
-        model, eval_set = self.network, self.data.eval
-        was_training = model.training
-        model.eval()
+        eval_set = self.data.eval
         total, count = 0.0, 0
         batch_size = int(self.cfg.train.batch_size)
-        try:
+        with eval_mode(self.network):
             for first in range(0, len(eval_set), batch_size):
                 batch = eval_set.collate(range(first, min(first + batch_size, len(eval_set))))
                 with torch.autocast(self.runtime.device.type, dtype=self.runtime.compute_dtype,
                                     enabled=self.runtime.compute_dtype != torch.float32):
-                    loss = self.loss(batch)
-                part, n = token_loss_sum(loss.float(), batch["labels"])
-                total, count = total + part, count + n
-        finally:
-            if was_training:
-                model.train()
+                    loss = self.loss(batch, self.trainable_modules())
+                total, count = total + float(loss), count + label_tokens(batch["labels"])
         return total / count if count else None
 
     # -- sampling --------------------------------------------------------------------------
@@ -245,23 +231,20 @@ class LLMAdapter:
         if not prompts:
             return []
         model = self.network
-        was_training = model.training
-        model.eval()
         results = []
         generator_seed = self.cfg.sample.seed
         for prompt in prompts:
             torch.manual_seed(generator_seed)
             input_ids = torch.tensor([self.prompt_ids(prompt)], device=self.runtime.device)
             greedy = self.cfg.sample.temperature == 0
-            output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                    max_new_tokens=self.cfg.sample.max_new_tokens, do_sample=not greedy,
-                                    temperature=None if greedy else self.cfg.sample.temperature,
-                                    top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id,
-                                    use_cache=True)
+            with eval_mode(model):
+                output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                        max_new_tokens=self.cfg.sample.max_new_tokens, do_sample=not greedy,
+                                        temperature=None if greedy else self.cfg.sample.temperature,
+                                        top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id,
+                                        use_cache=True)
             completion = self.tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
             results.append({"prompt": prompt, "completion": completion})
-        if was_training:
-            model.train()
         out_dir.mkdir(parents=True, exist_ok=True)
         jsonl = out_dir / "samples.jsonl"
         jsonl.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")
@@ -269,13 +252,7 @@ class LLMAdapter:
         text.write_text("".join(f"### {r['prompt']}\n{r['completion']}\n\n" for r in results), encoding="utf-8")
         return [jsonl, text]
 
-    # -- LoRA weights ----------------------------------------------------------------------
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
-        return trainable_state_dict(self.network)
-
-    def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_trainable_state_dict(self.network, state)
-
+    # -- LoRA files ------------------------------------------------------------------------
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
         """PEFT format: adapter_model.safetensors + adapter_config.json (PeftModel.from_pretrained loads it)."""
         fmt = self.cfg.save.format

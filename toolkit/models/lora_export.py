@@ -128,20 +128,15 @@ def wan_native_keys(modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
     return out
 
 
-COMFYUI_EXPORTERS = {"flux": diffusers_keys_scaled, "sd3": diffusers_keys_scaled,
-                     "wan21": wan_native_keys, "wan22": wan_native_keys}
-
-
-def save_comfyui(diffusers_file: Path, out_file: Path, family: str, alpha: float, metadata: dict[str, str],
+def save_comfyui(diffusers_file: Path, out_file: Path, keys: Callable, alpha: float, metadata: dict[str, str],
                  rslora: bool = False) -> Path:
     """Write out_file, a LoRA that ComfyUI's LoraLoader applies to the family's model, from a diffusers-format
-    transformer LoRA file. The applied update is (alpha / rank) * B @ A (alpha / sqrt(rank) with rslora)."""
-    if family not in COMFYUI_EXPORTERS:
-        raise ValueError(f"no ComfyUI export for the family {family!r}; valid: {', '.join(COMFYUI_EXPORTERS)}")
+    transformer LoRA file; `keys` is the family's key style (diffusers_keys_scaled, wan_native_keys). The
+    applied update is (alpha / rank) * B @ A (alpha / sqrt(rank) with rslora)."""
 
     def scale_of(rank: int) -> float:
         return float(alpha) / (math.sqrt(rank) if rslora else rank)
 
     modules = lora_modules(load_file(str(diffusers_file)))
-    save_file(COMFYUI_EXPORTERS[family](modules, scale_of), str(out_file), metadata=metadata)
+    save_file(keys(modules, scale_of), str(out_file), metadata=metadata)
     return out_file

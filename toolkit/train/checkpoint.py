@@ -4,10 +4,16 @@
         lora.safetensors      the exact trainable tensors
         ema.safetensors       the EMA of those tensors (only when train.ema_decay > 0)
         optimizer.pt          optimizer state (8-bit states as plain tensors)
-        trainer_state.pt      step, scheduler, grad scaler, RNG states (python, numpy, torch CPU and device),
-                              data order position, NaN streak
+        trainer_state.pt      step, scheduler, grad scaler, every process's RNG states (python, numpy, torch
+                              CPU and device), number of processes, data order position, NaN streak
+        adapter_state.pt      the adapter's own state, when it has any
         config.yaml           the resolved config of the run
         meta.json             written last: step, config hash, versions, size and sha256 of each file
+
+The trainer hands `save_checkpoint` named dicts: tensors ({"lora": ..., "ema": ...} -> <name>.safetensors)
+and states ({"optimizer": ..., "trainer_state": ..., "adapter_state": ...} -> <name>.pt); what a checkpoint
+holds is whatever it was given, listed in meta.json. `upgrade_trainer_state` brings the trainer state of
+older checkpoints to today's keys, in one place.
 
 "Latest" is the highest step whose meta.json exists and whose files match it; never a file time.
 A save interrupted by a crash leaves only a `.tmp-step-*` folder, which is never taken for a checkpoint.
@@ -32,7 +38,6 @@ from toolkit import __version__
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 META = "meta.json"
-EMA_FILE = "ema.safetensors"
 
 
 @dataclass
@@ -43,13 +48,11 @@ class Checkpoint:
 
 
 @dataclass
-class CheckpointState:
-    """What a checkpoint holds, loaded: the tensors and states the trainer restores."""
+class CheckpointContents:
+    """What a checkpoint holds, loaded: named tensor dicts and named states (absent names are not there)."""
 
-    lora: dict[str, torch.Tensor]
-    optimizer: dict
-    trainer: dict
-    ema: dict[str, torch.Tensor] | None
+    tensors: dict[str, dict[str, torch.Tensor]]
+    states: dict[str, object]
 
 
 def step_dir_name(step: int) -> str:
@@ -77,21 +80,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(checkpoints_dir: Path, step: int, lora: dict[str, torch.Tensor], optimizer_state: dict,
-                    trainer_state: dict, config_yaml: str, config_hash: str,
-                    ema: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a complete checkpoint atomically and return its folder."""
+def save_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
+                    states: dict[str, object], config_yaml: str, config_hash: str) -> Path:
+    """Write a complete checkpoint atomically and return its folder: tensors[name] -> <name>.safetensors,
+    states[name] -> <name>.pt."""
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / step_dir_name(step)
     tmp = checkpoints_dir / f".tmp-{step_dir_name(step)}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in lora.items()}, str(tmp / "lora.safetensors"))
-    if ema is not None:
-        save_file({k: v.detach().contiguous().cpu() for k, v in ema.items()}, str(tmp / EMA_FILE))
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    torch.save(trainer_state, tmp / "trainer_state.pt")
+    for name, tensor_dict in tensors.items():
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensor_dict.items()}, str(tmp / f"{name}.safetensors"))
+    for name, state in states.items():
+        torch.save(state, tmp / f"{name}.pt")
     (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
     files = {}
     for path in sorted(tmp.iterdir()):
@@ -180,11 +182,25 @@ def set_aside_checkpoints_after(checkpoints_dir: Path, step: int) -> list[Path]:
     return moved
 
 
-def load_checkpoint_files(checkpoint: Checkpoint) -> CheckpointState:
-    """The tensors and states of a verified checkpoint (on the CPU)."""
-    lora = load_file(str(checkpoint.path / "lora.safetensors"))
-    optimizer_state = torch.load(checkpoint.path / "optimizer.pt", map_location="cpu", weights_only=False)
-    trainer_state = torch.load(checkpoint.path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    ema_path = checkpoint.path / EMA_FILE
-    ema = load_file(str(ema_path)) if ema_path.is_file() else None
-    return CheckpointState(lora, optimizer_state, trainer_state, ema)
+def load_checkpoint_files(checkpoint: Checkpoint) -> CheckpointContents:
+    """The tensors and states of a verified checkpoint (on the CPU), by name."""
+    tensors, states = {}, {}
+    for name in checkpoint.meta["files"]:
+        path = checkpoint.path / name
+        if name.endswith(".safetensors"):
+            tensors[name[:-len(".safetensors")]] = load_file(str(path))
+        elif name.endswith(".pt"):
+            states[name[:-len(".pt")]] = torch.load(path, map_location="cpu", weights_only=False)
+    states["trainer_state"] = upgrade_trainer_state(states["trainer_state"])
+    return CheckpointContents(tensors, states)
+
+
+def upgrade_trainer_state(state: dict) -> dict:
+    """A trainer state written by an older toolkit, with today's keys: checkpoints from before the NaN guard,
+    the grad scaler and several processes resume as the run that wrote them would have gone on."""
+    state = dict(state)
+    state.setdefault("nan_streak", 0)
+    state.setdefault("scaler", None)
+    state.setdefault("world_size", 1)
+    state.setdefault("rng_ranks", [state["rng"]])
+    return state

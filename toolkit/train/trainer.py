@@ -1,14 +1,21 @@
-"""The training loop. Family differences live in the model adapter; this file never asks which family."""
+"""The training loop. Family differences live in the model adapter; this file never asks which family.
+
+One process or several (started by `train --gpus N`, torchrun or accelerate launch): the main process owns
+the run folder, logs, samples, reports and checkpoints; every process trains its share of each global batch
+through DDP-wrapped trainable modules, and decisions that must agree (skip a non-finite step, stop on a
+signal) are taken from numbers summed over all processes.
+"""
 
 from __future__ import annotations
 
 import hashlib
-import shutil
 import math
 import os
+import shutil
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -20,9 +27,10 @@ from toolkit.data.order import BatchOrder
 from toolkit.errors import UserError
 from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, Runtime, trainable_parameters
-from toolkit.optim import build_optimizer
+from toolkit.optim import build_optimizer, optimizer_spec
 from toolkit.train.checkpoint import (find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
                                       save_checkpoint, set_aside_checkpoints_after)
+from toolkit.train.distributed import Processes
 from toolkit.train.ema import LoraEMA
 from toolkit.train.metrics import MetricsLogger
 from toolkit.train.report import RunReport
@@ -32,6 +40,13 @@ from toolkit.train.run_dir import RunDir
 from toolkit.train.signals import GracefulStop, StopRequested
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+class OtherProcessFailed(UserError):
+    """The main process stopped with an error of its own (printed there); this process stops quietly."""
+
+    def __init__(self):
+        super().__init__("")
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -46,52 +61,96 @@ class Trainer:
         self.cfg = run.cfg
         self.fresh = fresh
         self.run_dir = RunDir(Path(self.cfg.run.output_dir))
-        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def log(self, message: str) -> None:
+        """The run's log: printed by the main process only."""
+        if self.procs.is_main:
+            self._log(message)
+
+    # -- processes -------------------------------------------------------------------------
+    def _start_processes(self) -> None:
+        from accelerate import Accelerator, InitProcessGroupKwargs
+
+        cfg = self.cfg
+        timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.device.timeout_minutes))
+        self.accelerator = Accelerator(cpu=self.run_cfg.device.backend == "cpu", kwargs_handlers=[timeout],
+                                       mixed_precision=MIXED_PRECISION[cfg.train.precision])
+        self.procs = Processes(self.accelerator)
+        if self.procs.several and cfg.device.distributed == "fsdp":
+            raise UserError("device.distributed: fsdp is not available yet; several processes train with ddp "
+                            "(a full copy of the model on every GPU)\n  fix: device.distributed=ddp (or auto)")
+        self.is_main = self.procs.is_main
+
+    def _open_run_folder(self, container: dict):
+        """On the main process: the checkpoint to resume from (or None), the checked config, the run folder.
+        Every process gets the same answer; an error there stops the others quietly."""
+        outcome = None
+        if self.procs.is_main:
+            try:
+                checkpoint = choose_start(self.cfg.train.resume, self.run_dir, self.fresh, self.log)
+                if checkpoint is not None:
+                    check_resume_config(checkpoint, container, self.log)
+                self.run_dir.create()
+                _write_atomic(self.run_dir.config, self.config_yaml)
+                outcome = ("ok", checkpoint)
+            except BaseException:
+                self.procs.from_main(("failed", None))
+                raise
+        status, checkpoint = self.procs.from_main(outcome)
+        if status != "ok":
+            raise OtherProcessFailed()
+        return checkpoint
 
     # -- setup -----------------------------------------------------------------------------
     def _setup(self):
-        from accelerate import Accelerator
-
-        cfg, device = self.cfg, self.run_cfg.device
-        self.accelerator = Accelerator(cpu=device.backend == "cpu",
-                                       mixed_precision=MIXED_PRECISION[cfg.train.precision])
-        self.is_main = self.accelerator.is_main_process
+        cfg, device, procs = self.cfg, self.run_cfg.device, self.procs
         runtime = Runtime(device=self.accelerator.device, info=device, base_dtype=DTYPES[cfg.model.dtype],
-                          compute_dtype=DTYPES[cfg.train.precision], run_dir=self.run_dir.root)
-        seed_everything(cfg.run.seed)
-        self.adapter = build_adapter(cfg, runtime)
+                          compute_dtype=DTYPES[cfg.train.precision], run_dir=self.run_dir.root, log=self.log,
+                          is_main=procs.is_main, world_size=procs.world_size, rank=procs.rank,
+                          main_process_first=procs.main_first)
+        seed_everything(cfg.run.seed)  # the same LoRA initialisation on every process
+        with procs.main_first():  # a tiny:<kind> model is written once (transformers saves on rank 0 only)
+            self.adapter = build_adapter(cfg, runtime)
         if device.backend == "cuda":
             self._choose_cudnn_sdpa(cfg.device.cudnn_sdpa)
         self.adapter.load()
-        self.dataset = self.adapter.dataset()
+        self.dataset = self.adapter.prepare_data()
         if len(self.dataset) == 0:
             raise UserError(f"data.path: {cfg.data.path} gave no training samples")
+        self.adapter.place_for_training()
         self.order = BatchOrder(self.dataset.groups, cfg.train.batch_size, cfg.run.seed,
-                                world_size=self.accelerator.num_processes, rank=self.accelerator.process_index)
-        params = trainable_parameters(self.adapter.network)
+                                world_size=procs.world_size, rank=procs.rank)
+        self.params = trainable_parameters(self.adapter.network)
         decay = cfg.train.ema_decay
         if decay >= 1.0:
             raise UserError(f"train.ema_decay: {decay} would never move from the initial weights; "
                             "use a value below 1 (0.999 is usual) or 0 to turn the EMA off")
         self.ema = LoraEMA(self.adapter.network, decay) if decay > 0 else None
         optimizer, reason = build_optimizer(
-            cfg.train.optimizer, params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
-            weight_decay=cfg.train.weight_decay, backend=cfg.train.optimizer_backend, device_type=device.backend)
+            cfg.train.optimizer, self.params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
+            weight_decay=cfg.train.weight_decay, backend=cfg.train.optimizer_backend, device_type=device.backend,
+            args=OmegaConf.to_container(cfg.train.optimizer_args))
         self.log(f"optimizer: {reason}")
         from transformers import get_scheduler
         self.scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                                        num_training_steps=cfg.train.steps)
-        if self.accelerator.num_processes > 1:
-            self.adapter.forward_module = self.accelerator.prepare_model(self.adapter.network)
+        self.modules = procs.wrap(self.adapter.trainable_modules(), find_unused=self.adapter.unused_parameters())
         self.optimizer = self.accelerator.prepare_optimizer(optimizer)
-        n_train = sum(p.numel() for p in params)
+        if procs.several:
+            # Each process draws its own noise, dropout and caption choices from here on.
+            seed_everything(hash((cfg.run.seed, procs.rank)) % 2**63)
+        n_train = sum(p.numel() for p in self.params)
+        t = cfg.train
         self.log(f"model: {cfg.model.family} {cfg.model.name_or_path}; {len(self.adapter.lora_targets())} LoRA "
                  f"modules, {n_train:,} trainable parameters; {len(self.dataset)} training samples")
+        self.log(f"batch: {t.batch_size} per process x {procs.world_size} process{'es' if procs.several else ''} x "
+                 f"{t.grad_accum} accumulation = {t.batch_size * procs.world_size * t.grad_accum} per optimizer step")
 
     def _choose_cudnn_sdpa(self, setting) -> None:
-        """PyTorch SDPA's cuDNN backend: the adapter's default under auto (Flux shapes crashed it, FINDINGS.md)."""
+        """PyTorch SDPA's cuDNN backend: the family's default under auto (Flux shapes crashed it, FINDINGS.md)."""
         if setting == "auto":
-            enabled, why = getattr(self.adapter, "cudnn_sdpa", True), f"auto for {self.cfg.model.family}"
+            enabled, why = self.adapter.spec.cudnn_sdpa, f"auto for {self.cfg.model.family}"
         elif isinstance(setting, bool):
             enabled, why = setting, "set in the config"
         else:
@@ -101,73 +160,106 @@ class Trainer:
 
     # -- state -----------------------------------------------------------------------------
     def _trainer_state(self, step: int) -> dict:
+        """The loop's state; collective: every process contributes its RNG state."""
         scaler = self.accelerator.scaler
-        return {"step": step, "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
-                "data_order": self.order.state_dict(), "nan_streak": self.nan_streak,
-                "scaler": scaler.state_dict() if scaler is not None else None}
+        rng_ranks = self.procs.gather(rng_state())
+        return {"step": step, "scheduler": self.scheduler.state_dict(), "rng": rng_ranks[0], "rng_ranks": rng_ranks,
+                "world_size": self.procs.world_size, "data_order": self.order.state_dict(),
+                "nan_streak": self.nan_streak, "scaler": scaler.state_dict() if scaler is not None else None}
 
     def _restore(self, checkpoint) -> int:
         loaded = load_checkpoint_files(checkpoint)
-        state = loaded.trainer
-        self.adapter.load_lora_state_dict(loaded.lora)
-        self.optimizer.load_state_dict(loaded.optimizer)
+        state = loaded.states["trainer_state"]
+        self.adapter.load_lora_state_dict(loaded.tensors["lora"])
+        self.adapter.load_state_dict(loaded.states.get("adapter_state", {}))
+        self.optimizer.load_state_dict(loaded.states["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler") is not None and self.accelerator.scaler is not None:
+        if state["scaler"] is not None and self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(state["scaler"])
         if self.ema is not None:
-            if loaded.ema is None:
+            if "ema" not in loaded.tensors:
                 raise UserError(f"train.ema_decay is {self.cfg.train.ema_decay}, but {checkpoint.path} has no "
                                 "ema.safetensors\n  fix: set train.ema_decay=0, or start over with --fresh")
-            self.ema.load_state_dict(loaded.ema)
-        self.order.load_state_dict(state["data_order"])
-        restore_rng_state(state["rng"])
-        self.nan_streak = state.get("nan_streak", 0)
+            self.ema.load_state_dict(loaded.tensors["ema"])
+        try:
+            self.order.load_state_dict(state["data_order"])
+        except ValueError as err:
+            raise UserError(f"cannot resume from {checkpoint.path}: {err}\n  fix: keep train.batch_size x processes "
+                            f"the same as when the run began ({state['data_order']['batch_size']})") from None
+        self._restore_rng(state, checkpoint)
+        self.nan_streak = state["nan_streak"]
         return int(state["step"])
 
-    def _save(self, step: int) -> Path:
-        path = save_checkpoint(self.run_dir.checkpoints, step, self.adapter.lora_state_dict(),
-                               self.optimizer.state_dict(), self._trainer_state(step), self.config_yaml,
-                               self.config_hash, ema=self.ema.state_dict() if self.ema is not None else None)
+    def _restore_rng(self, state: dict, checkpoint) -> None:
+        saved, world = state["rng_ranks"], self.procs.world_size
+        if len(saved) != world:
+            self.log(f"resume: {checkpoint.path} was written by {len(saved)} process(es), this run has {world}; "
+                     "the data order continues unchanged, the random streams of processes it did not have start anew")
+        if self.procs.rank < len(saved):
+            restore_rng_state(saved[self.procs.rank])
+        else:
+            seed_everything(hash((self.cfg.run.seed, self.procs.rank, int(state["step"]))) % 2**63)
+
+    def _save(self, step: int) -> Path | None:
+        """A checkpoint (collective: every process calls it; the main one writes)."""
+        trainer_state = self._trainer_state(step)
+        if not self.procs.is_main:
+            return None
+        tensors = {"lora": self.adapter.lora_state_dict()}
+        if self.ema is not None:
+            tensors["ema"] = self.ema.state_dict()
+        states = {"optimizer": self.optimizer.state_dict(), "trainer_state": trainer_state}
+        adapter_state = self.adapter.state_dict()
+        if adapter_state:
+            states["adapter_state"] = adapter_state
+        path = save_checkpoint(self.run_dir.checkpoints, step, tensors, states, self.config_yaml, self.config_hash)
         rotate_checkpoints(self.run_dir.checkpoints, self.cfg.save.keep_last)
         return path
 
     # -- one step --------------------------------------------------------------------------
-    def _train_step(self) -> float:
-        """One optimizer step over grad_accum micro-batches; returns the mean loss (NaN skips the update)."""
+    def _train_step(self, stop_requested: bool) -> tuple[float, bool]:
+        """One optimizer step over grad_accum micro-batches on every process: (the step's mean loss, whether
+        any process asked to stop). The loss is the mean over every unit (token, sample) of the global batch;
+        a non-finite loss anywhere discards the step's gradients on every process (NaN is returned)."""
         accum = self.cfg.train.grad_accum
-        module = getattr(self.adapter, "forward_module", None) or self.adapter.network
+        batches = [self.dataset.collate(self.order.next_batch()) for _ in range(accum)]
+        weight = sum(self.adapter.loss_weight(batch) for batch in batches)
+        tokens = sum(self.adapter.tokens_in(batch) for batch in batches)
         losses = []
-        self.step_tokens, self.grad_norm = 0, None
-        for micro in range(accum):
-            batch = self.dataset.collate(self.order.next_batch())
+        self.grad_norm = None
+        for micro, batch in enumerate(batches):
             if self.accelerator.device.type == "cuda":
                 # Pinned host memory makes the adapter's non_blocking copies asynchronous: a copy from
                 # pageable memory waits for the GPU to drain, leaving it idle while the next step launches.
                 batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
-            if isinstance(batch, dict) and torch.is_tensor(batch.get("input_ids")):
-                self.step_tokens += batch["input_ids"].numel()
-            sync = micro == accum - 1 or self.accelerator.num_processes == 1
-            context = self.accelerator.no_sync(module) if not sync else nullcontext()
-            with context, self.accelerator.autocast():
-                loss = self.adapter.loss(batch) / accum
-            with context:
+            with self.procs.no_sync(self.modules, skip=micro < accum - 1):
+                with self.accelerator.autocast():
+                    loss = self.adapter.loss(batch, self.modules)
                 self.accelerator.backward(loss)
-            losses.append(loss.detach())
-        # One host sync per step, after backward is queued, so the GPU stays busy while we wait for it.
-        # A non-finite loss discards the step's gradients and skips the update.
-        total = torch.stack(losses).float().sum().item()
-        if not math.isfinite(total):
+            losses.append(loss.detach().float())
+        # One host sync per step, after backward is queued, so the GPU stays busy while we wait for it. The sums
+        # over processes travel together: loss, units, tokens, and whether any process was asked to stop.
+        totals = torch.stack([torch.stack(losses).sum(), *(torch.tensor(float(v), device=losses[0].device)
+                                                           for v in (weight, tokens, stop_requested))])
+        loss_sum, units, self.step_tokens, stops = self.procs.sum(totals).tolist()
+        self.step_tokens = int(self.step_tokens)
+        mean = loss_sum / max(units, 1.0)
+        if not math.isfinite(mean):
             self.optimizer.zero_grad(set_to_none=True)
-            return float("nan")
+            return float("nan"), stops > 0
+        # Each process's gradient is of a sum over its units; DDP averages over processes, so this scale makes
+        # it the gradient of the mean over every unit of the global batch.
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, self.procs.world_size / max(units, 1.0))
         if self.cfg.train.max_grad_norm > 0:
             # Kept as a device tensor: MetricsLogger converts it only on the steps it logs.
-            self.grad_norm = self.accelerator.clip_grad_norm_(trainable_parameters(self.adapter.network),
-                                                              self.cfg.train.max_grad_norm)
+            self.grad_norm = self.accelerator.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None and not self.optimizer.step_was_skipped:  # fp16: the scaler may skip a step
             self.ema.update()
-        return total
+        return mean, stops > 0
 
     def _sample(self, step: int) -> None:
         if not list(self.cfg.sample.prompts) or not self.is_main:
@@ -189,10 +281,9 @@ class Trainer:
                          "(same effective batch)")
         if not t.gradient_checkpointing:
             fixes.append("train.gradient_checkpointing=true")
-        if t.optimizer not in ("adamw8bit", "lion8bit", "adafactor"):
+        if not optimizer_spec(t.optimizer).memory_light:
             fixes.append("train.optimizer=adamw8bit")
-        # Family-specific remedies come from the adapter; the trainer does not ask which family it is.
-        fixes += getattr(self.adapter, "memory_fixes", lambda: [])()
+        fixes += self.adapter.memory_fixes()
         kept = f"the last checkpoint is intact: {latest.path}" if latest else "no checkpoint had been written yet"
         return UserError(f"out of memory at step {step} on {self.run_cfg.device.summary()} "
                          f"(preset {self.run_cfg.preset.name}); {kept}\n  fix: " + "\n  or: ".join(fixes or ["a smaller model or data.max_seq_len / data.resolution"]))
@@ -200,21 +291,19 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> Path:
         cfg = self.cfg
+        self._start_processes()
         container = resolved_container(cfg)
         self.config_yaml = OmegaConf.to_yaml(OmegaConf.create(container))
         self.config_hash = hashlib.sha256(self.config_yaml.encode()).hexdigest()[:16]
-        checkpoint = choose_start(cfg.train.resume, self.run_dir, self.fresh, self.log)
-        if checkpoint is not None:
-            check_resume_config(checkpoint, container, self.log)
-        self.run_dir.create()
-        _write_atomic(self.run_dir.config, self.config_yaml)
+        checkpoint = self._open_run_folder(container)
         self._setup()
         self.nan_streak = 0
         start = self._restore(checkpoint) if checkpoint is not None else 0
         if checkpoint is not None:
             self.log(f"resumed from {checkpoint.path} (step {start})")
-            for stale in set_aside_checkpoints_after(self.run_dir.checkpoints, start):
-                self.log(f"resume: checkpoint above step {start} set aside (kept, no longer used): {stale}")
+            if self.is_main:
+                for stale in set_aside_checkpoints_after(self.run_dir.checkpoints, start):
+                    self.log(f"resume: checkpoint above step {start} set aside (kept, no longer used): {stale}")
         steps = cfg.train.steps
         if start >= steps:
             self.log(f"run already complete at step {start} (train.steps={steps}); final LoRA: {self.run_dir.final}\n"
@@ -229,11 +318,11 @@ class Trainer:
         started = time.perf_counter()
         try:
             with GracefulStop() as stop:
-                begin_step = getattr(self.adapter, "begin_step", None)  # per-step adapter state (Wan 2.2 experts)
                 for step in range(start + 1, steps + 1):
-                    if begin_step is not None:
-                        begin_step(step)
-                    loss = self._train_step()
+                    self.adapter.begin_step(step)
+                    loss, stopping = self._train_step(stop.requested is not None)
+                    if not self.procs.several:  # a signal that arrived after the step's sums still counts
+                        stopping = stopping or stop.requested is not None
                     if math.isfinite(loss):
                         self.nan_streak = 0
                     else:
@@ -249,11 +338,11 @@ class Trainer:
                                       grad_norm=self.grad_norm)
                     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                         self._eval(step)
-                    stopping = stop.requested is not None
-                    if self.is_main and (stopping or step == steps or (cfg.save.every and step % cfg.save.every == 0)):
+                    if stopping or step == steps or (cfg.save.every and step % cfg.save.every == 0):
                         saved = self._save(step)
-                        report.update(step, steps, time.perf_counter() - started)
-                        if stopping or step != steps:
+                        if report is not None:
+                            report.update(step, steps, time.perf_counter() - started)
+                        if saved is not None and (stopping or step != steps):
                             self.metrics.message(f"step {step}: checkpoint {saved}")
                     if cfg.sample.every and step % cfg.sample.every == 0 and step != steps:
                         self._sample(step)
@@ -261,6 +350,7 @@ class Trainer:
                         raise StopRequested(stop.exit_code, f"stopped at step {step}; checkpoint saved, "
                                                             "run the same command to resume")
             elapsed = time.perf_counter() - started
+            self._check_processes_agree()
             if cfg.train.eval_every == 0 or steps % cfg.train.eval_every:
                 self._eval(steps)
             self._sample(steps)
@@ -274,7 +364,25 @@ class Trainer:
         self.log(f"done: {steps - start} steps in {elapsed:.1f}s; LoRA written to {final}")
         return final
 
+    def _check_processes_agree(self) -> None:
+        """With several processes, every one must hold the same LoRA weights at the end: compared by checksum,
+        so a broken gradient all-reduce can never pass silently."""
+        if not self.procs.several:
+            return
+        digest = hashlib.sha256()
+        for name, p in sorted(self.adapter.network.named_parameters()):
+            if p.requires_grad:
+                digest.update(name.encode())
+                digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digests = self.procs.gather(digest.hexdigest())
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"the processes ended with different LoRA weights (sha256 by rank: {digests}); "
+                               "this is a bug in the toolkit, please report it")
+        self.log(f"processes: LoRA weights identical on all {self.procs.world_size} (sha256 {digests[0][:16]})")
+
     def _eval(self, step: int) -> None:
+        if not self.is_main:
+            return
         loss = self.adapter.eval_loss()
         if loss is not None:
             self.metrics.write({"step": step, "eval_loss": loss, "time": time.time()})

@@ -1,0 +1,110 @@
+"""Several training processes on the CPU (gloo), through the real entry point (`train ... --gpus 2`): the ranks
+end with the same LoRA, 2 processes x batch b train the same LoRA as 1 process x batch 2b, there is one run
+folder and one log stream, and a run killed with kill -9 resumes on 2 processes bit for bit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_toolkit
+from helpers import read_metrics
+from toolkit.train.checkpoint import find_latest_checkpoint
+
+LLM = str(REPO / "configs/examples/quickstart_llm.yaml")
+SD = str(REPO / "configs/examples/quickstart_sd.yaml")
+# fp32 AdamW, no sampling: the comparisons are of the training arithmetic alone.
+COMMON = ["train.optimizer=adamw", "train.lr=3e-3", "log.every=1", "log.tensorboard=false", "sample.prompts=[]",
+          "save.dtype=fp32", "save.keep_last=20"]
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def train(processes: int, config: str, out: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    launch = ["--gpus", str(processes)] if processes > 1 else []
+    proc = run_toolkit("train", config, f"run.output_dir={out}", *COMMON, *extra, *launch, timeout=timeout, env=ENV)
+    print(proc.stderr, file=sys.stderr)
+    return proc
+
+
+def adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "final" / "adapter_model.safetensors"))
+
+
+def test_two_processes_train_what_one_process_trains_with_twice_the_batch(tmp_path):
+    one = train(1, LLM, tmp_path / "one", "train.steps=8", "train.batch_size=8")
+    two = train(2, LLM, tmp_path / "two", "train.steps=8", "train.batch_size=4")
+    assert one.returncode == 0 and two.returncode == 0
+    a, b = adapter(tmp_path / "one"), adapter(tmp_path / "two")
+    assert a.keys() == b.keys() and len(a) == 28
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    # the same mean loss at every step (the loss is the mean over every token of the global batch)
+    losses_one = [r["loss"] for r in read_metrics(tmp_path / "one")]
+    losses_two = [r["loss"] for r in read_metrics(tmp_path / "two")]
+    assert losses_two == pytest.approx(losses_one, rel=1e-5, abs=1e-6) and len(losses_two) == 8
+    # the ranks agree, one run folder, one log stream
+    err = two.stderr
+    assert err.count("processes: LoRA weights identical on all 2") == 1
+    assert err.count("model: llm tiny:llm") == 1 and err.count("device: ") == 1
+    assert "batch: 4 per process x 2 processes x 1 accumulation = 8 per optimizer step" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+    assert [r["step"] for r in read_metrics(tmp_path / "two")] == list(range(1, 9))
+
+
+def test_sd_on_two_processes_keeps_every_rank_in_step_and_saves_each_ranks_rng(tmp_path):
+    out = tmp_path / "sd"
+    proc = train(2, SD, out, "train.steps=4", "train.batch_size=2", "save.every=2", "train.grad_accum=2")
+    assert proc.returncode == 0
+    assert proc.stderr.count("processes: LoRA weights identical on all 2") == 1
+    assert proc.stderr.count("latents: 0 cached, 24 encoded") == 1   # the main process filled the cache once
+    state = torch.load(out / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
+    assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2
+    assert not torch.equal(state["rng_ranks"][0]["torch"], state["rng_ranks"][1]["torch"])
+    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_kill_9_mid_run_then_resume_on_two_processes_is_bit_identical(tmp_path):
+    steps = ["train.steps=40", "save.every=4", "train.batch_size=4", "data.max_seq_len=32"]
+    reference = tmp_path / "reference"
+    assert train(2, LLM, reference, *steps).returncode == 0
+
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "toolkit", "train", LLM, f"run.output_dir={out}", *COMMON, *steps, "--gpus", "2"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **ENV}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "step-000008" / "meta.json").is_file():
+            assert proc.poll() is None, f"training ended before it was killed:\n{proc.communicate()[1]}"
+            assert time.monotonic() < deadline, "timed out waiting for a checkpoint"
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGKILL)   # the launcher and both workers, as a crash would
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (out / "final").exists()
+    latest = find_latest_checkpoint(out / "checkpoints", warn=lambda _: None)
+    assert latest is not None and 8 <= latest.step < 40
+
+    resumed = train(2, LLM, out, *steps)
+    assert resumed.returncode == 0 and f"resumed from {latest.path} (step {latest.step})" in resumed.stderr
+    a, b = adapter(reference), adapter(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_on_another_number_of_processes_with_the_same_global_batch(tmp_path):
+    out = tmp_path / "run"
+    assert train(2, LLM, out, "train.steps=4", "save.every=2", "train.batch_size=4").returncode == 0
+    more = train(1, LLM, out, "train.steps=6", "train.batch_size=8")
+    assert more.returncode == 0, more.stderr
+    assert "was written by 2 process(es), this run has 1" in more.stderr
+    assert "train.batch_size: 4 -> 8 (2 -> 1 processes, global batch 8 unchanged)" in more.stderr
+    assert [r["step"] for r in read_metrics(out)][-2:] == [5, 6]
