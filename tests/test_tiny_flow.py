@@ -41,7 +41,7 @@ KINDS = {
 }
 # Kinds whose family is not in config/families.py yet (their writer exists; the FamilySpec.tiny entry comes with the
 # family): skipped until registered.
-AWAITING_FAMILY = {"qwen_image"}
+AWAITING_FAMILY: set[str] = set()
 
 
 def _kinds(kinds):

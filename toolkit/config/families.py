@@ -70,6 +70,10 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                "Wan 2.2 A14B (two experts) and TI2V-5B", timestep_sampling="logit_normal", batch_cap=1,
                save_formats=("diffusers", "comfyui"),
                tiny={"wan22": "toolkit.tiny.flow:write_tiny_wan22", "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b"}),
+    FamilySpec("qwen_image", "toolkit.models.diffusion_qwen:QwenImageAdapter", ImageDataSection,
+               FLOW_SETTINGS | {"sample.negative_prompt"}, "Qwen-Image", timestep_sampling="logit_normal",
+               batch_cap=2, save_formats=("diffusers", "comfyui"),
+               tiny={"qwen_image": "toolkit.tiny.qwen_image:write_tiny_qwen_image"}),
 )}
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)

@@ -1,8 +1,5 @@
 """The `qwen_image` family (Qwen-Image, diffusers QwenImagePipeline): PEFT LoRA on the dual-stream MMDiT.
 
-DRAFT, written against the adapter contract being introduced (predict / sigma_sampler_for / encode_text on a
-FlowMatchingAdapter base); it waits for that base before it is registered in config/families.py.
-
 What differs from Flux / SD3:
 - Text: the last hidden state of Qwen2.5-VL over a chat template, the template's system prefix dropped; the
   pipeline returns variable-length embeddings and a mask. They are padded here to `max_text_tokens` (zeros, mask
@@ -13,7 +10,10 @@ What differs from Flux / SD3:
 - The transformer takes 2x2-packed patches, timestep = sigma (the pipeline's t / 1000), the text mask and
   img_shapes [(1, H/16, W/16)] per sample for its RoPE; it predicts the velocity noise - x0.
 - Sigma shift: the scheduler's dynamic exponential shift, mu linear in the number of patches (Flux's formula
-  with Qwen-Image's max_shift 0.9 at 8192 patches). shift_terminal (0.02) only stretches the inference schedule.
+  with Qwen-Image's max_shift 0.9 at 8192 patches), in training as at inference. shift_terminal (0.02) only
+  stretches the inference schedule.
+- The last block's text-stream layers get no gradient (its text output is discarded), so DDP looks for unused
+  parameters.
 - Samples: true classifier-free guidance (true_cfg_scale with a negative prompt); the transformer has no
   guidance embedding, so sample.guidance_scale is used as true_cfg_scale.
 - ComfyUI reads the diffusers keys (`transformer.<module>.lora_A/B.weight`) for Qwen-Image directly: its
@@ -27,10 +27,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from toolkit.models.diffusion_base import target_module_list
+from toolkit.models.diffusion_base import Denoiser
 from toolkit.models.diffusion_flow import FlowMatchingAdapter
 from toolkit.models.flow_matching import SigmaSampler, flux_mu
+from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import diffusers_keys_scaled
+from toolkit.models.objectives import Noised
 
 # Attention (image stream to_*, text stream add_*_proj / to_add_out) and the two streams' feed-forward layers.
 QWEN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -53,7 +55,6 @@ def trim_text(embeds: torch.Tensor, mask: torch.Tensor | None,
 
 
 class QwenImageAdapter(FlowMatchingAdapter):
-    family = "qwen_image"
     text_encoder_names = ("text_encoder",)
     text_keys = ("prompt_embeds", "prompt_embeds_mask")
     max_text_tokens = 512  # the pipeline's default max_sequence_length (it allows up to 1024)
@@ -67,7 +68,7 @@ class QwenImageAdapter(FlowMatchingAdapter):
         return QwenImagePipeline
 
     def lora_target_modules(self) -> list[str]:
-        return target_module_list(self.cfg.network.target_modules, QWEN_TARGETS, QWEN_ALL_LINEAR)
+        return target_modules(self.cfg.network.target_modules, QWEN_TARGETS, QWEN_ALL_LINEAR)
 
     def setup_training(self) -> None:
         super().setup_training()
@@ -103,8 +104,13 @@ class QwenImageAdapter(FlowMatchingAdapter):
                 "prompt_embeds_mask": F.pad(mask.long(), (0, n - length))}
 
     # -- sigmas ----------------------------------------------------------------------------
-    def sigma_sampler_for(self, latents: torch.Tensor) -> SigmaSampler:
-        """The pipeline's resolution-dependent shift: mu from the number of 2x2 latent patches."""
+    def sampler_for(self, latents: torch.Tensor) -> SigmaSampler:
+        """The pipeline's resolution-dependent shift: mu from the number of 2x2 latent patches.
+
+        Training keeps the shift the pipeline samples with (as FluxAdapter does), rather than diffusers'
+        train_dreambooth_lora_qwen_image.py, which draws from the scheduler's static, unshifted timesteps: the
+        LoRA then learns most at the noise levels inference spends its steps on. train.flow_shift=<number>
+        replaces it by a fixed shift."""
         if not self.dynamic_shift:
             return self.sigma_sampler(shift=self.shift)
         config = self.pipe.scheduler.config
@@ -116,23 +122,32 @@ class QwenImageAdapter(FlowMatchingAdapter):
         return self.sigma_sampler(mu=mu)
 
     # -- the denoiser ----------------------------------------------------------------------
-    def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, sigmas: torch.Tensor,
-                text: dict[str, torch.Tensor], batch: dict[str, Any]) -> torch.Tensor:
-        """The velocity prediction for `noisy` ([B, C, H, W], or [B, C, 1, H, W]), in its layout."""
+    def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
+                batch: dict[str, Any]) -> torch.Tensor:
+        """The velocity for `noised.noisy` ([B, C, H, W], or [B, C, 1, H, W]), in its layout: the transformer on
+        2x2-packed patches at timestep sigma (the pipeline's t / 1000), the batch's text trimmed to its longest."""
         from diffusers import QwenImagePipeline
 
+        noisy = noised.noisy
         frames = noisy.dim() == 5
         x = noisy[:, :, 0] if frames else noisy
         b, c, h, w = x.shape
-        dtype = self.component("transformer").dtype  # a trainer's wrapper (DDP) may not expose it
-        embeds, mask = trim_text(text["prompt_embeds"], text.get("prompt_embeds_mask"))
-        packed = denoiser(hidden_states=QwenImagePipeline._pack_latents(x.to(dtype), b, c, h, w),
-                          timestep=sigmas.to(dtype), encoder_hidden_states=embeds.to(dtype),
-                          encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]] * b,
-                          return_dict=False)[0]
+        dtype = denoiser.dtype
+        embeds, mask = trim_text(cond["prompt_embeds"], cond.get("prompt_embeds_mask"))
+        packed = denoiser.forward(hidden_states=QwenImagePipeline._pack_latents(x.to(dtype), b, c, h, w),
+                                  timestep=noised.t.to(dtype), encoder_hidden_states=embeds.to(dtype),
+                                  encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]] * b,
+                                  return_dict=False)[0]
         scale = self.pipe.vae_scale_factor
         pred = QwenImagePipeline._unpack_latents(packed, h * scale, w * scale, scale)  # [B, C, 1, H, W]
         return pred if frames else pred[:, :, 0]
+
+    def unused_parameters(self) -> bool:
+        """True: the last block's text-stream output is discarded (only the image stream reaches norm_out and
+        proj_out), so the LoRA layers after its attention on the text side (attn.to_add_out, txt_mlp.net.0.proj,
+        txt_mlp.net.2) are not in the graph and never get a gradient (attn.add_q_proj gets an all-zero one).
+        DDP must then look for unused parameters each step; without it the second step fails."""
+        return True
 
     # -- samples ---------------------------------------------------------------------------
     def generate(self, prompt: str, seed: int) -> list:
