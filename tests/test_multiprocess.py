@@ -34,6 +34,31 @@ def train(processes: int, config: str, out: Path, *extra: str, timeout: float = 
     return proc
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants (torch's launcher starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
+
+
+def kill_9(pid: int) -> None:
+    for member in process_tree(pid):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def adapter(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "final" / "adapter_model.safetensors"))
 
@@ -78,18 +103,18 @@ def test_kill_9_mid_run_then_resume_on_two_processes_is_bit_identical(tmp_path):
     out = tmp_path / "run"
     args = [sys.executable, "-m", "toolkit", "train", LLM, f"run.output_dir={out}", *COMMON, *steps, "--gpus", "2"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **ENV}, start_new_session=True)
+                            env={**os.environ, **ENV})
     try:
         deadline = time.monotonic() + 120
         while not (out / "checkpoints" / "step-000008" / "meta.json").is_file():
             assert proc.poll() is None, f"training ended before it was killed:\n{proc.communicate()[1]}"
             assert time.monotonic() < deadline, "timed out waiting for a checkpoint"
             time.sleep(0.005)
-        os.killpg(proc.pid, signal.SIGKILL)   # the launcher and both workers, as a crash would
+        kill_9(proc.pid)   # the launcher and both workers at once, as a crash would
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_9(proc.pid)
     assert not (out / "final").exists()
     latest = find_latest_checkpoint(out / "checkpoints", warn=lambda _: None)
     assert latest is not None and 8 <= latest.step < 40

@@ -48,8 +48,11 @@ def is_resume_safe(key: str) -> bool:
     return key in RESUME_SAFE_KEYS or key.split(".", 1)[0] in RESUME_SAFE_SECTIONS
 
 
-def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
+def config_changes(old: dict, new: dict, processes: tuple[int, int] = (1, 1)) -> tuple[list[str], list[str]]:
     """(allowed notices, refused keys) between the checkpoint's config and the current one.
+
+    `processes` is (the checkpoint's, this run's) number of processes: train.batch_size may change with
+    it as long as the global batch (batch_size x processes) stays the same.
 
     A key the checkpoint's config lacks (a setting added to the toolkit since the run began) is accepted
     while it keeps its default, which reproduces what the older toolkit did. Settings the run's family does
@@ -69,14 +72,27 @@ def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
             allowed.append(f"{key}: new setting, at its default {after!r}")
         elif is_resume_safe(key):
             allowed.append(f"{key}: {before!r} -> {after!r}")
+        elif (key == "train.batch_size" and processes[0] != processes[1] and isinstance(before, int)
+              and isinstance(after, int) and before * processes[0] == after * processes[1]):
+            allowed.append(f"{key}: {before!r} -> {after!r} ({processes[0]} -> {processes[1]} processes, "
+                           f"global batch {after * processes[1]} unchanged)")
         else:
             refused.append(f"{key}: {before!r} in the checkpoint, {after!r} now")
     return allowed, refused
 
 
-def check_resume_config(checkpoint: Checkpoint, current: dict, notice: Callable[[str], None]) -> None:
+def checkpoint_processes(checkpoint: Checkpoint) -> int:
+    """How many processes trained the run up to `checkpoint` (checkpoints from before multi-process: 1)."""
+    import torch
+
+    state = torch.load(checkpoint.path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    return int(state.get("world_size", 1))
+
+
+def check_resume_config(checkpoint: Checkpoint, current: dict, notice: Callable[[str], None],
+                        processes: int = 1) -> None:
     saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))
-    allowed, refused = config_changes(saved, current)
+    allowed, refused = config_changes(saved, current, (checkpoint_processes(checkpoint), processes))
     if refused:
         raise UserError(
             f"cannot resume from {checkpoint.path}: these settings differ from the run's and would change "

@@ -90,7 +90,7 @@ class Trainer:
             try:
                 checkpoint = choose_start(self.cfg.train.resume, self.run_dir, self.fresh, self.log)
                 if checkpoint is not None:
-                    check_resume_config(checkpoint, container, self.log)
+                    check_resume_config(checkpoint, container, self.log, processes=self.procs.world_size)
                 self.run_dir.create()
                 _write_atomic(self.run_dir.config, self.config_yaml)
                 outcome = ("ok", checkpoint)
