@@ -9,7 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from toolkit.data.packing import PackedTextDataset, flatten_samples, pack_greedy
-from toolkit.data.text import IGNORE_INDEX, alpaca_prompt, build_text_data, pad_samples, tokenize_chat
+from toolkit.data.samples import IGNORE_INDEX, TokenizedSample
+from toolkit.data.text import alpaca_prompt, build_text_data, pad_samples, tokenize_chat
 from toolkit.errors import UserError
 from toolkit.paths import resolve_model_path
 
@@ -179,8 +180,6 @@ def test_packed_loss_equals_padded_loss(tokenizer, tiny_model, attention):
 
 
 def test_flatten_masks_first_token_of_each_sample():
-    from toolkit.data.text import TokenizedSample
-
     batch = flatten_samples([TokenizedSample([1, 2, 3], [1, 2, 3]), TokenizedSample([4, 5], [IGNORE_INDEX, 5])])
     assert batch["labels"].tolist() == [[IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from toolkit.data.text import IGNORE_INDEX, TokenizedSample
+from toolkit.data.samples import IGNORE_INDEX, TokenizedSample
 
 
 def pack_greedy(lengths: Sequence[int], capacity: int) -> list[list[int]]:

@@ -15,21 +15,16 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from toolkit.data.packing import PackedTextDataset
 from toolkit.data.records import read_records, where
+from toolkit.data.samples import IGNORE_INDEX, TokenizedSample
 from toolkit.errors import UserError
 
-IGNORE_INDEX = -100
 FORMATS = ("text", "alpaca", "chat")
 
 ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. "
                  "Write a response that appropriately completes the request.\n\n"
                  "### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
-
-
-@dataclass
-class TokenizedSample:
-    input_ids: list[int]
-    labels: list[int]
 
 
 def detect_format(record: dict, requested: str, text_field: str, path: str) -> str:
@@ -218,8 +213,6 @@ def load_samples(path: str, key: str, tokenizer, data_cfg) -> tuple[list[Tokeniz
 
 def build_text_data(data_cfg, tokenizer, seed: int) -> TextData:
     """Read, detect the format, tokenize, hold out eval data and (data.packing) pack the training set."""
-    from toolkit.data.packing import PackedTextDataset
-
     samples, fmt = load_samples(data_cfg.path, "data.path", tokenizer, data_cfg)
     eval_samples = None
     if data_cfg.eval_path:

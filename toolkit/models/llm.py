@@ -12,7 +12,8 @@ import torch
 from omegaconf import DictConfig
 
 from toolkit.data.records import read_records
-from toolkit.data.text import IGNORE_INDEX, TextData, build_text_data, detect_format, render_chat
+from toolkit.data.samples import IGNORE_INDEX
+from toolkit.data.text import TextData, build_text_data, detect_format, render_chat
 from toolkit.errors import UserError
 from toolkit.models.base import AdapterBase, Runtime, eval_mode
 from toolkit.models.lora import lora_config, target_modules

@@ -1,5 +1,8 @@
 """bitsandbytes interoperability: state dict conversion and the one-step self-check used by `auto`.
 
+The 8-bit optimizers (eight_bit.py) import the conversion; the self-check compares bitsandbytes with the
+reference math (reference.py) the optimizers run, so this module never imports eight_bit.py.
+
 A bitsandbytes 8-bit optimizer keeps, per parameter, `step`, `state1`/`state2` (uint8 codes, or fp32 for
 tensors under 4096 elements), `absmax1`/`absmax2` and the maps `qmap1`/`qmap2`; since 0.49.2 its
 `state_dict()` nests the tensors under `__bnb_optimizer_quant_state__`. The toolkit uses the same keys,
@@ -11,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from toolkit.errors import UserError
-from toolkit.optim.quant import create_dynamic_map
+from toolkit.optim import reference
+from toolkit.optim.quant import create_dynamic_map, dequantize_blockwise, num_blocks
 
 BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"
 _BNB_ONLY_GROUP_KEYS = {"alpha": 0.0, "t_alpha": None, "t_beta3": None}  # AdEMAMix settings, inert for AdamW
@@ -61,20 +65,25 @@ def bnb_self_check(name: str, device: torch.device) -> tuple[bool, str]:
         import bitsandbytes as bnb
     except Exception as exc:  # a broken install raises more than ImportError
         return False, f"bitsandbytes does not import ({type(exc).__name__}: {exc})"
-    from toolkit.optim.eight_bit import AdamW8bit, Lion8bit
-    from toolkit.optim.quant import dequantize_blockwise
 
-    classes = {"adamw8bit": (bnb.optim.AdamW8bit, AdamW8bit), "lion8bit": (bnb.optim.Lion8bit, Lion8bit)}
-    bnb_class, toolkit_class = classes[name]
+    # The reference update is what the toolkit's AdamW8bit/Lion8bit step with impl="torch". Betas and eps
+    # are both libraries' defaults, passed to both explicitly.
+    bnb_class, update, moments, betas, eps = {
+        "adamw8bit": (bnb.optim.AdamW8bit, reference.adamw_8bit_update_, 2, (0.9, 0.999), {"eps": 1e-8}),
+        "lion8bit": (bnb.optim.Lion8bit, reference.lion_8bit_update_, 1, (0.9, 0.99), {}),
+    }[name]
     gen = torch.Generator().manual_seed(0)
     start, grad = torch.randn(64, 128, generator=gen), torch.randn(64, 128, generator=gen)
-    params = [torch.nn.Parameter(start.clone().to(device)) for _ in range(2)]
-    optimizers = [toolkit_class([params[0]], lr=1e-2, weight_decay=0.01, impl="torch"),
-                  bnb_class([params[1]], lr=1e-2, weight_decay=0.01)]
+    params = [start.clone().to(device), torch.nn.Parameter(start.clone().to(device))]
+    ours = {"step": 1}  # a fresh 8-bit state (zero moments), as the optimizers' first step sees it
+    for i in range(1, moments + 1):
+        ours[f"state{i}"] = torch.zeros_like(params[0], dtype=torch.uint8)
+        ours[f"absmax{i}"] = torch.zeros(num_blocks(start.numel()), dtype=torch.float32, device=device)
+    update(params[0], grad.to(device), ours, lr=1e-2, beta1=betas[0], beta2=betas[1], weight_decay=0.01, **eps)
+    optimizer = bnb_class([params[1]], lr=1e-2, betas=betas, weight_decay=0.01, **eps)
     try:
-        for p, opt in zip(params, optimizers):
-            p.grad = grad.to(device)
-            opt.step()
+        params[1].grad = grad.to(device)
+        optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:
@@ -82,11 +91,12 @@ def bnb_self_check(name: str, device: torch.device) -> tuple[bool, str]:
     param_error = (params[0] - params[1]).abs().max().item()
     if not param_error <= 1e-5:  # the step moves params by ~1e-2
         return False, f"bitsandbytes {name} disagrees with the reference after one step (max |dp| = {param_error:.1e})"
-    ours, theirs = (opt.state[p] for opt, p in zip(optimizers, params))
-    for i in range(1, 3 if name == "adamw8bit" else 2):
-        moments = [dequantize_blockwise(s[f"state{i}"], s[f"absmax{i}"].to(device), signed=i == 1) for s in (ours, theirs)]
-        scale = moments[0].abs().max().item()
-        error = (moments[0] - moments[1]).abs()
+    theirs = optimizer.state[params[1]]
+    for i in range(1, moments + 1):
+        ours_i, theirs_i = (dequantize_blockwise(s[f"state{i}"], s[f"absmax{i}"].to(device), signed=i == 1)
+                            for s in (ours, theirs))
+        scale = ours_i.abs().max().item()
+        error = (ours_i - theirs_i).abs()
         if not (error.max().item() <= 0.03 * scale and error.mean().item() <= 1e-3 * scale):
             return False, (f"bitsandbytes {name} state{i} disagrees with the reference after one step "
                            f"(max error {error.max().item() / scale:.1%} of absmax)")

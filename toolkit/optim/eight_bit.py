@@ -18,6 +18,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.optim import reference
+from toolkit.optim.bnb_compat import convert_bnb_state_dict, is_bnb_state_dict
 from toolkit.optim.quant import MIN_8BIT_SIZE, num_blocks
 
 IMPLEMENTATIONS = ("auto", "torch", "triton")
@@ -135,8 +136,6 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
         Tensors keep their dtype (torch's default loader would cast uint8 and fp32 state to the param dtype)
         and move to their parameter's device.
         """
-        from toolkit.optim.bnb_compat import convert_bnb_state_dict, is_bnb_state_dict
-
         if is_bnb_state_dict(state_dict):
             state_dict = convert_bnb_state_dict(state_dict)
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
