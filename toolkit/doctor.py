@@ -83,18 +83,18 @@ def _check_rocm_env(checks: Checklist, device) -> None:
     import torch
 
     from toolkit.device.archs import bare_arch_name
-    from toolkit.device.rocm_env import _PATH_LISTS, AmdGpu, compute_rocm_env
+    from toolkit.device.rocm_env import PATH_LIST_VARIABLES, AmdGpu, compute_rocm_env
 
     gpus = [AmdGpu(node=None, gfx=device.arch, name=device.name)]
     torch_archs = [bare_arch_name(a) for a in torch.cuda.get_arch_list()]
     for decision in compute_rocm_env(gpus, os.environ, torch_archs, debug_hip=False):
         if decision.value is None:
             checks.info(f"{decision.name}: not needed ({decision.reason})")
-        elif decision.kept and decision.name in _PATH_LISTS:
+        elif decision.kept and decision.name in PATH_LIST_VARIABLES:
             checks.check(True, f"{decision.name} {decision.reason}")
         elif decision.kept:
             checks.check(True, f"{decision.name}={decision.value} is set")
-        elif decision.name in _PATH_LISTS:
+        elif decision.name in PATH_LIST_VARIABLES:
             directory = decision.value.split(os.pathsep)[-1]  # the launcher appends its directory
             checks.check(False, f"{decision.name} does not contain {directory}",
                          f"start through ./start_toolkit.sh (it adds it), or export "

@@ -40,7 +40,7 @@ def caption_rules(data) -> CaptionRules:
                         keep_tokens=data.keep_tokens)
 
 
-def _raw_captions(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_EXTS) -> list[tuple[Path, str | None]]:
+def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_EXTS) -> list[tuple[Path, str | None]]:
     """(file, caption text or None) from metadata.jsonl, else every file with a suffix in `exts`."""
     metadata = root / "metadata.jsonl"
     if metadata.is_file():
@@ -67,10 +67,11 @@ def _image_size(path: Path) -> tuple[int, int]:
 
     with Image.open(path) as image:
         image.load()  # decode fully: a truncated file fails here, not in the middle of training
-        return _oriented_size(image)
+        return oriented_size(image)
 
 
-def _oriented_size(image) -> tuple[int, int]:
+def oriented_size(image) -> tuple[int, int]:
+    """(width, height) of a PIL image as displayed, after its EXIF orientation (90-degree turns swap them)."""
     orientation = image.getexif().get(0x0112, 1)
     w, h = image.size
     return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
@@ -94,7 +95,7 @@ def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
     rules = caption_rules(data)
     table = bucket_table(data.resolution, data.bucket_step, data.min_bucket_side, data.max_bucket_side)
     items, skipped, small = [], [], []
-    for path, raw in _raw_captions(root, data.caption_ext):
+    for path, raw in captioned_files(root, data.caption_ext):
         try:
             size = _image_size(path)
         except (OSError, SyntaxError, ValueError) as err:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from toolkit.data.buckets import bucket_table, choose_bucket
-from toolkit.data.images import (IMAGE_EXTS, _oriented_size, _raw_captions, caption_rules, cover_and_crop,
+from toolkit.data.images import (IMAGE_EXTS, caption_rules, captioned_files, cover_and_crop, oriented_size,
                                  warn_skipped)
 from toolkit.errors import UserError
 
@@ -93,7 +93,7 @@ def _probe_pillow(path: Path) -> tuple[tuple[int, int], int]:
     with Image.open(path) as image:
         count = getattr(image, "n_frames", 1)
         image.load()
-        return _oriented_size(image), count
+        return oriented_size(image), count
 
 
 def _probe(path: Path) -> tuple[tuple[int, int], int]:
@@ -121,7 +121,7 @@ def scan_clips(data, log: Callable[[str], None]) -> list[ClipItem]:
     table = bucket_table(data.resolution, data.bucket_step, data.min_bucket_side, data.max_bucket_side)
     exts = tuple(dict.fromkeys(VIDEO_EXTS + IMAGE_EXTS))
     items, skipped, small = [], [], []
-    for path, raw in _raw_captions(root, data.caption_ext, exts):
+    for path, raw in captioned_files(root, data.caption_ext, exts):
         try:
             size, count = _probe(path)
         except (OSError, SyntaxError, ValueError, EOFError) as err:

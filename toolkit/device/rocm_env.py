@@ -203,7 +203,7 @@ def probe_torch_archs(python: str = sys.executable, timeout_s: float = TORCH_PRO
 # ---------------------------------------------------------------------------------------- decisions
 
 
-_PATH_LISTS = ("PATH", "LD_LIBRARY_PATH")
+PATH_LIST_VARIABLES = ("PATH", "LD_LIBRARY_PATH")  # the launcher appends a directory to these, never replaces them
 
 
 def _append_path(environ: Mapping[str, str], name: str, directory: str, why: str) -> EnvDecision:
@@ -332,13 +332,13 @@ def format_summary(gpus: Sequence[AmdGpu], decisions: Sequence[EnvDecision], not
     lines += [f"  GPU {gpu.describe()}" for gpu in gpus]
     lines += [f"  note: {note}" for note in notes]
     for d in decisions:
-        if d.kept and d.name in _PATH_LISTS:
+        if d.kept and d.name in PATH_LIST_VARIABLES:
             lines.append(f"  {d.name}: kept, {d.reason}")
         elif d.kept:
             lines.append(f"  {d.name}={d.value}: {d.reason}")
         elif d.value is None:
             lines.append(f"  {d.name}: {d.reason}")
-        elif d.name in _PATH_LISTS:  # the whole value is noise, the appended part is the news
+        elif d.name in PATH_LIST_VARIABLES:  # the whole value is noise, the appended part is the news
             lines.append(f"  {d.name} {d.reason}")
         else:
             lines.append(f"  {d.name}={d.value}: {d.reason}")
