@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from toolkit.config.data_schemas import ImageDataSection
 from toolkit.data.images import DiffusionDataset, caption_rules, load_pixels, scan_images
 from toolkit.errors import UserError
+from toolkit.models.diffusion_sd import sdxl_time_ids
 from toolkit.tiny.fixtures import write_shapes_dataset
 
 
@@ -49,7 +50,7 @@ def test_folder_with_captions_buckets_and_a_corrupt_file(tmp_path):
     batch = dataset.collate([index])
     assert batch["pixels"].shape == (1, 3, 64, 64)
     # SDXL micro-conditioning: original (h, w), crop (top, left), target (h, w)
-    assert batch["time_ids"].tolist() == [[64.0, 96.0, 0.0, 16.0, 64.0, 64.0]]
+    assert sdxl_time_ids(batch).tolist() == [[64.0, 96.0, 0.0, 16.0, 64.0, 64.0]]
     assert batch["captions"] == ["sks, a red circle on a white background"]  # no shuffle or dropout: as scanned
 
 

@@ -185,8 +185,9 @@ class DiffusionDataset:
                 batch[key] = torch.stack([t[key] for t in texts])
         else:
             batch["captions"] = [self.rules.vary(self.items[i].caption, random) for i in indices]
-        # SDXL micro-conditioning: original (h, w), crop (top, left), target (h, w).
-        batch["time_ids"] = torch.tensor([[self.items[i].size[1], self.items[i].size[0], *crop,
-                                           self.items[i].bucket[1], self.items[i].bucket[0]]
-                                          for i, crop in zip(indices, crops)], dtype=torch.float32)
+        # Where each item's pixels came from, (B, 2) each, for families that condition on it (SDXL):
+        # the file's (height, width), the crop's (top, left) in the resized image, the bucket's (height, width).
+        batch["original_size"] = torch.tensor([(self.items[i].size[1], self.items[i].size[0]) for i in indices])
+        batch["crop_top_left"] = torch.tensor(crops)
+        batch["target_size"] = torch.tensor([(self.items[i].bucket[1], self.items[i].bucket[0]) for i in indices])
         return batch
