@@ -1,6 +1,7 @@
 """LoRA weights of the diffusion families: checkpoints (the exact trainable tensors), the diffusers file that
 `pipe.load_lora_weights` reads (with the LoRA config as metadata), the kohya / ComfyUI exports, and loading
-an exported file back. Mixed into DiffusionAdapter, which provides `network`, `cfg`, `family`, `spec` and `log`.
+an exported file back. Mixed into DiffusionAdapter, which provides `network`, `cfg`, `family`, `spec`, `log` and
+`text_encoder_names`.
 """
 
 from __future__ import annotations
@@ -16,18 +17,23 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 class DiffusersLoraFiles:
-    def diffusers_lora_layers(self, dtype: torch.dtype, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-        """save_lora_weights arguments (`<component>_lora_layers`) for the trained modules (or `names`), on the CPU.
+    # The components whose LoRA keys the diffusers file holds in diffusers' own naming, as diffusers' SD and
+    # SDXL LoRA scripts (train_text_to_image_lora.py, train_text_to_image_lora_sdxl.py, train_dreambooth_lora.py,
+    # train_dreambooth_lora_sdxl.py) save them: the UNet as lora.down/up, the CLIP text encoders as
+    # lora_linear_layer.down/up. The transformers keep PEFT naming (lora_A/B), as the Flux, SD3, Wan and
+    # Qwen-Image scripts (train_dreambooth_lora_flux.py, ...) save them.
+    diffusers_named_components: tuple[str, ...] = ("unet", "text_encoder", "text_encoder_2")
 
-        UNet and text-encoder keys take diffusers' own naming (lora.down/up), as its SD training scripts write;
-        transformer keys stay in PEFT naming (lora_A/B), as its Flux/SD3/Wan scripts write."""
+    def diffusers_lora_layers(self, dtype: torch.dtype, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """save_lora_weights arguments (`<component>_lora_layers`) for the trained modules (or `names`), on the CPU,
+        in the naming of `diffusers_named_components`."""
         from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
         layers = {}
         for name in names or list(self.network.keys()):
             state = get_peft_model_state_dict(self.network[name])
-            if name == "unet" or name.startswith("text_encoder"):
+            if name in self.diffusers_named_components:
                 state = convert_state_dict_to_diffusers(state)
             layers[f"{name}_lora_layers"] = {k: v.detach().to("cpu", dtype) for k, v in state.items()}
         return layers
@@ -100,7 +106,10 @@ class DiffusersLoraFiles:
         for name in names:
             prefix = f"{prefix_of(name)}."
             part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            part = convert_state_dict_to_peft(part) if name.startswith("text_encoder") else convert_unet_state_dict_to_peft(part)
+            # Back to PEFT naming: a text encoder's keys are in its own layout; a denoiser's from the UNet's
+            # lora.down/up (keys already in PEFT naming, as the transformers' are, pass through unchanged).
+            to_peft = convert_state_dict_to_peft if name in self.text_encoder_names else convert_unet_state_dict_to_peft
+            part = to_peft(part)
             result = set_peft_model_state_dict(self.network[name], part)
             if getattr(result, "unexpected_keys", None):
                 raise UserError(f"{path}: LoRA keys do not match the {name}: {result.unexpected_keys[:2]}")
