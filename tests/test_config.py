@@ -184,6 +184,7 @@ def test_an_older_run_folder_with_every_family_setting_resumes(tmp_path):
     """Older toolkits wrote every setting into a checkpoint's config.yaml; those of other families are ignored."""
     import copy
 
+    import torch
     import yaml
 
     from toolkit.config.load import resolved_container
@@ -197,6 +198,7 @@ def test_an_older_run_folder_with_every_family_setting_resumes(tmp_path):
     saved["model"].update(trust_remote_code=False, attention="sdpa")
     folder = tmp_path / "step-000010"
     folder.mkdir()
+    torch.save({"step": 10}, folder / "trainer_state.pt")  # a run from before multi-process: one process
     (folder / "config.yaml").write_text(yaml.safe_dump(saved))
     notices: list[str] = []
     check_resume_config(Checkpoint(folder, 10, {}), current, notices.append)

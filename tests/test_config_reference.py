@@ -35,7 +35,8 @@ def test_every_field_has_a_documented_row():
             assert f"| `{prefix}.{f.name}` |" in text, f"{prefix}.{f.name} missing from the reference"
     assert "| `train.lr` | float | `0.0001` | Peak learning rate. At least 0. |" in text
     assert "| `model.family` | str | **required** |" in text
-    assert "One of `llm`, `sd`, `sdxl`, `flux`, `sd3`, `wan21`, `wan22`." in text
+    assert "One of " + ", ".join(f"`{family}`" for family in FAMILY_SPECS) + "." in text
+    assert "One of `llm`, `sd`, `sdxl`, `flux`, `sd3`, `wan21`, `wan22`" in text
     assert "| `log.profile` | bool | `false` |" in text
     assert "| `data.num_frames` |" in text.split("### data for model.family: wan21, wan22")[1]
     assert "### data for model.family: llm" in text and "| `data.max_seq_len` | int | `512` |" in text
