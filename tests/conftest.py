@@ -22,10 +22,11 @@ def tiny_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def run_cli(monkeypatch):
-    """Run `python -m toolkit ARGS` in-process from the repo root; returns (exit code, stdout, stderr)."""
+    """Run `python -m toolkit ARGS` in-process from the repo root; returns main()'s exit code (the output goes
+    to pytest's capture: read it with capsys)."""
     from toolkit.cli import main
 
-    def _run(*args: str, capsys=None):
+    def _run(*args: str) -> int:
         monkeypatch.chdir(REPO)
         return main([str(a) for a in args])
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: a CPU runtime, an adapter ready to train, its mean loss, a run's metrics."""
+"""Helpers shared by the tests: a CPU runtime, an adapter ready to train, its mean loss, a short diffusion run's
+arguments, a run's metrics, and the optimizer tests' parameters and gradients."""
 
 from __future__ import annotations
 
@@ -35,7 +36,34 @@ def mean_loss(adapter, batch) -> torch.Tensor:
     return adapter.loss(batch, adapter.trainable_modules()) / adapter.loss_weight(batch)
 
 
+def diffusion_train_args(config: str, out: Path, *extra: str) -> list[str]:
+    """`train` arguments for 2 quick steps of an example diffusion config: batch 2, no checkpoints or samples,
+    a log line every step (`extra` overrides come last)."""
+    return ["train", str(REPO / "configs/examples" / config), f"run.output_dir={out}", "train.steps=2",
+            "train.batch_size=2", "train.lr=1e-2", "save.every=0", "sample.every=0", "sample.num_inference_steps=2",
+            "log.every=1", *extra]
+
+
 def read_metrics(run_dir: Path, key: str | None = "loss") -> list:
     """The records of logs/metrics.jsonl (only those with `key`, or all when key is None)."""
     records = [json.loads(line) for line in (Path(run_dir) / "logs" / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if key is None or key in r]
+
+
+# The 8-bit optimizer tests' parameters: two tensors with 8-bit state (one with a partial last 256-block) and one
+# under 4096 elements, which keeps fp32 state.
+OPTIM_SHAPES = [(64, 128), (4099,), (32, 16)]
+
+
+def optim_params(dtype: torch.dtype = torch.float32, shapes=OPTIM_SHAPES, seed: int = 0,
+                 device: str = "cpu") -> list[torch.nn.Parameter]:
+    """Parameters of `shapes` drawn from N(0, 0.1^2) with `seed`, in `dtype`, on `device`."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype).to(device)) for s in shapes]
+
+
+def optim_grads(steps: int, dtype: torch.dtype = torch.float32, shapes=OPTIM_SHAPES, seed: int = 1
+                ) -> list[list[torch.Tensor]]:
+    """`steps` lists of gradients for `shapes`, drawn from N(0, 0.01^2) with `seed`, in `dtype` on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(s, generator=gen) * 0.01).to(dtype) for s in shapes] for _ in range(steps)]

@@ -3,7 +3,6 @@ diffusers pipeline, the flow-matching loss, Wan 2.2 expert selection and switchi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +12,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import REPO
-from helpers import adapter_for, mean_loss
-from toolkit.config.run import load_run
-from toolkit.models import build_adapter
-from toolkit.models.base import Runtime
+from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
 from toolkit.models.flow_matching import SigmaSampler, flux_mu
 from toolkit.paths import resolve_model_path
 
@@ -24,19 +20,8 @@ SHAPES = REPO / "configs/examples/data/shapes"
 CLIPS = REPO / "configs/examples/data/clips"
 
 
-def _args(config: str, out: Path, *extra: str) -> list[str]:
-    return ["train", str(REPO / "configs/examples" / config), f"run.output_dir={out}", "train.steps=2",
-            "train.batch_size=2", "train.lr=1e-2", "save.every=0", "sample.every=0", "sample.num_inference_steps=2",
-            "log.every=1", *extra]
-
-
-def _adapter(config: str, tmp_path: Path, *overrides: str):
-    return adapter_for(config, tmp_path, *overrides)
-
-
 def _losses(out: Path) -> list[float]:
-    records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r]
+    return [r["loss"] for r in read_metrics(out)]
 
 
 def _pixels(images) -> np.ndarray:
@@ -53,7 +38,8 @@ def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(fami
                                                                             run_cli, capsys):
     out = tmp_path / "run"
     # alpha != rank: the file's adapter metadata makes diffusers scale by alpha/rank, as training did
-    assert run_cli(*_args(f"quickstart_{family}.yaml", out, "sample.prompts=[sks a red circle]", "network.alpha=16")) == 0
+    assert run_cli(*diffusion_train_args(f"quickstart_{family}.yaml", out, "sample.prompts=[sks a red circle]",
+                                         "network.alpha=16")) == 0
     err = capsys.readouterr().err
     # 24 captions + the sample prompt (sd3: + the negative prompt "")
     assert f"text embeddings: 0 cached, {25 if family == 'flux' else 26} encoded" in err
@@ -90,7 +76,7 @@ def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(fami
 def test_flux_loss_is_the_velocity_mse_with_resolution_dependent_shift(tmp_path):
     from diffusers import FluxPipeline
 
-    adapter, dataset = _adapter("quickstart_flux.yaml", tmp_path, "train.guidance=2.0")
+    adapter, dataset = adapter_for("quickstart_flux.yaml", tmp_path, "train.guidance=2.0")
     batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 1][:2])  # 128x64 bucket
     torch.manual_seed(0)
     with torch.no_grad():
@@ -136,8 +122,8 @@ def test_sigma_sampler_shift_and_expert_ranges():
 def test_wan21_trains_on_clips_and_stills_writes_video_samples_and_reloads(tmp_path, run_cli, capsys):
     out = tmp_path / "run"
     # gradient checkpointing on: the LoRA still gets gradients (the reloaded LoRA below changes the output)
-    assert run_cli(*_args("quickstart_wan21.yaml", out, "sample.num_frames=5", "network.alpha=4",
-                          "train.gradient_checkpointing=true")) == 0
+    assert run_cli(*diffusion_train_args("quickstart_wan21.yaml", out, "sample.num_frames=5", "network.alpha=4",
+                                         "train.gradient_checkpointing=true")) == 0
     err = capsys.readouterr().err
     assert "64 x 64    (ratio 1.00) x   9 frames: 6 clips" in err and "x   1 frame : 2 clips" in err
     samples = out / "samples" / "step-000002"
@@ -181,8 +167,8 @@ def experts_seen(monkeypatch) -> list:
 def test_wan22_trains_both_experts_alternately_and_saves_each(tmp_path, run_cli, experts_seen):
     seen = experts_seen
     out = tmp_path / "run"
-    assert run_cli(*_args("quickstart_wan22.yaml", out, "train.steps=5", "train.expert_switch_every=2",
-                          "sample.prompts=[]")) == 0
+    assert run_cli(*diffusion_train_args("quickstart_wan22.yaml", out, "train.steps=5", "train.expert_switch_every=2",
+                                         "sample.prompts=[]")) == 0
     assert [name for name, _, _ in seen] == ["transformer", "transformer", "transformer_2", "transformer_2", "transformer"]
     assert seen[0][1:] == (0.875, 1.0) and seen[2][1:] == (0.0, 0.875)
     final = out / "final"
@@ -218,11 +204,11 @@ def test_wan22_trains_both_experts_alternately_and_saves_each(tmp_path, run_cli,
 def test_wan22_one_expert_only(tmp_path, run_cli, experts_seen):
     ranges = experts_seen
     out = tmp_path / "run"
-    assert run_cli(*_args("quickstart_wan22.yaml", out, "train.experts=low_noise", "save.format=diffusers",
-                          "sample.prompts=[]")) == 0
+    assert run_cli(*diffusion_train_args("quickstart_wan22.yaml", out, "train.experts=low_noise",
+                                         "save.format=diffusers", "sample.prompts=[]")) == 0
     assert ranges == [("transformer_2", 0.0, 0.875)] * 2
     assert sorted(p.name for p in (out / "final").iterdir()) == ["low_noise"]
-    adapter, _ = _adapter("quickstart_wan22.yaml", tmp_path / "probe", "train.experts=low_noise")
+    adapter, _ = adapter_for("quickstart_wan22.yaml", tmp_path / "probe", "train.experts=low_noise")
     assert list(adapter.network.keys()) == ["transformer_2"]
     assert not any("lora" in n for n, _ in adapter.pipe.transformer.named_parameters())
 
@@ -230,10 +216,11 @@ def test_wan22_one_expert_only(tmp_path, run_cli, experts_seen):
 def test_wan22_resume_across_an_expert_switch_is_bit_identical(tmp_path, run_cli):
     common = ("sample.prompts=[]", "train.expert_switch_every=2", "save.every=3", "save.format=diffusers")
     full = tmp_path / "full"
-    assert run_cli(*_args("quickstart_wan22.yaml", full, "train.steps=6", *common)) == 0
+    assert run_cli(*diffusion_train_args("quickstart_wan22.yaml", full, "train.steps=6", *common)) == 0
     split = tmp_path / "split"
-    assert run_cli(*_args("quickstart_wan22.yaml", split, "train.steps=3", *common)) == 0
-    assert run_cli(*_args("quickstart_wan22.yaml", split, "train.steps=6", *common)) == 0  # resumes at step 3
+    assert run_cli(*diffusion_train_args("quickstart_wan22.yaml", split, "train.steps=3", *common)) == 0
+    # resumes at step 3
+    assert run_cli(*diffusion_train_args("quickstart_wan22.yaml", split, "train.steps=6", *common)) == 0
     assert _losses(split)[-3:] == _losses(full)[-3:]
     for expert in ("high_noise", "low_noise"):
         a = load_file(str(full / "final" / expert / "pytorch_lora_weights.safetensors"))
@@ -242,7 +229,7 @@ def test_wan22_resume_across_an_expert_switch_is_bit_identical(tmp_path, run_cli
 
 
 def test_wan22_5b_takes_a_timestep_per_latent_patch(tmp_path):
-    adapter, dataset = _adapter("quickstart_wan22.yaml", tmp_path, "model.name_or_path=tiny:wan22-5b")
+    adapter, dataset = adapter_for("quickstart_wan22.yaml", tmp_path, "model.name_or_path=tiny:wan22-5b")
     assert adapter.denoiser_names == ("transformer",) and adapter.expand_timesteps
     seen = {}
     forward = adapter.pipe.transformer.forward
@@ -258,11 +245,12 @@ def test_wan22_5b_takes_a_timestep_per_latent_patch(tmp_path):
     assert batch["latents"].shape == (2, 48, 3, 4, 4) and seen["timestep"].shape == (2, 12)
     assert torch.isfinite(loss)
     with pytest.raises(Exception, match="train.experts=high_noise: .* has one transformer"):
-        _adapter("quickstart_wan22.yaml", tmp_path / "x", "model.name_or_path=tiny:wan22-5b", "train.experts=high_noise")
+        adapter_for("quickstart_wan22.yaml", tmp_path / "x", "model.name_or_path=tiny:wan22-5b",
+                    "train.experts=high_noise")
 
 
 def test_caption_dropout_uses_the_cached_empty_caption(tmp_path):
-    adapter, dataset = _adapter("quickstart_sd3.yaml", tmp_path, "data.caption_dropout=1.0")
+    adapter, dataset = adapter_for("quickstart_sd3.yaml", tmp_path, "data.caption_dropout=1.0")
     batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 0][:2])
     empty = adapter.prompt_cache[""]
     assert all(torch.equal(batch["prompt_embeds"][i], empty["prompt_embeds"]) for i in range(2))
@@ -273,8 +261,9 @@ def test_caption_dropout_uses_the_cached_empty_caption(tmp_path):
 def test_quantized_frozen_base_trains(backend, mode, tmp_path, run_cli, capsys):
     pytest.importorskip(backend)
     out = tmp_path / "run"
-    assert run_cli(*_args("quickstart_flux.yaml", out, f"model.quantize={mode}", f"model.quantize_backend={backend}",
-                          "sample.prompts=[]", "save.format=diffusers")) == 0
+    assert run_cli(*diffusion_train_args("quickstart_flux.yaml", out, f"model.quantize={mode}",
+                                         f"model.quantize_backend={backend}", "sample.prompts=[]",
+                                         "save.format=diffusers")) == 0
     err = capsys.readouterr().err
     assert f"model: quantized 20 linear layers of the transformer to {mode} ({backend})" in err
     assert all(np.isfinite(_losses(out)))
@@ -282,19 +271,20 @@ def test_quantized_frozen_base_trains(backend, mode, tmp_path, run_cli, capsys):
 
 
 def test_bad_num_frames_is_a_short_error(tmp_path, run_cli, capsys):
-    assert run_cli(*_args("quickstart_wan21.yaml", tmp_path / "run", "data.num_frames=6")) == 2
+    assert run_cli(*diffusion_train_args("quickstart_wan21.yaml", tmp_path / "run", "data.num_frames=6")) == 2
     err = capsys.readouterr().err
     assert "data.num_frames: 6 is not 4k+1" in err and "Traceback" not in err
 
 
 def test_comfyui_export_of_a_module_it_cannot_name_warns_and_keeps_the_diffusers_file(tmp_path, run_cli, capsys):
     out = tmp_path / "run"
-    assert run_cli(*_args("quickstart_wan21.yaml", out, "save.format=comfyui", "sample.prompts=[]",
-                          "network.target_modules=[to_q,patch_embedding]")) == 0
+    assert run_cli(*diffusion_train_args("quickstart_wan21.yaml", out, "save.format=comfyui", "sample.prompts=[]",
+                                         "network.target_modules=[to_q,patch_embedding]")) == 0
     err = capsys.readouterr().err
     assert "warning: save.format=comfyui: quickstart_wan21_comfyui.safetensors not written:" in err
     assert sorted(p.name for p in (out / "final").iterdir()) == ["pytorch_lora_weights.safetensors"]
-    assert run_cli(*_args("quickstart_flux.yaml", tmp_path / "dora", "network.type=dora")) == 2  # comfyui + dora
+    # quickstart_flux.yaml asks for save.format=comfyui, which holds no DoRA: refused
+    assert run_cli(*diffusion_train_args("quickstart_flux.yaml", tmp_path / "dora", "network.type=dora")) == 2
     assert "network.type is dora" in capsys.readouterr().err
 
 
@@ -302,6 +292,7 @@ def test_text_encoder_lora_is_refused_before_loading_a_flow_model(tmp_path, run_
     import diffusers
 
     monkeypatch.setattr(diffusers.FluxPipeline, "from_pretrained", lambda *a, **k: pytest.fail("loaded anyway"))
-    assert run_cli(*_args("quickstart_flux.yaml", tmp_path / "run", "train.train_text_encoder=true")) == 2
+    assert run_cli(*diffusion_train_args("quickstart_flux.yaml", tmp_path / "run",
+                                         "train.train_text_encoder=true")) == 2
     assert ("'train.train_text_encoder' in command line has no effect for model.family flux"
             in capsys.readouterr().err)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from helpers import cpu_runtime
+from helpers import cpu_runtime, read_metrics
 from toolkit.cli import main
 from toolkit.errors import UserError
 from toolkit.paths import resolve_model_path
@@ -33,12 +33,8 @@ def chat_run(tmp_path_factory):
     return out
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_chat_run_logs_eval_loss_and_writes_samples(chat_run):
-    evals = [r for r in metrics(chat_run) if "eval_loss" in r]
+    evals = read_metrics(chat_run, "eval_loss")
     assert [r["step"] for r in evals] == [2, 4]
     assert all(0 < r["eval_loss"] < 20 for r in evals)
     for step in ("step-000002", "step-000004"):
@@ -73,11 +69,9 @@ def toolkit_logits(run_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
 
     from toolkit.config.run import load_run
     from toolkit.models import build_adapter
-    from toolkit.models.base import Runtime
 
     run = load_run([run_dir / "config.yaml"], [])
-    runtime = Runtime(torch.device("cpu"), run.device, torch.float32, torch.float32, run_dir)
-    adapter = build_adapter(run.cfg, runtime)
+    adapter = build_adapter(run.cfg, cpu_runtime(run, run_dir))
     adapter.load()
     last = sorted((run_dir / "checkpoints").iterdir())[-1]
     adapter.load_lora_state_dict(load_file(str(last / "lora.safetensors")))
@@ -151,13 +145,13 @@ def test_alpaca_parquet_and_text_txt_train(tmp_path, monkeypatch):
     assert train(monkeypatch, "configs/examples/quickstart_llm_alpaca.yaml", f"run.output_dir={out}",
                  f"data.path={tmp_path / 'train.parquet'}", f"data.eval_path={tmp_path / 'eval.parquet'}",
                  "train.steps=4", "train.eval_every=2", "save.every=0", "sample.prompts=[]") == 0
-    assert [r["step"] for r in metrics(out) if "eval_loss" in r] == [2, 4]
+    assert [r["step"] for r in read_metrics(out, "eval_loss")] == [2, 4]
     (tmp_path / "t.txt").write_text("the red circle\n\nthe blue square\nthe green triangle\n")
     out = tmp_path / "text"
     assert train(monkeypatch, "configs/examples/quickstart_llm.yaml", f"run.output_dir={out}",
                  f"data.path={tmp_path / 't.txt'}", "data.packing=true", "train.steps=2", "save.every=0",
                  "sample.prompts=[]", "train.batch_size=2") == 0
-    losses = [r["loss"] for r in metrics(out) if "loss" in r]
+    losses = [r["loss"] for r in read_metrics(out)]
     assert len(losses) >= 1 and all(0 < x < 20 for x in losses)
 
 
@@ -185,7 +179,7 @@ def test_qlora_4bit_trains_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "q"
     assert train(monkeypatch, "configs/examples/quickstart_llm.yaml", f"run.output_dir={out}", "model.quantize=4bit",
                  "train.steps=2", "save.every=0", "sample.prompts=[]", "log.every=1") == 0
-    losses = [r["loss"] for r in metrics(out) if "loss" in r]
+    losses = [r["loss"] for r in read_metrics(out)]
     assert len(losses) == 2 and all(0 < x < 20 for x in losses)
     assert (out / "final" / "adapter_model.safetensors").is_file()
 

@@ -3,20 +3,13 @@
 import pytest
 import torch
 
+from helpers import optim_grads, optim_params
 from toolkit.errors import UserError
 from toolkit.optim import AdamW8bit, Lion8bit, convert_bnb_state_dict
 from toolkit.optim.bnb_compat import BNB_NESTED_KEY
 from toolkit.optim.quant import dequantize_blockwise
 
 bnb = pytest.importorskip("bitsandbytes")
-
-SHAPES = [(64, 128), (4099,), (32, 16)]
-
-
-def _grads(steps, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=gen) * 0.01 for s in SHAPES] for _ in range(steps)]
-
 
 def _step(opt, params, grads):
     for p, g in zip(params, grads):
@@ -37,10 +30,9 @@ def _flatten(state_dict):
 @pytest.mark.parametrize("layout", ["nested", "flat"])
 @pytest.mark.parametrize("bnb_class,toolkit_class", [(bnb.optim.AdamW8bit, AdamW8bit), (bnb.optim.Lion8bit, Lion8bit)])
 def test_bnb_run_resumes_in_toolkit(layout, bnb_class, toolkit_class):
-    gen = torch.Generator().manual_seed(0)
-    bnb_params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1) for s in SHAPES]
+    bnb_params = optim_params()
     theirs = bnb_class(bnb_params, lr=1e-3, weight_decay=0.01)
-    for grads in _grads(5, seed=1):
+    for grads in optim_grads(5, seed=1):
         _step(theirs, bnb_params, grads)
 
     saved = theirs.state_dict()
@@ -64,7 +56,7 @@ def test_bnb_run_resumes_in_toolkit(layout, bnb_class, toolkit_class):
                                                             code=s_bnb[f"qmap{i}"], blocksize=256)
             assert torch.equal(dequantize_blockwise(s_ours[f"state{i}"], s_ours[f"absmax{i}"], signed=i == 1), expected)
 
-    for grads in _grads(10, seed=2):
+    for grads in optim_grads(10, seed=2):
         _step(theirs, bnb_params, grads)
         _step(ours, our_params, grads)
     # The runs agree up to quantization choices: bitsandbytes' CPU quantizer does not always take the nearest

@@ -5,21 +5,9 @@ import io
 import pytest
 import torch
 
+from helpers import optim_grads, optim_params
 from toolkit.optim import AdamW8bit, Lion, Lion8bit
 from toolkit.optim.quant import dequantize_blockwise
-
-SHAPES = [(64, 128), (4099,), (32, 16)]  # two 8-bit tensors (one with a partial last block), one fp32-state
-
-
-def _params(dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype)) for s in SHAPES]
-
-
-def _grads(steps, dtype, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(s, generator=gen) * 0.01).to(dtype) for s in SHAPES] for _ in range(steps)]
-
 
 def _assert_most_close(actual, expected, atol, rtol, max_errors):
     bad = ~torch.isclose(actual, expected, atol=atol, rtol=rtol)
@@ -29,11 +17,11 @@ def _assert_most_close(actual, expected, atol, rtol, max_errors):
 # bf16 params drift from the fp32 run by their own rounding, so (as bitsandbytes' tests do) they resync every step
 @pytest.mark.parametrize("dtype,mean_error,resync", [(torch.float32, 6e-5, 10), (torch.bfloat16, 1.7e-4, 1)])
 def test_adamw8bit_tracks_fp32_adamw(dtype, mean_error, resync):
-    ours_params = _params(dtype)
+    ours_params = optim_params(dtype)
     ref_params = [torch.nn.Parameter(p.detach().float().clone()) for p in ours_params]
     ours = AdamW8bit(ours_params, lr=1e-3, weight_decay=0.01)
     ref = torch.optim.AdamW(ref_params, lr=1e-3, weight_decay=0.01)
-    for step, grads in enumerate(_grads(60, dtype), start=1):
+    for step, grads in enumerate(optim_grads(60, dtype), start=1):
         for p, r, g in zip(ours_params, ref_params, grads):
             p.grad, r.grad = g, g.float()
         ours.step()
@@ -61,15 +49,15 @@ def test_adamw8bit_tracks_fp32_adamw(dtype, mean_error, resync):
 
 @pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
 def test_state_dict_round_trip_is_bit_identical(cls):
-    grads = _grads(20, torch.float32)
-    straight_params = _params(torch.float32)
+    grads = optim_grads(20, torch.float32)
+    straight_params = optim_params(torch.float32)
     straight = cls(straight_params, lr=1e-3, weight_decay=0.01)
     for g in grads:
         for p, gi in zip(straight_params, g):
             p.grad = gi
         straight.step()
 
-    first_params = _params(torch.float32)
+    first_params = optim_params(torch.float32)
     first = cls(first_params, lr=1e-3, weight_decay=0.01)
     for g in grads[:10]:
         for p, gi in zip(first_params, g):
@@ -96,9 +84,9 @@ def test_state_dict_round_trip_is_bit_identical(cls):
 
 
 def test_bf16_params_keep_uint8_and_fp32_state_after_load():
-    params = _params(torch.bfloat16)
+    params = optim_params(torch.bfloat16)
     opt = AdamW8bit(params)
-    for p, g in zip(params, _grads(1, torch.bfloat16)[0]):
+    for p, g in zip(params, optim_grads(1, torch.bfloat16)[0]):
         p.grad = g
     opt.step()
     fresh = AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in params])
@@ -140,11 +128,11 @@ def test_params_without_grad_are_skipped():
 
 
 def test_lion8bit_tracks_fp32_lion():
-    ours_params = _params(torch.float32)
+    ours_params = optim_params(torch.float32)
     ref_params = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
     ours = Lion8bit(ours_params, lr=1e-4, weight_decay=0.1)
     ref = Lion(ref_params, lr=1e-4, weight_decay=0.1)
-    for step, grads in enumerate(_grads(60, torch.float32), start=1):
+    for step, grads in enumerate(optim_grads(60, torch.float32), start=1):
         for p, r, g in zip(ours_params, ref_params, grads):
             p.grad, r.grad = g, g.clone()
         ours.step()

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from helpers import optim_params
 from toolkit.optim import AdamW8bit, Lion8bit, build_optimizer
 from toolkit.optim.quant import dequantize_blockwise
 
@@ -15,9 +16,8 @@ QUANT_CONFIGS = [{"blocks": 8, "num_warps": 8, "quant_search": 0, "dequant": 0},
                  None]  # None: the defaults (affine quantize and dequantize)
 
 
-def _params(dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype).cuda()) for s in SHAPES]
+def _params(dtype):
+    return optim_params(dtype, SHAPES, device="cuda")
 
 
 def _copy_state(src_opt, src_params, dst_opt, dst_params):

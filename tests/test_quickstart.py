@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_toolkit
+from helpers import read_metrics
 
 
 def test_quickstart_llm_trains_and_writes_the_adapter(tmp_path):
@@ -30,7 +29,6 @@ def test_quickstart_llm_trains_and_writes_the_adapter(tmp_path):
     assert (out / "config.yaml").is_file()
     assert (out / "samples" / "step-000100" / "samples.txt").read_text().startswith("### the red circle")
 
-    records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
+    losses = [r["loss"] for r in read_metrics(out)]
     assert len(losses) == 10
     assert losses[0] > 5.4 and losses[-1] < losses[0] - 0.5, losses  # the loss visibly falls

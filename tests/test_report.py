@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from conftest import REPO, run_toolkit
+from helpers import read_metrics
 from toolkit.data.media import make_grid
 from toolkit.train.plots import plot_loss
 
@@ -87,8 +88,7 @@ def test_without_terminal_a_line_every_n_steps(run_folder):
 
 def test_metrics_jsonl_and_tensorboard(run_folder):
     out, proc = run_folder
-    records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
+    steps = read_metrics(out)
     assert [r["step"] for r in steps] == [2, 4, 6]
     for r in steps:
         # quickstart batches: 8 sequences of 64 tokens per step

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_toolkit
+from helpers import read_metrics
 from toolkit.train.checkpoint import find_latest_checkpoint, verify_checkpoint
 
 STEPS = 24
@@ -40,7 +41,7 @@ def train_args(family: str, out: Path, *extra: str) -> list[str]:
     return ["train", str(REPO / config), *COMMON, *overrides, f"run.output_dir={out}", *extra]
 
 
-def train_in_process(family: str, out: Path, *extra: str) -> int:
+def train_subprocess(family: str, out: Path, *extra: str) -> int:
     """Run `python -m toolkit train ...` to the end; its stderr is echoed (for capsys). Returns the exit code.
 
     Every run of a comparison is a real subprocess: bit-identity is asserted between like processes.
@@ -68,8 +69,7 @@ def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 
 def metric_steps(out: Path) -> list[int]:
-    lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)]
+    return [r["step"] for r in read_metrics(out)]
 
 
 def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -95,7 +95,7 @@ def kill_9_after_checkpoint(proc: subprocess.Popen, out: Path, step: int) -> Non
 def reference(request, tmp_path_factory) -> tuple[str, Path]:
     """One uninterrupted run of STEPS steps per family: what every resumed run must reproduce bit for bit."""
     out = tmp_path_factory.mktemp(f"reference-{request.param}") / "run"
-    assert train_in_process(request.param, out) == 0
+    assert train_subprocess(request.param, out) == 0
     return request.param, out
 
 
@@ -137,7 +137,7 @@ def test_kill_9_mid_run_then_resume_is_bit_identical(reference, tmp_path):
     latest = find_latest_checkpoint(out / "checkpoints", warn=lambda _: None)
     assert latest is not None and latest.step >= 4
 
-    assert train_in_process(family, out) == 0
+    assert train_subprocess(family, out) == 0
     assert_bit_identical(final_weights(out), final_weights(ref))
     # metrics.jsonl was appended to: the killed attempt's records, then the resumed run's from its checkpoint on
     assert metric_steps(out) == list(range(1, killed_at + 1)) + list(range(latest.step + 1, STEPS + 1))
@@ -162,7 +162,7 @@ def test_sigterm_saves_at_the_step_it_stopped_exits_143_and_resumes_bit_identica
     latest = find_latest_checkpoint(out / "checkpoints", warn=lambda _: None)
     assert latest.step == stopped and max(metric_steps(out)) == stopped
 
-    assert train_in_process(family, out) == 0
+    assert train_subprocess(family, out) == 0
     assert_bit_identical(final_weights(out), final_weights(ref))
 
 
@@ -178,7 +178,7 @@ def test_corrupt_latest_checkpoint_is_skipped_and_resume_uses_the_previous(refer
     weights.write_bytes(bytes(data))
     capsys.readouterr()
 
-    assert train_in_process(family, out) == 0
+    assert train_subprocess(family, out) == 0
     err = capsys.readouterr().err
     assert f"skipping checkpoint {latest}: lora.safetensors does not match its checksum" in err
     assert f"resumed from {out / 'checkpoints' / f'step-{STEPS - 4:06d}'} (step {STEPS - 4})" in err
@@ -192,19 +192,19 @@ def test_resume_from_a_checkpoint_path_with_grad_accum_cosine_warmup_and_ema(tmp
     family = FAMILIES[0]
     extra = ["train.steps=8", "save.every=2", "train.grad_accum=2", "train.warmup_steps=3", "train.ema_decay=0.9"]
     ref = tmp_path / "reference"
-    assert train_in_process(family, ref, *extra) == 0
+    assert train_subprocess(family, ref, *extra) == 0
     assert (ref / "checkpoints" / "step-000004" / "ema.safetensors").is_file()
 
     out = tmp_path / "resumed"
-    assert train_in_process(family, out, *extra, f"train.resume={ref / 'checkpoints' / 'step-000004'}") == 0
+    assert train_subprocess(family, out, *extra, f"train.resume={ref / 'checkpoints' / 'step-000004'}") == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000006", "step-000008"]
     assert_bit_identical(final_weights(out), final_weights(ref))
     for name in ("lora.safetensors", "ema.safetensors"):
         assert_bit_identical(load_file(str(out / "checkpoints" / "step-000008" / name)),
                              load_file(str(ref / "checkpoints" / "step-000008" / name)))
     # the scheduler continued where it was: the same learning rate at every resumed step
-    lr = {json.loads(line)["step"]: json.loads(line)["lr"] for line in (ref / "logs" / "metrics.jsonl").read_text().splitlines()}
-    lr_resumed = {json.loads(line)["step"]: json.loads(line)["lr"] for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()}
+    lr = {r["step"]: r["lr"] for r in read_metrics(ref, key=None)}
+    lr_resumed = {r["step"]: r["lr"] for r in read_metrics(out, key=None)}
     assert sorted(lr_resumed) == [5, 6, 7, 8]
     assert all(lr_resumed[s] == lr[s] for s in lr_resumed)
     assert [lr[1], lr[2], lr[3], lr[8]] == pytest.approx([1e-3, 2e-3, 3e-3, 0.0])  # warmup 3, then cosine to 0
@@ -213,7 +213,7 @@ def test_resume_from_a_checkpoint_path_with_grad_accum_cosine_warmup_and_ema(tmp
 def test_ema_is_saved_updated_after_each_step_and_exported(tmp_path):
     family = FAMILIES[0]
     out = tmp_path / "run"
-    assert train_in_process(family, out, "train.steps=3", "save.every=1", "train.ema_decay=0.5") == 0
+    assert train_subprocess(family, out, "train.steps=3", "save.every=1", "train.ema_decay=0.5") == 0
     ckpt = out / "checkpoints"
     lora = {s: load_file(str(ckpt / f"step-{s:06d}" / "lora.safetensors")) for s in (1, 2, 3)}
     ema = {s: load_file(str(ckpt / f"step-{s:06d}" / "ema.safetensors")) for s in (1, 2, 3)}
@@ -232,12 +232,12 @@ def test_harmless_changes_apply_with_a_notice_others_are_refused_naming_the_key(
     out = tmp_path / "run"
     shutil.copytree(ref, out)
     capsys.readouterr()
-    assert train_in_process(family, out, "train.lr=0.001") == 2
+    assert train_subprocess(family, out, "train.lr=0.001") == 2
     err = capsys.readouterr().err
     assert "cannot resume from" in err and "- train.lr: 0.003 in the checkpoint, 0.001 now" in err
     assert "--fresh" in err and "Traceback" not in err
 
-    assert train_in_process(family, out, f"train.steps={STEPS + 2}", "save.every=1", "log.every=2") == 0
+    assert train_subprocess(family, out, f"train.steps={STEPS + 2}", "save.every=1", "log.every=2") == 0
     err = capsys.readouterr().err
     assert f"resume: applying changed setting train.steps: {STEPS} -> {STEPS + 2}" in err
     assert "resume: applying changed setting save.every: 4 -> 1" in err
@@ -267,7 +267,7 @@ def test_fresh_moves_the_old_run_aside_and_starts_over(reference, tmp_path, caps
 
 def test_resume_true_with_nothing_to_resume_names_the_folder(tmp_path, capsys):
     out = tmp_path / "empty"
-    assert train_in_process(FAMILIES[0], out, "train.resume=true") == 2
+    assert train_subprocess(FAMILIES[0], out, "train.resume=true") == 2
     err = capsys.readouterr().err
     assert f"train.resume is true, but there is no complete checkpoint in {out / 'checkpoints'}" in err
     assert not out.exists()
@@ -278,7 +278,7 @@ def test_resume_false_refuses_a_run_folder_with_checkpoints(reference, tmp_path,
     out = tmp_path / "run"
     shutil.copytree(ref / "checkpoints", out / "checkpoints")
     capsys.readouterr()
-    assert train_in_process(family, out, "train.resume=false") == 2
+    assert train_subprocess(family, out, "train.resume=false") == 2
     err = capsys.readouterr().err
     assert f"train.resume is false, but {out} already has checkpoints" in err and "--fresh" in err
 

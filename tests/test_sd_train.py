@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import REPO
-from helpers import adapter_for, mean_loss
+from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
 from toolkit.config.run import load_run
-from toolkit.models import build_adapter
-from toolkit.models.base import Runtime
 from toolkit.models.diffusion_sd import StableDiffusionAdapter
 from toolkit.models.objectives import min_snr_weights, sample_timesteps
 from toolkit.paths import resolve_model_path
@@ -33,9 +30,7 @@ def shapes(tmp_path_factory) -> Path:
 
 
 def _args(config: str, shapes: Path, out: Path, *extra: str) -> list[str]:
-    return ["train", str(REPO / "configs/examples" / config), f"run.output_dir={out}", f"data.path={shapes}",
-            "train.steps=2", "train.batch_size=2", "train.lr=1e-2", "save.every=0", "sample.every=0",
-            "sample.num_inference_steps=2", "log.every=1", *extra]
+    return diffusion_train_args(config, out, f"data.path={shapes}", *extra)
 
 
 def _adapter(config: str, shapes: Path, tmp_path: Path, *overrides: str):
@@ -60,8 +55,7 @@ def test_sd_trains_saves_a_diffusers_lora_and_reuses_its_caches(shapes, tmp_path
     # the trigger word replaces [trigger], or is prepended where the prompt lacks it
     assert (samples / "prompts.txt").read_text().splitlines() == ["00: sks, a red circle on a white background",
                                                                  "01: sks a blue square"]
-    records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert len([r for r in records if "loss" in r and np.isfinite(r["loss"])]) == 2
+    assert len([r for r in read_metrics(out) if np.isfinite(r["loss"])]) == 2
 
     # The diffusers loader reads the file, changes the output, and matches the trained model's own sample.
     from diffusers import DDIMScheduler, StableDiffusionPipeline
