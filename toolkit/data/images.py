@@ -86,28 +86,54 @@ def warn_skipped(log: Callable[[str], None], root: Path, noun: str, unreadable: 
         log(f"warning: skipped {len(small)} {noun}(s) smaller than {step} px: {', '.join(small)}")
 
 
-def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
-    """Every readable image under data.path with its caption and bucket; corrupt files are skipped and named."""
+# What Pillow and PyAV raise for a corrupt or truncated file: such a file is skipped and named, not fatal.
+UNREADABLE = (OSError, SyntaxError, ValueError, EOFError)
+
+
+def file_hash(path: Path) -> str:
+    """The first 32 hex digits of the file's sha256 (read in 1 MiB chunks): the key of its cached latents."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()[:32]
+
+
+def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ...],
+                probe: Callable[[Path], tuple[tuple[int, int], Any]]) -> list[tuple]:
+    """(file, caption, size, extra, bucket) for each file under data.path with a suffix in `exts` that fits a bucket.
+
+    `probe(file)` gives the displayed (width, height) and anything else the caller keeps (`extra`); the caption
+    has the default caption and trigger word applied; the bucket is (width, height). Unreadable files and files
+    under one bucket step are skipped and named in one warning each (`noun`: what a file is called there).
+    """
     root = Path(data.path)
-    if not root.is_dir():
-        raise UserError(f"data.path: {root} is not a folder\n  fix: point data.path at a folder of images "
-                        f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
     rules = caption_rules(data)
     table = bucket_table(data.resolution, data.bucket_step, data.min_bucket_side, data.max_bucket_side)
-    items, skipped, small = [], [], []
-    for path, raw in captioned_files(root, data.caption_ext):
+    found, skipped, small = [], [], []
+    for path, raw in captioned_files(root, data.caption_ext, exts):
         try:
-            size = _image_size(path)
-        except (OSError, SyntaxError, ValueError) as err:
+            size, extra = probe(path)
+        except UNREADABLE as err:
             skipped.append(f"{path.name} ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
             continue
         bucket = choose_bucket(*size, table, data.bucket_step)
         if bucket is None:
             small.append(f"{path.name} ({size[0]}x{size[1]})")
             continue
-        content_hash = hashlib.sha256(path.read_bytes()).hexdigest()[:32]
-        items.append(ImageItem(path, rules.base(raw), size, bucket, content_hash))
-    warn_skipped(log, root, "image", skipped, small, data.bucket_step)
+        found.append((path, rules.base(raw), size, extra, bucket))
+    warn_skipped(log, root, noun, skipped, small, data.bucket_step)
+    return found
+
+
+def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
+    """Every readable image under data.path with its caption and bucket; corrupt files are skipped and named."""
+    root = Path(data.path)
+    if not root.is_dir():
+        raise UserError(f"data.path: {root} is not a folder\n  fix: point data.path at a folder of images "
+                        f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
+    items = [ImageItem(path, caption, size, bucket, file_hash(path)) for path, caption, size, _, bucket
+             in scan_folder(data, log, "image", IMAGE_EXTS, lambda path: (_image_size(path), None))]
     if not items:
         raise UserError(f"data.path: no usable images in {root}\n  fix: add .png/.jpg/.webp images "
                         f"(with same-name {data.caption_ext} captions, or a metadata.jsonl)")

@@ -7,7 +7,6 @@ as 1-frame videos). Wan's VAE compresses time by 4, so every clip trains on 4k+1
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -17,9 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from toolkit.data.buckets import bucket_table, choose_bucket
-from toolkit.data.images import (IMAGE_EXTS, caption_rules, captioned_files, cover_and_crop, oriented_size,
-                                 warn_skipped)
+from toolkit.data.images import IMAGE_EXTS, cover_and_crop, file_hash, oriented_size, scan_folder
 from toolkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -101,14 +98,6 @@ def _probe(path: Path) -> tuple[tuple[int, int], int]:
     return _probe_container(path) if path.suffix.lower() in CONTAINER_EXTS else _probe_pillow(path)
 
 
-def _file_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()[:32]
-
-
 def scan_clips(data, log: Callable[[str], None]) -> list[ClipItem]:
     """Every readable clip or image under data.path with its caption and (width, height, frames) bucket;
     unreadable files are skipped and named."""
@@ -117,23 +106,9 @@ def scan_clips(data, log: Callable[[str], None]) -> list[ClipItem]:
     if not root.is_dir():
         raise UserError(f"data.path: {root} is not a folder\n  fix: point data.path at a folder of videos/images "
                         f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
-    rules = caption_rules(data)
-    table = bucket_table(data.resolution, data.bucket_step, data.min_bucket_side, data.max_bucket_side)
     exts = tuple(dict.fromkeys(VIDEO_EXTS + IMAGE_EXTS))
-    items, skipped, small = [], [], []
-    for path, raw in captioned_files(root, data.caption_ext, exts):
-        try:
-            size, count = _probe(path)
-        except (OSError, SyntaxError, ValueError, EOFError) as err:
-            skipped.append(f"{path.name} ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
-            continue
-        spatial = choose_bucket(*size, table, data.bucket_step)
-        if spatial is None:
-            small.append(f"{path.name} ({size[0]}x{size[1]})")
-            continue
-        bucket = (*spatial, clip_frames(count, data.num_frames))
-        items.append(ClipItem(path, rules.base(raw), size, count, bucket, _file_hash(path)))
-    warn_skipped(log, root, "clip", skipped, small, data.bucket_step)
+    items = [ClipItem(path, caption, size, count, (*spatial, clip_frames(count, data.num_frames)), file_hash(path))
+             for path, caption, size, count, spatial in scan_folder(data, log, "clip", exts, _probe)]
     if not items:
         raise UserError(f"data.path: no usable videos or images in {root}\n  fix: add .mp4/.webm/.gif videos or "
                         f".png/.jpg images (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
