@@ -66,10 +66,15 @@ def adapter(out: Path) -> dict[str, torch.Tensor]:
 def test_two_processes_train_what_one_process_trains_with_twice_the_batch(tmp_path):
     one = train(1, LLM, tmp_path / "one", "train.steps=8", "train.batch_size=8")
     two = train(2, LLM, tmp_path / "two", "train.steps=8", "train.batch_size=4")
-    assert one.returncode == 0 and two.returncode == 0
-    a, b = adapter(tmp_path / "one"), adapter(tmp_path / "two")
-    assert a.keys() == b.keys() and len(a) == 28
+    sharded = train(2, LLM, tmp_path / "sharded", "train.steps=8", "train.batch_size=4", "device.distributed=fsdp")
+    assert one.returncode == 0 and two.returncode == 0 and sharded.returncode == 0
+    a, b, c = adapter(tmp_path / "one"), adapter(tmp_path / "two"), adapter(tmp_path / "sharded")
+    assert a.keys() == b.keys() == c.keys() and len(a) == 28
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert max((a[k] - c[k]).abs().max().item() for k in a) <= 1e-5
+    assert "device.distributed=ddp (auto: a full copy of the model fits)" in two.stderr
+    assert "device.distributed=fsdp: the frozen base is sharded over 2 processes" in sharded.stderr
+    assert sharded.stderr.count("processes: LoRA weights identical on all 2") == 1
     # the same mean loss at every step (the loss is the mean over every token of the global batch)
     losses_one = [r["loss"] for r in read_metrics(tmp_path / "one")]
     losses_two = [r["loss"] for r in read_metrics(tmp_path / "two")]
@@ -79,20 +84,35 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(tmp_pa
     assert err.count("processes: LoRA weights identical on all 2") == 1
     assert err.count("model: llm tiny:llm") == 1 and err.count("device: ") == 1
     assert "batch: 4 per process x 2 processes x 1 accumulation = 8 per optimizer step" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "sharded", "two"]
     assert [r["step"] for r in read_metrics(tmp_path / "two")] == list(range(1, 9))
 
 
-def test_sd_on_two_processes_keeps_every_rank_in_step_and_saves_each_ranks_rng(tmp_path):
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_sd_on_two_processes_keeps_every_rank_in_step_and_saves_each_ranks_rng(tmp_path, distributed):
     out = tmp_path / "sd"
-    proc = train(2, SD, out, "train.steps=4", "train.batch_size=2", "save.every=2", "train.grad_accum=2")
+    proc = train(2, SD, out, "train.steps=4", "train.batch_size=2", "save.every=2", "train.grad_accum=2",
+                 f"device.distributed={distributed}", "sample.prompts=[a red circle]", "sample.every=4",
+                 "sample.num_inference_steps=2")
     assert proc.returncode == 0
     assert proc.stderr.count("processes: LoRA weights identical on all 2") == 1
-    assert proc.stderr.count("latents: 0 cached, 24 encoded") == 1   # the main process filled the cache once
+    # the main process filled the latent cache (or found it filled); the other read it and printed nothing
+    assert proc.stderr.count("latents: ") == 1
+    assert "latents: 0 cached, 24 encoded" in proc.stderr or "latents: 24 cached, 0 encoded" in proc.stderr
     state = torch.load(out / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
     assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2
     assert not torch.equal(state["rng_ranks"][0]["torch"], state["rng_ranks"][1]["torch"])
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
+    # samples: from the main process only (with fsdp every process runs the pipeline, only one writes)
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["step-000004"]
+    assert (out / "samples" / "step-000004" / "00.png").is_file()
+
+
+def test_fsdp_refuses_what_it_cannot_shard_before_training(tmp_path):
+    proc = train(2, LLM, tmp_path / "run", "device.distributed=fsdp", "model.quantize=4bit")
+    assert proc.returncode == 2
+    assert "device.distributed=fsdp cannot run this config" in proc.stderr
+    assert "model.quantize=4bit: quantized weights are not sharded" in proc.stderr
 
 
 def test_kill_9_mid_run_then_resume_on_two_processes_is_bit_identical(tmp_path):

@@ -49,6 +49,9 @@ class Runtime:
     rank: int = 0
     main_process_first: Callable[[], AbstractContextManager] = field(default=nullcontext)
     """Context for work that writes shared files (caches): the main process runs it first, then the others."""
+    shard_base: bool = False
+    """device.distributed=fsdp with several processes: the frozen base stays in CPU memory through load(); the
+    trainer shards it onto the devices (each process holds 1/N of it) and moves the LoRA weights there."""
 
 
 class TrainDataset(Protocol):
@@ -152,6 +155,19 @@ class AdapterBase:
     def unused_parameters(self) -> bool:
         """Whether some LoRA weights get no gradient in a step (DDP must then look for them)."""
         return False
+
+    def shard_roots(self) -> dict[str, torch.nn.Module]:
+        """For device.distributed=fsdp, by trainable module: the model whose forward the family calls (its
+        blocks and then itself are sharded). Default: the trainable modules themselves."""
+        return self.trainable_modules()
+
+    def quantize_setting(self) -> str:
+        """model.quantize as this run applies it: auto means none when the base is sharded (sharding is then
+        the memory plan); the trainer refuses 4bit/8bit with fsdp before anything loads."""
+        if self.runtime.shard_base and self.cfg.model.quantize == "auto":
+            self.log("model.quantize=auto -> none: device.distributed=fsdp shards the frozen base instead")
+            return "none"
+        return self.cfg.model.quantize
 
     def state_dict(self) -> dict:
         """Adapter state beyond the LoRA tensors, saved in checkpoints."""

@@ -90,6 +90,8 @@ class DiffusionAdapter(DiffusersLoraFiles, AdapterBase):
     def place_denoisers(self) -> None:
         """At load, before the LoRA is added: put the denoiser(s) on the device (the flow families quantize
         here and wait with 16-bit weights until place_for_training, after the caches are filled)."""
+        if self.runtime.shard_base:
+            return
         for name in self.denoiser_names:
             self.component(name).to(self.runtime.device)  # move first, then add LoRA: large cast copies fail on HIP
 

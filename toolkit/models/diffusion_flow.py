@@ -56,7 +56,8 @@ class FlowMatchingAdapter(DiffusionAdapter):
         self.objective = FlowObjective(self.sampler_for)
         model, device = self.cfg.model, self.runtime.info
         counts = {name: sum(p.numel() for p in self.component(name).parameters()) for name in self.denoiser_names}
-        self.quantize, self.offload, why = plan_weights(model.quantize, model.expert_offload, counts, device,
+        offload = False if self.runtime.shard_base else model.expert_offload  # fsdp: the trainer refuses true
+        self.quantize, self.offload, why = plan_weights(self.quantize_setting(), offload, counts, device,
                                                         self.cfg.device.memory_fraction)
         self.log(why)
         self.quantize_library = None
@@ -77,6 +78,8 @@ class FlowMatchingAdapter(DiffusionAdapter):
                      f"({self.quantize_library})")
 
     def place_for_training(self) -> None:
+        if self.runtime.shard_base:
+            return
         for name in self.denoiser_names:
             self.component(name).to(self.runtime.device)
 

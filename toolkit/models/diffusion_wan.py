@@ -145,7 +145,8 @@ class Wan22Adapter(WanAdapter):
         return (self.boundary, 1.0) if self.active == "transformer" else (0.0, self.boundary)
 
     def place_for_training(self) -> None:
-        self.place_experts(self.active)
+        if not self.runtime.shard_base:
+            self.place_experts(self.active)
 
     def place_experts(self, resident: str) -> None:
         """Every expert on the device, or with offload only `resident`; LoRA weights always on the device."""

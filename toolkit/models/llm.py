@@ -113,8 +113,8 @@ class LLMAdapter(AdapterBase):
         check_attention(cfg.attention)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **common)
-            quantize, why = choose_quantize(cfg.quantize, lambda: self._count_parameters(common), self.runtime.info,
-                                            self.cfg.device.memory_fraction)
+            quantize, why = choose_quantize(self.quantize_setting(), lambda: self._count_parameters(common),
+                                            self.runtime.info, self.cfg.device.memory_fraction)
             if cfg.quantize == "auto" and self.runtime.info.backend != "cpu":
                 self.log(why)
             plan = plan_quantization(quantize, self.runtime.info.backend,
@@ -143,7 +143,7 @@ class LLMAdapter(AdapterBase):
             # Casts norms/embeddings to fp32 and makes the inputs require grad for checkpointing.
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(self.cfg.train.gradient_checkpointing),
                                                     gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
+        elif not self.runtime.shard_base:
             # Move first, then train: on HIP large host-to-device copies of a cast model can fail.
             model.to(self.runtime.device)
         if self.cfg.train.gradient_checkpointing:
@@ -154,7 +154,8 @@ class LLMAdapter(AdapterBase):
         lora = lora_config(self.cfg.network, targets, task_type="CAUSAL_LM")
         # autocast_adapter_dtype keeps the LoRA weights in fp32 over a bf16/fp16 base.
         self.network = get_peft_model(model, lora, autocast_adapter_dtype=True)
-        self.network.to(self.runtime.device)
+        if not self.runtime.shard_base:
+            self.network.to(self.runtime.device)
 
     def _count_parameters(self, common: dict) -> int:
         """Parameters of the base, counted on the meta device (nothing is allocated or loaded)."""
@@ -179,6 +180,10 @@ class LLMAdapter(AdapterBase):
 
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
         return {"model": self.network}
+
+    def shard_roots(self) -> dict[str, torch.nn.Module]:
+        # The transformers model under PEFT: generate() calls its forward directly.
+        return {"model": self.network.get_base_model()}
 
     def loss_weight(self, batch: dict[str, Any]) -> int:
         return label_tokens(batch["labels"])

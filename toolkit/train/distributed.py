@@ -2,6 +2,14 @@
 `nccl` name on ROCm, gloo on the CPU). This file only says which collectives the trainer uses and how it
 wraps the trainable modules; every byte goes through torch.distributed.
 
+Two ways to share the work (device.distributed):
+- ddp: every process holds the whole model; each trainable module is wrapped in DistributedDataParallel.
+- fsdp: the frozen base is sharded with FSDP2 (`fully_shard`, block by block, then the model), so each
+  process holds 1/N of it and gathers a block's weights just before using it. The LoRA weights are left out
+  of the sharding (`ignored_params`): they are small, stay whole on every process, and their gradients are
+  averaged with one all-reduce per step (`average_gradients`), so the optimizer, EMA, checkpoints and
+  exports see ordinary tensors, exactly as with one process.
+
 Why DistributedDataParallel directly rather than accelerator.prepare_model: prepare_model also patches the
 module's forward for mixed precision and may move the whole module to the device. The trainer already
 autocasts, and a Wan 2.2 expert may keep its frozen weights in CPU memory on purpose. The frozen base
@@ -46,6 +54,44 @@ class Processes:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped[name] = DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=find_unused)
         return wrapped
+
+    def shard(self, roots: Mapping[str, torch.nn.Module]) -> None:
+        """FSDP2 on each root: its repeated blocks (the model's `_no_split_modules` classes), then the root;
+        the trainable (LoRA) weights are not sharded and are moved to this process's device."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from toolkit.errors import UserError
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for name, root in roots.items():
+            block_types = set(getattr(root, "_no_split_modules", None) or [])
+            blocks = [m for m in root.modules() if type(m).__name__ in block_types]
+            if not blocks:
+                raise UserError(f"device.distributed=fsdp: the {name} ({type(root).__name__}) names no repeated "
+                                "blocks to shard\n  fix: device.distributed=ddp")
+            for block in reversed(blocks):  # inner blocks first: an outer one then takes what is left
+                fully_shard(block, mesh=mesh, ignored_params={p for p in block.parameters() if p.requires_grad})
+            fully_shard(root, mesh=mesh, ignored_params={p for p in root.parameters() if p.requires_grad})
+            for p in root.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(self.device)
+
+    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """The mean over processes of the gradients of `params` (fsdp: the unsharded LoRA weights), in one
+        all-reduce of a flat buffer. Which parameters have a gradient is the same on every process (the same
+        graph runs everywhere: the same Wan 2.2 expert, the same unused layers)."""
+        with_grad = [p for p in params if p.grad is not None]
+        if not self.several or not with_grad:
+            return
+        flat = torch.cat([p.grad.reshape(-1).float() for p in with_grad])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= self.world_size
+        offset = 0
+        for p in with_grad:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
 
     @contextmanager
     def no_sync(self, modules: Mapping[str, torch.nn.Module], skip: bool) -> Iterator[None]:

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from datetime import timedelta
@@ -77,10 +78,34 @@ class Trainer:
         self.accelerator = Accelerator(cpu=self.run_cfg.device.backend == "cpu", kwargs_handlers=[timeout],
                                        mixed_precision=MIXED_PRECISION[cfg.train.precision])
         self.procs = Processes(self.accelerator)
-        if self.procs.several and cfg.device.distributed == "fsdp":
-            raise UserError("device.distributed: fsdp is not available yet; several processes train with ddp "
-                            "(a full copy of the model on every GPU)\n  fix: device.distributed=ddp (or auto)")
         self.is_main = self.procs.is_main
+        self.sharded = self._choose_distributed()
+
+    def _choose_distributed(self) -> bool:
+        """Whether the frozen base is sharded (device.distributed=fsdp with several processes), and why."""
+        cfg, procs = self.cfg, self.procs
+        if not procs.several:
+            if cfg.device.distributed == "fsdp":
+                self.log("device.distributed=fsdp: one process, nothing to shard; training as one process")
+            return False
+        if cfg.device.distributed != "fsdp":
+            why = "set in the config" if cfg.device.distributed == "ddp" else "auto: a full copy of the model fits"
+            self.log(f"device.distributed=ddp ({why}): every process holds the whole model, gradients averaged")
+            return False
+        problems = []
+        if cfg.model.quantize in ("4bit", "8bit"):
+            problems.append(f"model.quantize={cfg.model.quantize}: quantized weights are not sharded; "
+                            "use model.quantize=none (or auto) with fsdp, or device.distributed=ddp")
+        if cfg.model.expert_offload is True:
+            problems.append("model.expert_offload=true: offloading moves whole experts; with fsdp each process "
+                            "already holds 1/N of them: leave model.expert_offload=auto")
+        if cfg.train.train_text_encoder:
+            problems.append("train.train_text_encoder: the text encoders are not sharded; use device.distributed=ddp")
+        if problems:
+            raise UserError("device.distributed=fsdp cannot run this config:\n" + "\n".join(f"  - {p}" for p in problems))
+        self.log(f"device.distributed=fsdp: the frozen base is sharded over {procs.world_size} processes "
+                 "(FSDP2, block by block); LoRA weights stay whole on every process")
+        return True
 
     def _open_run_folder(self, container: dict):
         """On the main process: the checkpoint to resume from (or None), the checked config, the run folder.
@@ -108,7 +133,7 @@ class Trainer:
         runtime = Runtime(device=self.accelerator.device, info=device, base_dtype=DTYPES[cfg.model.dtype],
                           compute_dtype=DTYPES[cfg.train.precision], run_dir=self.run_dir.root, log=self.log,
                           is_main=procs.is_main, world_size=procs.world_size, rank=procs.rank,
-                          main_process_first=procs.main_first)
+                          main_process_first=procs.main_first, shard_base=self.sharded)
         seed_everything(cfg.run.seed)  # the same LoRA initialisation on every process
         with procs.main_first():  # a tiny:<kind> model is written once (transformers saves on rank 0 only)
             self.adapter = build_adapter(cfg, runtime)
@@ -135,7 +160,11 @@ class Trainer:
         from transformers import get_scheduler
         self.scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                                        num_training_steps=cfg.train.steps)
-        self.modules = procs.wrap(self.adapter.trainable_modules(), find_unused=self.adapter.unused_parameters())
+        if self.sharded:
+            procs.shard(self.adapter.shard_roots())
+            self.modules = self.adapter.trainable_modules()
+        else:
+            self.modules = procs.wrap(self.adapter.trainable_modules(), find_unused=self.adapter.unused_parameters())
         self.optimizer = self.accelerator.prepare_optimizer(optimizer)
         if procs.several:
             # Each process draws its own noise, dropout and caption choices from here on.
@@ -232,7 +261,7 @@ class Trainer:
                 # Pinned host memory makes the adapter's non_blocking copies asynchronous: a copy from
                 # pageable memory waits for the GPU to drain, leaving it idle while the next step launches.
                 batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
-            with self.procs.no_sync(self.modules, skip=micro < accum - 1):
+            with self.procs.no_sync(self.modules, skip=micro < accum - 1 and not self.sharded):
                 with self.accelerator.autocast():
                     loss = self.adapter.loss(batch, self.modules)
                 self.accelerator.backward(loss)
@@ -241,6 +270,8 @@ class Trainer:
         # over processes travel together: loss, units, tokens, and whether any process was asked to stop.
         totals = torch.stack([torch.stack(losses).sum(), *(torch.tensor(float(v), device=losses[0].device)
                                                            for v in (weight, tokens, stop_requested))])
+        if self.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
+            self.procs.average_gradients(self.params)
         loss_sum, units, self.step_tokens, stops = self.procs.sum(totals).tolist()
         self.step_tokens = int(self.step_tokens)
         mean = loss_sum / max(units, 1.0)
@@ -262,13 +293,20 @@ class Trainer:
         return mean, stops > 0
 
     def _sample(self, step: int) -> None:
-        if not list(self.cfg.sample.prompts) or not self.is_main:
+        """Samples from the main process. With a sharded base every process must run the forwards (each holds
+        part of the weights): the others generate the same samples into a folder that is then removed."""
+        if not list(self.cfg.sample.prompts) or not (self.is_main or self.sharded):
             return
+        out_dir = self.run_dir.sample_dir(step) if self.is_main else Path(tempfile.mkdtemp(prefix="toolkit-samples-"))
         # Sampling must not disturb the training RNG streams, or resumed runs would diverge.
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            files = self.adapter.sample(self.run_dir.sample_dir(step))
-        if files:
+        try:
+            with torch.random.fork_rng(devices=devices):
+                files = self.adapter.sample(out_dir)
+        finally:
+            if not self.is_main:
+                shutil.rmtree(out_dir, ignore_errors=True)
+        if files and self.is_main:
             self.metrics.message(f"step {step}: samples in {files[0].parent}")
             self.metrics.samples(files, step)
 
@@ -381,10 +419,11 @@ class Trainer:
         self.log(f"processes: LoRA weights identical on all {self.procs.world_size} (sha256 {digests[0][:16]})")
 
     def _eval(self, step: int) -> None:
-        if not self.is_main:
+        """The eval loss, on the main process (on every process when the base is sharded: see _sample)."""
+        if not (self.is_main or self.sharded):
             return
         loss = self.adapter.eval_loss()
-        if loss is not None:
+        if loss is not None and self.is_main:
             self.metrics.write({"step": step, "eval_loss": loss, "time": time.time()})
             self.log(f"step {step}: eval loss {loss:.4f}")
 
