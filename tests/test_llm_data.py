@@ -183,24 +183,3 @@ def test_flatten_masks_first_token_of_each_sample():
     batch = flatten_samples([TokenizedSample([1, 2, 3], [1, 2, 3]), TokenizedSample([4, 5], [IGNORE_INDEX, 5])])
     assert batch["labels"].tolist() == [[IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
-
-
-def example_configs() -> list:
-    from conftest import REPO
-
-    return sorted((REPO / "configs" / "examples").glob("*.yaml"))
-
-
-@pytest.mark.parametrize("config", example_configs(), ids=lambda p: p.name)
-def test_every_example_config_validates(config, monkeypatch):
-    """`validate` on every configs/examples/*.yaml (all families) exits 0; llm examples' data files exist."""
-    from conftest import REPO
-    from toolkit.cli import main
-
-    monkeypatch.chdir(REPO)
-    assert main(["validate", str(config)]) == 0
-    assert main(["validate", str(config), "device.preset=sm_90"]) == 0
-    text = config.read_text()
-    if "family: llm" in text:
-        data_path = OmegaConf.load(config).data.path
-        assert (REPO / data_path).is_file()

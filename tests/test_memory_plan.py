@@ -63,3 +63,40 @@ def test_auto_batch_size_is_capped_for_video_families():
     assert run.cfg.train.batch_size == 1
     assert any("capped at 1 for wan22" in str(d) for d in run.decisions)
     assert run.cfg.device.memory_fraction == 0.75 and run.sources["device.memory_fraction"].startswith("preset gfx1151")
+
+
+def test_distributed_auto_shards_only_a_base_that_does_not_fit_one_gpu():
+    from toolkit.models.quantize import choose_distributed
+
+    flux = lambda: 11_900_000_000  # noqa: E731  (23.8 GB in 16-bit)
+    # 80 GB: budget 80 * 0.9 * 0.6 = 43.2 GB, the base fits: a copy per GPU
+    assert choose_distributed("auto", 2, flux, gpu(80, "cuda", "sm_90"), 0.9)[0] == "ddp"
+    # 24 GB: budget 12.96 GB, 23.8 GB does not fit: sharded, 11.9 GB each
+    mode, why = choose_distributed("auto", 2, flux, gpu(24, "cuda", "sm_89"), 0.9)
+    assert mode == "fsdp" and "does not fit the 13.0 GB weight budget of one device; sharded over 2, 11.9 GB each" in why
+    assert choose_distributed("auto", 2, lambda: None, gpu(24), 0.9) == (
+        "ddp", "auto: the base's size is not known before loading")
+    assert choose_distributed("auto", 1, flux, gpu(24), 0.9)[0] == "ddp"
+    assert choose_distributed("auto", 2, flux, DeviceInfo(backend="cpu", arch="cpu", name="cpu", memory_gb=24.0,
+                                                          bf16=False), 0.9)[0] == "ddp"
+    assert choose_distributed("fsdp", 2, flux, gpu(80), 0.9) == ("fsdp", "set in the config")
+
+
+def test_base_parameters_are_counted_without_loading(tmp_path):
+    """The count device.distributed=auto decides from equals the loaded model's (both Wan 2.2 experts)."""
+    from diffusers import WanPipeline
+    from transformers import AutoModelForCausalLM
+
+    from helpers import cpu_runtime
+    from toolkit.models import build_adapter
+
+    counts = {}
+    for config in ("quickstart_llm.yaml", "quickstart_wan22.yaml"):
+        run = load_run([REPO / "configs/examples" / config], [f"run.output_dir={tmp_path}"])
+        adapter = build_adapter(run.cfg, cpu_runtime(run, tmp_path))
+        counts[config] = (adapter.base_parameters(), adapter.model_path)
+    llm_count, llm_path = counts["quickstart_llm.yaml"]
+    assert llm_count == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(llm_path).parameters())
+    wan_count, wan_path = counts["quickstart_wan22.yaml"]
+    pipe = WanPipeline.from_pretrained(wan_path)
+    assert wan_count == sum(p.numel() for m in (pipe.transformer, pipe.transformer_2) for p in m.parameters())

@@ -51,7 +51,8 @@ class DeviceSection:
     distributed: str = opt("auto", "How several processes (`./start_toolkit.sh train CONFIG --gpus N`) share the work: "
                            "ddp keeps a full copy of the model on every GPU and averages gradients; fsdp shards the "
                            "frozen base weights (FSDP2) so a base that does not fit one GPU trains across several; "
-                           "auto: ddp.", choices=("auto", "ddp", "fsdp"), resume_safe=True)
+                           "auto: fsdp on GPUs where the 16-bit base does not fit one GPU's weight budget, else ddp.",
+                           choices=("auto", "ddp", "fsdp"), resume_safe=True)
     timeout_minutes: int = opt(30, "How long a process waits for the others at a collective or barrier (cache filling "
                                "on the main process included) before the run stops with an error instead of "
                                "hanging.", minimum=1, resume_safe=True)

@@ -156,6 +156,11 @@ class AdapterBase:
         """Whether some LoRA weights get no gradient in a step (DDP must then look for them)."""
         return False
 
+    def base_parameters(self) -> int | None:
+        """Parameters of the frozen model(s) that train, counted without loading weights (None: unknown);
+        device.distributed=auto decides from it."""
+        return None
+
     def shard_roots(self) -> dict[str, torch.nn.Module]:
         """For device.distributed=fsdp, by trainable module: the model whose forward the family calls (its
         blocks and then itself are sharded). Default: the trainable modules themselves."""

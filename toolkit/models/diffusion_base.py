@@ -140,6 +140,29 @@ class DiffusionAdapter(DiffusersLoraFiles, AdapterBase):
             if p.requires_grad:
                 p.data = p.data.float()
 
+    def base_parameters(self) -> int | None:
+        """The denoisers' parameters, from model_index.json and their configs on the meta device."""
+        import json
+
+        import diffusers
+        from accelerate import init_empty_weights
+
+        index_file = Path(self.model_path) / "model_index.json"
+        if not index_file.is_file():
+            return None  # a Hub id: its size is known only once it is downloaded
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+        total = 0
+        for name in self.denoiser_names_in(index):
+            model_cls = getattr(diffusers, index[name][1])
+            with init_empty_weights():
+                model = model_cls.from_config(model_cls.load_config(self.model_path, subfolder=name))
+            total += sum(p.numel() for p in model.parameters())
+        return total
+
+    def denoiser_names_in(self, index: dict) -> list[str]:
+        """The denoisers a pipeline folder has (model_index.json), before it is loaded."""
+        return [n for n in self.denoiser_names if (index.get(n) or [None])[0] is not None]
+
     def setup_training(self) -> None:
         """Family set-up between loading and LoRA: the objective (noise schedule, sigma sampler), memory plan."""
 

@@ -124,6 +124,9 @@ class Wan22Adapter(WanAdapter):
     def denoiser_names(self) -> tuple[str, ...]:
         return tuple(self.experts)
 
+    def denoiser_names_in(self, index: dict) -> list[str]:
+        return [n for n in ("transformer", "transformer_2") if (index.get(n) or [None])[0] is not None]
+
     def lora_denoiser_names(self) -> list[str]:
         return list(self.trained)
 

@@ -157,6 +157,10 @@ class LLMAdapter(AdapterBase):
         if not self.runtime.shard_base:
             self.network.to(self.runtime.device)
 
+    def base_parameters(self) -> int:
+        return self._count_parameters({"revision": self.cfg.model.revision,
+                                       "trust_remote_code": self.cfg.model.trust_remote_code})
+
     def _count_parameters(self, common: dict) -> int:
         """Parameters of the base, counted on the meta device (nothing is allocated or loaded)."""
         from accelerate import init_empty_weights
@@ -261,9 +265,7 @@ class LLMAdapter(AdapterBase):
     # -- LoRA files ------------------------------------------------------------------------
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
         """PEFT format: adapter_model.safetensors + adapter_config.json (PeftModel.from_pretrained loads it)."""
-        fmt = self.cfg.save.format
-        if fmt not in ("auto", "peft"):
-            raise UserError(f"save.format: {fmt} is not available for the llm family; use peft (or auto)")
+        # save.format is auto or peft: config validation refuses the others for this family
         state = {k: v.detach().to(dtype) for k, v in self.network.state_dict().items() if "lora_" in k}
         self.network.save_pretrained(out_dir, state_dict=state)
         # Record the base the adapter belongs to, as a Hub id or local folder the user gave.

@@ -151,3 +151,25 @@ def _torchao_int8(child: torch.nn.Linear, device: torch.device) -> torch.nn.Modu
     child.to(device)  # move first, then quantize: the 16-bit copy never has to fit next to the others
     quantize_(child, Int8WeightOnlyConfig())
     return child
+
+
+def choose_distributed(setting: str, processes: int, count_params: Callable[[], int | None], device: DeviceInfo,
+                       memory_fraction: float) -> tuple[str, str]:
+    """device.distributed resolved for `processes` processes: (ddp or fsdp, why). auto shards the frozen base
+    (fsdp) only on a GPU where its 16-bit weights do not fit one device's weight budget."""
+    if setting != "auto":
+        return setting, "set in the config"
+    if processes < 2:
+        return "ddp", "auto: one process"
+    if device.backend == "cpu":
+        return "ddp", "auto: the CPU is never sharded automatically"
+    num_params = count_params()
+    if num_params is None:
+        return "ddp", "auto: the base's size is not known before loading"
+    need, budget = weights_gb(num_params, "none"), weight_budget_gb(device, memory_fraction)
+    if need <= budget:
+        return "ddp", (f"auto: the base ({num_params / 1e9:.2f}B parameters, {need:.1f} GB in 16-bit) fits the "
+                       f"{budget:.1f} GB weight budget of one device")
+    return "fsdp", (f"auto: the base ({num_params / 1e9:.2f}B parameters, {need:.1f} GB in 16-bit) does not fit the "
+                    f"{budget:.1f} GB weight budget of one device; sharded over {processes}, "
+                    f"{need / processes:.1f} GB each")

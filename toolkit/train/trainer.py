@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from toolkit.data.order import BatchOrder
 from toolkit.errors import UserError
 from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, Runtime, trainable_parameters
+from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
 from toolkit.train.checkpoint import (find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
                                       save_checkpoint, set_aside_checkpoints_after)
@@ -79,17 +80,17 @@ class Trainer:
                                        mixed_precision=MIXED_PRECISION[cfg.train.precision])
         self.procs = Processes(self.accelerator)
         self.is_main = self.procs.is_main
-        self.sharded = self._choose_distributed()
 
     def _choose_distributed(self) -> bool:
-        """Whether the frozen base is sharded (device.distributed=fsdp with several processes), and why."""
+        """Whether the frozen base is sharded (fsdp) rather than copied to every process (ddp), and why."""
         cfg, procs = self.cfg, self.procs
         if not procs.several:
             if cfg.device.distributed == "fsdp":
                 self.log("device.distributed=fsdp: one process, nothing to shard; training as one process")
             return False
-        if cfg.device.distributed != "fsdp":
-            why = "set in the config" if cfg.device.distributed == "ddp" else "auto: a full copy of the model fits"
+        mode, why = choose_distributed(cfg.device.distributed, procs.world_size, self.adapter.base_parameters,
+                                       self.run_cfg.device, cfg.device.memory_fraction)
+        if mode == "ddp":
             self.log(f"device.distributed=ddp ({why}): every process holds the whole model, gradients averaged")
             return False
         problems = []
@@ -103,7 +104,7 @@ class Trainer:
             problems.append("train.train_text_encoder: the text encoders are not sharded; use device.distributed=ddp")
         if problems:
             raise UserError("device.distributed=fsdp cannot run this config:\n" + "\n".join(f"  - {p}" for p in problems))
-        self.log(f"device.distributed=fsdp: the frozen base is sharded over {procs.world_size} processes "
+        self.log(f"device.distributed=fsdp ({why}): the frozen base is sharded over {procs.world_size} processes "
                  "(FSDP2, block by block); LoRA weights stay whole on every process")
         return True
 
@@ -133,10 +134,11 @@ class Trainer:
         runtime = Runtime(device=self.accelerator.device, info=device, base_dtype=DTYPES[cfg.model.dtype],
                           compute_dtype=DTYPES[cfg.train.precision], run_dir=self.run_dir.root, log=self.log,
                           is_main=procs.is_main, world_size=procs.world_size, rank=procs.rank,
-                          main_process_first=procs.main_first, shard_base=self.sharded)
+                          main_process_first=procs.main_first)
         seed_everything(cfg.run.seed)  # the same LoRA initialisation on every process
         with procs.main_first():  # a tiny:<kind> model is written once (transformers saves on rank 0 only)
             self.adapter = build_adapter(cfg, runtime)
+        self.sharded = runtime.shard_base = self._choose_distributed()
         if device.backend == "cuda":
             self._choose_cudnn_sdpa(cfg.device.cudnn_sdpa)
         self.adapter.load()
@@ -292,6 +294,19 @@ class Trainer:
             self.ema.update()
         return mean, stops > 0
 
+    @contextmanager
+    def _optimizer_eval_mode(self):
+        """Optimizers that keep other weights for evaluation than for training (schedule-free) are switched to
+        them around eval, sampling, checkpoints and the export, as their spec says."""
+        if not optimizer_spec(self.cfg.train.optimizer).needs_eval_mode:
+            yield
+            return
+        self.optimizer.eval()
+        try:
+            yield
+        finally:
+            self.optimizer.train()
+
     def _sample(self, step: int) -> None:
         """Samples from the main process. With a sharded base every process must run the forwards (each holds
         part of the weights): the others generate the same samples into a folder that is then removed."""
@@ -301,7 +316,7 @@ class Trainer:
         # Sampling must not disturb the training RNG streams, or resumed runs would diverge.
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices):
+            with torch.random.fork_rng(devices=devices), self._optimizer_eval_mode():
                 files = self.adapter.sample(out_dir)
         finally:
             if not self.is_main:
@@ -377,7 +392,8 @@ class Trainer:
                     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                         self._eval(step)
                     if stopping or step == steps or (cfg.save.every and step % cfg.save.every == 0):
-                        saved = self._save(step)
+                        with self._optimizer_eval_mode():
+                            saved = self._save(step)
                         if report is not None:
                             report.update(step, steps, time.perf_counter() - started)
                         if saved is not None and (stopping or step != steps):
@@ -392,7 +408,8 @@ class Trainer:
             if cfg.train.eval_every == 0 or steps % cfg.train.eval_every:
                 self._eval(steps)
             self._sample(steps)
-            final = self._export_final() if self.is_main else self.run_dir.final
+            with self._optimizer_eval_mode():
+                final = self._export_final() if self.is_main else self.run_dir.final
             if report is not None:
                 self.log(f"report: {report.update(steps, steps, elapsed, finished=True)}")
         except torch.OutOfMemoryError:
@@ -422,7 +439,8 @@ class Trainer:
         """The eval loss, on the main process (on every process when the base is sharded: see _sample)."""
         if not (self.is_main or self.sharded):
             return
-        loss = self.adapter.eval_loss()
+        with self._optimizer_eval_mode():
+            loss = self.adapter.eval_loss()
         if loss is not None and self.is_main:
             self.metrics.write({"step": step, "eval_loss": loss, "time": time.time()})
             self.log(f"step {step}: eval loss {loss:.4f}")
