@@ -3,8 +3,10 @@
 Both train the same Llama-3.2-1B-shaped model (random weights, no download) with PEFT LoRA r=16
 on all linear layers, bf16, SDPA, batch 4 x 2048 tokens, on the same GPU in one process:
 
-- plain:   transformers + PEFT + torch.optim.AdamW(fused=True), a hand-written loop;
-- toolkit: `python -m toolkit train` machinery (Trainer), optimizer adamw (fused) and adamw8bit.
+- plain:   transformers + PEFT + torch.optim.AdamW(fused=True), a hand-written loop, eager and with each
+           decoder layer compiled (the torch.compile a user would add by hand);
+- toolkit: `python -m toolkit train` machinery (Trainer), optimizer adamw (fused) and adamw8bit, with
+           train.compile off and on (auto turns it on for this family on a GPU).
 
     python bench/llm.py --steps 30 --warmup 5 [--layers 16]
 Prints tokens/s, peak memory and the ratio toolkit/plain.
@@ -50,13 +52,17 @@ def write_data(path: Path, rows: int) -> None:
             handle.write(json.dumps({"text": " ".join(words[i] for i in idx)}) + "\n")
 
 
-def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int) -> dict:
+def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int, compile_layers: bool = False) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model.config.use_cache = False  # with a KV cache built in training, per-layer compile recompiles (FINDINGS.md)
+    if compile_layers:
+        for layer in model.base_model.model.model.layers:
+            layer.compile()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     ids = torch.randint(4, 400, (batch, seq), device="cuda")
@@ -66,7 +72,7 @@ def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int) 
         if step == warmup:
             start.record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -81,11 +87,11 @@ def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int) 
 
 
 def toolkit_run(model_dir: Path, data: Path, out: Path, optimizer: str, steps: int, warmup: int, batch: int,
-                seq: int) -> dict:
+                seq: int, compile_blocks: bool = False) -> dict:
     from trainer_rate import trainer_rate
 
     overrides = [f"model.name_or_path={model_dir}", f"data.path={data}", f"data.max_seq_len={seq}",
-                 f"train.batch_size={batch}"]
+                 f"train.batch_size={batch}", f"train.compile={str(compile_blocks).lower()}"]
     config = ("model: {family: llm}\nnetwork: {rank: 16, alpha: 16}\ntrain: {lr: 1.0e-4, precision: bf16,"
               " gradient_checkpointing: false}\nsave: {every: 0}\nlog: {tensorboard: false}\n")
     rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup)
@@ -108,10 +114,13 @@ def main() -> None:
           f"({args.layers} layers), LoRA r=16 all-linear, bf16, batch {args.batch} x {args.seq}")
     print(f"{'stack':<28} {'tokens/s':>10} {'peak GiB':>9} {'vs plain':>9}", flush=True)
     plain = plain_stack(model_dir, args.steps, args.warmup, args.batch, args.seq)
-    rows = [("plain (PEFT + fused AdamW)", lambda: plain)]
-    rows += [(f"toolkit ({name})", lambda name=name: toolkit_run(model_dir, data, work / f"run-{name}", name,
-                                                                args.steps, args.warmup, args.batch, args.seq))
-             for name in ("adamw", "adamw8bit")]
+    rows = [("plain (PEFT + fused AdamW)", lambda: plain),
+            ("plain + compiled layers", lambda: plain_stack(model_dir, args.steps, args.warmup, args.batch, args.seq,
+                                                            compile_layers=True))]
+    rows += [(f"toolkit ({name}{', compile' if comp else ''})",
+              lambda name=name, comp=comp: toolkit_run(model_dir, data, work / f"run-{name}-{comp}", name, args.steps,
+                                                       args.warmup, args.batch, args.seq, compile_blocks=comp))
+             for comp in (False, True) for name in ("adamw", "adamw8bit")]
     for label, measure in rows:
         r = measure()
         print(f"{label:<28} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} "

@@ -246,3 +246,23 @@ def test_quantize_without_bitsandbytes_names_the_fix(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(UserError, match=r"model.quantize=4bit needs bitsandbytes.*\n  fix: pip install bitsandbytes"):
         plan_quantization("4bit", "cuda", None, "tiny:llm")
+
+
+def test_compiled_blocks_train_the_same_losses_as_eager(tmp_path):
+    """train.compile=true compiles each decoder layer on its own (inductor's C++ on the CPU) and trains the same
+    numbers as the eager run; sampling afterwards runs the blocks eagerly (no recompilation per length)."""
+    from conftest import run_toolkit
+
+    common = ["train", REPO / "configs/examples/quickstart_llm.yaml", "train.steps=4", "log.every=1",
+              "train.optimizer=adamw", "sample.every=0", "log.tensorboard=false"]
+    eager = run_toolkit(*common, f"run.output_dir={tmp_path / 'eager'}", "train.compile=false", timeout=600)
+    compiled = run_toolkit(*common, f"run.output_dir={tmp_path / 'compiled'}", "train.compile=true", timeout=600)
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr
+    assert "train.compile: 2 blocks (LlamaDecoderLayer) compiled one by one" in compiled.stderr
+    assert "train.compile: the first step took" in compiled.stderr and "recompile_limit" not in compiled.stderr
+    validated = run_toolkit("validate", REPO / "configs/examples/quickstart_llm.yaml").stdout
+    assert [line.split() for line in validated.splitlines() if line.startswith("train.compile ")] == [
+        ["train.compile", "=", "False", "#", "auto:", "off", "on", "the", "CPU"]]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
+    assert losses == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "eager")], rel=1e-4)
+    assert len(losses) == 4

@@ -63,6 +63,14 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         decisions.append(Decision("train.gradient_checkpointing", False, "the preset does not ask for it"))
     elif not isinstance(cfg.train.gradient_checkpointing, bool):
         problems.append(f"'train.gradient_checkpointing' must be true, false or auto, got {cfg.train.gradient_checkpointing!r}")
+    if cfg.train.compile == "auto":
+        measured = family_spec(family).compile_auto
+        value, why = ((False, "off on the CPU") if device.backend == "cpu" else
+                      (True, measured) if measured else (False, f"not measured faster for {family} yet"))
+        cfg.train.compile = value
+        decisions.append(Decision("train.compile", value, why))
+    elif not isinstance(cfg.train.compile, bool):
+        problems.append(f"'train.compile' must be true, false or auto, got {cfg.train.compile!r}")
     if cfg.train.timestep_sampling == "auto" and applies_to("train.timestep_sampling", family):
         sampling = family_spec(family).timestep_sampling or "uniform"
         cfg.train.timestep_sampling = sampling

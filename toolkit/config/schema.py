@@ -107,6 +107,11 @@ class TrainSection:
                          choices=PRECISIONS)
     gradient_checkpointing: Union[bool, str] = opt("auto", "Recompute activations in backward to save memory; auto: "
                                                    "the preset's.", resume_safe=True)
+    compile: Union[bool, str] = opt("auto", "Compile each repeated block of the trained model with torch.compile "
+                                    "(regional: one compilation reused by every block); the first steps take longer. "
+                                    "auto: on for the families measured faster with it on a GPU (llm), off on the "
+                                    "CPU. A block that fails to compile runs uncompiled, with a warning.",
+                                    resume_safe=True)
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "
                                    "checkpoint path.", resume_safe=True)

@@ -63,10 +63,11 @@ class Processes:
 
         from toolkit.errors import UserError
 
+        from toolkit.train.compile import repeated_blocks
+
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         for name, root in roots.items():
-            block_types = set(getattr(root, "_no_split_modules", None) or [])
-            blocks = [m for m in root.modules() if type(m).__name__ in block_types]
+            blocks = repeated_blocks(root)
             if not blocks:
                 raise UserError(f"device.distributed=fsdp: the {name} ({type(root).__name__}) names no repeated "
                                 "blocks to shard\n  fix: device.distributed=ddp")

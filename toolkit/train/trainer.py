@@ -30,6 +30,7 @@ from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, Runtime, trainable_parameters
 from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
+from toolkit.train.compile import compile_blocks
 from toolkit.train.checkpoint import (find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
                                       save_checkpoint, set_aside_checkpoints_after)
 from toolkit.train.distributed import Processes
@@ -164,6 +165,8 @@ class Trainer:
                                        num_training_steps=cfg.train.steps)
         if self.sharded:
             procs.shard(self.adapter.shard_roots())
+        self.compiled = compile_blocks(self.adapter.shard_roots(), self.log) if cfg.train.compile else 0
+        if self.sharded:
             self.modules = self.adapter.trainable_modules()
         else:
             self.modules = procs.wrap(self.adapter.trainable_modules(), find_unused=self.adapter.unused_parameters())
@@ -270,12 +273,15 @@ class Trainer:
             losses.append(loss.detach().float())
         # One host sync per step, after backward is queued, so the GPU stays busy while we wait for it. The sums
         # over processes travel together: loss, units, tokens, and whether any process was asked to stop.
-        totals = torch.stack([torch.stack(losses).sum(), *(torch.tensor(float(v), device=losses[0].device)
-                                                           for v in (weight, tokens, stop_requested))])
-        if self.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
-            self.procs.average_gradients(self.params)
-        loss_sum, units, self.step_tokens, stops = self.procs.sum(totals).tolist()
-        self.step_tokens = int(self.step_tokens)
+        if self.procs.several:
+            totals = torch.stack([torch.stack(losses).sum(), *(torch.tensor(float(v), device=losses[0].device)
+                                                               for v in (weight, tokens, stop_requested))])
+            if self.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
+                self.procs.average_gradients(self.params)
+            loss_sum, units, tokens, stops = self.procs.sum(totals).tolist()
+        else:  # no copies to the device: the loss is the only number that has to come back
+            loss_sum, units, stops = torch.stack(losses).sum().item(), float(weight), float(stop_requested)
+        self.step_tokens = int(tokens)
         mean = loss_sum / max(units, 1.0)
         if not math.isfinite(mean):
             self.optimizer.zero_grad(set_to_none=True)
@@ -293,6 +299,13 @@ class Trainer:
         if self.ema is not None and not self.optimizer.step_was_skipped:  # fp16: the scaler may skip a step
             self.ema.update()
         return mean, stops > 0
+
+    @contextmanager
+    def _eager(self):
+        """Compiled blocks run eagerly while sampling and evaluating: generation with a growing KV cache would
+        recompile them at every length, and these forwards are not where the time goes."""
+        with torch.compiler.set_stance("force_eager") if self.compiled else nullcontext():
+            yield
 
     @contextmanager
     def _optimizer_eval_mode(self):
@@ -316,7 +329,7 @@ class Trainer:
         # Sampling must not disturb the training RNG streams, or resumed runs would diverge.
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), self._optimizer_eval_mode():
+            with torch.random.fork_rng(devices=devices), self._optimizer_eval_mode(), self._eager():
                 files = self.adapter.sample(out_dir)
         finally:
             if not self.is_main:
@@ -373,7 +386,11 @@ class Trainer:
             with GracefulStop() as stop:
                 for step in range(start + 1, steps + 1):
                     self.adapter.begin_step(step)
+                    step_started = time.perf_counter()
                     loss, stopping = self._train_step(stop.requested is not None)
+                    if self.compiled and step == start + 1:
+                        self.log(f"train.compile: the first step took {time.perf_counter() - step_started:.1f} s "
+                                 "(compilation included)")
                     if not self.procs.several:  # a signal that arrived after the step's sums still counts
                         stopping = stopping or stop.requested is not None
                     if math.isfinite(loss):
@@ -439,7 +456,7 @@ class Trainer:
         """The eval loss, on the main process (on every process when the base is sharded: see _sample)."""
         if not (self.is_main or self.sharded):
             return
-        with self._optimizer_eval_mode():
+        with self._optimizer_eval_mode(), self._eager():
             loss = self.adapter.eval_loss()
         if loss is not None and self.is_main:
             self.metrics.write({"step": step, "eval_loss": loss, "time": time.time()})

@@ -1,0 +1,44 @@
+"""Regional compilation: each repeated block of the trained model (a decoder layer, a DiT block, a UNet
+down/up block) goes through torch.compile on its own, so one compilation serves every block of the same
+shape and the compile time stays a fraction of compiling the whole model. The blocks are the model's own
+`_no_split_modules` classes (transformers and diffusers list them for device maps), the outermost ones.
+
+Triton and inductor serve CUDA and ROCm from the same source; on the CPU inductor writes C++.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+
+def repeated_blocks(root: torch.nn.Module, outermost: bool = False) -> list[torch.nn.Module]:
+    """The model's `_no_split_modules` blocks, in module order (with `outermost`, not those inside another)."""
+    block_types = set(getattr(root, "_no_split_modules", None) or [])
+    blocks = [m for m in root.modules() if type(m).__name__ in block_types]
+    if not outermost:
+        return blocks
+    inner = {id(m) for block in blocks for m in block.modules() if m is not block}
+    return [b for b in blocks if id(b) not in inner]
+
+
+def compile_blocks(roots: Mapping[str, torch.nn.Module], log: Callable[[str], None]) -> int:
+    """Compile the outermost repeated blocks of every root in place; returns how many. A block that dynamo
+    cannot compile runs eagerly (dynamo prints why) instead of stopping the run."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
+    count, kinds = 0, set()
+    for name, root in roots.items():
+        blocks = repeated_blocks(root, outermost=True)
+        if not blocks:
+            log(f"train.compile: the {name} ({type(root).__name__}) names no repeated blocks; it runs uncompiled")
+        for block in blocks:
+            block.compile()
+            kinds.add(type(block).__name__)
+        count += len(blocks)
+    if count:
+        log(f"train.compile: {count} blocks ({', '.join(sorted(kinds))}) compiled one by one; the first steps "
+            "include the compilation")
+    return count
