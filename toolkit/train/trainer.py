@@ -147,6 +147,9 @@ class Trainer:
         if len(self.dataset) == 0:
             raise UserError(f"data.path: {cfg.data.path} gave no training samples")
         self.adapter.place_for_training()
+        if self.sharded:  # before the optimizer and EMA see the LoRA weights: sharding moves them to the device
+            procs.shard(self.adapter.shard_roots())
+        self.compiled = compile_blocks(self.adapter.shard_roots(), self.log) if cfg.train.compile else 0
         self.order = BatchOrder(self.dataset.groups, cfg.train.batch_size, cfg.run.seed,
                                 world_size=procs.world_size, rank=procs.rank)
         self.params = trainable_parameters(self.adapter.network)
@@ -163,9 +166,6 @@ class Trainer:
         from transformers import get_scheduler
         self.scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                                        num_training_steps=cfg.train.steps)
-        if self.sharded:
-            procs.shard(self.adapter.shard_roots())
-        self.compiled = compile_blocks(self.adapter.shard_roots(), self.log) if cfg.train.compile else 0
         if self.sharded:
             self.modules = self.adapter.trainable_modules()
         else:
