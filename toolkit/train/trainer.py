@@ -259,6 +259,13 @@ class Trainer:
         batches = [self.dataset.collate(self.order.next_batch()) for _ in range(accum)]
         weight = sum(self.adapter.loss_weight(batch) for batch in batches)
         tokens = sum(self.adapter.tokens_in(batch) for batch in batches)
+        # The loss is a sum over units; dividing by the step's units over every process before backward gives
+        # the gradient of the mean over the global batch (DDP then averages over processes, hence world_size),
+        # and keeps gradients at the scale fp16 loss scaling expects.
+        units = float(weight)
+        if self.procs.several:
+            units = self.procs.sum(torch.tensor([units], device=self.accelerator.device)).item()
+        scale = self.procs.world_size / max(units, 1.0)
         losses = []
         self.grad_norm = None
         for micro, batch in enumerate(batches):
@@ -269,28 +276,23 @@ class Trainer:
             with self.procs.no_sync(self.modules, skip=micro < accum - 1 and not self.sharded):
                 with self.accelerator.autocast():
                     loss = self.adapter.loss(batch, self.modules)
-                self.accelerator.backward(loss)
+                self.accelerator.backward(loss * scale)
             losses.append(loss.detach().float())
+        if self.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
+            self.procs.average_gradients(self.params)
         # One host sync per step, after backward is queued, so the GPU stays busy while we wait for it. The sums
-        # over processes travel together: loss, units, tokens, and whether any process was asked to stop.
+        # over processes travel together: loss, tokens, and whether any process was asked to stop.
         if self.procs.several:
             totals = torch.stack([torch.stack(losses).sum(), *(torch.tensor(float(v), device=losses[0].device)
-                                                               for v in (weight, tokens, stop_requested))])
-            if self.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
-                self.procs.average_gradients(self.params)
-            loss_sum, units, tokens, stops = self.procs.sum(totals).tolist()
+                                                               for v in (tokens, stop_requested))])
+            loss_sum, tokens, stops = self.procs.sum(totals).tolist()
         else:  # no copies to the device: the loss is the only number that has to come back
-            loss_sum, units, stops = torch.stack(losses).sum().item(), float(weight), float(stop_requested)
+            loss_sum, stops = torch.stack(losses).sum().item(), float(stop_requested)
         self.step_tokens = int(tokens)
         mean = loss_sum / max(units, 1.0)
         if not math.isfinite(mean):
             self.optimizer.zero_grad(set_to_none=True)
             return float("nan"), stops > 0
-        # Each process's gradient is of a sum over its units; DDP averages over processes, so this scale makes
-        # it the gradient of the mean over every unit of the global batch.
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, self.procs.world_size / max(units, 1.0))
         if self.cfg.train.max_grad_norm > 0:
             # Kept as a device tensor: MetricsLogger converts it only on the steps it logs.
             self.grad_norm = self.accelerator.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
