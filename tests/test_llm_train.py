@@ -266,3 +266,25 @@ def test_compiled_blocks_train_the_same_losses_as_eager(tmp_path):
     losses = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
     assert losses == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "eager")], rel=1e-4)
     assert len(losses) == 4
+
+
+def test_loss_is_the_sum_of_token_losses_for_builtin_and_remote_code_models(tmp_path):
+    """Built-in transformers models sum through num_items_in_batch; remote-code ones (whose forward may drop
+    it) get mean x tokens: the same number, and mean_loss is the per-token mean either way."""
+    import torch.nn.functional as F
+
+    from helpers import adapter_for
+    from toolkit.models.llm import label_tokens
+
+    adapter, dataset = adapter_for("quickstart_llm.yaml", tmp_path)
+    assert adapter.sums_loss  # LlamaForCausalLM ships with transformers
+    batch = dataset.collate([0, 1, 2])
+    with torch.no_grad():
+        summed = adapter.loss(batch, adapter.trainable_modules())
+        adapter.sums_loss = False
+        fallback = adapter.loss(batch, adapter.trainable_modules())
+        logits = adapter.network(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                               ignore_index=-100, reduction="sum")
+    assert label_tokens(batch["labels"]) > 0
+    assert torch.allclose(summed, expected, rtol=1e-5) and torch.allclose(fallback, expected, rtol=1e-5)

@@ -88,6 +88,13 @@ def checkpoint_quantization_config(path: str, common: dict) -> dict | None:
     return value if isinstance(value, dict) else value.to_dict()
 
 
+def takes_num_items_in_batch(model: torch.nn.Module) -> bool:
+    """Whether the model's loss honours num_items_in_batch: every causal LM that ships with transformers
+    (4.46 and later) passes it to its loss function. Remote code may take **kwargs and drop it, which would
+    silently turn a sum into a mean, so for those the adapter multiplies the mean by the token count."""
+    return type(model).__module__.startswith("transformers.models.")
+
+
 def label_tokens(labels: torch.Tensor) -> int:
     """Tokens a causal-LM loss counts: labels after the one-token shift that are not IGNORE_INDEX."""
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
@@ -154,6 +161,7 @@ class LLMAdapter(AdapterBase):
         lora = lora_config(self.cfg.network, targets, task_type="CAUSAL_LM")
         # autocast_adapter_dtype keeps the LoRA weights in fp32 over a bf16/fp16 base.
         self.network = get_peft_model(model, lora, autocast_adapter_dtype=True)
+        self.sums_loss = takes_num_items_in_batch(model)
         if not self.runtime.shard_base:
             self.network.to(self.runtime.device)
 
@@ -198,8 +206,11 @@ class LLMAdapter(AdapterBase):
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
         batch = {k: v.to(self.runtime.device, non_blocking=True) for k, v in batch.items()}
         # use_cache=False: with a KV cache transformers ignores packed position_ids when building the mask.
-        # num_items_in_batch=1: transformers' causal-LM loss sums the token losses and divides by this.
-        return modules["model"](**batch, use_cache=False, num_items_in_batch=1).loss
+        if self.sums_loss:  # transformers' causal-LM loss sums the token losses and divides by num_items_in_batch
+            return modules["model"](**batch, use_cache=False, num_items_in_batch=1).loss
+        # remote code: its mean loss times the tokens it averaged (NaN for a micro-batch without loss tokens,
+        # which the trainer then skips with a warning)
+        return modules["model"](**batch, use_cache=False).loss * label_tokens(batch["labels"])
 
     @torch.no_grad()
     def eval_loss(self) -> float | None:
