@@ -41,6 +41,20 @@ def _precision(cfg: DictConfig, device: DeviceInfo, problems: list[str]) -> Deci
     return None
 
 
+def _check_fsdp(cfg: DictConfig, problems: list[str]) -> None:
+    """What device.distributed=fsdp cannot shard: quantized layers, whole-expert offload, text encoders."""
+    refused = "device.distributed=fsdp cannot run this config: "
+    if cfg.model.quantize in ("4bit", "8bit"):
+        problems.append(refused + f"model.quantize={cfg.model.quantize}: quantized weights are not sharded; use "
+                        "model.quantize=none (or auto) with fsdp, or device.distributed=ddp")
+    if cfg.model.expert_offload is True:
+        problems.append(refused + "model.expert_offload=true: offloading moves whole experts, and with fsdp each "
+                        "process already holds 1/N of them; leave model.expert_offload=auto")
+    if cfg.train.train_text_encoder:
+        problems.append(refused + "train.train_text_encoder: the text encoders are not sharded; use "
+                        "device.distributed=ddp")
+
+
 def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[Decision]:
     """Replace auto values in place; raise ConfigError for settings this device cannot run."""
     problems: list[str] = []
@@ -63,6 +77,8 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         decisions.append(Decision("train.gradient_checkpointing", False, "the preset does not ask for it"))
     elif not isinstance(cfg.train.gradient_checkpointing, bool):
         problems.append(f"'train.gradient_checkpointing' must be true, false or auto, got {cfg.train.gradient_checkpointing!r}")
+    if cfg.device.distributed == "fsdp":
+        _check_fsdp(cfg, problems)
     if cfg.train.compile == "auto":
         measured = family_spec(family).compile_auto
         value, why = ((False, "off on the CPU") if device.backend == "cpu" else

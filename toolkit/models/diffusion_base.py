@@ -107,7 +107,6 @@ class DiffusionAdapter(DiffusersLoraFiles, AdapterBase):
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.disable_progress_bar()  # "Loading pipeline components" says nothing a user can act on
-        self.check_save_format()
         try:
             self.pipe = self.pipeline_class().from_pretrained(self.model_path, dtype=self.runtime.base_dtype,
                                                               revision=self.cfg.model.revision, **self.pipeline_kwargs())

@@ -44,26 +44,9 @@ class DiffusersLoraFiles:
         return {f"{name}_lora_adapter_metadata": self.network[name].peft_config["default"].to_dict()
                 for name in names or list(self.network.keys())}
 
-    def export_formats(self) -> tuple[str, ...]:
-        """save.format values this family writes besides the diffusers file (sd/sdxl: kohya key names, which
-        ComfyUI reads too)."""
-        return ("kohya", "comfyui")
-
-    def check_save_format(self) -> str:
-        """save.format, checked when the model loads, so a run never ends without the file it was asked for."""
-        fmt = self.cfg.save.format
-        allowed = ("auto", "diffusers", *self.export_formats())
-        if fmt not in allowed:
-            raise UserError(f"save.format: {fmt} is not available for the {self.family} family; use one of "
-                            f"{', '.join(allowed)}")
-        if fmt not in ("auto", "diffusers") and self.cfg.network.type == "dora":
-            raise UserError(f"save.format: {fmt} files hold plain LoRA weights, and network.type is dora\n"
-                            "  fix: save.format=diffusers, or network.type=lora")
-        return fmt
-
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
         """The diffusers file (pytorch_lora_weights.safetensors), plus the save.format export when asked."""
-        fmt = self.check_save_format()
+        fmt = self.cfg.save.format  # checked against the family's save_formats when the config loaded
         self.pipeline_class().save_lora_weights(out_dir, safe_serialization=True,
                                                 **self.diffusers_lora_layers(dtype), **self.lora_adapter_metadata())
         files = [out_dir / LORA_FILE]

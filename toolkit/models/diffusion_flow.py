@@ -54,6 +54,7 @@ class FlowMatchingAdapter(DiffusionAdapter):
     # -- memory plan -----------------------------------------------------------------------
     def setup_training(self) -> None:
         self.objective = FlowObjective(self.sampler_for)
+        self.dynamic_shift = False  # scheduler_shift() turns it on for the families that shift by resolution
         model, device = self.cfg.model, self.runtime.info
         counts = {name: sum(p.numel() for p in self.component(name).parameters()) for name in self.denoiser_names}
         offload = False if self.runtime.shard_base else model.expert_offload  # fsdp: the trainer refuses true
@@ -105,14 +106,28 @@ class FlowMatchingAdapter(DiffusionAdapter):
         except (TypeError, ValueError):
             raise UserError(f"train.flow_shift: expected a number or auto, got {shift!r}") from None
 
+    def scheduler_shift(self) -> None:
+        """Flux and Qwen-Image: the shift of the scheduler config, resolution-dependent when it says
+        use_dynamic_shifting (and train.flow_shift is auto)."""
+        config = self.pipe.scheduler.config
+        self.dynamic_shift = self.cfg.train.flow_shift == "auto" and config.get("use_dynamic_shifting", False)
+        self.shift = self.configured_shift(config.get("shift", 1.0))
+
     def sampler_for(self, latents: torch.Tensor) -> SigmaSampler:
-        """The sigma sampler for a batch of latents: the family's fixed shift (Flux: resolution-dependent)."""
-        return self.sigma_sampler(shift=self.shift)
+        """The sigma sampler for a batch of latents: the family's fixed shift, or with a dynamic shift the
+        pipeline's: mu from the number of 2x2 latent patches, applied as exp(mu) (or as mu, for a scheduler
+        whose time_shift_type is linear)."""
+        if not self.dynamic_shift:
+            return self.sigma_sampler(shift=self.shift)
+        config = self.pipe.scheduler.config
+        tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+        mu = flux_mu(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                     config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        if config.get("time_shift_type", "exponential") == "linear":
+            return self.sigma_sampler(shift=mu)
+        return self.sigma_sampler(mu=mu)
 
     # -- export ----------------------------------------------------------------------------
-    def export_formats(self) -> tuple[str, ...]:
-        return ("comfyui",)
-
     def export(self, diffusers_file: Path, out_file: Path, fmt: str) -> Path:
         from toolkit.models.lora_export import save_comfyui
 
@@ -146,24 +161,13 @@ class FluxAdapter(FlowMatchingAdapter):
 
     def setup_training(self) -> None:
         super().setup_training()
-        config = self.pipe.scheduler.config
-        self.dynamic_shift = self.cfg.train.flow_shift == "auto" and config.get("use_dynamic_shifting", False)
-        self.shift = self.configured_shift(config.get("shift", 1.0))
+        self.scheduler_shift()
         self.guidance_embeds = bool(self.pipe.transformer.config.guidance_embeds)
 
     def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
         embeds, pooled, _ = self.pipe.encode_prompt(captions, prompt_2=None, device=self.runtime.device,
                                                     max_sequence_length=self.max_text_tokens)
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-
-    def sampler_for(self, latents: torch.Tensor) -> SigmaSampler:
-        """Flux-dev's resolution-dependent shift: mu from the number of 2x2 latent patches."""
-        if not self.dynamic_shift:
-            return self.sigma_sampler(shift=self.shift)
-        config = self.pipe.scheduler.config
-        tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)
-        mu = flux_mu(tokens, config.base_image_seq_len, config.max_image_seq_len, config.base_shift, config.max_shift)
-        return self.sigma_sampler(mu=mu)
 
     def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
                 batch: dict[str, Any]) -> torch.Tensor:

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from toolkit.models.diffusion_base import Denoiser
 from toolkit.models.diffusion_flow import FlowMatchingAdapter
-from toolkit.models.flow_matching import SigmaSampler, flux_mu
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import diffusers_keys_scaled
 from toolkit.models.objectives import Noised
@@ -72,9 +71,11 @@ class QwenImageAdapter(FlowMatchingAdapter):
 
     def setup_training(self) -> None:
         super().setup_training()
-        config = self.pipe.scheduler.config
-        self.dynamic_shift = self.cfg.train.flow_shift == "auto" and config.get("use_dynamic_shifting", False)
-        self.shift = self.configured_shift(config.get("shift", 1.0))
+        # The pipeline's resolution-dependent shift (FlowMatchingAdapter.sampler_for), kept for training as
+        # FluxAdapter does, rather than diffusers' train_dreambooth_lora_qwen_image.py, which draws from the
+        # scheduler's static, unshifted timesteps: the LoRA then learns most at the noise levels inference
+        # spends its steps on. train.flow_shift=<number> replaces it by a fixed shift.
+        self.scheduler_shift()
         if self.pipe.transformer.config.get("guidance_embeds", False):
             self.log("warning: this Qwen-Image transformer has guidance_embeds set; it is trained without guidance")
 
@@ -104,24 +105,6 @@ class QwenImageAdapter(FlowMatchingAdapter):
                 "prompt_embeds_mask": F.pad(mask.long(), (0, n - length))}
 
     # -- sigmas ----------------------------------------------------------------------------
-    def sampler_for(self, latents: torch.Tensor) -> SigmaSampler:
-        """The pipeline's resolution-dependent shift: mu from the number of 2x2 latent patches.
-
-        Training keeps the shift the pipeline samples with (as FluxAdapter does), rather than diffusers'
-        train_dreambooth_lora_qwen_image.py, which draws from the scheduler's static, unshifted timesteps: the
-        LoRA then learns most at the noise levels inference spends its steps on. train.flow_shift=<number>
-        replaces it by a fixed shift."""
-        if not self.dynamic_shift:
-            return self.sigma_sampler(shift=self.shift)
-        config = self.pipe.scheduler.config
-        tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
-        mu = flux_mu(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                     config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        if config.get("time_shift_type", "exponential") == "linear":  # mu / (mu + 1/t - 1): a plain shift by mu
-            return self.sigma_sampler(shift=mu)
-        return self.sigma_sampler(mu=mu)
-
-    # -- the denoiser ----------------------------------------------------------------------
     def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
                 batch: dict[str, Any]) -> torch.Tensor:
         """The velocity for `noised.noisy` ([B, C, H, W], or [B, C, 1, H, W]), in its layout: the transformer on

@@ -191,7 +191,7 @@ class Wan22Adapter(WanAdapter):
         `pipe.load_lora_weights(..., load_into_transformer_2=True)`); TI2V-5B: one file, like wan21."""
         if not self.two_experts:
             return super().save_lora(out_dir, dtype)
-        fmt = self.check_save_format()
+        fmt = self.cfg.save.format
         files = []
         for name in self.trained:
             folder = out_dir / EXPERT_FOLDERS[name]

@@ -132,3 +132,11 @@ class Processes:
     def barrier(self) -> None:
         if self.several:
             self.accelerator.wait_for_everyone()
+
+    def finish(self) -> None:
+        """At the end of a run that went well: wait until the main process has written the final files, then
+        close the process group. A process leaving with the group open can abort in its shutdown
+        ("terminate called without an active exception") and fail the launch."""
+        if self.several and dist.is_initialized():
+            self.barrier()
+            dist.destroy_process_group()

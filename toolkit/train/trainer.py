@@ -89,22 +89,16 @@ class Trainer:
             if cfg.device.distributed == "fsdp":
                 self.log("device.distributed=fsdp: one process, nothing to shard; training as one process")
             return False
-        mode, why = choose_distributed(cfg.device.distributed, procs.world_size, self.adapter.base_parameters,
-                                       self.run_cfg.device, cfg.device.memory_fraction)
+        unshardable = (cfg.model.quantize in ("4bit", "8bit") or cfg.model.expert_offload is True
+                       or cfg.train.train_text_encoder)  # what fsdp refuses (config/resolve.py)
+        if cfg.device.distributed == "auto" and unshardable:
+            mode, why = "ddp", "auto: the config quantizes, offloads experts or trains text encoders"
+        else:
+            mode, why = choose_distributed(cfg.device.distributed, procs.world_size, self.adapter.base_parameters,
+                                           self.run_cfg.device, cfg.device.memory_fraction)
         if mode == "ddp":
             self.log(f"device.distributed=ddp ({why}): every process holds the whole model, gradients averaged")
             return False
-        problems = []
-        if cfg.model.quantize in ("4bit", "8bit"):
-            problems.append(f"model.quantize={cfg.model.quantize}: quantized weights are not sharded; "
-                            "use model.quantize=none (or auto) with fsdp, or device.distributed=ddp")
-        if cfg.model.expert_offload is True:
-            problems.append("model.expert_offload=true: offloading moves whole experts; with fsdp each process "
-                            "already holds 1/N of them: leave model.expert_offload=auto")
-        if cfg.train.train_text_encoder:
-            problems.append("train.train_text_encoder: the text encoders are not sharded; use device.distributed=ddp")
-        if problems:
-            raise UserError("device.distributed=fsdp cannot run this config:\n" + "\n".join(f"  - {p}" for p in problems))
         self.log(f"device.distributed=fsdp ({why}): the frozen base is sharded over {procs.world_size} processes "
                  "(FSDP2, block by block); LoRA weights stay whole on every process")
         return True
@@ -376,6 +370,7 @@ class Trainer:
         if start >= steps:
             self.log(f"run already complete at step {start} (train.steps={steps}); final LoRA: {self.run_dir.final}\n"
                      "  raise train.steps to continue it, or use --fresh to start over")
+            self.procs.finish()
             return self.run_dir.final
         self.metrics = MetricsLogger(self.run_dir.logs, steps, start, cfg.log.every, cfg.log.tensorboard, self.is_main,
                                      wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project, run_name=cfg.run.name,
@@ -436,6 +431,7 @@ class Trainer:
         finally:
             self.metrics.close()
         self.log(f"done: {steps - start} steps in {elapsed:.1f}s; LoRA written to {final}")
+        self.procs.finish()
         return final
 
     def _check_processes_agree(self) -> None:
