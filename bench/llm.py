@@ -1,22 +1,39 @@
-"""LLM LoRA training throughput: the toolkit's trainer beside the plain stack a user would write.
+"""LLM LoRA training throughput: the toolkit beside the plain loop and the peers users pick for speed, in one run
+on one GPU, every stack in a fresh process of its own (liger-kernel and unsloth patch transformers globally).
 
-Both train the same Llama-3.2-1B-shaped model (random weights, no download) with PEFT LoRA r=16
-on all linear layers, bf16, SDPA, batch 4 x 2048 tokens, on the same GPU in one process:
+The workload (random weights, nothing downloaded): PEFT LoRA r=16 (alpha 16, no dropout) on every linear layer
+of the decoder, bf16 weights under bf16 autocast, SDPA attention, batch 4 x 2048 tokens, fused AdamW, gradient
+norm clipped to 1.0, no gradient checkpointing unless a row says so. Shapes (--shape): llama-1b (Llama-3.2-1B,
+128k vocabulary, the default), qwen2.5-1.5b (152k), gemma2-2b (256k, soft-capped logits).
 
-- plain:   transformers + PEFT + torch.optim.AdamW(fused=True), a hand-written loop, eager and with each
-           decoder layer compiled (the torch.compile a user would add by hand);
-- toolkit: `python -m toolkit train` machinery (Trainer), optimizer adamw (fused) and adamw8bit, with
-           train.compile off and on (auto turns it on for this family on a GPU).
+Rows (--rows, comma-separated; a row whose package is missing is reported as skipped):
+  plain            transformers + PEFT + torch.optim.AdamW(fused=True), a hand-written loop, eager
+  plain-compiled   the same with each decoder layer compiled (the torch.compile a user adds by hand)
+  plain-read       plain + reading the loss on the host every step (diagnostic: the cost of one sync a step)
+  liger            liger-kernel on the model (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy), eager
+  liger-compiled   liger's fused linear cross-entropy only + each decoder layer compiled (its fastest, FINDINGS.md)
+  unsloth          bench/peer_unsloth.py: unsloth's FastLanguageModel, no gradient checkpointing
+  toolkit-eager    the toolkit's Trainer, train.compile=false model.kernels=none (adamw)
+  toolkit          the toolkit's Trainer with its defaults on a GPU (train.compile and model.kernels auto), adamw
+  toolkit-8bit     the same with the toolkit's adamw8bit
+  toolkit-nofuse   train.compile on, model.kernels=none (what the fused loss adds)
+  toolkit-ckpt     the defaults + train.gradient_checkpointing=true (memory)
 
-    python bench/llm.py --steps 30 --warmup 5 [--layers 16]
-Prints tokens/s, peak memory and the ratio toolkit/plain.
+    python bench/llm.py [--shape llama-1b] [--steps 30 --warmup 5] [--rows plain,toolkit] [--out result.json]
+
+Tokens/s are over the timed steps (CUDA events for the hand-written loops, the Trainer's own step rate for the
+toolkit). MFU = (4·N·T + 3·A) / step time / 989e12, with N the base parameters (a tied embedding once), T the
+tokens of a step and A the causal attention forward flops of a step (2·layers·batch·seq²·heads·head_dim): frozen
+weights need no weight gradients, so forward + backward is 4·N·T; attention's backward is twice its forward.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,19 +42,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+H100_H200_BF16_FLOPS = 989e12
+ROWS = ("plain", "plain-compiled", "liger", "liger-compiled", "unsloth", "toolkit-eager", "toolkit", "toolkit-8bit")
+SHAPES = {
+    "llama-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                               tie_word_embeddings=True)),
+    "qwen2.5-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, rope_theta=1000000.0,
+                                   tie_word_embeddings=True)),
+    "gemma2-2b": ("gemma2", dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                 num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                 final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
+                                 sliding_window=4096, tie_word_embeddings=True)),
+}
 
-def write_model(folder: Path, layers: int) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+def write_model(folder: Path, shape: str = "llama-1b", layers: int | None = None) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.tiny.llm import write_tokenizer
 
     write_tokenizer(folder)  # a small BPE tokenizer; its ids are valid in the large vocabulary
-    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
-                         rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=3,
-                         pad_token_id=0)
+    model_type, fields = SHAPES[shape]
+    fields = {**fields, **({"num_hidden_layers": layers} if layers else {})}
+    config = AutoConfig.for_model(model_type, max_position_embeddings=8192, bos_token_id=1, eos_token_id=3,
+                                  pad_token_id=0, **fields)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     del model
     torch.cuda.empty_cache()
@@ -52,10 +84,34 @@ def write_data(path: Path, rows: int) -> None:
             handle.write(json.dumps({"text": " ".join(words[i] for i in idx)}) + "\n")
 
 
-def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int, compile_layers: bool = False) -> dict:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+def model_flops_per_step(model_dir: Path, batch: int, seq: int) -> float:
+    """4·N·T + 3·A (module docstring), from the saved config, counted on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())  # parameters() lists a tied weight once
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 2 * config.num_hidden_layers * batch * seq * seq * config.num_attention_heads * head_dim
+    return 4 * params * batch * seq + 3 * attention
+
+
+# -- the hand-written loops (one per process) ---------------------------------------------------------------
+def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int, compile_layers: bool = False,
+                liger: str | None = None, read_loss: bool = False) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if liger is not None:  # patches the model class: before the model is built
+        import liger_kernel.transformers as lk
+
+        model_type = AutoConfig.from_pretrained(model_dir).model_type
+        patch = getattr(lk, f"apply_liger_kernel_to_{model_type}")
+        if liger == "all":
+            patch()
+        else:  # the fused linear cross-entropy alone
+            patch(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
@@ -74,57 +130,113 @@ def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int, 
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
+        if read_loss:
+            float(loss)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
     end.record()
     torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 1000
-    result = {"tokens_per_s": steps * batch * seq / seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-    del model, opt
-    torch.cuda.empty_cache()
-    return result
+    return {"tokens_per_s": steps * batch * seq / seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
 def toolkit_run(model_dir: Path, data: Path, out: Path, optimizer: str, steps: int, warmup: int, batch: int,
-                seq: int, compile_blocks: bool = False) -> dict:
+                seq: int, extra: list[str]) -> dict:
     from trainer_rate import trainer_rate
 
     overrides = [f"model.name_or_path={model_dir}", f"data.path={data}", f"data.max_seq_len={seq}",
-                 f"train.batch_size={batch}", f"train.compile={str(compile_blocks).lower()}"]
+                 f"train.batch_size={batch}", *extra]
     config = ("model: {family: llm}\nnetwork: {rank: 16, alpha: 16}\ntrain: {lr: 1.0e-4, precision: bf16,"
               " gradient_checkpointing: false}\nsave: {every: 0}\nlog: {tensorboard: false}\n")
     rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup)
     return {"tokens_per_s": rate * batch * seq, "peak_gib": peak}
 
 
+def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
+    common = (model_dir, args.steps, args.warmup, args.batch, args.seq)
+    if row == "plain":
+        return plain_stack(*common)
+    if row == "plain-compiled":
+        return plain_stack(*common, compile_layers=True)
+    if row == "plain-read":
+        return plain_stack(*common, read_loss=True)
+    if row == "liger":
+        return plain_stack(*common, liger="all")
+    if row == "liger-compiled":
+        return plain_stack(*common, compile_layers=True, liger="flce")
+    extra = {"toolkit-eager": ["train.compile=false", "model.kernels=none"], "toolkit": [], "toolkit-8bit": [],
+             "toolkit-nofuse": ["train.compile=true", "model.kernels=none"],
+             "toolkit-ckpt": ["train.gradient_checkpointing=true"]}[row]
+    optimizer = "adamw8bit" if row == "toolkit-8bit" else "adamw"
+    return toolkit_run(model_dir, data, work / f"run-{row}", optimizer, args.steps, args.warmup, args.batch,
+                       args.seq, extra)
+
+
+def measure(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
+    """One row in a process of its own: {"tokens_per_s", "peak_gib"} or {"skipped": why}."""
+    result = work / f"{row}.json"
+    if row == "unsloth":
+        command = [sys.executable, str(Path(__file__).with_name("peer_unsloth.py")), "--model", str(model_dir),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+                   "--seq", str(args.seq), "--out", str(result)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [args.unsloth_path,
+                                                                         os.environ.get("PYTHONPATH")]))}
+    else:
+        command = [sys.executable, __file__, "--worker", row, "--model-dir", str(model_dir), "--data", str(data),
+                   "--work", str(work), "--json", str(result), "--steps", str(args.steps), "--warmup",
+                   str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq)]
+        env = dict(os.environ)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0 or not result.exists():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"skipped": f"exit {done.returncode}: " + " | ".join(tail)}
+    return json.loads(result.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the shape has")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--timeout", type=int, default=400, help="seconds per row")
+    parser.add_argument("--unsloth-path", default="/tmp/peer", help="where the carried unsloth wheels are installed")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        args.json.write_text(json.dumps(run_row(args.worker, args, args.model_dir, args.data, args.work)))
+        return
     work = Path(tempfile.mkdtemp(prefix="bench-llm-"))
     model_dir, data = work / "model", work / "data.jsonl"
-    write_model(model_dir, args.layers)
+    write_model(model_dir, args.shape, args.layers)
     write_data(data, rows=args.batch * (args.steps + args.warmup) + 8)
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; Llama-3.2-1B shape "
-          f"({args.layers} layers), LoRA r=16 all-linear, bf16, batch {args.batch} x {args.seq}")
-    print(f"{'stack':<28} {'tokens/s':>10} {'peak GiB':>9} {'vs plain':>9}", flush=True)
-    plain = plain_stack(model_dir, args.steps, args.warmup, args.batch, args.seq)
-    rows = [("plain (PEFT + fused AdamW)", lambda: plain),
-            ("plain + compiled layers", lambda: plain_stack(model_dir, args.steps, args.warmup, args.batch, args.seq,
-                                                            compile_layers=True))]
-    rows += [(f"toolkit ({name}{', compile' if comp else ''})",
-              lambda name=name, comp=comp: toolkit_run(model_dir, data, work / f"run-{name}-{comp}", name, args.steps,
-                                                       args.warmup, args.batch, args.seq, compile_blocks=comp))
-             for comp in (False, True) for name in ("adamw", "adamw8bit")]
-    for label, measure in rows:
-        r = measure()
-        print(f"{label:<28} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.1f} "
-              f"{r['tokens_per_s'] / plain['tokens_per_s']:>9.2f}", flush=True)
+    flops = model_flops_per_step(model_dir, args.batch, args.seq)
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; shape {args.shape}"
+          f"{f' ({args.layers} layers)' if args.layers else ''}, LoRA r=16 all-linear, bf16, "
+          f"batch {args.batch} x {args.seq}; {args.steps} timed steps after {args.warmup}")
+    print(f"{'stack':<16} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'vs plain':>9}", flush=True)
+    results, plain = {}, None
+    for row in args.rows.split(","):
+        r = results[row] = measure(row, args, model_dir, data, work)
+        if "skipped" in r:
+            print(f"{row:<16} skipped ({r['skipped']})", flush=True)
+            continue
+        r["mfu"] = r["tokens_per_s"] / (args.batch * args.seq) * flops / H100_H200_BF16_FLOPS
+        plain = plain or (r["tokens_per_s"] if row == "plain" else None)
+        ratio = f"{r['tokens_per_s'] / plain:>9.2f}" if plain else f"{'':>9}"
+        print(f"{row:<16} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {r['peak_gib']:>9.1f} {ratio}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"shape": args.shape, "device": torch.cuda.get_device_name(),
+                                        "torch": torch.__version__, "rows": results}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
 
 

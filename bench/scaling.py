@@ -473,7 +473,7 @@ def main() -> None:
             model_dir = Path(resolve_model_path("tiny:llm"))
         else:
             model_dir = work / "llm"
-            bench_llm.write_model(model_dir, args.layers)
+            bench_llm.write_model(model_dir, layers=args.layers)
         data = work / "llm.jsonl"
         bench_llm.write_data(data, rows=llm_batch * n * (llm_warmup + llm_steps) + 16)
         print(f"LLM model and data written in {time.perf_counter() - t0:.0f}s", flush=True)

@@ -91,6 +91,11 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         sampling = family_spec(family).timestep_sampling or "uniform"
         cfg.train.timestep_sampling = sampling
         decisions.append(Decision("train.timestep_sampling", sampling, f"the {family} family's usual"))
+    if cfg.model.kernels == "auto" and applies_to("model.kernels", family):
+        value, why = (("none", "the CPU keeps the model's own loss") if device.backend == "cpu" else
+                      ("fused", "on a GPU the fused loss holds no tokens x vocabulary logits"))
+        cfg.model.kernels = value
+        decisions.append(Decision("model.kernels", value, why))
     if cfg.model.attention == "auto" and applies_to("model.attention", family):
         cfg.model.attention = "sdpa"
         decisions.append(Decision("model.attention", "sdpa", "PyTorch scaled_dot_product_attention, the default"))

@@ -67,6 +67,11 @@ class ModelSection:
     dtype: str = opt("auto", "dtype of the frozen base weights; auto follows train.precision.", choices=PRECISIONS)
     attention: str = opt("auto", "Attention implementation: auto (the preset's), sdpa, eager, flash_attention_2.",
                          choices=("auto", "sdpa", "eager", "flash_attention_2"), resume_safe=True)
+    kernels: str = opt("auto", "Fused kernels for the LLM loss: fused (the output head and cross-entropy in one "
+                       "chunked pass, the tokens x vocabulary logits never held whole; compiled when train.compile "
+                       "is on), none (the model's own loss), or auto (fused on a GPU, none on the CPU). Models "
+                       "whose output head the fused pass does not cover fall back to their own loss, with a note.",
+                       choices=("auto", "fused", "none"), resume_safe=True)
     quantize: str = opt("auto", "Quantize the frozen base (QLoRA): none, 8bit, 4bit, or auto (8bit/4bit only when the "
                         "16-bit weights do not fit the device memory budget; never on the CPU).",
                         choices=("auto", "none", "8bit", "4bit"))

@@ -16,6 +16,7 @@ from toolkit.data.samples import IGNORE_INDEX
 from toolkit.data.text import TextData, build_text_data, detect_format, render_chat
 from toolkit.errors import UserError
 from toolkit.models.base import AdapterBase, Runtime, eval_mode
+from toolkit.models.llm_loss import DecoderHiddenStates, fused_loss_for
 from toolkit.models.lora import lora_config, target_modules
 from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
 from toolkit.paths import resolve_model_path
@@ -109,6 +110,7 @@ class LLMAdapter(AdapterBase):
         self.tokenizer = None
         self.model_path = resolve_model_path(cfg.model.name_or_path)
         self.data: TextData | None = None
+        self.fused_loss = None   # set by load(): the fused output head + cross-entropy, where it applies
 
     # -- loading ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -164,6 +166,12 @@ class LLMAdapter(AdapterBase):
         self.sums_loss = takes_num_items_in_batch(model)
         if not self.runtime.shard_base:
             self.network.to(self.runtime.device)
+        self.fused_loss, why = fused_loss_for(self.network, cfg.kernels, bool(self.cfg.train.compile),
+                                              self.runtime.shard_base, self.sums_loss)
+        # With the fused loss the trainer runs the decoder alone (hidden states, no logits).
+        self.forward_module = DecoderHiddenStates(self.network) if self.fused_loss else self.network
+        if why:
+            self.log(why)
 
     def base_parameters(self) -> int:
         return self._count_parameters({"revision": self.cfg.model.revision,
@@ -191,7 +199,7 @@ class LLMAdapter(AdapterBase):
         """The model is on the device since load()."""
 
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
-        return {"model": self.network}
+        return {"model": self.forward_module}
 
     def shard_roots(self) -> dict[str, torch.nn.Module]:
         # The transformers model under PEFT: generate() calls its forward directly.
@@ -205,6 +213,9 @@ class LLMAdapter(AdapterBase):
 
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
         batch = {k: v.to(self.runtime.device, non_blocking=True) for k, v in batch.items()}
+        if self.fused_loss is not None:
+            labels = batch.pop("labels")
+            return self.fused_loss(modules["model"](**batch), labels)
         # use_cache=False: with a KV cache transformers ignores packed position_ids when building the mask.
         if self.sums_loss:  # transformers' causal-LM loss sums the token losses and divides by num_items_in_batch
             return modules["model"](**batch, use_cache=False, num_items_in_batch=1).loss

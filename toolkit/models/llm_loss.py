@@ -1,0 +1,77 @@
+"""The `llm` family's fused loss: the decoder's last hidden states go straight into the chunked output head +
+cross-entropy (toolkit/kernels/linear_cross_entropy.py), so the tokens x vocabulary logits are never held.
+
+It replaces the causal LM's own forward after the decoder, so it is used only for the model types whose
+forward this file has been checked against (transformers 5): `logits = lm_head(hidden)`, then a scale or a
+tanh soft-cap for the few that have one, then transformers' causal-LM loss. Anything else keeps the model's
+own loss, and the log says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from toolkit.kernels.linear_cross_entropy import HeadMath, chunk_loss_and_grad, compiled_step, linear_cross_entropy
+
+# model_type -> what its CausalLM forward does to lm_head's output (read from the config)
+HEAD_MATH: dict[str, Callable[[Any], HeadMath]] = {
+    **{name: (lambda config: HeadMath()) for name in (
+        "llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "phi3", "olmo", "olmo2", "smollm3", "starcoder2",
+        "glm4")},
+    "gemma2": lambda config: HeadMath(softcap=config.final_logit_softcapping),
+    "gemma3_text": lambda config: HeadMath(softcap=config.final_logit_softcapping),
+    "cohere": lambda config: HeadMath(scale=float(config.logit_scale)),
+    "granite": lambda config: HeadMath(scale=1.0 / float(config.logits_scaling)),
+}
+
+
+class DecoderHiddenStates(torch.nn.Module):
+    """The LoRA model up to its decoder's last hidden states (after the final norm). A module of its own so
+    that the process wrapper (DDP) wraps the forward that actually runs."""
+
+    def __init__(self, network: torch.nn.Module):
+        super().__init__()
+        self.network = network
+
+    def forward(self, **batch) -> torch.Tensor:
+        decoder = self.network.get_base_model().get_decoder()
+        return decoder(**batch, use_cache=False).last_hidden_state
+
+
+class FusedCausalLMLoss:
+    """Sum of the token losses of a causal LM from its hidden states, shifted as transformers shifts them."""
+
+    def __init__(self, head: torch.nn.Linear, math_: HeadMath, compiled: bool):
+        self.head, self.math = head, math_
+        self.step = compiled_step() if compiled else chunk_loss_and_grad
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        size = hidden.shape[-1]
+        return linear_cross_entropy(hidden[:, :-1].reshape(-1, size), self.head.weight, labels[:, 1:].reshape(-1),
+                                    bias=self.head.bias, math_=self.math, step=self.step)
+
+
+def fused_loss_for(network: torch.nn.Module, setting: str, compiled: bool, sharded: bool,
+                   builtin: bool) -> tuple[FusedCausalLMLoss | None, str]:
+    """The fused loss for this PEFT model, or None and why not (for the log)."""
+    if setting != "fused":
+        return None, ""
+    base = network.get_base_model()
+    model_type = getattr(base.config, "model_type", "?")
+    head = base.get_output_embeddings()
+    reason = None
+    if not builtin:
+        reason = "the model's code is not transformers' own (trust_remote_code)"
+    elif model_type not in HEAD_MATH:
+        reason = f"its forward ({model_type}) has not been checked against the fused loss"
+    elif sharded:
+        reason = "device.distributed=fsdp shards the output head"
+    elif type(head) is not torch.nn.Linear or type(head.weight) is not torch.nn.Parameter:
+        reason = f"its output head is a {type(head).__name__} (a LoRA target or quantized), not a plain Linear"
+    if reason:
+        return None, f"model.kernels=fused: {reason}; the model's own loss is used"
+    return (FusedCausalLMLoss(head, HEAD_MATH[model_type](base.config), compiled),
+            f"model.kernels=fused: output head and cross-entropy in chunks, no full logits"
+            f"{' (compiled)' if compiled else ''}")
