@@ -113,9 +113,24 @@ def test_cpu_auto_uses_the_toolkit_reference(name, cls):
     assert opt.param_groups[0]["weight_decay"] == 0.01
 
 
-def test_adamw_builds_torch_adamw_unfused_on_cpu():
-    opt, reason = build_optimizer("adamw", _params(), lr=1e-3, betas=(0.8, 0.9), weight_decay=0.1)
-    assert type(opt) is torch.optim.AdamW and not opt.param_groups[0]["fused"]
+def test_adamw_builds_torch_fused_adamw_on_cpu_which_skips_on_the_device():
+    """The fused kernel on the CPU too: it takes GradScaler's found_inf, so a non-finite step is skipped
+    without the trainer reading the loss first (a skipped step leaves weights, moments and step count)."""
+    params = _params()
+    opt, reason = build_optimizer("adamw", params, lr=1e-3, betas=(0.8, 0.9), weight_decay=0.1)
+    assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["fused"] and opt._step_supports_amp_scaling
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.found_inf = torch.zeros(())
+    opt.step()
+    before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), float(opt.state[p]["step"])) for p in params]
+    for p in params:
+        p.grad = torch.full_like(p, float("nan"))
+    opt.found_inf = torch.ones(())
+    opt.step()
+    for p, (weight, moment, step) in zip(params, before):
+        assert torch.equal(p, weight) and torch.equal(opt.state[p]["exp_avg"], moment)
+        assert float(opt.state[p]["step"]) == step == 1.0
     assert opt.param_groups[0]["betas"] == (0.8, 0.9)
     assert reason.startswith("adamw: torch.optim.AdamW")
 

@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_toolkit
+from helpers import read_metrics
 from toolkit.cli import main
 from toolkit.models.llm import LLMAdapter
 from toolkit.train.checkpoint import find_latest_checkpoint
@@ -68,16 +70,45 @@ def test_absurd_lr_gives_nan_losses_that_skip_steps_then_stop_with_a_message(tmp
     assert not (out / "final").exists()
 
 
-def test_one_nan_loss_skips_that_update_and_training_goes_on(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw"])  # read before the update / skipped on the device
+def test_one_nan_loss_skips_that_update_and_training_goes_on(monkeypatch, tmp_path, capsys, optimizer):
     out = tmp_path / "run"
     loss_failing_at(monkeypatch, {3}, lambda loss: loss * float("nan"))
-    assert train(monkeypatch, out, "train.steps=4", "save.every=1", "train.optimizer=adamw8bit") == 0
+    assert train(monkeypatch, out, "train.steps=4", "save.every=1", f"train.optimizer={optimizer}") == 0
     err = capsys.readouterr().err
     assert "warning: step 3: loss is not finite; update skipped (1/5 in a row)" in err
     weights = {s: load_file(str(out / "checkpoints" / f"step-{s:06d}" / "lora.safetensors")) for s in (2, 3, 4)}
     assert all(torch.equal(weights[2][k], weights[3][k]) for k in weights[2])  # step 3 changed nothing
     assert not all(torch.equal(weights[3][k], weights[4][k]) for k in weights[3])  # step 4 trained again
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_loss_read_a_step_late_trains_exactly_like_reading_it_at_once(monkeypatch, tmp_path, capsys):
+    """Fused AdamW skips a non-finite step on the device and the trainer reads each loss one step late (no
+    wait for the GPU between steps). With a NaN at step 3 of 6 and nothing due in between, that run logs the
+    same losses, warns the same way and ends with the same LoRA, bit for bit, as the trainer reading every
+    loss before its update."""
+    from toolkit.train.trainer import Trainer
+
+    loss_failing_at(monkeypatch, {3}, lambda loss: loss * float("nan"))
+    common = ("train.steps=6", "save.every=0", "log.every=1", "train.optimizer=adamw")
+    assert train(monkeypatch, tmp_path / "late", *common) == 0
+    setup = Trainer._setup
+
+    def reading_at_once(self):
+        setup(self)
+        self.skips_on_device = False
+
+    monkeypatch.setattr(Trainer, "_setup", reading_at_once)
+    loss_failing_at(monkeypatch, {3}, lambda loss: loss * float("nan"))
+    assert train(monkeypatch, tmp_path / "at-once", *common) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: step 3: loss is not finite; update skipped (1/5 in a row)") == 2
+    late, at_once = (read_metrics(tmp_path / name) for name in ("late", "at-once"))
+    assert [r["step"] for r in late] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in late] == [r["loss"] for r in at_once]
+    a, b = (load_file(str(tmp_path / name / "final" / "adapter_model.safetensors")) for name in ("late", "at-once"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_out_of_memory_ends_with_the_fixes_and_keeps_the_last_checkpoint(monkeypatch, tmp_path, capsys):

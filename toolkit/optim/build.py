@@ -43,10 +43,12 @@ def _on_gpu(params: list) -> bool:
 
 
 def _adamw(params, lr, betas, eps, weight_decay, device_type, backend, args):
-    fused = _on_gpu(params)
+    # The fused kernel (CUDA, ROCm and the CPU) also skips a non-finite step on the device (found_inf).
+    fused = all(p.device.type in ("cuda", "cpu") for g in params for p in (g["params"] if isinstance(g, dict) else [g]))
     opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None,
                             **args)
-    return opt, f"adamw: torch.optim.AdamW ({'fused kernel, params on the GPU' if fused else 'params on the CPU'})"
+    where = "GPU" if _on_gpu(params) else "CPU"
+    return opt, f"adamw: torch.optim.AdamW ({'fused kernel' if fused else 'for-each kernels'}, params on the {where})"
 
 
 def _lion(params, lr, betas, eps, weight_decay, device_type, backend, args):

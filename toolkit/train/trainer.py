@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,6 +51,30 @@ class OtherProcessFailed(UserError):
 
     def __init__(self):
         super().__init__("")
+
+
+@dataclass
+class StepSums:
+    """One launched optimizer step's numbers, on the device until read(): the loss summed over units, and the
+    counts [units, tokens, stop requests] (host numbers with one process, summed over processes otherwise)."""
+
+    loss: torch.Tensor
+    counts: "list[float] | torch.Tensor"
+    grad_norm: torch.Tensor | None = None
+    lr: float = 0.0
+    mean: float = math.nan
+    tokens: float = 0.0
+    stops: float = 0.0
+    done: bool = False
+
+    def read(self) -> None:
+        if self.done:
+            return
+        if torch.is_tensor(self.counts):
+            loss, units, self.tokens, self.stops = torch.cat([self.loss.reshape(1), self.counts]).tolist()
+        else:
+            loss, (units, self.tokens, self.stops) = self.loss.item(), self.counts
+        self.mean, self.done = loss / max(units, 1.0), True
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -165,6 +190,11 @@ class Trainer:
         else:
             self.modules = procs.wrap(self.adapter.trainable_modules(), find_unused=self.adapter.unused_parameters())
         self.optimizer = self.accelerator.prepare_optimizer(optimizer)
+        self.inner_optimizer = optimizer
+        # Optimizers that take GradScaler's `found_inf` (torch's fused ones) skip a non-finite step on the
+        # device, so the trainer never waits for the GPU between steps (_train_step).
+        self.skips_on_device = (getattr(optimizer, "_step_supports_amp_scaling", False)
+                                and self.accelerator.scaler is None and self.ema is None)
         if procs.several:
             # Each process draws its own noise, dropout and caption choices from here on.
             seed_everything(hash((cfg.run.seed, procs.rank)) % 2**63)
@@ -245,25 +275,32 @@ class Trainer:
         return path
 
     # -- one step --------------------------------------------------------------------------
-    def _train_step(self, stop_requested: bool) -> tuple[float, bool]:
-        """One optimizer step over grad_accum micro-batches on every process: (the step's mean loss, whether
-        any process asked to stop). The loss is the mean over every unit (token, sample) of the global batch;
-        a non-finite loss anywhere discards the step's gradients on every process (NaN is returned)."""
+    def _train_step(self, stop_requested: bool) -> "StepSums":
+        """Launch one optimizer step over grad_accum micro-batches on every process; its numbers stay on the
+        device (StepSums) until read. The loss is the mean over every unit (token, sample) of the global batch;
+        a non-finite loss anywhere discards the step's update on every process.
+
+        With an optimizer that can skip an update on the device (torch's fused AdamW, as GradScaler uses it)
+        nothing here waits for the GPU: the update is launched with `found_inf` set from the loss, and the
+        loss is read a step later, while the GPU works on the next one. Other optimizers (and fp16 loss
+        scaling, and the EMA) read the loss here, once, after backward is queued."""
         accum = self.cfg.train.grad_accum
         batches = [self.dataset.collate(self.order.next_batch()) for _ in range(accum)]
-        weight = sum(self.adapter.loss_weight(batch) for batch in batches)
-        tokens = sum(self.adapter.tokens_in(batch) for batch in batches)
+        device = self.accelerator.device
+        counts = [float(sum(self.adapter.loss_weight(batch) for batch in batches)),
+                  float(sum(self.adapter.tokens_in(batch) for batch in batches)), float(stop_requested)]
+        if self.procs.several:  # units, tokens and stop requests summed over processes, read later
+            counts = self.procs.sum(torch.tensor(counts, device=device))
+            units = counts[0].clamp(min=1.0)
+        else:
+            units = max(counts[0], 1.0)
         # The loss is a sum over units; dividing by the step's units over every process before backward gives
         # the gradient of the mean over the global batch (DDP then averages over processes, hence world_size),
         # and keeps gradients at the scale fp16 loss scaling expects.
-        units = float(weight)
-        if self.procs.several:
-            units = self.procs.sum(torch.tensor([units], device=self.accelerator.device)).item()
-        scale = self.procs.world_size / max(units, 1.0)
+        scale = self.procs.world_size / units
         losses = []
-        self.grad_norm = None
         for micro, batch in enumerate(batches):
-            if self.accelerator.device.type == "cuda":
+            if device.type == "cuda":
                 # Pinned host memory makes the adapter's non_blocking copies asynchronous: a copy from
                 # pageable memory waits for the GPU to drain, leaving it idle while the next step launches.
                 batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -274,27 +311,44 @@ class Trainer:
             losses.append(loss.detach().float())
         if self.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
             self.procs.average_gradients(self.params)
-        # One host sync per step, after backward is queued, so the GPU stays busy while we wait for it. The sums
-        # over processes travel together: loss, tokens, and whether any process was asked to stop.
-        if self.procs.several:
-            totals = torch.stack([torch.stack(losses).sum(), *(torch.tensor(float(v), device=losses[0].device)
-                                                               for v in (tokens, stop_requested))])
-            loss_sum, tokens, stops = self.procs.sum(totals).tolist()
-        else:  # no copies to the device: the loss is the only number that has to come back
-            loss_sum, stops = torch.stack(losses).sum().item(), float(stop_requested)
-        self.step_tokens = int(tokens)
-        mean = loss_sum / max(units, 1.0)
-        if not math.isfinite(mean):
-            self.optimizer.zero_grad(set_to_none=True)
-            return float("nan"), stops > 0
-        if self.cfg.train.max_grad_norm > 0:
-            # Kept as a device tensor: MetricsLogger converts it only on the steps it logs.
-            self.grad_norm = self.accelerator.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
+        loss_sum = self.procs.sum(torch.stack(losses).sum())
+        sums = StepSums(loss_sum, counts)
+        if self.skips_on_device:
+            self.inner_optimizer.found_inf = (~torch.isfinite(loss_sum)).float()
+            self._update(sums)
+        else:
+            sums.read()  # the one wait for the GPU in this step
+            if math.isfinite(sums.mean):
+                self._update(sums)
+                if self.ema is not None and not self.optimizer.step_was_skipped:  # fp16: the scaler may skip
+                    self.ema.update()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        sums.lr = self.scheduler.get_last_lr()[0]
+        return sums
+
+    def _update(self, sums: "StepSums") -> None:
+        if self.cfg.train.max_grad_norm > 0:  # a device tensor: MetricsLogger converts it on the steps it logs
+            sums.grad_norm = self.accelerator.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None and not self.optimizer.step_was_skipped:  # fp16: the scaler may skip a step
-            self.ema.update()
-        return mean, stops > 0
+
+    def _record(self, step: int, sums: "StepSums") -> bool:
+        """Read a launched step's numbers: log them, count non-finite steps; whether any process asked to stop."""
+        sums.read()
+        if math.isfinite(sums.mean):
+            self.nan_streak = 0
+        else:
+            self.nan_streak += 1
+            self.metrics.message(f"warning: step {step}: loss is not finite; update skipped "
+                                 f"({self.nan_streak}/{self.cfg.train.max_nan_steps} in a row)")
+            if self.nan_streak >= self.cfg.train.max_nan_steps:
+                raise UserError(f"loss was NaN or inf for {self.nan_streak} steps in a row (step {step})\n"
+                                "  fix: lower train.lr, use train.precision=bf16 or fp32 instead of fp16, "
+                                "or check the data")
+        self.metrics.step(step, sums.mean, sums.lr, tokens=int(sums.tokens), grad_norm=sums.grad_norm)
+        return sums.stops > 0
 
     @contextmanager
     def _eager(self):
@@ -381,28 +435,27 @@ class Trainer:
         started = time.perf_counter()
         try:
             with GracefulStop() as stop:
+                lagging = None  # (step, sums) launched, not read yet: read once the next step is launched
+                stopping = False
                 for step in range(start + 1, steps + 1):
                     self.adapter.begin_step(step)
                     step_started = time.perf_counter()
-                    loss, stopping = self._train_step(stop.requested is not None)
+                    sums = self._train_step(stop.requested is not None)
                     if self.compiled and step == start + 1:
                         self.log(f"train.compile: the first step took {time.perf_counter() - step_started:.1f} s "
                                  "(compilation included)")
-                    if not self.procs.several:  # a signal that arrived after the step's sums still counts
+                    if lagging is not None:
+                        stopping = self._record(*lagging) or stopping
+                        lagging = None
+                    if not self.procs.several:  # a signal that arrived during the step still counts
                         stopping = stopping or stop.requested is not None
-                    if math.isfinite(loss):
-                        self.nan_streak = 0
-                    else:
-                        self.nan_streak += 1
-                        self.metrics.message(f"warning: step {step}: loss is not finite; update skipped "
-                                             f"({self.nan_streak}/{cfg.train.max_nan_steps} in a row)")
-                        if self.nan_streak >= cfg.train.max_nan_steps:
-                            raise UserError(f"loss was NaN or inf for {self.nan_streak} steps in a row (step {step})\n"
-                                            "  fix: lower train.lr, use train.precision=bf16 or fp32 instead of fp16, "
-                                            "or check the data")
-                    self.scheduler.step()
-                    self.metrics.step(step, loss, self.scheduler.get_last_lr()[0], tokens=self.step_tokens,
-                                      grad_norm=self.grad_norm)
+                    due = (step == steps or (cfg.save.every and step % cfg.save.every == 0)
+                           or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+                           or (cfg.sample.every and step % cfg.sample.every == 0))
+                    if self.skips_on_device and not (due or stopping):
+                        lagging = (step, sums)
+                        continue
+                    stopping = self._record(step, sums) or stopping
                     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                         self._eval(step)
                     if stopping or step == steps or (cfg.save.every and step % cfg.save.every == 0):
