@@ -69,3 +69,16 @@ def test_a_hub_id_without_network_fails_in_seconds_naming_offline_mode_and_a_loc
             and "HF_HUB_OFFLINE=1" in proc.stderr and "local folder" in proc.stderr)
     assert time.monotonic() - started < 20  # both runs, interpreter start-up included (from_pretrained: ~50 s)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_cached_hub_model_without_network_runs_in_offline_mode_with_a_note(tmp_path):
+    repo = "toolkit-tests/cached-model"
+    snapshot = tmp_path / "hub" / "models--toolkit-tests--cached-model" / "snapshots" / "abc123"
+    shutil.copytree(resolve_model_path("tiny:llm"), snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
+    proc = run_toolkit("validate", LLM, f"model.name_or_path={repo}", timeout=60,
+                       env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert proc.returncode == 0, proc.stderr
+    assert (f"note: http://127.0.0.1:9 did not answer within 3 s; '{repo}' is in the local cache, so this run uses "
+            "it in offline mode (HF_HUB_OFFLINE=1)") in proc.stderr
