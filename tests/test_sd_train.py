@@ -200,9 +200,14 @@ def test_vae_encoding_runs_with_cudnn_off_when_the_hip_preset_says_so(shapes, tm
     assert latents.shape == (1, 4, 32, 32)
 
 
-@pytest.mark.parametrize("config", ["sd15_lora.yaml", "sdxl_lora.yaml"])
-def test_real_model_examples_validate(config, run_cli, capsys):
-    assert run_cli("validate", REPO / "configs/examples" / config) == 0
+@pytest.mark.parametrize("config, tiny", [("sd15_lora.yaml", "tiny:sd"), ("sdxl_lora.yaml", "tiny:sdxl")])
+def test_real_model_examples_validate(config, tiny, run_cli, capsys):
+    """Every key of the real-model examples validates, with their data folder and model present (validate checks
+    both: here a folder of images and a local folder of the family's layout stand in for them)."""
+    from toolkit.paths import resolve_model_path
+
+    assert run_cli("validate", REPO / "configs/examples" / config, "data.path=configs/examples/data/shapes",
+                   f"model.name_or_path={resolve_model_path(tiny)}") == 0
     out = capsys.readouterr().out
     assert "model.family" in out and "data.resolution" in out
 

@@ -47,7 +47,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if worker and main_process and launch.launch_requested(args):
         print(f"note: already one of {os.environ.get('WORLD_SIZE', '?')} launched processes: the launch flags "
               "(--gpus, --nnodes, ...) are ignored", file=sys.stderr)
-    run = load_run(files, overrides)  # in a launching parent: a config error stops here, before any worker starts
+    from toolkit.preflight import path_checks
+
+    # In a launching parent a config error stops here, before any worker starts. The data, model and output
+    # locations are checked with the config, before any model loads; the output location by the process that
+    # owns the run folder.
+    run = load_run(files, overrides, check_paths=path_checks(check_output=main_process))
     if not worker and launch.launch_requested(args):
         visible = 0 if run.device.backend == "cpu" else run.device.device_count
         plan = launch.plan_from_args(args, visible, run.device.backend)
@@ -74,8 +79,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from toolkit.config.load import flatten, resolved_container
     from toolkit.config.run import load_run, split_args
 
+    from toolkit.preflight import path_checks
+
     files, overrides = split_args(args.config)
-    run = load_run(files, overrides)
+    run = load_run(files, overrides, check_paths=path_checks())
     decided = {d.key: d for d in run.decisions}
     rows = []
     for key, value in flatten(resolved_container(run.cfg)):

@@ -41,6 +41,7 @@ class FamilySpec:
     tiny: dict[str, str] = field(default_factory=dict)  # tiny:<kind> -> "module:function" writing it
     cudnn_sdpa: bool = True             # device.cudnn_sdpa=auto: PyTorch SDPA's cuDNN backend on CUDA
     compile_auto: str | None = None     # train.compile=auto on a GPU: why it is on (a measurement); None: off
+    pipeline_class: str = ""            # model_index.json _class_name of a diffusers folder; "": a transformers folder
 
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
@@ -51,32 +52,35 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                             "faster than uncompiled on an H200 (bench/llm.py: 68.2k vs 43.3k tokens/s)"),
     FamilySpec("sd", "toolkit.models.diffusion_sd:StableDiffusionAdapter", ImageDataSection, DDPM_SETTINGS,
                "Stable Diffusion 1.x/2.x", timestep_sampling="uniform",
-               save_formats=("diffusers", "kohya", "comfyui"),
+               save_formats=("diffusers", "kohya", "comfyui"), pipeline_class="StableDiffusionPipeline",
                tiny={"sd": "toolkit.tiny.diffusion:write_tiny_sd", "sd-v": "toolkit.tiny.diffusion:write_tiny_sd_v"}),
     FamilySpec("sdxl", "toolkit.models.diffusion_sd:StableDiffusionXLAdapter", ImageDataSection, DDPM_SETTINGS,
                "Stable Diffusion XL", timestep_sampling="uniform", save_formats=("diffusers", "kohya", "comfyui"),
+               pipeline_class="StableDiffusionXLPipeline",
                tiny={"sdxl": "toolkit.tiny.diffusion:write_tiny_sdxl"}),
     FamilySpec("flux", "toolkit.models.diffusion_flow:FluxAdapter", ImageDataSection,
                FLOW_SETTINGS | {"train.guidance"}, "Flux.1 dev/schnell", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
-               tiny={"flux": "toolkit.tiny.flow:write_tiny_flux"},
+               tiny={"flux": "toolkit.tiny.flow:write_tiny_flux"}, pipeline_class="FluxPipeline",
                cudnn_sdpa=False),  # PyTorch's cuDNN SDPA crashed on Flux shapes (cuDNN 9.19)
     FamilySpec("sd3", "toolkit.models.diffusion_flow:SD3Adapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Stable Diffusion 3 / 3.5",
                timestep_sampling="logit_normal", batch_cap=4, save_formats=("diffusers", "comfyui"),
-               tiny={"sd3": "toolkit.tiny.flow:write_tiny_sd3"}),
+               tiny={"sd3": "toolkit.tiny.flow:write_tiny_sd3"}, pipeline_class="StableDiffusion3Pipeline"),
     FamilySpec("wan21", "toolkit.models.diffusion_wan:WanAdapter", VideoDataSection, VIDEO_SETTINGS,
                "Wan 2.1 text-to-video", timestep_sampling="logit_normal", batch_cap=1,
-               save_formats=("diffusers", "comfyui"), tiny={"wan21": "toolkit.tiny.flow:write_tiny_wan21"}),
+               save_formats=("diffusers", "comfyui"), tiny={"wan21": "toolkit.tiny.flow:write_tiny_wan21"},
+               pipeline_class="WanPipeline"),
     FamilySpec("wan22", "toolkit.models.diffusion_wan:Wan22Adapter", VideoDataSection,
                VIDEO_SETTINGS | {"train.experts", "train.expert_switch_every", "model.expert_offload"},
                "Wan 2.2 A14B (two experts) and TI2V-5B", timestep_sampling="logit_normal", batch_cap=1,
                save_formats=("diffusers", "comfyui"),
-               tiny={"wan22": "toolkit.tiny.flow:write_tiny_wan22", "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b"}),
+               tiny={"wan22": "toolkit.tiny.flow:write_tiny_wan22", "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b"},
+               pipeline_class="WanPipeline"),
     FamilySpec("qwen_image", "toolkit.models.diffusion_qwen:QwenImageAdapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Qwen-Image", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
-               tiny={"qwen_image": "toolkit.tiny.qwen_image:write_tiny_qwen_image"}),
+               tiny={"qwen_image": "toolkit.tiny.qwen_image:write_tiny_qwen_image"}, pipeline_class="QwenImagePipeline"),
 )}
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)

@@ -8,7 +8,8 @@ from typing import Any, Iterator
 
 import yaml
 
-from toolkit.errors import UserError
+from toolkit.errors import ConfigError, UserError
+from toolkit.text_files import read_text
 
 
 @dataclass
@@ -33,20 +34,42 @@ def _key_lines(node: yaml.Node, prefix: str = "") -> Iterator[tuple[str, int]]:
             yield from _key_lines(value_node, key + ".")
 
 
+def _duplicate_keys(node: yaml.Node, path: Path, prefix: str = "") -> Iterator[str]:
+    """A key given twice in one mapping: YAML keeps the last silently, dropping the first block."""
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+            if key in first:
+                yield (f"'{key}' is given twice in {path}: lines {first[key]} and {line} (YAML would silently keep "
+                       f"only the second); merge them into one block")
+            else:
+                first[key] = line
+            yield from _duplicate_keys(value_node, path, key + ".")
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            yield from _duplicate_keys(item, path, prefix)
+
+
 def read_yaml_layer(path: str | Path, label: str | None = None) -> Layer:
-    """Read a YAML config file; a missing file or bad YAML is a UserError naming the file and line."""
+    """Read a YAML config file; a missing file, bad YAML or a key given twice is a UserError naming the file and
+    line(s)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file not found: {path}\n  fix: check the path (relative paths are taken from {Path.cwd()})")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     try:
         data = yaml.safe_load(text)
-        lines = dict(_key_lines(yaml.compose(text))) if data else {}
+        tree = yaml.compose(text) if data else None
+        lines = dict(_key_lines(tree)) if tree is not None else {}
+        duplicates = list(_duplicate_keys(tree, path)) if tree is not None else []
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(err, "problem", None) or str(err)
         raise UserError(f"{where}: invalid YAML: {problem}\n  fix: check indentation and quoting on that line") from None
+    if duplicates:
+        raise ConfigError(duplicates)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -90,7 +113,6 @@ def dotlist_layer(overrides: list[str]) -> Layer:
         else:
             node[parts[-1]] = parse_scalar(raw)
     if problems:
-        from toolkit.errors import ConfigError
         raise ConfigError(problems)
     return Layer("command line", data)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -23,6 +23,9 @@ from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_args_problem
 from toolkit.errors import ConfigError
 
 DEFAULTS_LABEL = "default"
+
+# Checks of what the config points at (data, model, output location): (merged config, sources) -> problems.
+PathCheck = Callable[[DictConfig, dict], list]
 
 
 @dataclass
@@ -236,9 +239,11 @@ def _check_save_format(cfg: DictConfig, family: str, sources: dict[str, str], pr
                         "or network.type=lora")
 
 
-def merge_layers(layers: list[Layer]) -> LoadedConfig:
-    """Merge layers over the schema defaults and validate; raises ConfigError with every problem."""
-    problems: list[str] = []
+def merge_layers(layers: list[Layer], problems: list[str] | None = None,
+                 check_paths: PathCheck | None = None) -> LoadedConfig:
+    """Merge layers over the schema defaults and validate; raises ConfigError with every problem (those found
+    before, `problems`, first; `check_paths`' last)."""
+    problems = list(problems or [])
     family = peek(layers, "model.family")
     if family not in FAMILY_SPECS:
         family = None  # reported by the choices check on model.family
@@ -265,6 +270,8 @@ def merge_layers(layers: list[Layer]) -> LoadedConfig:
     if family is not None:
         _check_family_settings(cfg, family, set_by, problems)
         _check_save_format(cfg, family, sources, problems)
+        if check_paths is not None:
+            problems += check_paths(cfg, sources)
     if problems:
         raise ConfigError(problems)
     return LoadedConfig(cfg=cfg, sources=sources, layers=list(layers))

@@ -8,11 +8,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from toolkit.config.layers import Layer, dotlist_layer, peek, read_yaml_layer
-from toolkit.config.load import LoadedConfig, merge_layers
+from toolkit.config.load import LoadedConfig, PathCheck, merge_layers
 from toolkit.config.resolve import Decision, resolve_auto
 from toolkit.device.detect import DeviceInfo, detect_device
-from toolkit.config.presets import Preset, choose_preset
-from toolkit.errors import UserError
+from toolkit.config.presets import Preset, choose_preset, load_presets, presets_dir
+from toolkit.errors import ConfigError, UserError
 
 
 @dataclass
@@ -33,14 +33,32 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
     return files, overrides
 
 
-def load_run(files: list[str | Path], overrides: list[str], device: DeviceInfo | None = None) -> ResolvedRun:
-    """Merge defaults < preset < files < overrides, validate, and resolve the auto values for the device."""
+def load_run(files: list[str | Path], overrides: list[str], device: DeviceInfo | None = None,
+             check_paths: PathCheck | None = None) -> ResolvedRun:
+    """Merge defaults < preset < files < overrides, validate, and resolve the auto values for the device.
+
+    Every problem of the files (keys given twice), the preset name, the merged config and, with `check_paths`,
+    the data, model and output locations is reported in one ConfigError."""
     if not files:
         raise UserError("no config file given\n  usage: ./start_toolkit.sh train CONFIG.yaml [more.yaml ...] [key=value ...]")
-    user_layers = [read_yaml_layer(f) for f in files] + ([dotlist_layer(overrides)] if overrides else [])
+    problems: list[str] = []
+    user_layers = []
+    for f in files:
+        try:
+            user_layers.append(read_yaml_layer(f))
+        except ConfigError as err:
+            problems += err.problems
+    if overrides:
+        user_layers.append(dotlist_layer(overrides))
     if device is None:
         device = detect_device(force_cpu=peek(user_layers, "device.backend", "auto") == "cpu")
-    preset, reason = choose_preset(str(peek(user_layers, "device.preset", "auto")), device)
-    loaded: LoadedConfig = merge_layers([preset.layer] + user_layers)
+    presets = load_presets()
+    requested = str(peek(user_layers, "device.preset", "auto"))
+    if requested != "auto" and requested not in presets:
+        problems.append(f"'device.preset': unknown preset '{requested}'; available: auto, {', '.join(presets)} "
+                        f"(files in {presets_dir()})")
+        requested = "auto"  # so that the rest of the config is still checked
+    preset, reason = choose_preset(requested, device, presets)
+    loaded: LoadedConfig = merge_layers([preset.layer] + user_layers, problems, check_paths)
     decisions = resolve_auto(loaded.cfg, device, preset)
     return ResolvedRun(loaded.cfg, loaded.sources, device, preset, reason, decisions, loaded.layers)

@@ -21,6 +21,7 @@ import torch
 from toolkit.data.buckets import bucket_table, choose_bucket, format_bucket_table
 from toolkit.data.captions import CaptionRules
 from toolkit.errors import UserError
+from toolkit.text_files import read_text
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -45,7 +46,7 @@ def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_
     metadata = root / "metadata.jsonl"
     if metadata.is_file():
         pairs = []
-        for n, line in enumerate(metadata.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(read_text(metadata, "data.path").split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -58,7 +59,7 @@ def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_
     pairs = []
     for path in sorted(p for p in root.iterdir() if p.suffix.lower() in exts):
         caption_file = path.with_suffix(caption_ext)
-        pairs.append((path, caption_file.read_text(encoding="utf-8") if caption_file.is_file() else None))
+        pairs.append((path, read_text(caption_file, "data.path") if caption_file.is_file() else None))
     return pairs
 
 

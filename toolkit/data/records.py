@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from toolkit.errors import UserError
+from toolkit.text_files import read_text
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 
@@ -20,14 +21,14 @@ def read_records(path: str | Path, key: str = "data.path") -> list[dict]:
         raise UserError(f"{key}: data file not found: {path}\n  fix: check the path (relative paths are taken from {Path.cwd()})")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        records = _read_jsonl(path)
+        records = _read_jsonl(path, key)
     elif suffix == ".json":
-        records = _read_json(path)
+        records = _read_json(path, key)
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
         records = pq.read_table(path).to_pylist()
     elif suffix == ".txt":
-        records = [{"text": line} for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        records = [{"text": line} for line in read_text(path, key).splitlines() if line.strip()]
     else:
         raise UserError(f"{key}: {path} has an unsupported extension; use one of {', '.join(SUFFIXES)}")
     if not records:
@@ -35,26 +36,26 @@ def read_records(path: str | Path, key: str = "data.path") -> list[dict]:
     return records
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path, key: str) -> list[dict]:
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{path}:{number}: each line must be a JSON object, got {type(record).__name__}")
-            record["__line__"] = number
-            records.append(record)
+    # Split on newlines only: U+2028 and friends may stand unescaped inside a JSON string.
+    for number, line in enumerate(read_text(path, key).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{path}:{number}: each line must be a JSON object, got {type(record).__name__}")
+        record["__line__"] = number
+        records.append(record)
     return records
 
 
-def _read_json(path: Path) -> list[dict]:
+def _read_json(path: Path, key: str) -> list[dict]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text(path, key))
     except json.JSONDecodeError as err:
         raise UserError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
     if isinstance(data, dict):

@@ -16,7 +16,8 @@ holds is whatever it was given, listed in meta.json. `upgrade_trainer_state` bri
 older checkpoints to today's keys, in one place.
 
 "Latest" is the highest step whose meta.json exists and whose files match it; never a file time.
-A save interrupted by a crash leaves only a `.tmp-step-*` folder, which is never taken for a checkpoint.
+A save interrupted by a crash leaves only a `.tmp-step-*` folder, which is never taken for a checkpoint (and is
+removed by the next run that holds the folder's lock, train/run_dir.py); a save that fails removes its own.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from toolkit import __version__
+from toolkit.disk import format_bytes, free_bytes, is_disk_full
+from toolkit.errors import UserError
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 META = "meta.json"
@@ -80,13 +83,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _tmp_dir(checkpoints_dir: Path, step: int) -> Path:
+    return checkpoints_dir / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+
+
 def save_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
                     states: dict[str, object], config_yaml: str, config_hash: str) -> Path:
     """Write a complete checkpoint atomically and return its folder: tensors[name] -> <name>.safetensors,
-    states[name] -> <name>.pt."""
+    states[name] -> <name>.pt. A save that fails leaves no temporary folder; a full disk is a UserError that
+    names the folder and the space needed (the earlier checkpoints are untouched)."""
+    try:
+        return _write_checkpoint(checkpoints_dir, step, tensors, states, config_yaml, config_hash)
+    except BaseException as err:  # a half-written save is never left behind, whatever stopped it
+        shutil.rmtree(_tmp_dir(checkpoints_dir, step), ignore_errors=True)
+        if is_disk_full(err):
+            raise _disk_full(checkpoints_dir, step, tensors, states) from None
+        raise
+
+
+def _disk_full(checkpoints_dir: Path, step: int, tensors: dict, states: dict) -> UserError:
+    """The message for a save that ran out of disk space (its temporary folder already removed)."""
+    needed = sum(v.numel() * v.element_size() for d in tensors.values() for v in d.values())
+    needed += sum(_state_bytes(state) for state in states.values())
+    kept = [path.name for _, path in list_checkpoints(checkpoints_dir)]
+    return UserError(f"disk full while writing checkpoint {step_dir_name(step)} in {checkpoints_dir}: it needs about "
+                     f"{format_bytes(needed)}, {format_bytes(free_bytes(checkpoints_dir))} is free; its temporary "
+                     f"files were removed, the earlier checkpoints are as they were ({', '.join(kept) or 'none yet'})"
+                     "\n  fix: free space on that disk (or set run.output_dir on another disk and copy the run folder "
+                     "there), then run the same command to resume")
+
+
+def _state_bytes(state: object) -> int:
+    """The bytes of the tensors inside a (nested) state dict: what its .pt file mostly holds."""
+    if torch.is_tensor(state):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
+
+
+def _write_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
+                      states: dict[str, object], config_yaml: str, config_hash: str) -> Path:
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / step_dir_name(step)
-    tmp = checkpoints_dir / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    tmp = _tmp_dir(checkpoints_dir, step)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()

@@ -105,10 +105,14 @@ def check_resume_config(checkpoint: Checkpoint, current: dict, notice: Callable[
 def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], None]) -> Checkpoint | None:
     """The checkpoint to resume from (None: start from step 0), following train.resume and --fresh.
 
-    Nothing in an existing run folder is deleted: a fresh start moves the old folder aside.
+    Nothing in an existing run folder is deleted: a fresh start moves the old folder aside. The one exception is
+    a folder that holds only what a failed start wrote (run_dir.py's cleanup rule): it is cleared and reused.
+    The caller holds the folder's lock.
     """
     if fresh:
-        if run_dir.has_content():
+        if run_dir.has_content() and run_dir.holds_only_start_files():
+            run_dir.clear_start_files()
+        elif run_dir.has_content():
             notice(f"--fresh: the previous run was moved to {run_dir.move_aside()}")
         return None
     if isinstance(resume, str) and resume not in ("auto",):
@@ -130,5 +134,9 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
             raise UserError(f"train.resume is true, but there is no complete checkpoint in {run_dir.checkpoints}\n"
                             "  fix: check run.output_dir, or use train.resume=auto to start fresh when there is none")
     if latest is None and run_dir.has_content():
-        notice(f"no checkpoint to resume from; the earlier attempt was kept at {run_dir.move_aside()}")
+        if run_dir.holds_only_start_files():
+            run_dir.clear_start_files()
+            notice(f"{run_dir.root}: an earlier start failed before its first step; its start files were removed")
+        else:
+            notice(f"no checkpoint to resume from; the earlier attempt was kept at {run_dir.move_aside()}")
     return latest

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from toolkit.config.load import resolved_container
 from toolkit.config.run import ResolvedRun
 from toolkit.data.order import BatchOrder
+from toolkit.disk import format_bytes, free_bytes, is_disk_full
 from toolkit.errors import UserError
 from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, Runtime, trainable_parameters
@@ -41,6 +42,7 @@ from toolkit.train.report import RunReport
 from toolkit.train.resume import check_resume_config, choose_start
 from toolkit.train.rng import restore_rng_state, rng_state, seed_everything
 from toolkit.train.run_dir import RunDir
+from toolkit.train.run_lock import RunLock
 from toolkit.train.signals import GracefulStop, StopRequested
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -89,6 +91,7 @@ class Trainer:
         self.cfg = run.cfg
         self.fresh = fresh
         self.run_dir = RunDir(Path(self.cfg.run.output_dir))
+        self.lock: RunLock | None = None  # the main process's lock on the run folder, held until run() returns
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     def log(self, message: str) -> None:
@@ -134,6 +137,11 @@ class Trainer:
         outcome = None
         if self.procs.is_main:
             try:
+                # Before anything in the folder is read or moved: a live run there (or its resume) refuses here.
+                self.lock = RunLock(self.run_dir.root)
+                self.lock.acquire(self.log)
+                self.run_dir.remove_unfinished(self.log)
+                self.run_dir.remove_failed_starts_beside(self.log)
                 checkpoint = choose_start(self.cfg.train.resume, self.run_dir, self.fresh, self.log)
                 if checkpoint is not None:
                     check_resume_config(checkpoint, container, self.log, processes=self.procs.world_size)
@@ -199,11 +207,28 @@ class Trainer:
             # Each process draws its own noise, dropout and caption choices from here on.
             seed_everything(hash((cfg.run.seed, procs.rank)) % 2**63)
         n_train = sum(p.numel() for p in self.params)
+        self._check_checkpoint_room(n_train)
         t = cfg.train
         self.log(f"model: {cfg.model.family} {cfg.model.name_or_path}; {len(self.adapter.lora_targets())} LoRA "
                  f"modules, {n_train:,} trainable parameters; {len(self.dataset)} training samples")
         self.log(f"batch: {t.batch_size} per process x {procs.world_size} process{'es' if procs.several else ''} x "
                  f"{t.grad_accum} accumulation = {t.batch_size * procs.world_size * t.grad_accum} per optimizer step")
+
+    def _check_checkpoint_room(self, n_train: int) -> None:
+        """Now that the LoRA's size is known: room on the disk for a checkpoint (checked by the main process, which
+        writes them; every process stops when there is none)."""
+        problem = None
+        if self.procs.is_main:
+            # fp32 LoRA weights, the EMA's copy, and up to two fp32 optimizer states per weight, plus small files.
+            needed = n_train * 4 * (1 + (self.cfg.train.ema_decay > 0) + 2) + 2**20
+            free = free_bytes(self.run_dir.checkpoints)
+            if free < needed:
+                problem = (f"not enough room for a checkpoint in {self.run_dir.checkpoints}: one needs about "
+                           f"{format_bytes(needed)} ({n_train:,} trainable parameters), {format_bytes(free)} is free"
+                           "\n  fix: free space on that disk, or set run.output_dir on another disk")
+        problem = self.procs.from_main(problem)
+        if problem:
+            raise UserError(problem) if self.procs.is_main else OtherProcessFailed()
 
     def _choose_cudnn_sdpa(self, setting) -> None:
         """PyTorch SDPA's cuDNN backend: the family's default under auto (Flux shapes crashed it, FINDINGS.md)."""
@@ -259,10 +284,22 @@ class Trainer:
             seed_everything(hash((self.cfg.run.seed, self.procs.rank, int(state["step"]))) % 2**63)
 
     def _save(self, step: int) -> Path | None:
-        """A checkpoint (collective: every process calls it; the main one writes)."""
+        """A checkpoint (collective: every process calls it; the main one writes, and tells the others whether it
+        could, so that a full disk stops every process at once rather than leaving them waiting)."""
         trainer_state = self._trainer_state(step)
         if not self.procs.is_main:
+            if self.procs.from_main(None) != "ok":
+                raise OtherProcessFailed()
             return None
+        try:
+            path = self._write_checkpoint(step, trainer_state)
+        except BaseException:
+            self.procs.from_main("failed")
+            raise
+        self.procs.from_main("ok")
+        return path
+
+    def _write_checkpoint(self, step: int, trainer_state: dict) -> Path:
         tensors = {"lora": self.adapter.lora_state_dict()}
         if self.ema is not None:
             tensors["ema"] = self.ema.state_dict()
@@ -406,6 +443,14 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> Path:
+        """Train; the run folder's lock is released however this ends."""
+        try:
+            return self._train()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _train(self) -> Path:
         cfg = self.cfg
         self._start_processes()
         container = resolved_container(cfg)
@@ -422,6 +467,9 @@ class Trainer:
                     self.log(f"resume: checkpoint above step {start} set aside (kept, no longer used): {stale}")
         steps = cfg.train.steps
         if start >= steps:
+            if self.is_main and not self.run_dir.final.exists():  # the export failed last time (a full disk)
+                with self._optimizer_eval_mode():
+                    self._export_final()
             self.log(f"run already complete at step {start} (train.steps={steps}); final LoRA: {self.run_dir.final}\n"
                      "  raise train.steps to continue it, or use --fresh to start over")
             self.procs.finish()
@@ -518,9 +566,18 @@ class Trainer:
         tmp = final.with_name(".final.tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        with self.ema.applied() if self.ema is not None else nullcontext():
-            self.adapter.save_lora(tmp, DTYPES[self.cfg.save.dtype])
+        try:
+            tmp.mkdir(parents=True)
+            with self.ema.applied() if self.ema is not None else nullcontext():
+                self.adapter.save_lora(tmp, DTYPES[self.cfg.save.dtype])
+        except BaseException as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(err):
+                raise UserError(f"disk full while writing the final LoRA in {self.run_dir.root} "
+                                f"({format_bytes(free_bytes(self.run_dir.root))} free); its temporary files were "
+                                "removed, the checkpoints are as they were\n  fix: free space on that disk, then run "
+                                "the same command: it exports the LoRA from the last checkpoint") from None
+            raise
         if final.exists():  # an earlier final (a run extended with more steps): keep it
             final.rename(final.with_name(f"final.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
         tmp.rename(final)

@@ -1,0 +1,104 @@
+"""The output location: checked before any model loads; a disk that fills up during a checkpoint loses nothing."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_toolkit
+from toolkit.train.checkpoint import verify_checkpoint
+
+LLM = REPO / "configs/examples/quickstart_llm.yaml"
+
+
+def test_an_output_path_that_is_a_file_or_under_one_is_refused_before_the_model_loads(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("a user's file")
+    for out, expected in ((afile, f"{afile} is a file, not a folder"),
+                          (afile / "run", f"{afile / 'run'} cannot be created: {afile} is a file, not a folder")):
+        proc = run_toolkit("train", LLM, f"run.output_dir={out}", timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert f"'run.output_dir' in command line: {expected}; set run.output_dir to a folder you can write in" in proc.stderr
+        assert "model: llm" not in proc.stderr  # refused before any model loaded
+    assert afile.read_text() == "a user's file"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any folder")
+def test_a_folder_that_is_not_writable_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        proc = run_toolkit("validate", LLM, f"run.output_dir={locked / 'run'}", timeout=60)
+    finally:
+        locked.chmod(0o755)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"cannot write in {locked}, the folder (Permission denied)" in proc.stderr
+
+
+def test_a_write_probe_that_fails_names_the_folder_and_the_reason(tmp_path, run_cli, capsys, monkeypatch):
+    """Simulated (tests may run as root, who can write anywhere): the probe's create fails with EROFS."""
+    import toolkit.disk
+
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if ".toolkit-write-probe-" in str(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(toolkit.disk.os, "open", read_only)
+    assert run_cli("validate", LLM, f"run.output_dir={tmp_path / 'run'}") == 2
+    err = capsys.readouterr().err
+    assert f"cannot write in {tmp_path}, the folder (Read-only file system); set run.output_dir to a folder" in err
+
+
+def test_a_disk_without_room_is_refused_at_start_naming_the_space(tmp_path, run_cli, capsys, monkeypatch):
+    import toolkit.preflight.output_location as output_location
+
+    monkeypatch.setattr(output_location, "free_bytes", lambda path: 5 * 2**20)
+    assert run_cli("train", LLM, f"run.output_dir={tmp_path / 'run'}") == 2
+    err = capsys.readouterr().err
+    assert f"only 5.0 MiB free on the disk of {tmp_path}; a run needs at least 100.0 MiB" in err
+    assert "model: llm" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_once_the_lora_is_built(tmp_path, run_cli, capsys, monkeypatch):
+    import toolkit.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "free_bytes", lambda path: 2**20)
+    assert run_cli("train", LLM, f"run.output_dir={tmp_path / 'run'}", "train.steps=1") == 2
+    err = capsys.readouterr().err
+    checkpoints = tmp_path / "run" / "checkpoints"
+    # 32,768 LoRA weights x 4 bytes x (weights + 2 optimizer states) + 1 MiB
+    assert f"not enough room for a checkpoint in {checkpoints}: one needs about 1.4 MiB (32,768 trainable" in err
+    assert not any(checkpoints.iterdir())
+
+
+def test_a_disk_that_fills_up_during_a_checkpoint_keeps_the_earlier_ones_and_no_temp_files(tmp_path, run_cli, capsys,
+                                                                                            monkeypatch):
+    import toolkit.train.checkpoint as checkpoint
+
+    real_save = checkpoint.torch.save
+    calls = []
+
+    def fills_up(state, path, *args, **kwargs):
+        calls.append(Path(path))
+        if Path(path).parent.name.startswith(".tmp-step-000002"):
+            Path(path).write_bytes(b"half a file")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(state, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", fills_up)
+    out = tmp_path / "run"
+    assert run_cli("train", LLM, f"run.output_dir={out}", "train.steps=3", "save.every=1", "sample.prompts=[]") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert (f"disk full while writing checkpoint step-000002 in {out / 'checkpoints'}: it needs about" in err
+            and "its temporary files were removed, the earlier checkpoints are as they were (step-000001)" in err)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]  # no .tmp-step-* left
+    assert verify_checkpoint(out / "checkpoints" / "step-000001")[0].step == 1
+    assert any(p.parent.name.startswith(".tmp-step-000002") for p in calls)

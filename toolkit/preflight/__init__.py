@@ -1,0 +1,67 @@
+"""What the config points at, checked before any model loads: the data, the model, the output location.
+
+`validate` and `train` pass `path_checks(...)` to `load_run`, so these problems are reported together with the
+config's own. Only the process that owns the run folder (the main one) checks the output location.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from toolkit.config.data_schemas import TextDataSection
+from toolkit.config.families import FAMILY_SPECS
+from toolkit.config.load import DEFAULTS_LABEL, PathCheck
+from toolkit.preflight.model_location import model_problems
+from toolkit.preflight.output_location import output_problems
+
+
+def path_checks(check_output: bool = True) -> PathCheck:
+    """The PathCheck for load_run: data and model locations, and (check_output) run.output_dir."""
+
+    def check(cfg: DictConfig, sources: dict) -> list[str]:
+        family = _value(cfg, "model.family")
+        if family not in FAMILY_SPECS:
+            return []
+        problems = data_problems(cfg, sources, FAMILY_SPECS[family].data_schema is TextDataSection)
+        name = _value(cfg, "model.name_or_path")
+        if isinstance(name, str) and name:
+            problems += model_problems(name, FAMILY_SPECS[family], _value(cfg, "model.revision"),
+                                       sources.get("model.name_or_path", DEFAULTS_LABEL))
+        output = _value(cfg, "run.output_dir")
+        if check_output and isinstance(output, str) and output:
+            problems += output_problems(output, sources.get("run.output_dir", DEFAULTS_LABEL))
+        return problems
+
+    return check
+
+
+def _value(cfg: DictConfig, key: str) -> Any:
+    """The resolved value of `key`, or None when it is missing or does not resolve (reported elsewhere)."""
+    try:
+        return OmegaConf.select(cfg, key, throw_on_missing=False)
+    except OmegaConfBaseException:
+        return None
+
+
+def data_problems(cfg: DictConfig, sources: dict, files: bool) -> list[str]:
+    """data.path (and data.eval_path): a file for text data (`files`), a folder of images or clips otherwise."""
+    problems = []
+    for key in ("data.path", "data.eval_path") if files else ("data.path",):
+        value = _value(cfg, key)
+        if not isinstance(value, str) or not value:
+            continue
+        path, where = Path(value), sources.get(key, DEFAULTS_LABEL)
+        relative = "" if path.is_absolute() else f" (relative paths are taken from {Path.cwd()})"
+        if not path.exists():
+            kind = "data file" if files else "data folder"
+            problems.append(f"'{key}' in {where}: the {kind} {path} does not exist{relative}; fix the path")
+        elif files and not path.is_file():
+            problems.append(f"'{key}' in {where}: {path} is a folder; give a .jsonl, .json, .parquet or .txt file")
+        elif not files and not path.is_dir():
+            problems.append(f"'{key}' in {where}: {path} is a file; give the folder that holds the images or videos "
+                            "(with same-name caption files, or a metadata.jsonl)")
+    return problems
