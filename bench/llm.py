@@ -110,8 +110,11 @@ def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int, 
         patch = getattr(lk, f"apply_liger_kernel_to_{model_type}")
         if liger == "all":
             patch()
-        else:  # the fused linear cross-entropy alone
-            patch(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
+        else:  # the fused linear cross-entropy alone (the other kernels' switches differ per model: geglu, ...)
+            import inspect
+
+            switches = [n for n, p in inspect.signature(patch).parameters.items() if isinstance(p.default, bool)]
+            patch(**{n: n == "fused_linear_cross_entropy" for n in switches})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
