@@ -97,7 +97,7 @@ def test_loss_read_a_step_late_trains_exactly_like_reading_it_at_once(monkeypatc
 
     def reading_at_once(self):
         setup(self)
-        self.skips_on_device = False
+        self.stepper.skips_on_device = False
 
     monkeypatch.setattr(Trainer, "_setup", reading_at_once)
     loss_failing_at(monkeypatch, {3}, lambda loss: loss * float("nan"))

@@ -16,7 +16,6 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from toolkit.train.rng import restore_rng_state, rng_state, seed_everything
 from toolkit.train.run_dir import RunDir
 from toolkit.train.run_lock import RunLock
 from toolkit.train.signals import GracefulStop, StopRequested
+from toolkit.train.step import Stepper, StepSums
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -53,30 +53,6 @@ class OtherProcessFailed(UserError):
 
     def __init__(self):
         super().__init__("")
-
-
-@dataclass
-class StepSums:
-    """One launched optimizer step's numbers, on the device until read(): the loss summed over units, and the
-    counts [units, tokens, stop requests] (host numbers with one process, summed over processes otherwise)."""
-
-    loss: torch.Tensor
-    counts: "list[float] | torch.Tensor"
-    grad_norm: torch.Tensor | None = None
-    lr: float = 0.0
-    mean: float = math.nan
-    tokens: float = 0.0
-    stops: float = 0.0
-    done: bool = False
-
-    def read(self) -> None:
-        if self.done:
-            return
-        if torch.is_tensor(self.counts):
-            loss, units, self.tokens, self.stops = torch.cat([self.loss.reshape(1), self.counts]).tolist()
-        else:
-            loss, (units, self.tokens, self.stops) = self.loss.item(), self.counts
-        self.mean, self.done = loss / max(units, 1.0), True
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -198,11 +174,7 @@ class Trainer:
         else:
             self.modules = procs.wrap(self.adapter.trainable_modules(), find_unused=self.adapter.unused_parameters())
         self.optimizer = self.accelerator.prepare_optimizer(optimizer)
-        self.inner_optimizer = optimizer
-        # Optimizers that take GradScaler's `found_inf` (torch's fused ones) skip a non-finite step on the
-        # device, so the trainer never waits for the GPU between steps (_train_step).
-        self.skips_on_device = (getattr(optimizer, "_step_supports_amp_scaling", False)
-                                and self.accelerator.scaler is None and self.ema is None)
+        self.stepper = Stepper(self, optimizer)
         if procs.several:
             # Each process draws its own noise, dropout and caption choices from here on.
             seed_everything(hash((cfg.run.seed, procs.rank)) % 2**63)
@@ -312,66 +284,7 @@ class Trainer:
         return path
 
     # -- one step --------------------------------------------------------------------------
-    def _train_step(self, stop_requested: bool) -> "StepSums":
-        """Launch one optimizer step over grad_accum micro-batches on every process; its numbers stay on the
-        device (StepSums) until read. The loss is the mean over every unit (token, sample) of the global batch;
-        a non-finite loss anywhere discards the step's update on every process.
-
-        With an optimizer that can skip an update on the device (torch's fused AdamW, as GradScaler uses it)
-        nothing here waits for the GPU: the update is launched with `found_inf` set from the loss, and the
-        loss is read a step later, while the GPU works on the next one. Other optimizers (and fp16 loss
-        scaling, and the EMA) read the loss here, once, after backward is queued."""
-        accum = self.cfg.train.grad_accum
-        batches = [self.dataset.collate(self.order.next_batch()) for _ in range(accum)]
-        device = self.accelerator.device
-        counts = [float(sum(self.adapter.loss_weight(batch) for batch in batches)),
-                  float(sum(self.adapter.tokens_in(batch) for batch in batches)), float(stop_requested)]
-        if self.procs.several:  # units, tokens and stop requests summed over processes, read later
-            counts = self.procs.sum(torch.tensor(counts, device=device))
-            units = counts[0].clamp(min=1.0)
-        else:
-            units = max(counts[0], 1.0)
-        # The loss is a sum over units; dividing by the step's units over every process before backward gives
-        # the gradient of the mean over the global batch (DDP then averages over processes, hence world_size),
-        # and keeps gradients at the scale fp16 loss scaling expects.
-        scale = self.procs.world_size / units
-        losses = []
-        for micro, batch in enumerate(batches):
-            if device.type == "cuda":
-                # Pinned host memory makes the adapter's non_blocking copies asynchronous: a copy from
-                # pageable memory waits for the GPU to drain, leaving it idle while the next step launches.
-                batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
-            with self.procs.no_sync(self.modules, skip=micro < accum - 1 and not self.sharded):
-                with self.accelerator.autocast():
-                    loss = self.adapter.loss(batch, self.modules)
-                self.accelerator.backward(loss * scale)
-            losses.append(loss.detach().float())
-        if self.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
-            self.procs.average_gradients(self.params)
-        loss_sum = self.procs.sum(torch.stack(losses).sum())
-        sums = StepSums(loss_sum, counts)
-        if self.skips_on_device:
-            self.inner_optimizer.found_inf = (~torch.isfinite(loss_sum)).float()
-            self._update(sums)
-        else:
-            sums.read()  # the one wait for the GPU in this step
-            if math.isfinite(sums.mean):
-                self._update(sums)
-                if self.ema is not None and not self.optimizer.step_was_skipped:  # fp16: the scaler may skip
-                    self.ema.update()
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        sums.lr = self.scheduler.get_last_lr()[0]
-        return sums
-
-    def _update(self, sums: "StepSums") -> None:
-        if self.cfg.train.max_grad_norm > 0:  # a device tensor: MetricsLogger converts it on the steps it logs
-            sums.grad_norm = self.accelerator.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _record(self, step: int, sums: "StepSums") -> bool:
+    def _record(self, step: int, sums: StepSums) -> bool:
         """Read a launched step's numbers: log them, count non-finite steps; whether any process asked to stop."""
         sums.read()
         if math.isfinite(sums.mean):
@@ -488,7 +401,7 @@ class Trainer:
                 for step in range(start + 1, steps + 1):
                     self.adapter.begin_step(step)
                     step_started = time.perf_counter()
-                    sums = self._train_step(stop.requested is not None)
+                    sums = self.stepper.launch(stop.requested is not None)
                     if self.compiled and step == start + 1:
                         self.log(f"train.compile: the first step took {time.perf_counter() - step_started:.1f} s "
                                  "(compilation included)")
@@ -500,7 +413,7 @@ class Trainer:
                     due = (step == steps or (cfg.save.every and step % cfg.save.every == 0)
                            or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
                            or (cfg.sample.every and step % cfg.sample.every == 0))
-                    if self.skips_on_device and not (due or stopping):
+                    if self.stepper.skips_on_device and not (due or stopping):
                         lagging = (step, sums)
                         continue
                     stopping = self._record(step, sums) or stopping

@@ -1,0 +1,107 @@
+"""One optimizer step of the trainer: micro-batches through the (wrapped) trainable modules, backward, the
+update; the step's numbers stay on the device until the trainer reads them (StepSums)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepSums:
+    """One launched optimizer step's numbers, on the device until read(): the loss summed over units, and the
+    counts [units, tokens, stop requests] (host numbers with one process, summed over processes otherwise)."""
+
+    loss: torch.Tensor
+    counts: "list[float] | torch.Tensor"
+    grad_norm: torch.Tensor | None = None
+    lr: float = 0.0
+    mean: float = math.nan
+    tokens: float = 0.0
+    stops: float = 0.0
+    done: bool = False
+
+    def read(self) -> None:
+        if self.done:
+            return
+        if torch.is_tensor(self.counts):
+            loss, units, self.tokens, self.stops = torch.cat([self.loss.reshape(1), self.counts]).tolist()
+        else:
+            loss, (units, self.tokens, self.stops) = self.loss.item(), self.counts
+        self.mean, self.done = loss / max(units, 1.0), True
+
+
+class Stepper:
+    """Launches optimizer steps with the trainer's model, data, processes and optimizer (set up by Trainer)."""
+
+    def __init__(self, trainer, optimizer: torch.optim.Optimizer):
+        t = trainer
+        self.train, self.accelerator, self.procs, self.adapter = t.cfg.train, t.accelerator, t.procs, t.adapter
+        self.dataset, self.order, self.modules, self.sharded = t.dataset, t.order, t.modules, t.sharded
+        self.params, self.optimizer, self.scheduler, self.ema = t.params, t.optimizer, t.scheduler, t.ema
+        self.inner = optimizer
+        # Optimizers that take GradScaler's `found_inf` (torch's fused ones) skip a non-finite step on the
+        # device, so the trainer never waits for the GPU between steps.
+        self.skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False)
+                                    and self.accelerator.scaler is None and self.ema is None)
+
+    def launch(self, stop_requested: bool) -> StepSums:
+        """Launch one optimizer step over grad_accum micro-batches on every process; its numbers stay on the
+        device (StepSums) until read. The loss is the mean over every unit (token, sample) of the global batch;
+        a non-finite loss anywhere discards the step's update on every process.
+
+        With an optimizer that can skip an update on the device (torch's fused AdamW, as GradScaler uses it)
+        nothing here waits for the GPU: the update is launched with `found_inf` set from the loss, and the
+        loss is read a step later, while the GPU works on the next one. Other optimizers (and fp16 loss
+        scaling, and the EMA) read the loss here, once, after backward is queued."""
+        accum = self.train.grad_accum
+        batches = [self.dataset.collate(self.order.next_batch()) for _ in range(accum)]
+        device = self.accelerator.device
+        counts = [float(sum(self.adapter.loss_weight(batch) for batch in batches)),
+                  float(sum(self.adapter.tokens_in(batch) for batch in batches)), float(stop_requested)]
+        if self.procs.several:  # units, tokens and stop requests summed over processes, read later
+            counts = self.procs.sum(torch.tensor(counts, device=device))
+            units = counts[0].clamp(min=1.0)
+        else:
+            units = max(counts[0], 1.0)
+        # The loss is a sum over units; dividing by the step's units over every process before backward gives
+        # the gradient of the mean over the global batch (DDP then averages over processes, hence world_size),
+        # and keeps gradients at the scale fp16 loss scaling expects.
+        scale = self.procs.world_size / units
+        losses = []
+        for micro, batch in enumerate(batches):
+            if device.type == "cuda":
+                # Pinned host memory makes the adapter's non_blocking copies asynchronous: a copy from
+                # pageable memory waits for the GPU to drain, leaving it idle while the next step launches.
+                batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+            with self.procs.no_sync(self.modules, skip=micro < accum - 1 and not self.sharded):
+                with self.accelerator.autocast():
+                    loss = self.adapter.loss(batch, self.modules)
+                self.accelerator.backward(loss * scale)
+            losses.append(loss.detach().float())
+        if self.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
+            self.procs.average_gradients(self.params)
+        loss_sum = self.procs.sum(torch.stack(losses).sum())
+        sums = StepSums(loss_sum, counts)
+        if self.skips_on_device:
+            self.inner.found_inf = (~torch.isfinite(loss_sum)).float()
+            self._update(sums)
+        else:
+            sums.read()  # the one wait for the GPU in this step
+            if math.isfinite(sums.mean):
+                self._update(sums)
+                if self.ema is not None and not self.optimizer.step_was_skipped:  # fp16: the scaler may skip
+                    self.ema.update()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        sums.lr = self.scheduler.get_last_lr()[0]
+        return sums
+
+    def _update(self, sums: StepSums) -> None:
+        if self.train.max_grad_norm > 0:  # a device tensor: MetricsLogger converts it on the steps it logs
+            sums.grad_norm = self.accelerator.clip_grad_norm_(self.params, self.train.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
