@@ -1,7 +1,10 @@
 """Checkpoints: written to a temporary folder, fsynced, renamed; verified by checksum when read.
 
     checkpoints/step-000200/
-        lora.safetensors      the exact trainable tensors
+        trainable_state.safetensors   the exact trainable tensors, PEFT's internal names: for resuming, not a LoRA
+                              file (older checkpoints called it lora.safetensors; they are read as well)
+        pytorch_lora_weights.safetensors / adapter_model.safetensors ...   the LoRA files, the same as final/
+                              holds (listed in meta.json as lora_files), so any checkpoint can be loaded or merged
         ema.safetensors       the EMA of those tensors (only when train.ema_decay > 0)
         optimizer.pt          optimizer state (8-bit states as plain tensors)
         trainer_state.pt      step, scheduler, grad scaler, every process's RNG states (python, numpy, torch
@@ -10,8 +13,8 @@
         config.yaml           the resolved config of the run
         meta.json             written last: step, config hash, versions, size and sha256 of each file
 
-The trainer hands `save_checkpoint` named dicts: tensors ({"lora": ..., "ema": ...} -> <name>.safetensors)
-and states ({"optimizer": ..., "trainer_state": ..., "adapter_state": ...} -> <name>.pt); what a checkpoint
+The trainer hands `save_checkpoint` named dicts: tensors ({"trainable_state": ..., "ema": ...} ->
+<name>.safetensors), a function that writes the LoRA files into the folder, and states ({"optimizer": ..., "trainer_state": ..., "adapter_state": ...} -> <name>.pt); what a checkpoint
 holds is whatever it was given, listed in meta.json. `upgrade_trainer_state` brings the trainer state of
 older checkpoints to today's keys, in one place.
 
@@ -28,6 +31,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +42,8 @@ from toolkit import __version__
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 META = "meta.json"
+TRAINABLE = "trainable_state"  # the tensors resume restores
+LEGACY_TRAINABLE = "lora"      # their name in checkpoints written before the LoRA files were
 
 
 @dataclass
@@ -81,9 +87,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
-                    states: dict[str, object], config_yaml: str, config_hash: str) -> Path:
+                    states: dict[str, object], config_yaml: str, config_hash: str,
+                    write_lora: Callable[[Path], object] | None = None) -> Path:
     """Write a complete checkpoint atomically and return its folder: tensors[name] -> <name>.safetensors,
-    states[name] -> <name>.pt."""
+    states[name] -> <name>.pt, and `write_lora(folder)`'s files (verified like the rest)."""
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / step_dir_name(step)
     tmp = checkpoints_dir / f".tmp-{step_dir_name(step)}-{os.getpid()}"
@@ -95,11 +102,15 @@ def save_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[st
     for name, state in states.items():
         torch.save(state, tmp / f"{name}.pt")
     (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+    own = {p.name for p in tmp.iterdir()}
+    if write_lora is not None:
+        write_lora(tmp)
     files = {}
-    for path in sorted(tmp.iterdir()):
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):  # LoRA files may sit in subfolders (Wan 2.2)
         _fsync_file(path)
-        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-    meta = {"step": step, "config_hash": config_hash, "time": time.time(), "files": files,
+        files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    lora_files = sorted(name for name in files if name.split("/")[0] not in own)
+    meta = {"step": step, "config_hash": config_hash, "time": time.time(), "files": files, "lora_files": lora_files,
             "versions": {"toolkit": __version__, "torch": torch.__version__, "python": sys.version.split()[0]}}
     (tmp / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     _fsync_file(tmp / META)
@@ -183,14 +194,19 @@ def set_aside_checkpoints_after(checkpoints_dir: Path, step: int) -> list[Path]:
 
 
 def load_checkpoint_files(checkpoint: Checkpoint) -> CheckpointContents:
-    """The tensors and states of a verified checkpoint (on the CPU), by name."""
+    """The tensors and states of a verified checkpoint (on the CPU), by name (its LoRA files are not read)."""
     tensors, states = {}, {}
+    lora_files = set(checkpoint.meta.get("lora_files", []))
     for name in checkpoint.meta["files"]:
+        if name in lora_files:
+            continue
         path = checkpoint.path / name
         if name.endswith(".safetensors"):
             tensors[name[:-len(".safetensors")]] = load_file(str(path))
         elif name.endswith(".pt"):
             states[name[:-len(".pt")]] = torch.load(path, map_location="cpu", weights_only=False)
+    if LEGACY_TRAINABLE in tensors and TRAINABLE not in tensors:
+        tensors[TRAINABLE] = tensors.pop(LEGACY_TRAINABLE)
     states["trainer_state"] = upgrade_trainer_state(states["trainer_state"])
     return CheckpointContents(tensors, states)
 
