@@ -270,7 +270,7 @@ def test_quantized_frozen_base_trains(backend, mode, tmp_path, run_cli, capsys):
     err = capsys.readouterr().err
     assert f"model: quantized 20 linear layers of the transformer to {mode} ({backend})" in err
     assert all(np.isfinite(_losses(out)))
-    assert len(load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))) == 2 * 17
+    assert len(load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))) == 3 * 17  # A, B, alpha
 
 
 def test_bad_num_frames_is_a_short_error(tmp_path, run_cli, capsys):

@@ -12,7 +12,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import REPO
 from helpers import cpu_runtime, diffusion_train_args
 from lora_math import compare_updates, expected_updates, plain_weights
 from toolkit.paths import resolve_model_path
@@ -29,6 +28,19 @@ CASES = {
 }
 # Wan 2.2 A14B: each expert's file in its own folder, the second loaded into transformer_2
 EXPERT_FILES = {"transformer": ("high_noise", {}), "transformer_2": ("low_noise", {"load_into_transformer_2": True})}
+
+
+@pytest.fixture(autouse=True)
+def own_data_caches(tmp_path_factory, monkeypatch):
+    """Latent and text caches of this module's runs kept apart from the session's (other tests count cache hits);
+    the tiny models are the session's."""
+    import os
+
+    session = Path(os.environ["TOOLKIT_CACHE"])
+    cache = tmp_path_factory.mktemp("lora-files-cache")
+    (session / "tiny").mkdir(parents=True, exist_ok=True)
+    (cache / "tiny").symlink_to(session / "tiny")
+    monkeypatch.setenv("TOOLKIT_CACHE", str(cache))
 
 
 def trained_adapter(run_dir: Path, step_dir: Path):

@@ -8,7 +8,6 @@ family's own diffusers pipeline on cached prompt embeddings.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch

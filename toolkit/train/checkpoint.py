@@ -1,10 +1,11 @@
 """Checkpoints: written to a temporary folder, fsynced, renamed; verified by checksum when read.
 
     checkpoints/step-000200/
-        trainable_state.safetensors   the exact trainable tensors, PEFT's internal names: for resuming, not a LoRA
-                              file (older checkpoints called it lora.safetensors; they are read as well)
-        pytorch_lora_weights.safetensors / adapter_model.safetensors ...   the LoRA files, the same as final/
-                              holds (listed in meta.json as lora_files), so any checkpoint can be loaded or merged
+        trainable_state.safetensors   the exact trainable tensors, PEFT's internal names: for resuming, not a
+                              LoRA file (older checkpoints called it lora.safetensors; it is read as well)
+        pytorch_lora_weights.safetensors, adapter_model.safetensors, ...
+                              the LoRA files, the same as final/ holds (meta.json lists them as lora_files),
+                              so any checkpoint can be loaded, sampled from or merged
         ema.safetensors       the EMA of those tensors (only when train.ema_decay > 0)
         optimizer.pt          optimizer state (8-bit states as plain tensors)
         trainer_state.pt      step, scheduler, grad scaler, every process's RNG states (python, numpy, torch
@@ -14,7 +15,8 @@
         meta.json             written last: step, config hash, versions, size and sha256 of each file
 
 The trainer hands `save_checkpoint` named dicts: tensors ({"trainable_state": ..., "ema": ...} ->
-<name>.safetensors), a function that writes the LoRA files into the folder, and states ({"optimizer": ..., "trainer_state": ..., "adapter_state": ...} -> <name>.pt); what a checkpoint
+<name>.safetensors) and states ({"optimizer": ..., "trainer_state": ..., "adapter_state": ...} -> <name>.pt),
+and a function that writes the LoRA files into the folder; what a checkpoint
 holds is whatever it was given, listed in meta.json. `upgrade_trainer_state` brings the trainer state of
 older checkpoints to today's keys, in one place.
 
