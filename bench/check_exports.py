@@ -103,7 +103,10 @@ def lora_files(out: Path, step: int, name: str, family: str) -> dict[str, Path]:
 
 def expected_for(adapter, out: Path, step: int) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """{component: {weight name: (base weight, expected update)}} at checkpoint `step`."""
-    adapter.load_lora_state_dict(load_file(str(out / "checkpoints" / f"step-{step:06d}" / "trainable_state.safetensors")))
+    from toolkit.train.checkpoint import trainable_from_file
+
+    state = load_file(str(out / "checkpoints" / f"step-{step:06d}" / "trainable_state.safetensors"))
+    adapter.load_lora_state_dict(trainable_from_file(state))
     result = {}
     for name, model in adapter.network.items():
         base = plain_weights(model)

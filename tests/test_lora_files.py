@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from helpers import cpu_runtime, diffusion_train_args
 from lora_math import compare_updates, expected_updates, plain_weights
 from toolkit.paths import resolve_model_path
+from toolkit.train.checkpoint import trainable_from_file
 
 # family, quickstart, pipeline class, extra overrides; each trains with rank 4, alpha 6 (scale 1.5)
 CASES = {
@@ -51,7 +52,7 @@ def trained_adapter(run_dir: Path, step_dir: Path):
     run = load_run([run_dir / "config.yaml"], [])
     adapter = build_adapter(run.cfg, cpu_runtime(run, run_dir))
     adapter.load()
-    adapter.load_lora_state_dict(load_file(str(step_dir / "trainable_state.safetensors")))
+    adapter.load_lora_state_dict(trainable_from_file(load_file(str(step_dir / "trainable_state.safetensors"))))
     return adapter
 
 
@@ -137,11 +138,13 @@ def test_old_checkpoint_with_lora_safetensors_resumes(tmp_path, run_cli, capsys)
     for name in meta.pop("lora_files"):  # as an older toolkit wrote it
         (step / name).unlink()
         del meta["files"][name]
-    (step / "trainable_state.safetensors").rename(step / "lora.safetensors")
-    meta["files"]["lora.safetensors"] = meta["files"].pop("trainable_state.safetensors")
-    assert meta["files"]["lora.safetensors"]["sha256"] == _sha256(step / "lora.safetensors")
+    saved = trainable_from_file(load_file(str(step / "trainable_state.safetensors")))
+    (step / "trainable_state.safetensors").unlink()
+    save_file(saved, str(step / "lora.safetensors"))  # PEFT's parameter names, no prefix
+    del meta["files"]["trainable_state.safetensors"]
+    meta["files"]["lora.safetensors"] = {"bytes": (step / "lora.safetensors").stat().st_size,
+                                         "sha256": _sha256(step / "lora.safetensors")}
     (step / "meta.json").write_text(json.dumps(meta))
-    saved = load_file(str(step / "lora.safetensors"))
 
     assert run_cli(*diffusion_train_args("quickstart_sd.yaml", out, "sample.prompts=[]", "save.every=1",
                                          "train.steps=2")) == 0
@@ -149,6 +152,21 @@ def test_old_checkpoint_with_lora_safetensors_resumes(tmp_path, run_cli, capsys)
     resumed = trained_adapter(out, out / "checkpoints" / "step-000002")
     assert resumed.lora_state_dict().keys() == saved.keys()
     assert any(not torch.equal(resumed.lora_state_dict()[k], saved[k]) for k in saved)  # it trained on
+
+
+def test_the_trainers_copy_is_no_lora_for_loaders(tmp_path, run_cli):
+    """trainable_state.safetensors holds names no LoRA loader maps: Qwen-Image's diffusers reader refuses it
+    (ComfyUI would read PEFT's own `lora_A.default` names for Qwen-Image, at scale 1)."""
+    import diffusers
+
+    out = tmp_path / "run"
+    assert run_cli(*diffusion_train_args("quickstart_qwen_image.yaml", out, "train.steps=1", "sample.prompts=[]",
+                                         "save.format=diffusers")) == 0
+    state = load_file(str(out / "checkpoints" / "step-000001" / "trainable_state.safetensors"))
+    assert state and all(k.startswith("trainable_state.transformer.") and ".lora_" in k for k in state)
+    pipe = diffusers.QwenImagePipeline.from_pretrained(resolve_model_path("tiny:qwen_image"))
+    with pytest.raises(Exception, match="not found in the base model"):
+        pipe.load_lora_weights(str(out / "checkpoints" / "step-000001"), weight_name="trainable_state.safetensors")
 
 
 def test_loading_a_folder_without_a_lora_file_names_the_fix(tmp_path):

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, run_toolkit
 from helpers import read_metrics
-from toolkit.train.checkpoint import find_latest_checkpoint, verify_checkpoint
+from toolkit.train.checkpoint import find_latest_checkpoint, trainable_from_file, verify_checkpoint
 
 STEPS = 24
 # Fast and deterministic: fp32 export, the 8-bit optimizer, cosine with warmup, a log line every step.
@@ -219,7 +219,8 @@ def test_ema_is_saved_updated_after_each_step_and_exported(tmp_path):
     out = tmp_path / "run"
     assert train_subprocess(family, out, "train.steps=3", "save.every=1", "train.ema_decay=0.5") == 0
     ckpt = out / "checkpoints"
-    lora = {s: load_file(str(ckpt / f"step-{s:06d}" / "trainable_state.safetensors")) for s in (1, 2, 3)}
+    lora = {s: trainable_from_file(load_file(str(ckpt / f"step-{s:06d}" / "trainable_state.safetensors")))
+            for s in (1, 2, 3)}
     ema = {s: load_file(str(ckpt / f"step-{s:06d}" / "ema.safetensors")) for s in (1, 2, 3)}
     for step in (2, 3):
         for name, shadow in ema[step].items():

@@ -1,8 +1,8 @@
 """Checkpoints: written to a temporary folder, fsynced, renamed; verified by checksum when read.
 
     checkpoints/step-000200/
-        trainable_state.safetensors   the exact trainable tensors, PEFT's internal names: for resuming, not a
-                              LoRA file (older checkpoints called it lora.safetensors; it is read as well)
+        trainable_state.safetensors   the exact trainable tensors (keys under trainable_state.): for resuming,
+                              not a LoRA file (older checkpoints called it lora.safetensors; it is read as well)
         pytorch_lora_weights.safetensors, adapter_model.safetensors, ...
                               the LoRA files, the same as final/ holds (meta.json lists them as lora_files),
                               so any checkpoint can be loaded, sampled from or merged
@@ -46,6 +46,18 @@ STEP_DIR = re.compile(r"^step-(\d{6,})$")
 META = "meta.json"
 TRAINABLE = "trainable_state"  # the tensors resume restores
 LEGACY_TRAINABLE = "lora"      # their name in checkpoints written before the LoRA files were
+
+
+def trainable_file_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainable tensors with their keys under `trainable_state.`, as the checkpoint file holds them: PEFT's
+    own names (`...to_q.lora_A.default.weight`) would load as a LoRA at scale 1 in ComfyUI (it reads them for
+    Qwen-Image), so the trainer's copy carries names no LoRA loader maps."""
+    return {f"{TRAINABLE}.{key}": tensor for key, tensor in state.items()}
+
+
+def trainable_from_file(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainable tensors of a checkpoint file by their parameter names (older files have no prefix)."""
+    return {key.removeprefix(f"{TRAINABLE}."): tensor for key, tensor in state.items()}
 
 
 @dataclass
@@ -209,6 +221,8 @@ def load_checkpoint_files(checkpoint: Checkpoint) -> CheckpointContents:
             states[name[:-len(".pt")]] = torch.load(path, map_location="cpu", weights_only=False)
     if LEGACY_TRAINABLE in tensors and TRAINABLE not in tensors:
         tensors[TRAINABLE] = tensors.pop(LEGACY_TRAINABLE)
+    if TRAINABLE in tensors:
+        tensors[TRAINABLE] = trainable_from_file(tensors[TRAINABLE])
     states["trainer_state"] = upgrade_trainer_state(states["trainer_state"])
     return CheckpointContents(tensors, states)
 

@@ -32,7 +32,7 @@ from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
 from toolkit.train.compile import compile_blocks
 from toolkit.train.checkpoint import (TRAINABLE, find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
-                                      save_checkpoint, set_aside_checkpoints_after)
+                                      save_checkpoint, set_aside_checkpoints_after, trainable_file_state)
 from toolkit.train.distributed import Processes
 from toolkit.train.ema import LoraEMA
 from toolkit.train.metrics import MetricsLogger
@@ -233,7 +233,7 @@ class Trainer:
         trainer_state = self._trainer_state(step)
         if not self.procs.is_main:
             return None
-        tensors = {TRAINABLE: self.adapter.lora_state_dict()}
+        tensors = {TRAINABLE: trainable_file_state(self.adapter.lora_state_dict())}
         if self.ema is not None:
             tensors["ema"] = self.ema.state_dict()
         states = {"optimizer": self.optimizer.state_dict(), "trainer_state": trainer_state}
