@@ -1,8 +1,9 @@
-"""ComfyUI export for Flux, SD3, Qwen-Image and Wan: the written keys, alphas, and a round trip through diffusers' own readers.
+"""The transformer key styles (Flux, SD3, Qwen-Image, Wan): the written keys, alphas, and a round trip through
+diffusers' own readers on layouts the quickstarts do not have (Wan image-to-video, every linear layer).
 
-Each test puts a PEFT LoRA (rank 4, non-zero B) on a tiny transformer, saves it with the pipeline's
-save_lora_weights, converts it with save_comfyui, reads the ComfyUI file back with the pipeline's lora_state_dict,
-loads that into a fresh transformer and checks the forward output matches the original LoRA'd one.
+Each test puts a PEFT LoRA (rank 4, non-zero B) on a tiny transformer, reads its factors (peft_factors), writes
+them in the family's key style, reads the file back with the pipeline's lora_state_dict, loads that into a fresh
+transformer and checks the forward output matches the original LoRA'd one.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from toolkit.models.lora_export import diffusers_keys_scaled, save_comfyui, wan_native_keys
+from toolkit.models.lora_export import (Factor, diffusers_keys_scaled, diffusers_keys_with_alpha, peft_factors,
+                                        qwen_image_keys, wan_native_keys)
 
-# Each family's ComfyUI key style, as its adapter names it (comfyui_keys).
-KEYS = {"flux": diffusers_keys_scaled, "sd3": diffusers_keys_scaled, "wan21": wan_native_keys, "wan22": wan_native_keys,
-        "qwen_image": diffusers_keys_scaled}
+# Each family's key style, as its adapter names it (transformer_key_style).
+KEYS = {"flux": diffusers_keys_with_alpha, "sd3": diffusers_keys_scaled, "wan21": wan_native_keys,
+        "wan22": wan_native_keys, "qwen_image": qwen_image_keys}
 
 RANK = 4
 METADATA = {"ss_network_dim": str(RANK), "toolkit_family": "test"}
@@ -36,15 +38,14 @@ def _lora(make_transformer, targets: list[str], alpha: float):
     return transformer
 
 
-def _export(tmp_path, pipeline_class, transformer, family: str, alpha: float):
-    """(diffusers file, ComfyUI file) for the transformer's LoRA."""
+def _export(tmp_path, transformer, family: str, alpha: float):
+    """(the transformer's PEFT state dict, the file in the family's key style)."""
     from peft.utils import get_peft_model_state_dict
 
-    pipeline_class.save_lora_weights(tmp_path, transformer_lora_layers=get_peft_model_state_dict(transformer))
-    diffusers_file = tmp_path / "pytorch_lora_weights.safetensors"
-    out = save_comfyui(diffusers_file, tmp_path / f"{family}_comfyui.safetensors", KEYS[family], alpha,
-                       {**METADATA, "ss_network_alpha": str(alpha)})
-    return diffusers_file, out
+    out = tmp_path / f"{family}.safetensors"
+    save_file(KEYS[family](peft_factors(transformer, torch.float32)), str(out),
+              metadata={**METADATA, "ss_network_alpha": str(alpha)})
+    return {f"transformer.{k}": v for k, v in get_peft_model_state_dict(transformer).items()}, out
 
 
 def _reloaded(make_transformer, state: dict[str, torch.Tensor]):
@@ -99,7 +100,7 @@ def test_wan_native_keys_round_trip_through_diffusers(tmp_path):
 
     alpha = 6.0  # scale 1.5: not a power of two, and not alpha == rank
     original = _lora(_tiny_wan_i2v, WAN_TARGETS, alpha)
-    diffusers_file, out = _export(tmp_path, WanPipeline, original, "wan21", alpha)
+    peft_state, out = _export(tmp_path, original, "wan21", alpha)
     comfy = load_file(str(out))
 
     block = "diffusion_model.blocks.1"
@@ -120,7 +121,7 @@ def test_wan_native_keys_round_trip_through_diffusers(tmp_path):
 
     # diffusers' reader maps the names back and applies alpha / rank to lora_A: every tensor equals the original
     # with the scale applied, the same way, whether it came from an `.alpha` (blocks) or was folded in (the rest).
-    original_factors = _factors(load_file(str(diffusers_file)))
+    original_factors = _factors(peft_state)
     back = WanPipeline.lora_state_dict(str(out))
     back_factors = _factors(back)
     assert back_factors.keys() == original_factors.keys()
@@ -130,39 +131,38 @@ def test_wan_native_keys_round_trip_through_diffusers(tmp_path):
 
     _assert_same_output(original, _reloaded(_tiny_wan_i2v, back), _wan_inputs())
 
-    wan22 = load_file(str(save_comfyui(diffusers_file, tmp_path / "wan22.safetensors", KEYS["wan22"], alpha, METADATA)))
-    assert wan22.keys() == comfy.keys() and all(torch.equal(wan22[k], comfy[k]) for k in comfy)
 
-
-def test_wan_module_without_comfyui_name_is_an_error(tmp_path):
-    diffusers_file = tmp_path / "lora.safetensors"
-    save_file({"transformer.patch_embedding.lora_A.weight": torch.zeros(RANK, 4, 1, 2, 2),
-               "transformer.patch_embedding.lora_B.weight": torch.zeros(24, RANK, 1, 1, 1)}, str(diffusers_file))
+def test_wan_module_without_comfyui_name_is_an_error():
+    factors = {"patch_embedding": Factor(torch.zeros(RANK, 4, 1, 2, 2), torch.zeros(24, RANK, 1, 1, 1), 8.0)}
     with pytest.raises(ValueError, match="no ComfyUI Wan name for the LoRA modules \\['patch_embedding'\\]"):
-        save_comfyui(diffusers_file, tmp_path / "out.safetensors", KEYS["wan21"], 8.0, METADATA)
+        wan_native_keys(factors)
 
 
-def test_dora_keys_are_errors(tmp_path):
-    diffusers_file = tmp_path / "lora.safetensors"
-    save_file({"transformer.proj_out.lora_A.weight": torch.zeros(RANK, 8),
-               "transformer.proj_out.lora_B.weight": torch.zeros(8, RANK),
-               "transformer.proj_out.lora_magnitude_vector": torch.zeros(8)}, str(diffusers_file))
-    with pytest.raises(ValueError, match="DoRA.*transformer.proj_out.lora_magnitude_vector"):
-        save_comfyui(diffusers_file, tmp_path / "out.safetensors", KEYS["flux"], 8.0, METADATA)
+def test_dora_magnitudes_are_errors():
+    from peft import LoraConfig
+
+    torch.manual_seed(0)
+    transformer = _tiny_flux()
+    transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=8, target_modules=["proj_out"], use_dora=True))
+    with pytest.raises(ValueError, match="DoRA.*proj_out.lora_magnitude_vector"):
+        peft_factors(transformer, torch.float32)
 
 
-def test_rslora_scale_is_alpha_over_sqrt_rank(tmp_path):
-    diffusers_file = tmp_path / "lora.safetensors"
-    down, up = torch.randn(RANK, 24), torch.randn(24, RANK)
-    save_file({"transformer.blocks.0.attn1.to_q.lora_A.weight": down,
-               "transformer.blocks.0.attn1.to_q.lora_B.weight": up,
-               "transformer.proj_out.lora_A.weight": down.clone(), "transformer.proj_out.lora_B.weight": up.clone()},
-              str(diffusers_file))
-    wan = load_file(str(save_comfyui(diffusers_file, tmp_path / "w.safetensors", KEYS["wan21"], 8.0, METADATA, rslora=True)))
-    assert wan["diffusion_model.blocks.0.self_attn.q.alpha"].item() == 16.0  # alpha / rank = 8 / sqrt(4)
-    assert torch.equal(wan["diffusion_model.head.head.lora_A.weight"], down * 4.0)
-    flux = load_file(str(save_comfyui(diffusers_file, tmp_path / "f.safetensors", KEYS["flux"], 8.0, METADATA, rslora=True)))
-    assert torch.equal(flux["transformer.proj_out.lora_A.weight"], down * 4.0)
+def test_rslora_alpha_is_the_scale_times_rank():
+    """peft_factors reads PEFT's own scaling: with rsLoRA alpha / sqrt(rank), written as alpha' = scale * rank."""
+    from peft import LoraConfig
+
+    torch.manual_seed(0)
+    transformer = _tiny_flux()
+    transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=8, target_modules=["proj_out"], use_rslora=True))
+    factor = peft_factors(transformer, torch.float32)["proj_out"]
+    assert factor.scale == 4.0 and factor.alpha == 16.0  # 8 / sqrt(4)
+    wan = wan_native_keys({"blocks.0.attn1.to_q": factor, "proj_out": factor})
+    assert wan["diffusion_model.blocks.0.self_attn.q.alpha"].item() == 16.0
+    assert torch.equal(wan["diffusion_model.head.head.lora_A.weight"], factor.down * 4.0)
+    assert diffusers_keys_with_alpha({"proj_out": factor})["transformer.proj_out.alpha"].item() == 16.0
+    assert torch.equal(diffusers_keys_scaled({"proj_out": factor})["transformer.proj_out.lora_A.weight"],
+                       factor.down * 4.0)
 
 
 # ------------------------------------------------------------------------------------------------------ Flux / SD3
@@ -224,28 +224,46 @@ ALL_LINEAR = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "a
 SD3_LINEAR = [t for t in ALL_LINEAR if t not in ("proj_mlp", "norm.linear", "x_embedder")]
 
 
+def _loaded_by_the_pipeline(pipeline_class, make_transformer, file):
+    """A fresh transformer (same base weights) with `file` loaded by the pipeline's own load_lora_weights."""
+    import inspect
+
+    torch.manual_seed(0)
+    transformer = make_transformer().eval()
+    params = inspect.signature(pipeline_class.__init__).parameters
+    pipe = pipeline_class(**{n: None for n, p in params.items() if n != "self" and p.default is inspect.Parameter.empty
+                             and n != "transformer"}, transformer=transformer)
+    pipe.load_lora_weights(str(file))
+    return transformer
+
+
 @pytest.mark.parametrize("family, make_transformer, targets, inputs, known_module", [
     ("flux", _tiny_flux, ALL_LINEAR, _flux_inputs, "single_transformer_blocks.0.proj_mlp"),
     ("sd3", _tiny_sd35, SD3_LINEAR, _sd3_inputs, "transformer_blocks.0.attn2.to_q"),
     ("qwen_image", _tiny_qwen_image, QWEN_LINEAR, _qwen_image_inputs, "transformer_blocks.1.txt_mod.1"),
 ])
-def test_flux_sd3_keep_diffusers_keys_with_the_scale_folded_in(tmp_path, family, make_transformer, targets, inputs,
-                                                                 known_module):
+def test_mmdit_families_keep_diffusers_module_names_with_their_scale(tmp_path, family, make_transformer, targets,
+                                                                      inputs, known_module):
     from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
 
     pipeline_class = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline, "qwen_image": QwenImagePipeline}[family]
-    alpha = 8.0
+    alpha = 6.0
     original = _lora(make_transformer, targets, alpha)
-    diffusers_file, out = _export(tmp_path, pipeline_class, original, family, alpha)
-    diffusers_state, comfy = load_file(str(diffusers_file)), load_file(str(out))
+    peft_state, out = _export(tmp_path, original, family, alpha)
+    written = load_file(str(out))
 
-    # The keys ComfyUI maps itself (comfy.utils.flux_to_diffusers / mmdit_to_diffusers), unchanged, and no `.alpha`.
-    assert comfy.keys() == diffusers_state.keys()
-    assert f"transformer.{known_module}.lora_A.weight" in comfy
-    for module, (down, up) in _factors(diffusers_state).items():
-        comfy_down, comfy_up = comfy[f"{module}.lora_A.weight"], comfy[f"{module}.lora_B.weight"]
-        assert torch.equal(comfy_down, down * (alpha / RANK)) and torch.equal(comfy_up, up), module
-        torch.testing.assert_close(comfy_up @ comfy_down, (alpha / RANK) * (up @ down))
+    # The module names ComfyUI maps itself (comfy.utils.flux_to_diffusers / mmdit_to_diffusers; Qwen-Image's own),
+    # with an `.alpha` (flux, qwen_image) or the scale folded into lora_A (sd3, whose diffusers reader refuses it).
+    prefix = "diffusion_model" if family == "qwen_image" else "transformer"
+    assert f"{prefix}.{known_module}.lora_A.weight" in written
+    factors = _factors(peft_state)
+    assert len(written) == len(factors) * (2 if family == "sd3" else 3)
+    for module, (down, up) in factors.items():
+        name = f"{prefix}.{module.removeprefix('transformer.')}"
+        assert torch.equal(written[f"{name}.lora_B.weight"], up), module
+        if family == "sd3":
+            assert torch.equal(written[f"{name}.lora_A.weight"], down * (alpha / RANK)), module
+        else:
+            assert torch.equal(written[f"{name}.lora_A.weight"], down) and written[f"{name}.alpha"].item() == alpha
 
-    back = pipeline_class.lora_state_dict(str(out))
-    _assert_same_output(original, _reloaded(make_transformer, back), inputs())
+    _assert_same_output(original, _loaded_by_the_pipeline(pipeline_class, make_transformer, out), inputs())

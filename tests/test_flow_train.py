@@ -48,8 +48,10 @@ def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(fami
     assert len(losses) == 2 and all(np.isfinite(losses))
 
     weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
-    assert all(k.startswith("transformer.") and (".lora_A." in k or ".lora_B." in k) for k in weights)
-    assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in weights
+    prefix = "diffusion_model." if family == "qwen_image" else "transformer."  # the names ComfyUI maps (lora_export.py)
+    suffixes = (".lora_A.weight", ".lora_B.weight") + ((".alpha",) if family != "sd3" else ())
+    assert all(k.startswith(prefix) and k.endswith(suffixes) for k in weights)
+    assert f"{prefix}transformer_blocks.0.attn.to_q.lora_A.weight" in weights
     if family == "flux":  # single blocks, but not the model's final proj_out
         assert "transformer.single_transformer_blocks.0.proj_out.lora_A.weight" in weights
         assert not any(k.startswith("transformer.proj_out.") for k in weights)
@@ -177,9 +179,10 @@ def test_wan22_trains_both_experts_alternately_and_saves_each(tmp_path, run_cli,
         "quickstart_wan22_high_noise_comfyui.safetensors", "quickstart_wan22_low_noise_comfyui.safetensors"]
     high = load_file(str(final / "high_noise" / "pytorch_lora_weights.safetensors"))
     low = load_file(str(final / "low_noise" / "pytorch_lora_weights.safetensors"))
-    assert high.keys() == low.keys() and all(k.startswith("transformer.blocks.") for k in high)
+    assert high.keys() == low.keys() and all(k.startswith("diffusion_model.blocks.") for k in high)
+    assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in low
     comfy = load_file(str(final / "quickstart_wan22_low_noise_comfyui.safetensors"))
-    assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in comfy
+    assert comfy.keys() == low.keys() and all(torch.equal(comfy[k], low[k]) for k in low)
 
     # Each file loads into its expert with diffusers' loader, and together they change the output.
     from diffusers import WanPipeline
@@ -194,10 +197,10 @@ def test_wan22_trains_both_experts_alternately_and_saves_each(tmp_path, run_cli,
     base = generate()
     pipe.load_lora_weights(str(final / "high_noise"))
     pipe.load_lora_weights(str(final / "low_noise"), load_into_transformer_2=True, adapter_name="low")
-    a = pipe.transformer.blocks[0].attn1.to_q.lora_A["default_0"].weight
-    b = pipe.transformer_2.blocks[0].attn1.to_q.lora_A["low"].weight
-    assert torch.equal(a, high["transformer.blocks.0.attn1.to_q.lora_A.weight"])
-    assert torch.equal(b, low["transformer.blocks.0.attn1.to_q.lora_A.weight"])
+    a = pipe.transformer.blocks[0].attn1.to_q.lora_B["default_0"].weight
+    b = pipe.transformer_2.blocks[0].attn1.to_q.lora_B["low"].weight
+    assert torch.equal(a, high["diffusion_model.blocks.0.self_attn.q.lora_B.weight"])
+    assert torch.equal(b, low["diffusion_model.blocks.0.self_attn.q.lora_B.weight"])
     assert np.abs(generate() - base).max() > 1e-3
 
 
@@ -267,7 +270,7 @@ def test_quantized_frozen_base_trains(backend, mode, tmp_path, run_cli, capsys):
     err = capsys.readouterr().err
     assert f"model: quantized 20 linear layers of the transformer to {mode} ({backend})" in err
     assert all(np.isfinite(_losses(out)))
-    assert len(load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))) == 2 * 17
+    assert len(load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))) == 3 * 17  # A, B, alpha
 
 
 def test_bad_num_frames_is_a_short_error(tmp_path, run_cli, capsys):
@@ -276,13 +279,17 @@ def test_bad_num_frames_is_a_short_error(tmp_path, run_cli, capsys):
     assert "data.num_frames: 6 is not 4k+1" in err and "Traceback" not in err
 
 
-def test_comfyui_export_of_a_module_it_cannot_name_warns_and_keeps_the_diffusers_file(tmp_path, run_cli, capsys):
+def test_a_module_without_a_wan_name_falls_back_to_diffusers_layout_with_a_warning(tmp_path, run_cli, capsys):
     out = tmp_path / "run"
     assert run_cli(*diffusion_train_args("quickstart_wan21.yaml", out, "save.format=comfyui", "sample.prompts=[]",
                                          "network.target_modules=[to_q,patch_embedding]")) == 0
     err = capsys.readouterr().err
-    assert "warning: save.format=comfyui: quickstart_wan21_comfyui.safetensors not written:" in err
+    assert ("pytorch_lora_weights.safetensors: written in diffusers' own layout, which diffusers loads but ComfyUI "
+            "and kohya's tools do not: no ComfyUI Wan name for the LoRA modules ['patch_embedding']") in err
+    assert "warning: save.format=comfyui: quickstart_wan21_comfyui.safetensors not written" in err
     assert sorted(p.name for p in (out / "final").iterdir()) == ["pytorch_lora_weights.safetensors"]
+    weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    assert "transformer.patch_embedding.lora_A.weight" in weights
     # quickstart_flux.yaml asks for save.format=comfyui, which holds no DoRA: refused
     assert run_cli(*diffusion_train_args("quickstart_flux.yaml", tmp_path / "dora", "network.type=dora")) == 2
     assert "network.type is dora" in capsys.readouterr().err

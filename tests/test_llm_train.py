@@ -13,6 +13,7 @@ from helpers import cpu_runtime, read_metrics
 from toolkit.cli import main
 from toolkit.errors import UserError
 from toolkit.paths import resolve_model_path
+from toolkit.train.checkpoint import trainable_from_file
 
 PROMPT = "what colour is the star"
 
@@ -63,8 +64,8 @@ def test_chat_prompts_go_through_the_template(chat_run):
     assert adapter.tokenizer.decode(adapter.prompt_ids(PROMPT)).endswith("<|assistant|>\n")
 
 
-def toolkit_logits(run_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits of the toolkit's own model with the last checkpoint's exact LoRA tensors."""
+def toolkit_logits(run_dir: Path, input_ids: torch.Tensor, checkpoint: Path | None = None) -> torch.Tensor:
+    """Logits of the toolkit's own model with a checkpoint's (default: the last one's) exact LoRA tensors."""
     from safetensors.torch import load_file
 
     from toolkit.config.run import load_run
@@ -73,8 +74,8 @@ def toolkit_logits(run_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
     run = load_run([run_dir / "config.yaml"], [])
     adapter = build_adapter(run.cfg, cpu_runtime(run, run_dir))
     adapter.load()
-    last = sorted((run_dir / "checkpoints").iterdir())[-1]
-    adapter.load_lora_state_dict(load_file(str(last / "lora.safetensors")))
+    last = checkpoint or sorted((run_dir / "checkpoints").iterdir())[-1]
+    adapter.load_lora_state_dict(trainable_from_file(load_file(str(last / "trainable_state.safetensors"))))
     adapter.network.eval()
     with torch.no_grad():
         return adapter.network(input_ids=input_ids).logits
@@ -121,12 +122,47 @@ def test_merge_writes_a_full_model_with_equal_logits(chat_run, tmp_path, monkeyp
         assert (base(input_ids=ids).logits - got).abs().max() > 1e-3
 
 
+def test_a_checkpoint_is_an_adapter_that_peft_loads_and_merge_takes(tmp_path, monkeypatch, capsys):
+    """Every checkpoint holds the adapter files final/ holds: PEFT loads step 1's to the logits of step 1's exact
+    tensors, and merge takes the checkpoint folder or --step."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    assert train(monkeypatch, "configs/examples/quickstart_llm.yaml", f"run.output_dir={out}", "train.steps=2",
+                 "save.every=1", "sample.prompts=[]", "train.lr=1e-2") == 0
+    step1 = out / "checkpoints" / "step-000001"
+    ids = chat_prompt_ids(AutoTokenizer.from_pretrained(resolve_model_path("tiny:llm")))
+    with torch.no_grad():
+        from_files = peft_model(step1)(input_ids=ids).logits
+        final = peft_model(out / "final")(input_ids=ids).logits
+    ours = toolkit_logits(out, ids, step1)
+    torch.testing.assert_close(from_files, ours, atol=1e-6, rtol=1e-6)
+    assert (from_files - final).abs().max() > 1e-4  # step 1 is not the final adapter
+
+    assert main(["merge", str(out), str(tmp_path / "m1"), "--step", "1", "--dtype", "fp32"]) == 0
+    assert main(["merge", str(step1), str(tmp_path / "m2"), "--dtype", "fp32"]) == 0
+    for merged_dir in (tmp_path / "m1", tmp_path / "m2"):
+        with torch.no_grad():
+            got = AutoModelForCausalLM.from_pretrained(merged_dir).eval()(input_ids=ids).logits
+        torch.testing.assert_close(got, from_files, atol=1e-5, rtol=1e-5)
+    capsys.readouterr()
+    assert main(["merge", str(out), str(tmp_path / "m3"), "--step", "7"]) == 2
+    err = capsys.readouterr().err
+    assert f"merge --step 7: {out / 'checkpoints' / 'step-000007'} does not exist" in err
+    assert "use one of the run's checkpoint steps: 1, 2" in err and "Traceback" not in err
+
+
 def test_merge_bad_path_and_existing_output_are_user_errors(tmp_path, monkeypatch, capsys, chat_run):
     monkeypatch.chdir(REPO)
     assert main(["merge", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert f"merge: {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
     assert main(["merge", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "holds no PEFT adapter" in capsys.readouterr().err
+    old = tmp_path / "step-000002"  # a checkpoint written before checkpoints held the adapter files
+    old.mkdir()
+    (old / "lora.safetensors").write_bytes(b"")
+    assert main(["merge", str(old), str(tmp_path / "out")]) == 2
+    assert "is a checkpoint from before checkpoints held the adapter files" in capsys.readouterr().err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     assert main(["merge", str(chat_run), str(tmp_path / "full")]) == 2

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, run_toolkit
 from helpers import read_metrics
-from toolkit.train.checkpoint import find_latest_checkpoint, verify_checkpoint
+from toolkit.train.checkpoint import find_latest_checkpoint, trainable_from_file, verify_checkpoint
 
 STEPS = 24
 # Fast and deterministic: fp32 export, the 8-bit optimizer, cosine with warmup, a log line every step.
@@ -104,10 +104,14 @@ def test_uninterrupted_run_writes_every_checkpoint_with_all_its_files(reference)
     steps = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert steps == [f"step-{s:06d}" for s in range(4, STEPS + 1, 4)]
     files = sorted(p.name for p in (out / "checkpoints" / f"step-{STEPS:06d}").iterdir())
-    assert files == ["config.yaml", "lora.safetensors", "meta.json", "optimizer.pt", "trainer_state.pt"]
+    lora_files = ["README.md", "adapter_config.json", "adapter_model.safetensors"]  # what final/ holds
+    own = ["config.yaml", "meta.json", "optimizer.pt", "trainable_state.safetensors", "trainer_state.pt"]
+    assert files == sorted(own + lora_files) == sorted(own + [p.name for p in (out / "final").iterdir()])
     meta = json.loads((out / "checkpoints" / f"step-{STEPS:06d}" / "meta.json").read_text())
     assert meta["step"] == STEPS
-    assert sorted(meta["files"]) == ["config.yaml", "lora.safetensors", "optimizer.pt", "trainer_state.pt"]
+    assert sorted(meta["files"]) == sorted(set(files) - {"meta.json"}) and meta["lora_files"] == lora_files
+    assert_bit_identical(load_file(str(out / "checkpoints" / f"step-{STEPS:06d}" / "adapter_model.safetensors")),
+                         final_weights(out))
     state = torch.load(out / "checkpoints" / "step-000008" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 8
     assert sorted(state["rng"]) == ["numpy", "python", "torch"] + (["device"] if torch.cuda.is_available() else [])
@@ -172,7 +176,7 @@ def test_corrupt_latest_checkpoint_is_skipped_and_resume_uses_the_previous(refer
     shutil.copytree(ref, out)
     shutil.rmtree(out / "final")
     latest = out / "checkpoints" / f"step-{STEPS:06d}"
-    weights = latest / "lora.safetensors"
+    weights = latest / "trainable_state.safetensors"
     data = bytearray(weights.read_bytes())
     data[-16:] = bytes(b ^ 0xFF for b in data[-16:])  # same size, different tensor bytes
     weights.write_bytes(bytes(data))
@@ -180,7 +184,7 @@ def test_corrupt_latest_checkpoint_is_skipped_and_resume_uses_the_previous(refer
 
     assert train_subprocess(family, out) == 0
     err = capsys.readouterr().err
-    assert f"skipping checkpoint {latest}: lora.safetensors does not match its checksum" in err
+    assert f"skipping checkpoint {latest}: trainable_state.safetensors does not match its checksum" in err
     assert f"resumed from {out / 'checkpoints' / f'step-{STEPS - 4:06d}'} (step {STEPS - 4})" in err
     assert_bit_identical(final_weights(out), final_weights(ref))
     # the corrupt folder was set aside (kept), and the step was written again, intact
@@ -199,7 +203,7 @@ def test_resume_from_a_checkpoint_path_with_grad_accum_cosine_warmup_and_ema(tmp
     assert train_subprocess(family, out, *extra, f"train.resume={ref / 'checkpoints' / 'step-000004'}") == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000006", "step-000008"]
     assert_bit_identical(final_weights(out), final_weights(ref))
-    for name in ("lora.safetensors", "ema.safetensors"):
+    for name in ("trainable_state.safetensors", "ema.safetensors"):
         assert_bit_identical(load_file(str(out / "checkpoints" / "step-000008" / name)),
                              load_file(str(ref / "checkpoints" / "step-000008" / name)))
     # the scheduler continued where it was: the same learning rate at every resumed step
@@ -215,7 +219,8 @@ def test_ema_is_saved_updated_after_each_step_and_exported(tmp_path):
     out = tmp_path / "run"
     assert train_subprocess(family, out, "train.steps=3", "save.every=1", "train.ema_decay=0.5") == 0
     ckpt = out / "checkpoints"
-    lora = {s: load_file(str(ckpt / f"step-{s:06d}" / "lora.safetensors")) for s in (1, 2, 3)}
+    lora = {s: trainable_from_file(load_file(str(ckpt / f"step-{s:06d}" / "trainable_state.safetensors")))
+            for s in (1, 2, 3)}
     ema = {s: load_file(str(ckpt / f"step-{s:06d}" / "ema.safetensors")) for s in (1, 2, 3)}
     for step in (2, 3):
         for name, shadow in ema[step].items():
@@ -225,6 +230,10 @@ def test_ema_is_saved_updated_after_each_step_and_exported(tmp_path):
         key = name.replace(".default.", ".")
         assert torch.equal(exported[key], shadow), key
     assert any(not torch.equal(ema[3][n], lora[3][n]) for n in lora[3])  # the export is the EMA, not the weights
+    # every checkpoint's adapter is the EMA of its step, as final/ is
+    for step in (1, 2, 3):
+        adapter = load_file(str(ckpt / f"step-{step:06d}" / "adapter_model.safetensors"))
+        assert all(torch.equal(adapter[n.replace(".default.", ".")], shadow) for n, shadow in ema[step].items())
 
 
 def test_harmless_changes_apply_with_a_notice_others_are_refused_naming_the_key(reference, tmp_path, capsys):

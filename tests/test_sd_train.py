@@ -46,9 +46,10 @@ def test_sd_trains_saves_a_diffusers_lora_and_reuses_its_caches(shapes, tmp_path
 
     assert sorted(p.name for p in (out / "final").iterdir()) == ["pytorch_lora_weights.safetensors"]
     weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
-    assert len(weights) == 2 * 32  # down/up on to_q, to_k, to_v, to_out.0 of 8 attention modules
-    assert all(k.startswith("unet.") and k.endswith((".lora.down.weight", ".lora.up.weight")) for k in weights)
-    assert "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.lora.down.weight" in weights
+    assert len(weights) == 3 * 32  # down/up/alpha on to_q, to_k, to_v, to_out.0 of 8 attention modules
+    assert all(k.startswith("lora_unet_") and k.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
+               for k in weights)
+    assert "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight" in weights
     assert all(v.dtype == torch.float32 for v in weights.values())
     samples = out / "samples" / "step-000002"
     assert sorted(p.name for p in samples.iterdir()) == ["00.png", "01.png", "grid.png", "prompts.txt"]
@@ -157,6 +158,8 @@ def test_sdxl_conditions_on_sizes_and_exports_kohya(shapes, tmp_path, run_cli, c
     assert all(k.startswith("lora_unet_") for k in kohya)
     assert "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight" in kohya
     assert {float(v) for k, v in kohya.items() if k.endswith(".alpha")} == {8.0}
+    main = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    assert main.keys() == kohya.keys() and all(torch.equal(main[k], kohya[k]) for k in kohya)
     with safe_open(kohya_file, "pt") as f:
         meta = f.metadata()
     assert meta["ss_base_model"] == "tiny:sdxl" and meta["toolkit_family"] == "sdxl"
@@ -171,20 +174,20 @@ def test_text_encoder_lora_uncached_latents_and_shuffled_captions(shapes, tmp_pa
     assert "latents:" not in err  # cache_latents off: the VAE encodes every batch
     assert "text embeddings: computed every step, not cached (train.train_text_encoder is on)" in err
     weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
-    prefixes = {k.split(".")[0] for k in weights}
-    assert prefixes == {"unet", "text_encoder"}
-    assert len([k for k in weights if k.startswith("text_encoder.")]) == 2 * 4 * 2  # q/k/v/out of 2 layers
+    prefixes = {k.split("_")[1] for k in weights}
+    assert prefixes == {"unet", "te"}
+    assert len([k for k in weights if k.startswith("lora_te_text_model_")]) == 3 * 4 * 2  # q/k/v/out of 2 layers
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(resolve_model_path("tiny:sd"), safety_checker=None)
     pipe.load_lora_weights(str(out / "final"))
     assert any("lora_A" in name for name, _ in pipe.text_encoder.named_parameters())
 
-    # The adapter's own loader (for sampling from a finished run) restores exactly what was saved.
+    # The adapter's own loader (for sampling from a finished run) restores exactly what was saved: the file
+    # holds the trained alpha, so the factors come back bit for bit.
     adapter, _ = _adapter("quickstart_sd.yaml", shapes, tmp_path / "reload", "train.train_text_encoder=true")
-    adapter.load_lora(out / "final")
-    layers = adapter.diffusers_lora_layers(torch.float32)
-    restored = {f"{name[:-len('_lora_layers')]}.{k}": v for name, part in layers.items() for k, v in part.items()}
+    adapter.load_lora(out)
+    restored = adapter.lora_key_style(adapter.lora_factors(torch.float32))
     assert restored.keys() == weights.keys() and all(torch.equal(restored[k], weights[k]) for k in weights)
 
 
@@ -221,4 +224,4 @@ def test_resumed_run_ends_bit_identical(shapes, tmp_path, run_cli):
     a = load_file(str(straight / "final" / "pytorch_lora_weights.safetensors"))
     b = load_file(str(resumed / "final" / "pytorch_lora_weights.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert any(v.abs().sum() > 0 for k, v in a.items() if ".lora.up." in k)
+    assert any(v.abs().sum() > 0 for k, v in a.items() if ".lora_up." in k)

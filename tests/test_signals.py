@@ -77,7 +77,8 @@ def test_one_nan_loss_skips_that_update_and_training_goes_on(monkeypatch, tmp_pa
     assert train(monkeypatch, out, "train.steps=4", "save.every=1", f"train.optimizer={optimizer}") == 0
     err = capsys.readouterr().err
     assert "warning: step 3: loss is not finite; update skipped (1/5 in a row)" in err
-    weights = {s: load_file(str(out / "checkpoints" / f"step-{s:06d}" / "lora.safetensors")) for s in (2, 3, 4)}
+    weights = {s: load_file(str(out / "checkpoints" / f"step-{s:06d}" / "trainable_state.safetensors"))
+               for s in (2, 3, 4)}
     assert all(torch.equal(weights[2][k], weights[3][k]) for k in weights[2])  # step 3 changed nothing
     assert not all(torch.equal(weights[3][k], weights[4][k]) for k in weights[3])  # step 4 trained again
     assert (out / "final" / "adapter_model.safetensors").is_file()

@@ -118,7 +118,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     from toolkit.merge import merge_lora
 
-    merge_lora(args.adapter, args.out_dir, dtype=args.dtype, log=lambda msg: print(msg, file=sys.stderr))
+    merge_lora(args.adapter, args.out_dir, dtype=args.dtype, log=lambda msg: print(msg, file=sys.stderr), step=args.step)
     return 0
 
 
@@ -142,10 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="check the environment: backend, arch, versions, ROCm variables, bitsandbytes"
                    ).set_defaults(func=cmd_doctor)
     merge = sub.add_parser("merge", help="fold a trained LLM LoRA into its base and save a full model with its tokenizer")
-    merge.add_argument("adapter", metavar="RUN_DIR_OR_ADAPTER_DIR", help="a run folder (its final/) or an adapter folder")
+    merge.add_argument("adapter", metavar="RUN_DIR_OR_ADAPTER_DIR",
+                       help="a run folder (its final/), an adapter folder or a checkpoint folder")
     merge.add_argument("out_dir", metavar="OUT_DIR", help="new folder for the merged model")
     merge.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                        help="dtype of the saved weights (auto: the base model's)")
+    merge.add_argument("--step", type=int, default=None, help="merge the run folder's checkpoint of this step")
     merge.set_defaults(func=cmd_merge)
     return parser
 

@@ -2,6 +2,8 @@
 
     python -m toolkit merge outputs/my_run merged/ [--dtype bf16]
     python -m toolkit merge outputs/my_run/final merged/
+    python -m toolkit merge outputs/my_run/checkpoints/step-000200 merged/
+    python -m toolkit merge outputs/my_run merged/ --step 200
 
 The result loads with AutoModelForCausalLM.from_pretrained like any other model.
 """
@@ -16,28 +18,43 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import UserError
+from toolkit.train.checkpoint import list_checkpoints, step_dir_name
 
 MERGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def find_adapter_dir(path: str | Path) -> Path:
-    """The folder with adapter_config.json: `path` itself, or a run folder's final/ adapter."""
+def find_adapter_dir(path: str | Path, step: int | None = None) -> Path:
+    """The folder with adapter_config.json: `path` itself (final/, a checkpoint), a run folder's final/ adapter,
+    or with `step` the run folder's checkpoint of that step."""
     path = Path(path)
+    if step is not None:
+        path = path / "checkpoints" / step_dir_name(step)
+        if not path.is_dir():
+            steps = [s for s, _ in list_checkpoints(path.parent)]
+            raise UserError(f"merge --step {step}: {path} does not exist\n  fix: use one of the run's checkpoint "
+                            f"steps: {', '.join(map(str, sorted(steps))) or 'none (give the run folder for final/)'}")
     for candidate in (path, path / "final"):
         if (candidate / "adapter_config.json").is_file() and (candidate / "adapter_model.safetensors").is_file():
             return candidate
     if not path.exists():
-        raise UserError(f"merge: {path} does not exist\n  fix: give a run folder (outputs/<run>) or its final/ adapter folder")
+        raise UserError(f"merge: {path} does not exist\n  fix: give a run folder (outputs/<run>), its final/ folder "
+                        "or a checkpoint folder")
+    if (path / "lora.safetensors").is_file():
+        raise UserError(f"merge: {path} is a checkpoint from before checkpoints held the adapter files (only "
+                        "lora.safetensors, the trainer's own tensors)\n  fix: merge the run's final/, or a checkpoint "
+                        "written since")
     raise UserError(f"merge: {path} holds no PEFT adapter (adapter_config.json + adapter_model.safetensors), "
-                    f"nor does {path / 'final'}\n  fix: give a finished run folder or an adapter folder")
+                    f"nor does {path / 'final'}\n  fix: give a run folder, its final/ folder or a checkpoint folder "
+                    "of an LLM run (diffusion LoRAs are loaded with pipe.load_lora_weights, not merged here)")
 
 
-def merge_lora(adapter: str | Path, out_dir: str | Path, dtype: str = "auto", log=print) -> Path:
-    """Merge the adapter into its base (in fp32), cast to `dtype` and save model + tokenizer into out_dir."""
+def merge_lora(adapter: str | Path, out_dir: str | Path, dtype: str = "auto", log=print, step: int | None = None) -> Path:
+    """Merge the adapter (with `step`: the run's checkpoint of that step) into its base (in fp32), cast to
+    `dtype` and save model + tokenizer into out_dir."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    adapter_dir = find_adapter_dir(adapter)
+    adapter_dir = find_adapter_dir(adapter, step)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"merge: output folder {out_dir} exists and is not empty\n  fix: choose a new folder")

@@ -1,98 +1,138 @@
-"""LoRA weights of the diffusion families: checkpoints (the exact trainable tensors), the diffusers file that
-`pipe.load_lora_weights` reads (with the LoRA config as metadata), the kohya / ComfyUI exports, and loading
-an exported file back. Mixed into DiffusionAdapter, which provides `network`, `cfg`, `family`, `spec`, `log` and
-`text_encoder_names`.
+"""LoRA files of the diffusion families: `pytorch_lora_weights.safetensors`, written the same way into final/ and
+into every checkpoint, and loading such a file back into the trained modules. Mixed into DiffusionAdapter,
+which provides `network`, `cfg`, `family`, `spec`, `pipe`, `log` and `component`.
+
+The file's keys are the family's `lora_key_style` (toolkit/models/lora_export.py): one style that diffusers'
+`pipe.load_lora_weights`, ComfyUI's LoRA loader and the family's kohya / musubi tools all apply as
+base + alpha/rank * B @ A. A LoRA the style cannot hold (DoRA, a Wan module without an original name) is
+written in diffusers' own layout instead (save_lora_weights, the LoRA config as metadata), which diffusers
+loads exactly; the log says that other tools cannot read it.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
-from typing import Callable
 
 import torch
+from safetensors.torch import save_file
 
 from toolkit.errors import UserError
+from toolkit.models.lora_export import Factors, peft_factors
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+LOADED = "toolkit_loaded"  # the adapter name a file is loaded under before its weights are copied
+
+
+def lora_file_in(path: Path, folder: str = "") -> Path:
+    """The LoRA file of `path`: the file itself, a folder holding it (final/, a checkpoint), or a run folder
+    (its final/); `folder` is a subfolder (a Wan 2.2 expert's) of the folder."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    for candidate in (path / folder / LORA_FILE, path / "final" / folder / LORA_FILE):
+        if candidate.is_file():
+            return candidate
+    raise UserError(f"{path}: no {Path(folder) / LORA_FILE} here or in its final/\n  fix: give a run folder, its "
+                    "final/ folder, a checkpoint folder (checkpoints/step-NNNNNN) or the .safetensors file")
 
 
 class DiffusersLoraFiles:
-    # The components whose LoRA keys the diffusers file holds in diffusers' own naming, as diffusers' SD and
-    # SDXL LoRA scripts (train_text_to_image_lora.py, train_text_to_image_lora_sdxl.py, train_dreambooth_lora.py,
-    # train_dreambooth_lora_sdxl.py) save them: the UNet as lora.down/up, the CLIP text encoders as
-    # lora_linear_layer.down/up. The transformers keep PEFT naming (lora_A/B), as the Flux, SD3, Wan and
-    # Qwen-Image scripts (train_dreambooth_lora_flux.py, ...) save them.
-    diffusers_named_components: tuple[str, ...] = ("unet", "text_encoder", "text_encoder_2")
+    def lora_key_style(self, factors: dict[str, Factors]) -> dict[str, torch.Tensor]:
+        """The file's keys for the components' factors, in the family's style (lora_export.py); a ValueError
+        when the style cannot hold them."""
+        raise NotImplementedError
 
-    def diffusers_lora_layers(self, dtype: torch.dtype, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-        """save_lora_weights arguments (`<component>_lora_layers`) for the trained modules (or `names`), on the CPU,
-        in the naming of `diffusers_named_components`."""
-        from diffusers.utils import convert_state_dict_to_diffusers
-        from peft.utils import get_peft_model_state_dict
+    def lora_factors(self, dtype: torch.dtype, names: list[str] | None = None) -> dict[str, Factors]:
+        """The trained modules' factors (or those of `names`), on the CPU in `dtype`."""
+        return {name: peft_factors(self.network[name], dtype) for name in names or list(self.network.keys())}
 
-        layers = {}
-        for name in names or list(self.network.keys()):
-            state = get_peft_model_state_dict(self.network[name])
-            if name in self.diffusers_named_components:
-                state = convert_state_dict_to_diffusers(state)
-            layers[f"{name}_lora_layers"] = {k: v.detach().to("cpu", dtype) for k, v in state.items()}
-        return layers
-
-    def lora_adapter_metadata(self, names: list[str] | None = None) -> dict[str, dict]:
-        """save_lora_weights' `<component>_lora_adapter_metadata`: each LoRA config (rank, alpha, rslora, targets)
-        goes into the file, so loaders (diffusers included) scale by alpha/rank, not by 1."""
-        return {f"{name}_lora_adapter_metadata": self.network[name].peft_config["default"].to_dict()
-                for name in names or list(self.network.keys())}
-
-    def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
-        """The diffusers file (pytorch_lora_weights.safetensors), plus the save.format export when asked."""
-        fmt = self.cfg.save.format  # checked against the family's save_formats when the config loaded
-        self.pipeline_class().save_lora_weights(out_dir, safe_serialization=True,
-                                                **self.diffusers_lora_layers(dtype), **self.lora_adapter_metadata())
-        files = [out_dir / LORA_FILE]
-        if fmt not in ("auto", "diffusers"):
-            files += self.export_or_warn(out_dir / LORA_FILE, out_dir / f"{self.cfg.run.name}_{fmt}.safetensors", fmt)
-        return files
-
-    def export_or_warn(self, diffusers_file: Path, out_file: Path, fmt: str) -> list[Path]:
-        """The save.format export; one that fails (a module the format has no name for) is named in a warning,
-        and the diffusers file, already written, stays the run's output."""
-        try:
-            return [self.export(diffusers_file, out_file, fmt)]
-        except ValueError as err:
-            self.log(f"warning: save.format={fmt}: {out_file.name} not written: {err}; "
-                     f"{diffusers_file.name} was written")
-            return []
-
-    def export(self, diffusers_file: Path, out_file: Path, fmt: str) -> Path:
-        from toolkit.models.lora_export import save_kohya
-
-        return save_kohya(diffusers_file, out_file, self.kohya_metadata())
-
-    def kohya_metadata(self) -> dict[str, str]:
+    def lora_metadata(self) -> dict[str, str]:
+        """safetensors metadata in the ss_* keys kohya's tools and ComfyUI show."""
         return {"ss_base_model": str(self.cfg.model.name_or_path), "toolkit_family": self.family,
                 "ss_network_dim": str(self.cfg.network.rank), "ss_network_alpha": str(self.cfg.network.alpha),
                 "ss_steps": str(self.cfg.train.steps), "ss_trigger_word": str(self.cfg.data.trigger_word or ""),
                 "ss_network_module": "networks.lora"}
 
-    def load_lora(self, path: Path) -> None:
-        """Load a diffusers-format LoRA file (or a folder holding one) into the trained modules."""
-        self.load_lora_into(path, list(self.network.keys()))
+    def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
+        """pytorch_lora_weights.safetensors, plus a copy named for save.format (kohya, comfyui) when asked."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return self.write_lora_file(out_dir, list(self.network.keys()), dtype, out_dir / self.cfg.run.name)
 
-    def load_lora_into(self, path: Path, names: list[str], prefix_of: Callable[[str], str] = lambda n: n) -> None:
-        from diffusers.utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
-        from peft import set_peft_model_state_dict
+    def write_lora_file(self, folder: Path, names: list[str], dtype: torch.dtype, copy_stem: Path) -> list[Path]:
+        """The LoRA of the components `names` as folder/pytorch_lora_weights.safetensors in the family's key style
+        (diffusers' own layout when the style cannot hold it), and its save.format copy `<copy_stem>_<fmt>`."""
+        file, fmt = folder / LORA_FILE, self.cfg.save.format  # checked against the family's save_formats
+        copy = copy_stem.with_name(f"{copy_stem.name}_{fmt}.safetensors")
+        try:
+            state = self.lora_key_style(self.lora_factors(dtype, names))
+        except ValueError as err:
+            self.write_diffusers_layout(folder, names, dtype)
+            self.log(f"warning: {file}: written in diffusers' own layout, which diffusers loads but ComfyUI and "
+                     f"kohya's tools do not: {err}")
+            if fmt not in ("auto", "diffusers"):
+                self.log(f"warning: save.format={fmt}: {copy.name} not written")
+            return [file]
+        save_file(state, str(file), metadata=self.lora_metadata())
+        files = [file]
+        if fmt not in ("auto", "diffusers"):
+            files.append(Path(shutil.copyfile(file, copy)))
+        return files
 
-        path = Path(path)
-        loaded = self.pipeline_class().lora_state_dict(str(path), weight_name=LORA_FILE if path.is_dir() else None)
-        state = loaded[0] if isinstance(loaded, tuple) else loaded  # some mixins also return network alphas
+    def write_diffusers_layout(self, folder: Path, names: list[str], dtype: torch.dtype) -> None:
+        """diffusers' save_lora_weights for the components (each as `<prefix>_lora_layers`, PEFT naming, its
+        LoRA config as metadata so diffusers scales by alpha/rank)."""
+        from peft.utils import get_peft_model_state_dict
+
+        layers, metadata = {}, {}
         for name in names:
-            prefix = f"{prefix_of(name)}."
-            part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            # Back to PEFT naming: a text encoder's keys are in its own layout; a denoiser's from the UNet's
-            # lora.down/up (keys already in PEFT naming, as the transformers' are, pass through unchanged).
-            to_peft = convert_state_dict_to_peft if name in self.text_encoder_names else convert_unet_state_dict_to_peft
-            part = to_peft(part)
-            result = set_peft_model_state_dict(self.network[name], part)
-            if getattr(result, "unexpected_keys", None):
-                raise UserError(f"{path}: LoRA keys do not match the {name}: {result.unexpected_keys[:2]}")
+            prefix = self.file_prefix(name)
+            state = get_peft_model_state_dict(self.network[name])
+            layers[f"{prefix}_lora_layers"] = {k: v.detach().to("cpu", dtype) for k, v in state.items()}
+            metadata[f"{prefix}_lora_adapter_metadata"] = self.network[name].peft_config["default"].to_dict()
+        self.pipeline_class().save_lora_weights(folder, safe_serialization=True, **layers, **metadata)
+
+    def file_prefix(self, name: str) -> str:
+        """The component's key prefix in a diffusers-layout file (Wan 2.2's second expert saves as transformer)."""
+        return name
+
+    # -- loading a file back -------------------------------------------------------------------------------------
+    def load_lora(self, path: Path) -> None:
+        """Load the LoRA file of a run folder, its final/, a checkpoint folder or a file into the trained modules."""
+        self.load_lora_file(lora_file_in(path), list(self.network.keys()))
+
+    def load_lora_file(self, file: Path, names: list[str], **load_kwargs) -> None:
+        """Load `file` with the pipeline's own load_lora_weights (as users do) under a second adapter name, then
+        copy each module's update into the trained adapter: B as read, A times the loaded scale over the trained
+        one (bit-exact when the file holds the trained alpha). Modules of the file and of the trained LoRA must
+        be the same."""
+        self.pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=LOADED, **load_kwargs)
+        try:
+            for name in names:
+                copy_loaded_adapter(self.component(name), file, name)
+        finally:
+            self.pipe.delete_adapters(LOADED)
+            for name in names:
+                self.component(name).set_adapter("default")
+
+
+def copy_loaded_adapter(model: torch.nn.Module, file: Path, name: str) -> None:
+    """Copy the LOADED adapter's update of every LoRA layer of `model` into its "default" adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {path: m for path, m in model.named_modules() if isinstance(m, LoraLayer)}
+    missing = sorted(p for p, m in layers.items() if "default" in m.lora_A and LOADED not in m.lora_A)
+    extra = sorted(p for p, m in layers.items() if LOADED in m.lora_A and "default" not in m.lora_A)
+    if missing or extra:
+        raise UserError(f"{file}: its LoRA modules do not match the {name}'s: {len(missing)} missing "
+                        f"(e.g. {missing[:2]}), {len(extra)} not trained here (e.g. {extra[:2]})\n"
+                        "  fix: load a file written by a run with the same model and network settings")
+    with torch.no_grad():
+        for layer in layers.values():
+            if "default" not in layer.lora_A:
+                continue
+            ratio = layer.scaling[LOADED] / layer.scaling["default"]
+            down = layer.lora_A[LOADED].weight
+            target = layer.lora_A["default"].weight
+            target.copy_(down if ratio == 1.0 else (down.double() * ratio).to(down.dtype))
+            layer.lora_B["default"].weight.copy_(layer.lora_B[LOADED].weight)

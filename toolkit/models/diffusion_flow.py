@@ -2,13 +2,12 @@
 
 FlowMatchingAdapter holds what they share with Wan (diffusion_wan.py): the flow objective with each family's
 sigma sampler (shift), the memory plan (quantized frozen base, text encoders freed once their outputs are
-cached), and the ComfyUI export (each family names its key style in `comfyui_keys`). Samples run the
+cached), and the LoRA file's keys (each family names its key style in `transformer_key_style`). Samples run the
 family's own diffusers pipeline on cached prompt embeddings.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +16,7 @@ from toolkit.errors import UserError
 from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.flow_matching import SigmaSampler, flux_mu
 from toolkit.models.lora import target_modules
-from toolkit.models.lora_export import diffusers_keys_scaled
+from toolkit.models.lora_export import Factors, diffusers_keys_scaled, diffusers_keys_with_alpha
 from toolkit.models.objectives import FlowObjective, Noised
 from toolkit.models.quantize import choose_backend, plan_weights, quantize_linear_layers
 
@@ -48,8 +47,12 @@ def in_blocks(name: str) -> bool:
 class FlowMatchingAdapter(DiffusionAdapter):
     denoiser_names = ("transformer",)
     samples_need_text_encoders = False
-    # save.format=comfyui: maps {module: (down, up)} and a rank -> scale function to ComfyUI's key names
-    comfyui_keys = staticmethod(diffusers_keys_scaled)
+    # The LoRA file's keys for the transformer's factors (lora_export.py): diffusers' module names with alphas
+    transformer_key_style = staticmethod(diffusers_keys_with_alpha)
+
+    def lora_key_style(self, factors: dict[str, Factors]) -> dict[str, torch.Tensor]:
+        (transformer,) = factors.values()  # one transformer per file (each Wan 2.2 expert has its own)
+        return self.transformer_key_style(transformer)
 
     # -- memory plan -----------------------------------------------------------------------
     def setup_training(self) -> None:
@@ -127,14 +130,6 @@ class FlowMatchingAdapter(DiffusionAdapter):
             return self.sigma_sampler(shift=mu)
         return self.sigma_sampler(mu=mu)
 
-    # -- export ----------------------------------------------------------------------------
-    def export(self, diffusers_file: Path, out_file: Path, fmt: str) -> Path:
-        from toolkit.models.lora_export import save_comfyui
-
-        net = self.cfg.network
-        return save_comfyui(diffusers_file, out_file, self.comfyui_keys, net.alpha, self.kohya_metadata(),
-                            rslora=net.rslora)
-
     def pipeline_call(self, seed: int, **kwargs) -> Any:
         """Run the pipeline for one sample with the sample settings and a CPU generator seeded `seed`."""
         s = self.cfg.sample
@@ -194,6 +189,7 @@ class FluxAdapter(FlowMatchingAdapter):
 
 class SD3Adapter(FlowMatchingAdapter):
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    transformer_key_style = staticmethod(diffusers_keys_scaled)  # diffusers' SD3 reader refuses `.alpha` keys
     text_keys = ("prompt_embeds", "pooled_prompt_embeds")
     max_text_tokens = 256
 

@@ -16,8 +16,8 @@ What differs from Flux / SD3:
   parameters.
 - Samples: true classifier-free guidance (true_cfg_scale with a negative prompt); the transformer has no
   guidance embedding, so sample.guidance_scale is used as true_cfg_scale.
-- ComfyUI reads the diffusers keys (`transformer.<module>.lora_A/B.weight`) for Qwen-Image directly: its
-  QwenImage model has the diffusers module names (comfy/lora.py model_lora_keys_unet, the QwenImage branch).
+- The LoRA file holds the diffusers module names under `diffusion_model.` with `.alpha` keys: ComfyUI's QwenImage
+  model has the diffusers module names, and diffusers' Qwen-Image reader applies the alphas (lora_export.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from toolkit.models.diffusion_base import Denoiser
 from toolkit.models.diffusion_flow import FlowMatchingAdapter
 from toolkit.models.lora import target_modules
-from toolkit.models.lora_export import diffusers_keys_scaled
+from toolkit.models.lora_export import qwen_image_keys
 from toolkit.models.objectives import Noised
 
 # Attention (image stream to_*, text stream add_*_proj / to_add_out) and the two streams' feed-forward layers.
@@ -57,9 +57,7 @@ class QwenImageAdapter(FlowMatchingAdapter):
     text_encoder_names = ("text_encoder",)
     text_keys = ("prompt_embeds", "prompt_embeds_mask")
     max_text_tokens = 512  # the pipeline's default max_sequence_length (it allows up to 1024)
-    # save.format=comfyui: ComfyUI maps `transformer.<diffusers module>` for Qwen-Image itself; the alpha/rank
-    # scale is folded into lora_A (no .alpha keys), as for Flux / SD3.
-    comfyui_keys = staticmethod(diffusers_keys_scaled)
+    transformer_key_style = staticmethod(qwen_image_keys)  # diffusers names under diffusion_model., with alphas
 
     def pipeline_class(self):
         from diffusers import QwenImagePipeline

@@ -1,5 +1,5 @@
 """The `sd` (Stable Diffusion 1.x/2.x, eps or v-prediction) and `sdxl` families: PEFT LoRA on the UNet
-(and optionally the text encoders), saved in the diffusers format that `pipe.load_lora_weights` reads.
+(and optionally the text encoders), saved with kohya keys, which `pipe.load_lora_weights`, ComfyUI and sd-scripts read.
 
 Loading, caches, the loss, samples and LoRA files come from DiffusionAdapter and the DDPM objective
 (toolkit/models/objectives.py); this file holds the text encoding and the UNet forward.
@@ -13,6 +13,7 @@ import torch
 
 from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.lora import target_modules
+from toolkit.models.lora_export import Factors, kohya_keys
 from toolkit.models.objectives import DDPMObjective, Noised
 
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -29,6 +30,9 @@ def sdxl_time_ids(batch: Mapping[str, Any]) -> torch.Tensor:
 class StableDiffusionAdapter(DiffusionAdapter):
     denoiser_names = ("unet",)
     text_encoder_names = ("text_encoder",)
+    # kohya's names for the text encoders where they differ from diffusers' converter (lora_te1_, lora_te2_):
+    # sd-scripts' SD 1.x network calls its one text encoder lora_te (networks/lora.py LORA_PREFIX_TEXT_ENCODER).
+    kohya_te_prefixes = {"lora_te1_": "lora_te_"}
 
     def pipeline_class(self):
         from diffusers import StableDiffusionPipeline
@@ -40,6 +44,11 @@ class StableDiffusionAdapter(DiffusionAdapter):
 
     def lora_target_modules(self) -> list[str]:
         return target_modules(self.cfg.network.target_modules, UNET_TARGETS, UNET_ALL_LINEAR)
+
+    def lora_key_style(self, factors: dict[str, Factors]) -> dict[str, torch.Tensor]:
+        """kohya keys with an alpha per module: read by diffusers, ComfyUI and sd-scripts alike."""
+        encoders = {name: factors[name] for name in self.text_encoder_names if name in factors}
+        return kohya_keys(factors["unet"], encoders, self.kohya_te_prefixes)
 
     def setup_training(self) -> None:
         self.objective = DDPMObjective(self.pipe.scheduler.config, self.cfg.train, self.cfg.model.name_or_path)
@@ -83,6 +92,7 @@ class StableDiffusionAdapter(DiffusionAdapter):
 
 class StableDiffusionXLAdapter(StableDiffusionAdapter):
     text_encoder_names = ("text_encoder", "text_encoder_2")
+    kohya_te_prefixes = {}  # lora_te1_ / lora_te2_, as sd-scripts' SDXL network names them
     text_keys = ("prompt_embeds", "pooled_prompt_embeds")
 
     def pipeline_class(self):

@@ -20,7 +20,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.models.diffusion_base import Denoiser
-from toolkit.models.diffusion_files import LORA_FILE
+from toolkit.models.diffusion_files import lora_file_in
 from toolkit.models.diffusion_flow import FlowMatchingAdapter
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import wan_native_keys
@@ -33,7 +33,7 @@ EXPERT_FOLDERS = {"transformer": "high_noise", "transformer_2": "low_noise"}
 
 
 class WanAdapter(FlowMatchingAdapter):
-    comfyui_keys = staticmethod(wan_native_keys)
+    transformer_key_style = staticmethod(wan_native_keys)
     text_encoder_names = ("text_encoder",)
     max_text_tokens = 512
 
@@ -187,27 +187,23 @@ class Wan22Adapter(WanAdapter):
 
     # -- LoRA files ------------------------------------------------------------------------
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
-        """A14B: one diffusers file per trained expert, in high_noise/ and low_noise/ (load the second with
+        """A14B: one file per trained expert, in high_noise/ and low_noise/ (load the second with
         `pipe.load_lora_weights(..., load_into_transformer_2=True)`); TI2V-5B: one file, like wan21."""
         if not self.two_experts:
             return super().save_lora(out_dir, dtype)
-        fmt = self.cfg.save.format
         files = []
         for name in self.trained:
             folder = out_dir / EXPERT_FOLDERS[name]
             folder.mkdir(parents=True, exist_ok=True)
-            layers = self.diffusers_lora_layers(dtype, [name])
-            self.pipeline_class().save_lora_weights(
-                folder, safe_serialization=True, transformer_lora_layers=layers[f"{name}_lora_layers"],
-                transformer_lora_adapter_metadata=self.lora_adapter_metadata([name])[f"{name}_lora_adapter_metadata"])
-            files.append(folder / LORA_FILE)
-            if fmt == "comfyui":
-                out = out_dir / f"{self.cfg.run.name}_{EXPERT_FOLDERS[name]}_comfyui.safetensors"
-                files += self.export_or_warn(folder / LORA_FILE, out, fmt)
+            files += self.write_lora_file(folder, [name], dtype, out_dir / f"{self.cfg.run.name}_{EXPERT_FOLDERS[name]}")
         return files
+
+    def file_prefix(self, name: str) -> str:
+        return "transformer"  # each expert's file holds one transformer, loaded into transformer_2 on request
 
     def load_lora(self, path: Path) -> None:
         if not self.two_experts:
             return super().load_lora(path)
         for name in self.trained:
-            self.load_lora_into(Path(path) / EXPERT_FOLDERS[name], [name], prefix_of=lambda _: "transformer")
+            into_second = {"load_into_transformer_2": True} if name == "transformer_2" else {}
+            self.load_lora_file(lora_file_in(path, EXPERT_FOLDERS[name]), [name], **into_second)

@@ -1,54 +1,162 @@
-"""LoRA export for other tools, from a diffusers-format LoRA file.
+"""LoRA files that load with the scale they were trained at, in every tool that reads the family.
 
-SD / SDXL (save_kohya): kohya / ComfyUI keys like
-`lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight` (`lora_te1_` / `lora_te2_`
-for the text encoders), each module with an `.alpha` scalar. The conversion is
-diffusers' own (convert_all_state_dict_to_peft, then convert_state_dict_to_kohya).
+A trained LoRA is first read out of the PEFT modules as factors: {module: Factor(down, up, alpha)}, where
+`alpha / rank` is the scale PEFT applied (its own `scaling`, so rsLoRA and rank patterns need no special case).
+Each family then writes the factors in one key style that diffusers' `load_lora_weights`, ComfyUI's LoRA
+loader and, where the family has one, kohya's sd-scripts or musubi-tuner all read as base + alpha/rank * B @ A:
 
-Flux, SD3, Wan 2.1 / 2.2 (save_comfyui): the key names ComfyUI's LoraLoader reads for each family (see below).
+- sd, sdxl (`kohya_keys`): kohya keys (`lora_unet_...`, `lora_te_` / `lora_te1_` / `lora_te2_`), an `.alpha`
+  per module. The key names come from diffusers' convert_state_dict_to_kohya.
+- flux (`diffusers_keys_with_alpha`), qwen_image (`qwen_image_keys`): diffusers module names
+  (`transformer.<module>.lora_A.weight`; `diffusion_model.` for Qwen-Image) and a `<module>.alpha`, which
+  ComfyUI (comfy/lora.py load_lora) and diffusers' Flux and Qwen-Image readers take as the alpha.
+- sd3 (`diffusers_keys_scaled`): diffusers module names with the scale folded into lora_A: diffusers' SD3
+  reader refuses any key without "lora" in it, so an `.alpha` cannot be written.
+- wan21, wan22 (`wan_native_keys`): ComfyUI's and the original Wan module names under `diffusion_model.`.
+
+A format that cannot hold a module (a Wan module without an original name, DoRA magnitudes) is a ValueError.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
 
 
-def diffusers_to_kohya(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
-    """kohya keys for a diffusers LoRA state dict; every module's alpha set to `alpha` (network.alpha)."""
-    from diffusers.utils import convert_all_state_dict_to_peft, convert_state_dict_to_kohya
+@dataclass(frozen=True)
+class Factor:
+    """One LoRA module: the update applied to the module's weight is (alpha / rank) * up @ down."""
 
-    kohya = convert_state_dict_to_kohya(convert_all_state_dict_to_peft(state))
-    dtype = next(iter(state.values())).dtype
-    # diffusers writes alpha = rank; the toolkit's scale is network.alpha / rank, so record the real alpha.
-    return {k: (torch.tensor(float(alpha), dtype=dtype) if k.endswith(".alpha") else v.contiguous())
-            for k, v in kohya.items()}
+    down: torch.Tensor   # lora_A: (rank, in_features, ...)
+    up: torch.Tensor     # lora_B: (out_features, rank, ...)
+    alpha: float
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
-def save_kohya(diffusers_file: Path, out_file: Path, metadata: dict[str, str]) -> Path:
-    """Write out_file (kohya/ComfyUI keys, safetensors metadata) from a diffusers-format LoRA file."""
-    alpha = float(metadata["ss_network_alpha"])
-    save_file(diffusers_to_kohya(load_file(str(diffusers_file)), alpha), str(out_file), metadata=metadata)
-    return out_file
+Factors = dict[str, Factor]  # module path inside its component (e.g. "down_blocks.1.attentions.0.proj_in") -> factor
 
 
-# ComfyUI export for the flow-matching families. Input: the file that FluxPipeline / StableDiffusion3Pipeline /
-# WanPipeline.save_lora_weights writes (`transformer.<module>.lora_A.weight` / `.lora_B.weight`, no alphas).
-#
-# Flux and SD3: ComfyUI maps diffusers module names itself (comfy/lora.py model_lora_keys_unet:
-# `key_map["transformer.{}"...] = to` through comfy.utils.flux_to_diffusers / mmdit_to_diffusers, which slice q/k/v
-# into the fused qkv weights), so the keys stay as they are. The alpha/rank scale is folded into lora_A rather than
-# written as `.alpha` keys: SD3's diffusers loader rejects keys without "lora" in them, and a folded scale reads the
-# same in every loader, alpha-aware or not.
-#
-# Wan 2.1 / 2.2: ComfyUI has no diffusers-name map for Wan; it reads the original Wan names under `diffusion_model.`
-# (its generic "diffusion_model.<module>" key). Block modules get an `.alpha` (ComfyUI and diffusers' Wan reader both
-# scale by alpha/rank); the few modules outside the blocks get the scale folded in, because diffusers' Wan reader
-# (_convert_non_diffusers_wan_lora_to_diffusers) consumes alphas only inside blocks and refuses leftover keys.
+def peft_factors(model: torch.nn.Module, dtype: torch.dtype, adapter: str = "default") -> Factors:
+    """The factors of a model carrying a PEFT LoRA, on the CPU in `dtype`. The keys come from PEFT's own
+    get_peft_model_state_dict; each module's alpha is PEFT's scaling for it times its rank."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=adapter)
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    unexpected = []
+    for key, tensor in state.items():
+        module, _, factor = key.rpartition(".lora_")
+        if factor not in ("A.weight", "B.weight"):
+            unexpected.append(key)
+            continue
+        modules.setdefault(module, {})[factor[0]] = tensor.detach().to("cpu", dtype).contiguous()
+    if unexpected:
+        raise ValueError(f"only plain LoRA factors (lora_A / lora_B) can be exported; DoRA magnitudes and LoRA "
+                         f"biases cannot. Unexpected keys: {sorted(unexpected)[:4]}")
+    factors = {}
+    for module, pair in modules.items():
+        layer = model.get_submodule(module)
+        rank = pair["A"].shape[0]
+        factors[module] = Factor(pair["A"], pair["B"], float(layer.scaling[adapter]) * rank)
+    return factors
+
+
+def _alpha_tensor(alpha: float) -> torch.Tensor:
+    return torch.tensor(float(alpha), dtype=torch.float32)
+
+
+def _folded(factor: Factor) -> torch.Tensor:
+    """lora_A times the scale, for formats without alphas (a loader then applies 1 * up @ down)."""
+    return (factor.down.float() * factor.scale).to(factor.down.dtype).contiguous()
+
+
+# -- sd / sdxl: kohya ------------------------------------------------------------------------------------------
+
+def clip_kohya_module(module: str) -> str:
+    """A CLIP text-encoder module path as kohya, ComfyUI and sd-scripts name it: under `text_model.`, as in
+    transformers 4's CLIPTextModel. transformers 5's CLIPTextModel has no text_model submodule
+    (encoder.layers.0...), CLIPTextModelWithProjection keeps it; the file must not depend on which is installed."""
+    return module if module.startswith("text_model.") else f"text_model.{module}"
+
+
+def kohya_keys(unet: Factors, text_encoders: dict[str, Factors], te_prefixes: dict[str, str]) -> dict[str, torch.Tensor]:
+    """kohya keys for the UNet and the text encoders, an `.alpha` per module. Names: diffusers'
+    convert_state_dict_to_kohya (unet -> lora_unet_, text_encoder -> lora_te1_, text_encoder_2 -> lora_te2_);
+    `te_prefixes` renames a text encoder's prefix where the family's kohya network names it otherwise (SD 1.x:
+    sd-scripts' networks/lora.py LORA_PREFIX_TEXT_ENCODER = "lora_te")."""
+    from diffusers.utils import convert_state_dict_to_kohya
+
+    peft_state, alphas = {}, {}
+    components = {"unet": unet, **{name: factors for name, factors in text_encoders.items()}}
+    for component, factors in components.items():
+        for module, factor in factors.items():
+            name = f"{component}.{clip_kohya_module(module) if component != 'unet' else module}"
+            peft_state[f"{name}.lora_A.weight"] = factor.down
+            peft_state[f"{name}.lora_B.weight"] = factor.up
+            alphas[f"{name}.lora_A.weight"] = factor.alpha
+    kohya = convert_state_dict_to_kohya(peft_state)
+    # convert_state_dict_to_kohya writes alpha = rank for every module; each module's own alpha replaces it.
+    # The kohya key of a module's lora_down is matched back to its PEFT key through the same conversion.
+    by_kohya = {next(iter(convert_state_dict_to_kohya({k: v}))): k for k, v in peft_state.items() if ".lora_A." in k}
+    out = {}
+    for key, tensor in kohya.items():
+        if key.endswith(".alpha"):
+            continue
+        out[key] = tensor.contiguous()
+        if key.endswith(".lora_down.weight"):
+            out[f"{key.split('.')[0]}.alpha"] = _alpha_tensor(alphas[by_kohya[key]])
+    for old, new in te_prefixes.items():
+        out = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in out.items()}
+    return out
+
+
+# -- flux, qwen_image, sd3: diffusers module names -------------------------------------------------------------
+
+def diffusers_keys_with_alpha(factors: Factors, prefix: str = "transformer") -> dict[str, torch.Tensor]:
+    """`<prefix>.<module>.lora_A/lora_B.weight` and `<prefix>.<module>.alpha`, the diffusers module names.
+    Flux (prefix transformer): ComfyUI maps these names itself (comfy/lora.py model_lora_keys_unet,
+    `transformer.{diffusers key}` through comfy.utils.flux_to_diffusers) and reads `<key>.alpha`; diffusers' Flux
+    reader pops the `.alpha` keys into network alphas."""
+    out = {}
+    for module, factor in factors.items():
+        out[f"{prefix}.{module}.lora_A.weight"] = factor.down
+        out[f"{prefix}.{module}.lora_B.weight"] = factor.up
+        out[f"{prefix}.{module}.alpha"] = _alpha_tensor(factor.alpha)
+    return out
+
+
+def qwen_image_keys(factors: Factors) -> dict[str, torch.Tensor]:
+    """Qwen-Image: the diffusers module names under `diffusion_model.`, with `.alpha`. ComfyUI's QwenImage model
+    has the diffusers names (its generic `diffusion_model.<module>` key); diffusers' Qwen-Image reader
+    (_convert_non_diffusers_qwen_lora_to_diffusers) strips `diffusion_model.` and applies each alpha, while it
+    would take `transformer.`-prefixed keys with alphas for modules of a `transformer` submodule."""
+    return diffusers_keys_with_alpha(factors, prefix="diffusion_model")
+
+
+def diffusers_keys_scaled(factors: Factors) -> dict[str, torch.Tensor]:
+    """SD3: the diffusers keys ComfyUI maps itself (comfy.utils.mmdit_to_diffusers), the scale folded into
+    lora_A; no `.alpha` keys, which diffusers' SD3 loader refuses."""
+    out = {}
+    for module, factor in factors.items():
+        out[f"transformer.{module}.lora_A.weight"] = _folded(factor)
+        out[f"transformer.{module}.lora_B.weight"] = factor.up
+    return out
+
+
+# -- wan21 / wan22: the original Wan names ---------------------------------------------------------------------
+# ComfyUI has no diffusers-name map for Wan; it reads the original Wan module names under `diffusion_model.`
+# (its generic "diffusion_model.<module>" key). Block modules get an `.alpha` (ComfyUI and diffusers' Wan
+# reader, _convert_non_diffusers_wan_lora_to_diffusers, both scale by alpha/rank); the few modules outside
+# the blocks get the scale folded in, because diffusers' Wan reader consumes alphas only inside blocks and
+# refuses leftover keys.
 
 WAN_BLOCK_MODULES = {  # diffusers WanTransformerBlock module -> ComfyUI / original Wan WanAttentionBlock module
     "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
@@ -70,73 +178,23 @@ WAN_TOP_MODULES = {  # modules outside the blocks
 }
 
 
-def lora_modules(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{module: (lora_A, lora_B)} from a diffusers transformer LoRA state dict; anything else is an error."""
-    modules: dict[str, dict[str, torch.Tensor]] = {}
-    unexpected = []
-    for key, tensor in state.items():
-        module, _, factor = key.removeprefix("transformer.").rpartition(".lora_")
-        if not key.startswith("transformer.") or factor not in ("A.weight", "B.weight"):
-            unexpected.append(key)
-            continue
-        modules.setdefault(module, {})[factor[0]] = tensor
-    if unexpected:
-        raise ValueError(f"only transformer LoRA factors (transformer.<module>.lora_A/lora_B.weight) can be exported "
-                         f"to ComfyUI; DoRA, lora_bias and text-encoder LoRAs cannot. Unexpected keys: "
-                         f"{sorted(unexpected)[:4]}")
-    incomplete = sorted(module for module, factors in modules.items() if len(factors) != 2)
-    if incomplete:
-        raise ValueError(f"LoRA modules without both lora_A and lora_B: {incomplete[:4]}")
-    return {module: (factors["A"], factors["B"]) for module, factors in modules.items()}
-
-
-def _folded(down: torch.Tensor, scale: float) -> torch.Tensor:
-    return (down.float() * scale).to(down.dtype).contiguous()
-
-
-def diffusers_keys_scaled(modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                          scale_of: Callable[[int], float]) -> dict[str, torch.Tensor]:
-    """Flux / SD3: the diffusers keys ComfyUI maps itself, with each module's scale folded into lora_A."""
-    out = {}
-    for module, (down, up) in modules.items():
-        out[f"transformer.{module}.lora_A.weight"] = _folded(down, scale_of(down.shape[0]))
-        out[f"transformer.{module}.lora_B.weight"] = up.contiguous()
-    return out
-
-
-def wan_native_keys(modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                    scale_of: Callable[[int], float]) -> dict[str, torch.Tensor]:
-    """Wan: original module names under diffusion_model.; block modules carry `.alpha` (scale = alpha / rank)."""
+def wan_native_keys(factors: Factors) -> dict[str, torch.Tensor]:
+    """Wan: original module names under diffusion_model.; block modules carry `.alpha`."""
     out, unmapped = {}, []
-    for module, (down, up) in modules.items():
-        rank, scale = down.shape[0], scale_of(down.shape[0])
+    for module, factor in factors.items():
         parts = module.split(".", 2)  # blocks.N.<block module>
         if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in WAN_BLOCK_MODULES:
             name = f"diffusion_model.blocks.{parts[1]}.{WAN_BLOCK_MODULES[parts[2]]}"
-            out[f"{name}.lora_A.weight"] = down.contiguous()
-            out[f"{name}.alpha"] = torch.tensor(scale * rank, dtype=torch.float32)
+            out[f"{name}.lora_A.weight"] = factor.down
+            out[f"{name}.alpha"] = _alpha_tensor(factor.alpha)
         elif module in WAN_TOP_MODULES:
             name = f"diffusion_model.{WAN_TOP_MODULES[module]}"
-            out[f"{name}.lora_A.weight"] = _folded(down, scale)
+            out[f"{name}.lora_A.weight"] = _folded(factor)
         else:
             unmapped.append(module)
             continue
-        out[f"{name}.lora_B.weight"] = up.contiguous()
+        out[f"{name}.lora_B.weight"] = factor.up
     if unmapped:
         raise ValueError(f"no ComfyUI Wan name for the LoRA modules {sorted(unmapped)[:4]}; exportable modules are "
                          f"blocks.N.{{{', '.join(WAN_BLOCK_MODULES)}}} and {', '.join(WAN_TOP_MODULES)}")
     return out
-
-
-def save_comfyui(diffusers_file: Path, out_file: Path, keys: Callable, alpha: float, metadata: dict[str, str],
-                 rslora: bool = False) -> Path:
-    """Write out_file, a LoRA that ComfyUI's LoraLoader applies to the family's model, from a diffusers-format
-    transformer LoRA file; `keys` is the family's key style (diffusers_keys_scaled, wan_native_keys). The
-    applied update is (alpha / rank) * B @ A (alpha / sqrt(rank) with rslora)."""
-
-    def scale_of(rank: int) -> float:
-        return float(alpha) / (math.sqrt(rank) if rslora else rank)
-
-    modules = lora_modules(load_file(str(diffusers_file)))
-    save_file(keys(modules, scale_of), str(out_file), metadata=metadata)
-    return out_file

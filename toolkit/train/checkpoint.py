@@ -1,7 +1,11 @@
 """Checkpoints: written to a temporary folder, fsynced, renamed; verified by checksum when read.
 
     checkpoints/step-000200/
-        lora.safetensors      the exact trainable tensors
+        trainable_state.safetensors   the exact trainable tensors (keys under trainable_state.): for resuming,
+                              not a LoRA file (older checkpoints called it lora.safetensors; it is read as well)
+        pytorch_lora_weights.safetensors, adapter_model.safetensors, ...
+                              the LoRA files, the same as final/ holds (meta.json lists them as lora_files),
+                              so any checkpoint can be loaded, sampled from or merged
         ema.safetensors       the EMA of those tensors (only when train.ema_decay > 0)
         optimizer.pt          optimizer state (8-bit states as plain tensors)
         trainer_state.pt      step, scheduler, grad scaler, every process's RNG states (python, numpy, torch
@@ -10,8 +14,9 @@
         config.yaml           the resolved config of the run
         meta.json             written last: step, config hash, versions, size and sha256 of each file
 
-The trainer hands `save_checkpoint` named dicts: tensors ({"lora": ..., "ema": ...} -> <name>.safetensors)
-and states ({"optimizer": ..., "trainer_state": ..., "adapter_state": ...} -> <name>.pt); what a checkpoint
+The trainer hands `save_checkpoint` named dicts: tensors ({"trainable_state": ..., "ema": ...} ->
+<name>.safetensors) and states ({"optimizer": ..., "trainer_state": ..., "adapter_state": ...} -> <name>.pt),
+and a function that writes the LoRA files into the folder; what a checkpoint
 holds is whatever it was given, listed in meta.json. `upgrade_trainer_state` brings the trainer state of
 older checkpoints to today's keys, in one place.
 
@@ -29,6 +34,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +47,20 @@ from toolkit.errors import UserError
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 META = "meta.json"
+TRAINABLE = "trainable_state"  # the tensors resume restores
+LEGACY_TRAINABLE = "lora"      # their name in checkpoints written before the LoRA files were
+
+
+def trainable_file_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainable tensors with their keys under `trainable_state.`, as the checkpoint file holds them: PEFT's
+    own names (`...to_q.lora_A.default.weight`) would load as a LoRA at scale 1 in ComfyUI (it reads them for
+    Qwen-Image), so the trainer's copy carries names no LoRA loader maps."""
+    return {f"{TRAINABLE}.{key}": tensor for key, tensor in state.items()}
+
+
+def trainable_from_file(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainable tensors of a checkpoint file by their parameter names (older files have no prefix)."""
+    return {key.removeprefix(f"{TRAINABLE}."): tensor for key, tensor in state.items()}
 
 
 @dataclass
@@ -88,12 +108,14 @@ def _tmp_dir(checkpoints_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
-                    states: dict[str, object], config_yaml: str, config_hash: str) -> Path:
+                    states: dict[str, object], config_yaml: str, config_hash: str,
+                    write_lora: Callable[[Path], object] | None = None) -> Path:
     """Write a complete checkpoint atomically and return its folder: tensors[name] -> <name>.safetensors,
-    states[name] -> <name>.pt. A save that fails leaves no temporary folder; a full disk is a UserError that
-    names the folder and the space needed (the earlier checkpoints are untouched)."""
+    states[name] -> <name>.pt, and `write_lora(folder)`'s files (verified like the rest). A save that fails
+    leaves no temporary folder; a full disk is a UserError that names the folder and the space needed (the
+    earlier checkpoints are untouched)."""
     try:
-        return _write_checkpoint(checkpoints_dir, step, tensors, states, config_yaml, config_hash)
+        return _write_checkpoint(checkpoints_dir, step, tensors, states, config_yaml, config_hash, write_lora)
     except BaseException as err:  # a half-written save is never left behind, whatever stopped it
         shutil.rmtree(_tmp_dir(checkpoints_dir, step), ignore_errors=True)
         if is_disk_full(err):
@@ -125,7 +147,8 @@ def _state_bytes(state: object) -> int:
 
 
 def _write_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
-                      states: dict[str, object], config_yaml: str, config_hash: str) -> Path:
+                      states: dict[str, object], config_yaml: str, config_hash: str,
+                      write_lora: Callable[[Path], object] | None = None) -> Path:
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / step_dir_name(step)
     tmp = _tmp_dir(checkpoints_dir, step)
@@ -137,11 +160,15 @@ def _write_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[
     for name, state in states.items():
         torch.save(state, tmp / f"{name}.pt")
     (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+    own = {p.name for p in tmp.iterdir()}
+    if write_lora is not None:
+        write_lora(tmp)
     files = {}
-    for path in sorted(tmp.iterdir()):
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):  # LoRA files may sit in subfolders (Wan 2.2)
         _fsync_file(path)
-        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-    meta = {"step": step, "config_hash": config_hash, "time": time.time(), "files": files,
+        files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    lora_files = sorted(name for name in files if name.split("/")[0] not in own)
+    meta = {"step": step, "config_hash": config_hash, "time": time.time(), "files": files, "lora_files": lora_files,
             "versions": {"toolkit": __version__, "torch": torch.__version__, "python": sys.version.split()[0]}}
     (tmp / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     _fsync_file(tmp / META)
@@ -225,14 +252,21 @@ def set_aside_checkpoints_after(checkpoints_dir: Path, step: int) -> list[Path]:
 
 
 def load_checkpoint_files(checkpoint: Checkpoint) -> CheckpointContents:
-    """The tensors and states of a verified checkpoint (on the CPU), by name."""
+    """The tensors and states of a verified checkpoint (on the CPU), by name (its LoRA files are not read)."""
     tensors, states = {}, {}
+    lora_files = set(checkpoint.meta.get("lora_files", []))
     for name in checkpoint.meta["files"]:
+        if name in lora_files:
+            continue
         path = checkpoint.path / name
         if name.endswith(".safetensors"):
             tensors[name[:-len(".safetensors")]] = load_file(str(path))
         elif name.endswith(".pt"):
             states[name[:-len(".pt")]] = torch.load(path, map_location="cpu", weights_only=False)
+    if LEGACY_TRAINABLE in tensors and TRAINABLE not in tensors:
+        tensors[TRAINABLE] = tensors.pop(LEGACY_TRAINABLE)
+    if TRAINABLE in tensors:
+        tensors[TRAINABLE] = trainable_from_file(tensors[TRAINABLE])
     states["trainer_state"] = upgrade_trainer_state(states["trainer_state"])
     return CheckpointContents(tensors, states)
 

@@ -32,8 +32,8 @@ from toolkit.models.base import DTYPES, Runtime, trainable_parameters
 from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
 from toolkit.train.compile import compile_blocks
-from toolkit.train.checkpoint import (find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
-                                      save_checkpoint, set_aside_checkpoints_after)
+from toolkit.train.checkpoint import (TRAINABLE, find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
+                                      save_checkpoint, set_aside_checkpoints_after, trainable_file_state)
 from toolkit.train.distributed import Processes
 from toolkit.train.ema import LoraEMA
 from toolkit.train.metrics import MetricsLogger
@@ -225,7 +225,7 @@ class Trainer:
     def _restore(self, checkpoint) -> int:
         loaded = load_checkpoint_files(checkpoint)
         state = loaded.states["trainer_state"]
-        self.adapter.load_lora_state_dict(loaded.tensors["lora"])
+        self.adapter.load_lora_state_dict(loaded.tensors[TRAINABLE])
         self.adapter.load_state_dict(loaded.states.get("adapter_state", {}))
         self.optimizer.load_state_dict(loaded.states["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -272,14 +272,15 @@ class Trainer:
         return path
 
     def _write_checkpoint(self, step: int, trainer_state: dict) -> Path:
-        tensors = {"lora": self.adapter.lora_state_dict()}
+        tensors = {TRAINABLE: trainable_file_state(self.adapter.lora_state_dict())}
         if self.ema is not None:
             tensors["ema"] = self.ema.state_dict()
         states = {"optimizer": self.optimizer.state_dict(), "trainer_state": trainer_state}
         adapter_state = self.adapter.state_dict()
         if adapter_state:
             states["adapter_state"] = adapter_state
-        path = save_checkpoint(self.run_dir.checkpoints, step, tensors, states, self.config_yaml, self.config_hash)
+        path = save_checkpoint(self.run_dir.checkpoints, step, tensors, states, self.config_yaml, self.config_hash,
+                               write_lora=self._write_lora)
         rotate_checkpoints(self.run_dir.checkpoints, self.cfg.save.keep_last)
         return path
 
@@ -474,6 +475,12 @@ class Trainer:
             self.metrics.write({"step": step, "eval_loss": loss, "time": time.time()})
             self.log(f"step {step}: eval loss {loss:.4f}")
 
+    def _write_lora(self, folder: Path) -> list[Path]:
+        """The LoRA files of the weights as they are now (the EMA's with train.ema_decay > 0) into `folder`:
+        final/ and every checkpoint hold the same files."""
+        with self.ema.applied() if self.ema is not None else nullcontext():
+            return self.adapter.save_lora(folder, DTYPES[self.cfg.save.dtype])
+
     def _export_final(self) -> Path:
         final = self.run_dir.final
         tmp = final.with_name(".final.tmp")
@@ -481,8 +488,7 @@ class Trainer:
             shutil.rmtree(tmp)
         try:
             tmp.mkdir(parents=True)
-            with self.ema.applied() if self.ema is not None else nullcontext():
-                self.adapter.save_lora(tmp, DTYPES[self.cfg.save.dtype])
+            self._write_lora(tmp)
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
             if is_disk_full(err):
