@@ -122,6 +122,12 @@ def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int, 
     if compile_layers:
         for layer in model.base_model.model.model.layers:
             layer.compile()
+    return timed_training(model, steps, warmup, batch, seq, read_loss)
+
+
+def timed_training(model, steps: int, warmup: int, batch: int, seq: int, read_loss: bool = False) -> dict:
+    """The hand-written loop every peer row shares: fused AdamW on the trainable weights, bf16 autocast, the
+    norm clipped to 1.0; the steps after `warmup` timed with CUDA events."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     ids = torch.randint(4, 400, (batch, seq), device="cuda")

@@ -6,7 +6,7 @@ loaded offline and LoRA-wrapped by unsloth's FastLanguageModel: LoRA r=16, alpha
 up,down; --batch x --seq random token ids in [4, 400) as input_ids and labels; torch.optim.AdamW(fused=True) lr
 1e-4 over the trainable params; clip_grad_norm 1.0; bf16 autocast; no gradient checkpointing unless
 --checkpointing (unsloth's offloaded "unsloth" mode). The steps after --warmup are timed with CUDA events, exactly
-as plain_stack() in bench/llm.py does.
+as every peer row of bench/llm.py (its timed_training).
 
 Unsloth is no dependency of the toolkit: it runs from the wheels in .whl-unsloth/, installed apart, offline:
 
@@ -38,6 +38,7 @@ import unsloth  # noqa: E402  (first: unsloth patches transformers and peft on i
 from unsloth import FastLanguageModel  # noqa: E402
 
 import torch  # noqa: E402
+from llm import timed_training  # noqa: E402  (bench/llm.py: the loop every peer row shares)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -52,30 +53,6 @@ def load(model_dir: Path, seq: int, checkpointing: bool):
                                             target_modules=TARGETS, use_gradient_checkpointing=gc, random_state=0)
 
 
-def train(model, steps: int, warmup: int, batch: int, seq: int) -> dict:
-    """plain_stack()'s loop and timing (bench/llm.py) on an already built model."""
-    model.config.use_cache = False
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    ids = torch.randint(4, 400, (batch, seq), device="cuda")
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for step in range(steps + warmup):
-        if step == warmup:
-            start.record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1000
-    return {"tokens_per_s": steps * batch * seq / seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="folder written by bench/llm.py write_model()")
@@ -88,7 +65,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model = load(args.model, args.seq, args.checkpointing)
-    result = train(model, args.steps, args.warmup, args.batch, args.seq)
+    model.config.use_cache = False
+    model.train()
+    result = timed_training(model, args.steps, args.warmup, args.batch, args.seq)
     result["unsloth_version"] = unsloth.__version__
     args.out.write_text(json.dumps(result) + "\n")
     print(json.dumps(result), flush=True)

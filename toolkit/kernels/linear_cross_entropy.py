@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-IGNORE_INDEX = -100
+from toolkit.data.samples import IGNORE_INDEX
+
 CHUNK_ELEMENTS = 2**26   # fp32 logits per chunk: 256 MiB, whatever the vocabulary
 
 
@@ -60,8 +61,9 @@ def chunk_loss_and_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, math_, chunk, step):
-        rows = torch.nonzero(labels != IGNORE_INDEX).squeeze(1)   # only tokens with a label cost anything
+    def forward(ctx, hidden, weight, bias, labels, rows, math_, chunk, step):
+        if rows is None:  # only tokens with a label cost anything (found here: a wait for the device)
+            rows = torch.nonzero(labels != IGNORE_INDEX).squeeze(1)
         h = hidden.index_select(0, rows).to(weight.dtype)
         y = labels.index_select(0, rows)
         total = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
@@ -91,19 +93,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_w, grad_b = ctx.saved_tensors
         scale = lambda g, dtype=None: None if g is None else (g * grad_output).to(dtype or g.dtype)  # noqa: E731
         return (scale(grad_hidden), scale(grad_w, ctx.dtypes[0]), scale(grad_b, ctx.dtypes[1]),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          bias: torch.Tensor | None = None, math_: HeadMath = HeadMath(),
-                         step: Callable = chunk_loss_and_grad, chunk: int | None = None) -> torch.Tensor:
+                         step: Callable = chunk_loss_and_grad, chunk: int | None = None,
+                         rows: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over tokens of cross_entropy(head(hidden), labels), IGNORE_INDEX left out, in fp32 (fp64 inputs: fp64).
 
     hidden: (tokens, hidden_size); labels: (tokens,), already aligned (a causal LM shifts them first).
-    `step` is chunk_loss_and_grad or its compiled form (compiled_step)."""
+    `step` is chunk_loss_and_grad or its compiled form (compiled_step). `rows`: the indices of the tokens whose
+    label is not IGNORE_INDEX, when the caller knows them without asking the device (from host labels)."""
     with torch.autocast(hidden.device.type, enabled=False):
-        return _LinearCrossEntropy.apply(hidden, weight, bias, labels, math_, chunk or chunk_rows(weight.shape[0]),
-                                         step)
+        return _LinearCrossEntropy.apply(hidden, weight, bias, labels, rows, math_,
+                                         chunk or chunk_rows(weight.shape[0]), step)
 
 
 def compiled_step() -> Callable:

@@ -212,10 +212,10 @@ class LLMAdapter(AdapterBase):
         return batch["input_ids"].numel()
 
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
+        if self.fused_loss is not None:  # it takes the labels from the host (see FusedCausalLMLoss)
+            inputs = {k: v.to(self.runtime.device, non_blocking=True) for k, v in batch.items() if k != "labels"}
+            return self.fused_loss(modules["model"](**inputs), batch["labels"])
         batch = {k: v.to(self.runtime.device, non_blocking=True) for k, v in batch.items()}
-        if self.fused_loss is not None:
-            labels = batch.pop("labels")
-            return self.fused_loss(modules["model"](**batch), labels)
         # use_cache=False: with a KV cache transformers ignores packed position_ids when building the mask.
         if self.sums_loss:  # transformers' causal-LM loss sums the token losses and divides by num_items_in_batch
             return modules["model"](**batch, use_cache=False, num_items_in_batch=1).loss

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from toolkit.kernels.linear_cross_entropy import HeadMath, chunk_loss_and_grad, compiled_step, linear_cross_entropy
+from toolkit.kernels.linear_cross_entropy import IGNORE_INDEX, HeadMath, chunk_loss_and_grad, compiled_step, linear_cross_entropy
 
 # model_type -> what its CausalLM forward does to lm_head's output (read from the config)
 HEAD_MATH: dict[str, Callable[[Any], HeadMath]] = {
@@ -48,9 +48,15 @@ class FusedCausalLMLoss:
         self.step = compiled_step() if compiled else chunk_loss_and_grad
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        size = hidden.shape[-1]
-        return linear_cross_entropy(hidden[:, :-1].reshape(-1, size), self.head.weight, labels[:, 1:].reshape(-1),
-                                    bias=self.head.bias, math_=self.math, step=self.step)
+        """`labels` as the batch has them on the host: which tokens count is found there, so the step never
+        waits for the device to say how many there are."""
+        shifted = labels[:, 1:].reshape(-1)
+        rows = torch.nonzero(shifted != IGNORE_INDEX).squeeze(1)
+        device = hidden.device
+        to_device = lambda t: (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)  # noqa: E731
+        return linear_cross_entropy(hidden[:, :-1].reshape(-1, hidden.shape[-1]), self.head.weight,
+                                    to_device(shifted), bias=self.head.bias, math_=self.math, step=self.step,
+                                    rows=to_device(rows))
 
 
 def fused_loss_for(network: torch.nn.Module, setting: str, compiled: bool, sharded: bool,
