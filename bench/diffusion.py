@@ -1,197 +1,276 @@
-"""Diffusion families on a GPU: a smoke run of each through the trainer, and Wan video LoRA step time beside
-the plain stack a user would write.
+"""Diffusion and video LoRA step time: the toolkit beside the plain diffusers loop a user writes, eager and with
+torch.compile, in one run on one GPU, every row in a fresh process of its own.
 
-    python bench/diffusion.py [--steps 10] [--warmup 3] [--frames 81] [--height 480] [--width 832] [--skip-smoke]
+    python bench/diffusion.py [--models sd15,sdxl,flux,wan] [--rows plain,plain-compiled,toolkit] [--steps 6]
+                              [--warmup 4] [--out result.json] [--tiny]
 
-Smoke: every tiny flow-matching family (flux with bitsandbytes 8-bit, sd3 with torchao 8-bit, wan21, wan22 with
-expert offload, also over quantized bases, wan22-5b) trains a few bf16 steps on the GPU with samples and
-checkpoints; prints OK or the error.
+Workloads (random weights in the real shapes, bench/diffusion_models.py; nothing downloaded), LoRA r=16 alpha 16
+on the toolkit's default targets (attention for the UNets, attention + feed-forward for the DiTs), bf16 weights
+under bf16 autocast, fused AdamW, gradient norm clipped to 1.0:
+  sd15  SD1.5 UNet, 512 px, batch 4          sdxl  SDXL UNet, 1024 px, batch 2
+  flux  Flux.1-dev transformer, 1024 px, 1   wan   Wan 2.1 1.3B transformer, 81 x 480 x 832, 1 clip
 
-Timing: a Wan 2.1 1.3B-shaped transformer (random weights, no download; a small VAE and text encoder, whose
-outputs are cached anyway), LoRA r=16 on attention + FFN, bf16, gradient checkpointing, one clip of
---frames x --height x --width:
-- plain:   diffusers WanTransformer3DModel + PEFT + torch.optim.AdamW(fused=True), a hand-written flow loop;
-- toolkit: the Trainer (`python -m toolkit train` machinery), optimizer adamw (fused) and adamw8bit.
-Prints s/step, peak memory and the ratio plain/toolkit (above 1: the toolkit is faster).
+Rows (--rows):
+  plain                 diffusers + PEFT + torch.optim.AdamW(fused=True), a hand-written loop, eager
+  plain-ckpt            the same with diffusers' gradient checkpointing (every block)
+  plain-compiled        plain + torch.compile as a user adds it: the whole UNet, or each DiT block
+  plain-compiled-ckpt   both
+  toolkit-eager         the toolkit's Trainer, train.compile=false
+  toolkit               the Trainer with train.compile=true (its SDPA backend measured at start: device.sdpa_backend=auto)
+  toolkit-ckpt          toolkit + train.gradient_checkpointing=true
+  toolkit-ckpt-N        toolkit + N of the blocks checkpointed
+  toolkit-swap24        toolkit + checkpointing, in a process capped at 24 GiB of GPU memory, the toolkit told it
+                        has 24 GB (device.memory_fraction scaled): model.block_swap=auto decides what to swap
+
+Images/s (or s/step for flux and wan) over the timed steps: CUDA events for the plain loops, the Trainer's own
+step rate for the toolkit (it includes data loading and the host side of the step). --tiny runs tiny shapes on
+the CPU (or the GPU) to check the bench itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-REPO = Path(__file__).resolve().parents[1]
-WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
-
-
-def smoke(work: Path) -> None:
-    from toolkit.config.run import load_run
-    from toolkit.train.trainer import Trainer
-
-    cases = [("flux", ["model.quantize=8bit", "model.quantize_backend=bitsandbytes", "train.optimizer=adamw8bit"]),
-             ("sd3", ["model.quantize=8bit", "model.quantize_backend=torchao"]),
-             ("wan21", ["train.optimizer=adamw8bit"]),
-             ("wan22", ["model.expert_offload=true", "train.expert_switch_every=2", "train.ema_decay=0.99"]),
-             ("wan22", ["model.expert_offload=true", "train.expert_switch_every=2", "model.quantize=8bit",
-                        "model.quantize_backend=bitsandbytes"]),
-             ("wan22", ["model.expert_offload=true", "train.expert_switch_every=2", "model.quantize=8bit",
-                        "model.quantize_backend=torchao"]),
-             ("wan22", ["model.expert_offload=true", "train.expert_switch_every=2", "model.quantize=4bit"]),
-             ("wan22", ["model.name_or_path=tiny:wan22-5b"])]
-    for family, extra in cases:
-        out = work / f"smoke-{family}-{len(extra)}"
-        overrides = [f"run.output_dir={out}", "device.preset=auto", "train.steps=4", "save.every=2", "sample.every=2",
-                     "train.precision=bf16", "sample.num_inference_steps=2", *extra]
-        try:
-            run = load_run([REPO / "configs/examples" / f"quickstart_{family}.yaml"], overrides)
-            trainer = Trainer(run, fresh=True, log=lambda m: None)
-            final = trainer.run()
-            files = sorted(str(p.relative_to(final)) for p in final.rglob("*.safetensors"))
-            placement = ""
-            if "model.expert_offload=true" in extra:
-                adapter = trainer.adapter
-                placement = "; " + ", ".join(
-                    f"{name} base on {next(p for p in adapter.component(name).parameters() if not p.requires_grad).device}"
-                    f" / LoRA on {next(p for p in adapter.component(name).parameters() if p.requires_grad).device}"
-                    for name in adapter.denoiser_names)
-            print(f"smoke {family:6s} {' '.join(extra):80s} OK  {files}{placement}", flush=True)
-        except Exception:
-            print(f"smoke {family:6s} {' '.join(extra):80s} FAILED\n{traceback.format_exc()}", flush=True)
-        torch.cuda.empty_cache()
+WORKLOADS = {  # family, batch, resolution (or frames x height x width), images per step for the rate
+    "sd15": dict(family="sd", batch=4, size=512),
+    "sdxl": dict(family="sdxl", batch=2, size=1024),
+    "flux": dict(family="flux", batch=1, size=1024),
+    "wan": dict(family="wan21", batch=1, frames=81, height=480, width=832),
+}
+TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "wan": dict(frames=5, height=64, width=64)}
+ROWS = ("plain", "plain-compiled", "toolkit-eager", "toolkit")
+CAP_GIB = 24
 
 
-def write_wan_1p3b(folder: Path) -> None:
-    """WanPipeline layout with a 1.3B-shaped transformer, the tiny Wan VAE and a tiny UMT5 of width 4096."""
-    from diffusers import WanPipeline, WanTransformer3DModel
-    from transformers import UMT5EncoderModel
-
-    from toolkit.tiny.flow import t5_config, wan21_vae, wan_scheduler, write_t5_tokenizer
-
-    tokenizer = write_t5_tokenizer(folder / "tokenizer")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        transformer = WanTransformer3DModel(**WAN_1P3B).to(torch.bfloat16)
-    text_encoder = UMT5EncoderModel(t5_config(len(tokenizer), d_model=4096, umt5=True))
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=wan21_vae(),
-                       scheduler=wan_scheduler(3.0), transformer=transformer)
-    pipe.save_pretrained(folder, safe_serialization=True)
-    del pipe, transformer
-    torch.cuda.empty_cache()
+def workload(kind: str, tiny: bool) -> dict:
+    return {**WORKLOADS[kind], **(TINY[kind] if tiny else {})}
 
 
-def write_clip(folder: Path, frames: int, height: int, width: int) -> None:
-    from PIL import Image
-
-    folder.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(0)
-    base = (torch.rand(height // 8, width // 8, 3, generator=g) * 255).to(torch.uint8)
-    images = [Image.fromarray(torch.roll(base, shifts=i, dims=1).numpy()).resize((width, height), Image.NEAREST)
-              for i in range(frames)]
-    images[0].save(folder / "clip.webp", save_all=True, append_images=images[1:], duration=62, loop=0, quality=60)
-    (folder / "clip.txt").write_text("a random pattern drifting right\n")
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def plain_stack(model_dir: Path, steps: int, warmup: int, frames: int, height: int, width: int,
-                cudnn_sdpa: bool) -> dict:
-    from diffusers import WanTransformer3DModel
+# -- the plain loop ------------------------------------------------------------------------------------------------
+def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
+    from diffusers import FluxTransformer2DModel, UNet2DConditionModel, WanTransformer3DModel
     from peft import LoraConfig
 
+    from toolkit.models.base import repeated_blocks
+    from toolkit.models.diffusion_flow import FLUX_TARGETS
+    from toolkit.models.diffusion_sd import UNET_TARGETS
     from toolkit.models.diffusion_wan import WAN_TARGETS
 
-    torch.backends.cuda.enable_cudnn_sdp(cudnn_sdpa)
+    cls, sub, targets = {"sd15": (UNet2DConditionModel, "unet", UNET_TARGETS),
+                         "sdxl": (UNet2DConditionModel, "unet", UNET_TARGETS),
+                         "flux": (FluxTransformer2DModel, "transformer", FLUX_TARGETS),
+                         "wan": (WanTransformer3DModel, "transformer", WAN_TARGETS)}[kind]
     torch.manual_seed(0)
-    transformer = WanTransformer3DModel.from_pretrained(model_dir / "transformer", torch_dtype=torch.bfloat16).cuda()
-    transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=WAN_TARGETS, init_lora_weights="gaussian"))
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
-    transformer.enable_gradient_checkpointing()
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    latents = torch.randn(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8, device="cuda")
-    text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16)
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    model = cls.from_pretrained(folder / sub, torch_dtype=torch.bfloat16).to(device())
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=targets, init_lora_weights="gaussian"))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    if ckpt:
+        model.enable_gradient_checkpointing()
+    if compiled:
+        if kind in ("sd15", "sdxl"):
+            model.compile()
+        else:
+            for block in repeated_blocks(model, outermost=True):
+                block.compile()
+    return model
+
+
+def plain_inputs(kind: str, model, w: dict):
+    """(latents, forward(noisy, sigma) -> prediction) for one batch of random conditioning."""
+    dev, b = device(), w["batch"]
+    bf16 = torch.bfloat16
+    if kind in ("sd15", "sdxl"):
+        side = w["size"] // 8
+        latents = torch.randn(b, 4, side, side, device=dev)
+        text = torch.randn(b, 77, model.config.cross_attention_dim, device=dev, dtype=bf16)
+        extra = {}
+        if kind == "sdxl":
+            pooled = model.config.projection_class_embeddings_input_dim - 6 * model.config.addition_time_embed_dim
+            time_ids = torch.tensor([[w["size"], w["size"], 0, 0, w["size"], w["size"]]] * b, device=dev, dtype=bf16)
+            extra = {"added_cond_kwargs": {"text_embeds": torch.randn(b, pooled, device=dev, dtype=bf16),
+                                           "time_ids": time_ids}}
+        return latents, lambda noisy, sigma: model(noisy.to(bf16), (sigma * 999).long(), text, **extra).sample
+    if kind == "flux":
+        side = w["size"] // 16
+        latents = torch.randn(b, side * side, 64, device=dev)
+        ids = torch.zeros(side, side, 3, device=dev)
+        ids[..., 1] += torch.arange(side, device=dev)[:, None]
+        ids[..., 2] += torch.arange(side, device=dev)[None, :]
+        img_ids, txt_ids = ids.reshape(-1, 3), torch.zeros(512, 3, device=dev)
+        text = torch.randn(b, 512, model.config.joint_attention_dim, device=dev, dtype=bf16)
+        pooled = torch.randn(b, model.config.pooled_projection_dim, device=dev, dtype=bf16)
+        guidance = torch.ones(b, device=dev)
+        return latents, lambda noisy, sigma: model(hidden_states=noisy.to(bf16), timestep=sigma, guidance=guidance,
+                                                   pooled_projections=pooled, encoder_hidden_states=text,
+                                                   txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+    latents = torch.randn(b, 16, (w["frames"] - 1) // 4 + 1, w["height"] // 8, w["width"] // 8, device=dev)
+    text = torch.randn(b, 512, model.config.text_dim, device=dev, dtype=bf16)
+    return latents, lambda noisy, sigma: model(hidden_states=noisy.to(bf16), timestep=sigma * 1000,
+                                               encoder_hidden_states=text, return_dict=False)[0]
+
+
+def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: bool, compiled: bool) -> dict:
+    model = plain_model(kind, folder, ckpt, compiled)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device() == "cuda")
+    latents, forward = plain_inputs(kind, model, w)
+    view = (-1,) + (1,) * (latents.dim() - 1)
+    cuda = device() == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    import time
+
     for step in range(steps + warmup):
         if step == warmup:
-            start.record()
+            start.record() if cuda else None
+            began = time.perf_counter()
         noise = torch.randn_like(latents)
-        u = torch.sigmoid(torch.randn(1, device="cuda"))
-        sigma = (3 * u / (1 + 2 * u)).view(-1, 1, 1, 1, 1)
-        noisy = (1 - sigma) * latents + sigma * noise
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            pred = transformer(hidden_states=noisy.to(torch.bfloat16), timestep=(sigma.flatten() * 1000),
-                               encoder_hidden_states=text, return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred.float(), noise - latents)
-        loss.backward()
+        sigma = torch.sigmoid(torch.randn(latents.shape[0], device=latents.device))
+        noisy = (1 - sigma.view(view)) * latents + sigma.view(view) * noise
+        with torch.autocast(device(), dtype=torch.bfloat16):
+            pred = forward(noisy, sigma)
+        target = noise if kind in ("sd15", "sdxl") else noise - latents
+        torch.nn.functional.mse_loss(pred.float(), target).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    end.record()
-    torch.cuda.synchronize()
-    result = {"s_per_step": start.elapsed_time(end) / 1000 / steps, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-    del transformer, opt
-    torch.cuda.empty_cache()
-    return result
+    if cuda:
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1000 / steps
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        seconds, peak = (time.perf_counter() - began) / steps, 0.0
+    return {"s_per_step": seconds, "peak_gib": peak}
 
 
-def toolkit_run(model_dir: Path, data: Path, out: Path, optimizer: str, steps: int, warmup: int, frames: int,
-                height: int, width: int) -> dict:
+# -- the toolkit ---------------------------------------------------------------------------------------------------
+def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int) -> dict:
     from trainer_rate import trainer_rate
 
-    overrides = [f"model.name_or_path={model_dir}", f"data.path={data}", f"data.num_frames={frames}",
-                 f"data.resolution={math.ceil(math.sqrt(height * width))}"]
-    config = ("model: {family: wan21}\nnetwork: {rank: 16, alpha: 16}\ndata: {bucket_step: 32}\n"
-              "train: {lr: 1.0e-4, precision: bf16, gradient_checkpointing: true, batch_size: 1}\n"
-              "save: {every: 0}\nsample: {prompts: []}\nlog: {tensorboard: false}\n")
-    rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup)
-    return {"s_per_step": 1 / rate, "peak_gib": peak}
+    overrides = [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
+                 "train.compile=false" if row == "toolkit-eager" else f"train.compile={device() == 'cuda'}"]
+    if kind == "wan":
+        overrides += [f"data.num_frames={w['frames']}", f"data.resolution={math.ceil(math.sqrt(w['height'] * w['width']))}",
+                      "data.bucket_step=32"]
+    else:
+        overrides += [f"data.resolution={w['size']}"]
+    if row == "toolkit-ckpt":
+        overrides.append("train.gradient_checkpointing=true")
+    elif row.startswith("toolkit-ckpt-"):
+        overrides.append(f"train.gradient_checkpointing={int(row.rsplit('-', 1)[1])}")
+    elif row == "toolkit-swap24":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_GIB * 2**30 / total))
+        overrides += ["train.gradient_checkpointing=true", "model.block_swap=auto",
+                      f"device.memory_fraction={0.9 * CAP_GIB * 2**30 / total:.4f}"]
+    else:
+        overrides.append("train.gradient_checkpointing=false")
+    config = (f"model: {{family: {w['family']}}}\nnetwork: {{rank: 16, alpha: 16}}\n"
+              "train: {lr: 1.0e-4, precision: bf16}\nsave: {every: 0}\nsample: {prompts: []}\n"
+              "log: {tensorboard: false}\n")
+    logs: list[str] = []
+    rate, peak = trainer_rate(config, overrides, work / f"run-{kind}-{row}", "adamw", steps, warmup, logs)
+    notes = [line for line in logs if line.startswith(("attention:", "blocks:", "train.compile", "model.quantize"))]
+    return {"s_per_step": 1 / rate, "peak_gib": peak, "notes": notes}
+
+
+def run_row(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> dict:
+    w = workload(kind, args.tiny)
+    if row.startswith("plain"):
+        return plain_loop(kind, folder, w, args.steps, args.warmup, ckpt="ckpt" in row, compiled="compiled" in row)
+    return toolkit_row(kind, row, folder, data, work, w, args.steps, args.warmup)
+
+
+def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> dict:
+    """One row in a process of its own: {"s_per_step", "peak_gib"} or {"skipped": why}."""
+    result = work / f"{kind}-{row}.json"
+    command = [sys.executable, __file__, "--worker", f"{kind}:{row}", "--folder", str(folder), "--data", str(data),
+               "--work", str(work), "--json", str(result), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    command += ["--tiny"] if args.tiny else []
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"over {args.timeout} s"}
+    if done.returncode != 0 or not result.exists():
+        tail = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()][-3:]
+        return {"skipped": f"exit {done.returncode}: " + " | ".join(tail)}
+    return json.loads(result.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--frames", type=int, default=81)
-    parser.add_argument("--height", type=int, default=480)
-    parser.add_argument("--width", type=int, default=832)
-    parser.add_argument("--skip-smoke", action="store_true")
+    parser.add_argument("--models", default="sd15,sdxl,flux,wan")
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--timeout", type=int, default=400, help="seconds per row")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the bench on the CPU")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        kind, row = args.worker.split(":")
+        args.json.write_text(json.dumps(run_row(kind, row, args, args.folder, args.data, args.work)))
+        return
+    from diffusion_models import write_clip, write_images, write_pipeline
+
     work = Path(tempfile.mkdtemp(prefix="bench-diffusion-"))
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
-    if not args.skip_smoke:
-        smoke(work)
-    model_dir, data = work / "wan", work / "clips"
-    write_wan_1p3b(model_dir)
-    write_clip(data, args.frames, args.height, args.width)
-    print(f"\nWan 2.1 1.3B shape, LoRA r=16 attention + FFN, bf16, gradient checkpointing, "
-          f"{args.frames} x {args.height} x {args.width}, mean of {args.steps} steps after {args.warmup} warm-up")
-    print(f"{'stack':<28} {'s/step':>8} {'peak GiB':>9} {'plain/toolkit':>14}", flush=True)
-    # PyTorch's SDPA may pick its cuDNN backend; the toolkit decides per family (device.cudnn_sdpa): time both
-    plain = plain_stack(model_dir, args.steps, args.warmup, args.frames, args.height, args.width, cudnn_sdpa=True)
-    print(f"{'plain (PEFT + fused AdamW)':<28} {plain['s_per_step']:>8.3f} {plain['peak_gib']:>9.1f} {1.0:>14.2f}", flush=True)
-    other = plain_stack(model_dir, args.steps, args.warmup, args.frames, args.height, args.width, cudnn_sdpa=False)
-    print(f"{'plain, SDPA cuDNN off':<28} {other['s_per_step']:>8.3f} {other['peak_gib']:>9.1f} "
-          f"{plain['s_per_step'] / other['s_per_step']:>14.2f}", flush=True)
-    for optimizer in ("adamw", "adamw8bit"):
-        try:
-            r = toolkit_run(model_dir, data, work / f"run-{optimizer}", optimizer, args.steps, args.warmup,
-                            args.frames, args.height, args.width)
-            print(f"{'toolkit (' + optimizer + ')':<28} {r['s_per_step']:>8.3f} {r['peak_gib']:>9.1f} "
-                  f"{plain['s_per_step'] / r['s_per_step']:>14.2f}", flush=True)
-        except Exception:
-            print(f"toolkit ({optimizer}) FAILED\n{traceback.format_exc()}", flush=True)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"device: {name}; torch {torch.__version__}; {args.steps} timed steps after {args.warmup}", flush=True)
+    results = {}
+    for kind in args.models.split(","):
+        w = workload(kind, args.tiny)
+        folder, data = work / kind, work / f"{kind}-data"
+        write_pipeline(kind, folder, device(), tiny=args.tiny)
+        if kind == "wan":
+            write_clip(data, w["frames"], w["height"], w["width"])
+            what = f"{w['frames']} x {w['height']} x {w['width']}, batch 1"
+        else:
+            write_images(data, max(8, 2 * w["batch"]), w["size"])
+            what = f"{w['size']} px, batch {w['batch']}"
+        per_image = kind in ("sd15", "sdxl")
+        print(f"\n{kind}: {what}\n{'row':<22} {'s/step':>8} {'img/s':>7} {'peak GiB':>9} {'vs plain':>9}", flush=True)
+        plain = None
+        for row in args.rows.split(","):
+            r = results[f"{kind}:{row}"] = measure(kind, row, args, folder, data, work)
+            if "skipped" in r:
+                print(f"{row:<22} skipped ({r['skipped']})", flush=True)
+                continue
+            plain = plain or (r["s_per_step"] if row == "plain" else None)
+            ratio = f"{plain / r['s_per_step']:>9.2f}" if plain else f"{'':>9}"
+            rate = f"{w['batch'] / r['s_per_step']:>7.2f}" if per_image else f"{'':>7}"
+            print(f"{row:<22} {r['s_per_step']:>8.3f} {rate} {r['peak_gib']:>9.1f} {ratio}", flush=True)
+            for note in r.get("notes", []):
+                print(f"    {note}", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    if args.out:
+        args.out.write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": results}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -10,11 +10,11 @@ import torch
 
 
 def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: str, steps: int,
-                 warmup: int) -> tuple[float, float]:
+                 warmup: int, logs: list[str] | None = None) -> tuple[float, float]:
     """(steps per second after `warmup` steps, peak GiB) of a Trainer run of `config_yaml` + `overrides`.
 
     The rate is the Trainer's own (logs/metrics.jsonl, logged every `warmup` steps); 8-bit optimizers are
-    the toolkit's kernels, not bitsandbytes."""
+    the toolkit's kernels, not bitsandbytes. The run's log lines are appended to `logs` when given."""
     from toolkit.config.run import load_run
     from toolkit.train.trainer import Trainer
 
@@ -25,8 +25,10 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
     cfg = Path(tempfile.mkdtemp()) / "bench.yaml"
     cfg.write_text(config_yaml)
     run = load_run([cfg], overrides)
-    torch.cuda.reset_peak_memory_stats()
-    Trainer(run, fresh=True, log=lambda m: None).run()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    Trainer(run, fresh=True, log=logs.append if logs is not None else (lambda m: None)).run()
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "steps_per_s" in r and r["step"] > warmup]
-    return sum(r["steps_per_s"] for r in timed) / len(timed), torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    return sum(r["steps_per_s"] for r in timed) / len(timed), peak

@@ -24,7 +24,8 @@ DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.timestep_sampl
                                 "sample.width", "sample.height"})
 DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_offset", "train.min_snr_gamma",
                                       "sample.negative_prompt"}
-FLOW_SETTINGS = DIFFUSION_SETTINGS | {"train.flow_shift", "model.quantize", "model.quantize_backend"}
+FLOW_SETTINGS = DIFFUSION_SETTINGS | {"train.flow_shift", "model.quantize", "model.quantize_backend",
+                                      "model.block_swap"}
 VIDEO_SETTINGS = FLOW_SETTINGS | {"sample.negative_prompt", "sample.num_frames", "sample.fps"}
 
 
@@ -39,7 +40,6 @@ class FamilySpec:
     batch_cap: int | None = None        # train.batch_size=auto never exceeds this (large samples)
     save_formats: tuple[str, ...] = ()  # save.format values besides auto (the first is what auto writes)
     tiny: dict[str, str] = field(default_factory=dict)  # tiny:<kind> -> "module:function" writing it
-    cudnn_sdpa: bool = True             # device.cudnn_sdpa=auto: PyTorch SDPA's cuDNN backend on CUDA
     compile_auto: str | None = None     # train.compile=auto on a GPU: why it is on (a measurement); None: off
     pipeline_class: str = ""            # model_index.json _class_name of a diffusers folder; "": a transformers folder
 
@@ -62,8 +62,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec("flux", "toolkit.models.diffusion_flow:FluxAdapter", ImageDataSection,
                FLOW_SETTINGS | {"train.guidance"}, "Flux.1 dev/schnell", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
-               tiny={"flux": "toolkit.tiny.flow:write_tiny_flux"}, pipeline_class="FluxPipeline",
-               cudnn_sdpa=False),  # PyTorch's cuDNN SDPA crashed on Flux shapes (cuDNN 9.19)
+               tiny={"flux": "toolkit.tiny.flow:write_tiny_flux"}, pipeline_class="FluxPipeline"),
     FamilySpec("sd3", "toolkit.models.diffusion_flow:SD3Adapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Stable Diffusion 3 / 3.5",
                timestep_sampling="logit_normal", batch_cap=4, save_formats=("diffusers", "comfyui"),

@@ -50,6 +50,9 @@ def _check_fsdp(cfg: DictConfig, problems: list[str]) -> None:
     if cfg.model.expert_offload is True:
         problems.append(refused + "model.expert_offload=true: offloading moves whole experts, and with fsdp each "
                         "process already holds 1/N of them; leave model.expert_offload=auto")
+    if cfg.model.get("block_swap", 0) not in (0, "auto"):
+        problems.append(refused + "model.block_swap: fsdp shards the blocks over the processes instead; use "
+                        "model.block_swap=0 (or auto) with fsdp, or device.distributed=ddp")
     if cfg.train.train_text_encoder:
         problems.append(refused + "train.train_text_encoder: the text encoders are not sharded; use "
                         "device.distributed=ddp")
@@ -75,8 +78,16 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
     if cfg.train.gradient_checkpointing == "auto":
         cfg.train.gradient_checkpointing = False
         decisions.append(Decision("train.gradient_checkpointing", False, "the preset does not ask for it"))
-    elif not isinstance(cfg.train.gradient_checkpointing, bool):
-        problems.append(f"'train.gradient_checkpointing' must be true, false or auto, got {cfg.train.gradient_checkpointing!r}")
+    elif not isinstance(cfg.train.gradient_checkpointing, (bool, int)) or (
+            not isinstance(cfg.train.gradient_checkpointing, bool) and cfg.train.gradient_checkpointing < 0):
+        problems.append(f"'train.gradient_checkpointing' must be true, false, auto or a number of blocks, got "
+                        f"{cfg.train.gradient_checkpointing!r}")
+    elif not isinstance(cfg.train.gradient_checkpointing, bool) and family == "llm":
+        problems.append(f"'train.gradient_checkpointing': {cfg.train.gradient_checkpointing} blocks is read by the "
+                        "diffusion families; an LLM checkpoints all its layers or none (true or false)")
+    block_swap = cfg.model.get("block_swap", 0)
+    if block_swap != "auto" and (isinstance(block_swap, bool) or not isinstance(block_swap, int) or block_swap < 0):
+        problems.append(f"'model.block_swap' must be a number of blocks (0: none) or auto, got {block_swap!r}")
     if cfg.device.distributed == "fsdp":
         _check_fsdp(cfg, problems)
     if cfg.train.compile == "auto":

@@ -42,9 +42,11 @@ class DeviceSection:
                        choices=("auto", "cpu"), resume_safe=True)
     vae_encode_cudnn: bool = opt(True, "Keep cuDNN/MIOpen on while VAE-encoding latents; the HIP presets turn it "
                                  "off (MIOpen convolutions can be 30x slower there).", resume_safe=True)
-    cudnn_sdpa: Union[bool, str] = opt("auto", "Let PyTorch's scaled_dot_product_attention use its cuDNN backend "
-                                       "(CUDA): true, false, or auto (on, but off for flux, whose shapes crashed it "
-                                       "with cuDNN 9.19).", resume_safe=True)
+    sdpa_backend: str = opt("auto", "The kernel PyTorch's scaled_dot_product_attention tries first: cudnn, flash, "
+                            "efficient, math, or auto (on a GPU: measured at the start on the model's own attention "
+                            "shapes, forward and backward, in a child process; the fastest that runs and agrees with "
+                            "the others; the figures are printed and cached). The others stay as fallbacks.",
+                            choices=("auto", "cudnn", "flash", "efficient", "math"), resume_safe=True)
     memory_fraction: float = opt(0.9, "Share of the device memory the auto memory options (model.quantize, "
                                  "model.expert_offload) plan with; unified-memory presets lower it.", minimum=0.05,
                                  resume_safe=True)
@@ -79,6 +81,12 @@ class ModelSection:
                                 "bitsandbytes or torchao (8bit only).", choices=("auto", "bitsandbytes", "torchao"))
     expert_offload: Union[bool, str] = opt("auto", "Wan 2.2 A14B: keep only the expert being trained on the device, the "
                                            "other in CPU memory; auto: when both do not fit the memory budget.")
+    block_swap: Union[int, str] = opt("auto", "Keep this many of the frozen transformer's blocks in pinned CPU memory and "
+                                      "stream each to the GPU just before it runs (on a side stream, overlapped with "
+                                      "compute), so a base larger than the GPU trains in 16 bits. Swapped blocks are "
+                                      "always gradient-checkpointed. auto: 0 when the 16-bit weights fit the memory "
+                                      "budget or the memory is unified, else the fewest blocks that make them fit "
+                                      "(instead of model.quantize=auto quantizing).", resume_safe=True)
     trust_remote_code: bool = opt(False, "Allow model code from the Hub repository (transformers trust_remote_code).")
 
 
@@ -110,8 +118,10 @@ class TrainSection:
     eps: float = opt(1e-8, "Adam epsilon.")
     precision: str = opt("auto", "Compute precision: auto (the preset's), fp32, bf16, fp16 (with loss scaling).",
                          choices=PRECISIONS)
-    gradient_checkpointing: Union[bool, str] = opt("auto", "Recompute activations in backward to save memory; auto: "
-                                                   "the preset's.", resume_safe=True)
+    gradient_checkpointing: Union[bool, int, str] = opt(
+        "auto", "Recompute activations in backward to save memory: true, false, auto (the preset's), or for the "
+        "diffusion families a number N: N of the denoiser's blocks, spread evenly (memory between none and all).",
+        resume_safe=True)
     compile: Union[bool, str] = opt("auto", "Compile each repeated block of the trained model with torch.compile "
                                     "(regional: one compilation reused by every block); the first steps take longer. "
                                     "auto: on for the families measured faster with it on a GPU (llm), off on the "

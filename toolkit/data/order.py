@@ -73,6 +73,14 @@ class BatchOrder:
         self.position += 1
         return shard(batch, self.world_size, self.rank)
 
+    def first_batch(self) -> list[int]:
+        """This process's share of the epoch's first global batch (without moving the position)."""
+        return shard(self._batches[0], self.world_size, self.rank)
+
+    def batch_shapes(self) -> set[tuple[int, int]]:
+        """(group, items) of every batch this process gets: the distinct shapes its model inputs take."""
+        return {(self.groups[b[0]], len(shard(b, self.world_size, self.rank))) for b in self._batches}
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "batch_size": self.batch_size, "num_items": len(self.groups), "world_size": self.world_size}

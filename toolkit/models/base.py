@@ -166,6 +166,16 @@ class AdapterBase:
         blocks and then itself are sharded). Default: the trainable modules themselves."""
         return self.trainable_modules()
 
+    def block_regions(self) -> dict[str, list[torch.nn.Module]]:
+        """By trainable module, its repeated blocks in forward order, which train/blocks.py compiles, checkpoints
+        and swaps one by one. Empty (the default): the trainer compiles shard_roots' repeated blocks whole and the
+        family checkpoints its own way (llm, through transformers)."""
+        return {}
+
+    def block_swaps(self) -> dict:
+        """By trainable module, its BlockSwap (models/block_swap.py) when model.block_swap moves blocks."""
+        return {}
+
     def quantize_setting(self) -> str:
         """model.quantize as this run applies it: auto means none when the base is sharded (sharding is then
         the memory plan); the trainer refuses 4bit/8bit with fsdp before anything loads."""
@@ -191,6 +201,16 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         module.train(was_training)
+
+
+def repeated_blocks(root: torch.nn.Module, outermost: bool = False) -> list[torch.nn.Module]:
+    """The model's `_no_split_modules` blocks, in module order (with `outermost`, not those inside another)."""
+    block_types = set(getattr(root, "_no_split_modules", None) or [])
+    blocks = [m for m in root.modules() if type(m).__name__ in block_types]
+    if not outermost:
+        return blocks
+    inner = {id(m) for block in blocks for m in block.modules() if m is not block}
+    return [b for b in blocks if id(b) not in inner]
 
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -22,7 +22,7 @@ from toolkit.data.captions import apply_trigger
 from toolkit.data.images import DiffusionDataset, caption_rules, load_pixels, scan_images
 from toolkit.data.latent_cache import TensorCache, cache_key
 from toolkit.errors import UserError
-from toolkit.models.base import AdapterBase, Runtime, eval_mode
+from toolkit.models.base import AdapterBase, Runtime, eval_mode, repeated_blocks
 from toolkit.models.diffusion_files import DiffusersLoraFiles
 from toolkit.models.lora import lora_config
 from toolkit.models.objectives import Noised
@@ -125,9 +125,7 @@ class DiffusionAdapter(DiffusersLoraFiles, AdapterBase):
         for name in self.lora_denoiser_names():
             denoiser = self.component(name)
             denoiser.add_adapter(lora_config(net, self.lora_target_modules(), init_lora_weights="gaussian"))
-            if train.gradient_checkpointing:
-                denoiser.enable_gradient_checkpointing()
-            modules[name] = denoiser
+            modules[name] = denoiser  # checkpointing, compile and block swap: per block, by train/blocks.py
         if self.trains_text_encoders:
             for name in self.text_encoder_names:
                 encoder = self.component(name)
@@ -176,6 +174,10 @@ class DiffusionAdapter(DiffusersLoraFiles, AdapterBase):
 
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
         return dict(self.network.items())
+
+    def block_regions(self) -> dict[str, list[torch.nn.Module]]:
+        """Each LoRA denoiser's outermost repeated blocks (its `_no_split_modules`: DiT blocks)."""
+        return {name: repeated_blocks(self.component(name), outermost=True) for name in self.lora_denoiser_names()}
 
     def place_for_training(self) -> None:
         """The denoisers onto the device once the caches are filled (sd/sdxl put theirs there at load)."""

@@ -18,7 +18,10 @@ from toolkit.models.flow_matching import SigmaSampler, flux_mu
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import Factors, diffusers_keys_scaled, diffusers_keys_with_alpha
 from toolkit.models.objectives import FlowObjective, Noised
-from toolkit.models.quantize import choose_backend, plan_weights, quantize_linear_layers
+from toolkit.models.base import repeated_blocks
+from toolkit.models.block_swap import BlockSwap, move_except_swapped, plan_block_swap
+from toolkit.models.quantize import (choose_backend, plan_weights, quantize_linear_layers, weight_budget_gb,
+                                     weights_gb)
 
 # Attention and feed-forward projections of the MMDiT blocks (Flux double/single blocks, SD3 joint blocks).
 MMDIT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -63,6 +66,9 @@ class FlowMatchingAdapter(DiffusionAdapter):
         offload = False if self.runtime.shard_base else model.expert_offload  # fsdp: the trainer refuses true
         self.quantize, self.offload, why = plan_weights(self.quantize_setting(), offload, counts, device,
                                                         self.cfg.device.memory_fraction)
+        self.swap_plans, self.swaps = {}, {}
+        if model.block_swap != 0 and not self.runtime.shard_base:
+            self.swap_plans, why = self.plan_block_swap(counts, offload, why)
         self.log(why)
         self.quantize_library = None
         if self.quantize != "none":
@@ -81,11 +87,49 @@ class FlowMatchingAdapter(DiffusionAdapter):
             self.log(f"model: quantized {count} linear layers of the {name} to {self.quantize} "
                      f"({self.quantize_library})")
 
+    def plan_block_swap(self, counts: dict[str, int], offload, why: str) -> tuple[dict, str]:
+        """model.block_swap: which blocks stay in CPU memory (models/block_swap.py). Under auto, with
+        model.quantize auto too, a base whose 16-bit weights exceed the budget swaps blocks rather than being
+        quantized; returns the plans by denoiser and the memory plan's reason."""
+        model, device, fraction = self.cfg.model, self.runtime.info, self.cfg.device.memory_fraction
+        if self.offload:
+            if model.block_swap == "auto":
+                return {}, why + "; model.block_swap=auto -> 0 (model.expert_offload moves whole experts)"
+            raise UserError("model.block_swap: not combined with model.expert_offload yet (the offload moves whole "
+                            "experts)\n  fix: model.expert_offload=false, or model.block_swap=0")
+        if model.block_swap == "auto" and self.quantize_setting() == "auto" and self.quantize != "none":
+            self.quantize, _, why = plan_weights("none", offload, counts, device, fraction)
+            why += " (16-bit weights with blocks swapped rather than quantized: model.block_swap=auto)"
+        if self.quantize != "none":
+            if model.block_swap == "auto":
+                return {}, why + "; model.block_swap=auto -> 0 (the base is quantized)"
+            raise UserError("model.block_swap: swaps 16-bit weights; it is not combined with model.quantize\n"
+                            "  fix: model.quantize=none, or model.block_swap=0")
+        budget = weight_budget_gb(device, fraction)
+        resident = weights_gb(sum(counts.values()), "none")
+        plans = {}
+        for name in self.lora_denoiser_names():
+            plan = plan_block_swap(model.block_swap, repeated_blocks(self.component(name), outermost=True), resident,
+                                   budget, device.backend, device.integrated)
+            why += f"; {plan.reason}"
+            if plan.swapped:
+                plans[name] = plan
+        return plans, why
+
+    def block_swaps(self) -> dict:
+        return self.swaps
+
     def place_for_training(self) -> None:
         if self.runtime.shard_base:
             return
         for name in self.denoiser_names:
-            self.component(name).to(self.runtime.device)
+            plan = self.swap_plans.get(name)
+            if plan is None:
+                self.component(name).to(self.runtime.device)
+                continue
+            blocks = repeated_blocks(self.component(name), outermost=True)
+            self.swaps[name] = BlockSwap(blocks, plan.swapped, self.runtime.device)
+            move_except_swapped(self.component(name), self.runtime.device, self.swaps[name])
 
     def memory_fixes(self) -> list[str]:
         fixes = []

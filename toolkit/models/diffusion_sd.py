@@ -50,6 +50,12 @@ class StableDiffusionAdapter(DiffusionAdapter):
         encoders = {name: factors[name] for name in self.text_encoder_names if name in factors}
         return kohya_keys(factors["unet"], encoders, self.kohya_te_prefixes)
 
+    def block_regions(self) -> dict[str, list[torch.nn.Module]]:
+        """The UNet's down blocks, mid block and up blocks: coarse regions, each compiled as one graph (the UNet
+        names no single repeated block that holds most of its work)."""
+        unet = self.component("unet")
+        return {"unet": [*unet.down_blocks, unet.mid_block, *unet.up_blocks]}
+
     def setup_training(self) -> None:
         self.objective = DDPMObjective(self.pipe.scheduler.config, self.cfg.train, self.cfg.model.name_or_path)
 

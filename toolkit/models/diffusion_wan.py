@@ -148,7 +148,9 @@ class Wan22Adapter(WanAdapter):
         return (self.boundary, 1.0) if self.active == "transformer" else (0.0, self.boundary)
 
     def place_for_training(self) -> None:
-        if not self.runtime.shard_base:
+        if self.swap_plans:  # block swap (never with expert offload): every expert resident but swapped blocks
+            super().place_for_training()
+        elif not self.runtime.shard_base:
             self.place_experts(self.active)
 
     def place_experts(self, resident: str) -> None:

@@ -12,15 +12,7 @@ from typing import Callable, Mapping
 
 import torch
 
-
-def repeated_blocks(root: torch.nn.Module, outermost: bool = False) -> list[torch.nn.Module]:
-    """The model's `_no_split_modules` blocks, in module order (with `outermost`, not those inside another)."""
-    block_types = set(getattr(root, "_no_split_modules", None) or [])
-    blocks = [m for m in root.modules() if type(m).__name__ in block_types]
-    if not outermost:
-        return blocks
-    inner = {id(m) for block in blocks for m in block.modules() if m is not block}
-    return [b for b in blocks if id(b) not in inner]
+from toolkit.models.base import repeated_blocks
 
 
 def compile_blocks(roots: Mapping[str, torch.nn.Module], log: Callable[[str], None]) -> int:

@@ -63,7 +63,7 @@ class Processes:
 
         from toolkit.errors import UserError
 
-        from toolkit.train.compile import repeated_blocks
+        from toolkit.models.base import repeated_blocks
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         for name, root in roots.items():

@@ -80,6 +80,7 @@ class MetricsLogger:
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, unit="step",
                          disable=not (enabled and self._tty), file=sys.stderr)
         self._last_time = time.perf_counter()
+        self._last_end = None  # the StepEnd of the last logged step
         self._last_step = start_step
         self._tokens = 0  # since the last logged step
         self._tokens_per_s: float | None = None
@@ -94,7 +95,7 @@ class MetricsLogger:
         return wandb.init(project=project, name=name, config=config or {})
 
     def step(self, step: int, loss: float, lr: float, extra: dict | None = None, tokens: int | None = None,
-             grad_norm: "float | torch.Tensor | None" = None) -> None:
+             grad_norm: "float | torch.Tensor | None" = None, ended=None) -> None:
         """Record one optimizer step's numbers; `tokens` (the batch's token count) adds tokens/s."""
         if not self.enabled:
             return
@@ -112,7 +113,11 @@ class MetricsLogger:
         if step % self.every and step != self.total_steps:
             return
         now = time.perf_counter()
-        elapsed = max(now - self._last_time, 1e-9)
+        # From the end of the last logged step to the end of this one (train/step.py StepEnd): numbers read a
+        # step late are logged after the next step ran, which the host clock would count in.
+        both = ended is not None and self._last_end is not None
+        elapsed = max(ended.seconds_since(self._last_end) if both else now - self._last_time, 1e-9)
+        self._last_end = ended
         rate = (step - self._last_step) / elapsed
         self._tokens_per_s = self._tokens / elapsed if self._tokens else None
         memory, memory_kind = peak_memory_mb()

@@ -4,6 +4,7 @@ update; the step's numbers stay on the device until the trainer reads them (Step
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ class StepSums:
     tokens: float = 0.0
     stops: float = 0.0
     done: bool = False
+    ended: "StepEnd | None" = None
 
     def read(self) -> None:
         if self.done:
@@ -31,6 +33,28 @@ class StepSums:
         else:
             loss, (units, self.tokens, self.stops) = self.loss.item(), self.counts
         self.mean, self.done = loss / max(units, 1.0), True
+
+
+@dataclass
+class StepEnd:
+    """When a step's work ended: an event on the GPU's stream (read once the step is done, so a number read a
+    step late still times its own step), the host clock on the CPU (where launching is doing)."""
+
+    host: float
+    event: "torch.cuda.Event | None" = None
+
+    @classmethod
+    def now(cls, device: torch.device) -> "StepEnd":
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return cls(time.perf_counter(), event)
+
+    def seconds_since(self, earlier: "StepEnd") -> float:
+        if self.event is not None and earlier.event is not None:
+            return earlier.event.elapsed_time(self.event) / 1000
+        return self.host - earlier.host
 
 
 class Stepper:
@@ -98,6 +122,7 @@ class Stepper:
                 self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         sums.lr = self.scheduler.get_last_lr()[0]
+        sums.ended = StepEnd.now(device)
         return sums
 
     def _update(self, sums: StepSums) -> None:

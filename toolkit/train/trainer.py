@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,6 +31,9 @@ from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, Runtime, trainable_parameters
 from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
+from toolkit.paths import cache_root
+from toolkit.train.attention import choose_for_run
+from toolkit.train.blocks import prepare_blocks
 from toolkit.train.compile import compile_blocks
 from toolkit.train.checkpoint import (TRAINABLE, find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
                                       save_checkpoint, set_aside_checkpoints_after, trainable_file_state)
@@ -68,6 +71,7 @@ class Trainer:
         self.fresh = fresh
         self.run_dir = RunDir(Path(self.cfg.run.output_dir))
         self.lock: RunLock | None = None  # the main process's lock on the run folder, held until run() returns
+        self.exits = ExitStack()  # settings held for the run (the SDPA backend order), undone when it ends
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     def log(self, message: str) -> None:
@@ -143,8 +147,6 @@ class Trainer:
         with procs.main_first():  # a tiny:<kind> model is written once (transformers saves on rank 0 only)
             self.adapter = build_adapter(cfg, runtime)
         self.sharded = runtime.shard_base = self._choose_distributed()
-        if device.backend == "cuda":
-            self._choose_cudnn_sdpa(cfg.device.cudnn_sdpa)
         self.adapter.load()
         self.dataset = self.adapter.prepare_data()
         if len(self.dataset) == 0:
@@ -152,9 +154,10 @@ class Trainer:
         self.adapter.place_for_training()
         if self.sharded:  # before the optimizer and EMA see the LoRA weights: sharding moves them to the device
             procs.shard(self.adapter.shard_roots())
-        self.compiled = compile_blocks(self.adapter.shard_roots(), self.log) if cfg.train.compile else 0
         self.order = BatchOrder(self.dataset.groups, cfg.train.batch_size, cfg.run.seed,
                                 world_size=procs.world_size, rank=procs.rank)
+        self.compiled = self._prepare_blocks()
+        self._choose_attention()
         self.params = trainable_parameters(self.adapter.network)
         decay = cfg.train.ema_decay
         if decay >= 1.0:
@@ -202,18 +205,37 @@ class Trainer:
         if problem:
             raise UserError(problem) if self.procs.is_main else OtherProcessFailed()
 
-    def _choose_cudnn_sdpa(self, setting) -> None:
-        """PyTorch SDPA's cuDNN backend: the family's default under auto (Flux shapes crashed it, FINDINGS.md)."""
-        if setting == "auto":
-            enabled, why = self.adapter.spec.cudnn_sdpa, f"auto for {self.cfg.model.family}"
-        elif isinstance(setting, bool):
-            enabled, why = setting, "set in the config"
-        else:
-            raise UserError(f"device.cudnn_sdpa: expected true, false or auto, got {setting!r}")
-        torch.backends.cuda.enable_cudnn_sdp(enabled)
-        self.log(f"attention: SDPA cuDNN backend {'on' if enabled else 'off'} (device.cudnn_sdpa {why})")
+    def _prepare_blocks(self) -> int:
+        """Compile, checkpoint and swap the denoiser's blocks as the config says (train/blocks.py); families
+        without block regions (llm) compile their repeated blocks whole and checkpoint their own way.
+        Returns the number of compiled blocks."""
+        cfg = self.cfg
+        regions = self.adapter.block_regions()
+        if not regions:
+            return compile_blocks(self.adapter.shard_roots(), self.log) if cfg.train.compile else 0
+        plan = prepare_blocks(regions, compile_=bool(cfg.train.compile), checkpointing=cfg.train.gradient_checkpointing,
+                              swaps=self.adapter.block_swaps(), shape_count=len(self.order.batch_shapes()),
+                              log=self.log)
+        return plan.compiled
 
-    # -- state -----------------------------------------------------------------------------
+    def _choose_attention(self) -> None:
+        """device.sdpa_backend: measured on a GPU from the attention calls of one forward on a real batch, which
+        runs eagerly, without gradients and without touching the training RNG streams (train/attention.py)."""
+        batch = self.dataset.collate(self.order.first_batch())
+
+        def forward():
+            state = rng_state()
+            try:
+                with torch.no_grad(), self._eager(), self.accelerator.autocast():
+                    self.adapter.loss(batch, self.adapter.trainable_modules())
+            finally:
+                restore_rng_state(state)
+
+        context = choose_for_run(self.cfg.device.sdpa_backend, self.accelerator.device, forward, self.is_main,
+                                 self.procs.from_main, cache_root() / "attention.json", self.log)
+        if context is not None:
+            self.exits.enter_context(context)
+
     def _trainer_state(self, step: int) -> dict:
         """The loop's state; collective: every process contributes its RNG state."""
         scaler = self.accelerator.scaler
@@ -298,7 +320,8 @@ class Trainer:
                 raise UserError(f"loss was NaN or inf for {self.nan_streak} steps in a row (step {step})\n"
                                 "  fix: lower train.lr, use train.precision=bf16 or fp32 instead of fp16, "
                                 "or check the data")
-        self.metrics.step(step, sums.mean, sums.lr, tokens=int(sums.tokens), grad_norm=sums.grad_norm)
+        self.metrics.step(step, sums.mean, sums.lr, tokens=int(sums.tokens), grad_norm=sums.grad_norm,
+                          ended=sums.ended)
         return sums.stops > 0
 
     @contextmanager
@@ -359,7 +382,8 @@ class Trainer:
     def run(self) -> Path:
         """Train; the run folder's lock is released however this ends."""
         try:
-            return self._train()
+            with self.exits:
+                return self._train()
         finally:
             if self.lock is not None:
                 self.lock.release()

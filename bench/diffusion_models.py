@@ -1,0 +1,136 @@
+"""Real-shaped diffusion pipelines with random weights for bench/diffusion.py (nothing downloaded): the denoiser at
+its real size (SD1.5 and SDXL UNets, the Flux.1-dev transformer, the Wan 2.1 1.3B transformer); text encoders of
+the real widths but two layers, and a VAE with the real x8 downsampling but few channels (the toolkit caches
+their outputs, so their size does not change a training step). Also the image folders the toolkit trains on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SD15_UNET = dict(sample_size=64, cross_attention_dim=768, attention_head_dim=8)
+SDXL_UNET = dict(sample_size=128, block_out_channels=(320, 640, 1280),
+                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                 transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+                 use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+                 projection_class_embeddings_input_dim=2816)
+FLUX_DEV = dict(guidance_embeds=True)   # FluxTransformer2DModel's defaults are Flux.1's shape: 19 + 38 blocks, 3072
+WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on the CPU (--tiny)
+    "sd15": dict(block_out_channels=(32, 64), layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=768, attention_head_dim=4,
+                 sample_size=8),
+    "sdxl": dict(block_out_channels=(32, 64), layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), transformer_layers_per_block=(1, 2),
+                 attention_head_dim=(2, 4), cross_attention_dim=2048, use_linear_projection=True,
+                 addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=1328,
+                 sample_size=8),
+    "flux": dict(num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
+                 axes_dims_rope=(4, 6, 6), guidance_embeds=True),
+    "wan": dict(WAN_1P3B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
+}
+
+
+def _vae(latent_channels: int, **extra):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 16, 32, 32),
+                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                         layers_per_block=1, norm_num_groups=8, sample_size=64, **extra)
+
+
+def _clip(tokenizer, hidden: int, projection: int | None = None):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    n = len(tokenizer)
+    config = CLIPTextConfig(vocab_size=n, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=77, projection_dim=projection or 512,
+                            bos_token_id=n - 2, eos_token_id=n - 1, pad_token_id=n - 1, hidden_act="gelu")
+    return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
+
+
+def _build(cls, config: dict, device: str):
+    torch.manual_seed(0)
+    with torch.device(device):
+        return cls(**config).to(torch.bfloat16)
+
+
+def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> None:
+    """The pipeline folder of `kind` (sd15, sdxl, flux, wan) with its denoiser built on `device`."""
+    from diffusers import (DDPMScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
+                           StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel)
+    from transformers import CLIPTokenizer, T5EncoderModel
+
+    from toolkit.tiny.diffusion import write_clip_tokenizer
+    from toolkit.tiny.flow import t5_config, write_t5_tokenizer
+
+    config = SHAPES[kind] if tiny else {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "wan": WAN_1P3B}[kind]
+    if kind == "wan":
+        from diffusers import WanPipeline, WanTransformer3DModel
+        from transformers import UMT5EncoderModel
+
+        from toolkit.tiny.flow import wan21_vae, wan_scheduler
+
+        tokenizer = write_t5_tokenizer(folder / "tokenizer")
+        transformer = _build(WanTransformer3DModel, config, device)
+        encoder = UMT5EncoderModel(t5_config(len(tokenizer), d_model=4096, umt5=True))
+        WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=wan21_vae(), scheduler=wan_scheduler(3.0),
+                    transformer=transformer).save_pretrained(folder, safe_serialization=True)
+        return
+    write_clip_tokenizer(folder / "tokenizer")
+    tokenizer = CLIPTokenizer.from_pretrained(folder / "tokenizer")
+    ddpm = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                         clip_sample=False, steps_offset=1)
+    if kind == "sd15":
+        StableDiffusionPipeline(vae=_vae(4, scaling_factor=0.18215), text_encoder=_clip(tokenizer, 768), tokenizer=tokenizer,
+                                unet=_build(UNet2DConditionModel, config, device), scheduler=ddpm, safety_checker=None,
+                                feature_extractor=None, requires_safety_checker=False).save_pretrained(folder)
+    elif kind == "sdxl":
+        write_clip_tokenizer(folder / "tokenizer_2")
+        tokenizer_2 = CLIPTokenizer.from_pretrained(folder / "tokenizer_2")
+        width_2 = config["cross_attention_dim"] - 768
+        StableDiffusionXLPipeline(vae=_vae(4, scaling_factor=0.13025), text_encoder=_clip(tokenizer, 768),
+                                  text_encoder_2=_clip(tokenizer_2, width_2, projection=width_2), tokenizer=tokenizer,
+                                  tokenizer_2=tokenizer_2, unet=_build(UNet2DConditionModel, config, device),
+                                  scheduler=ddpm).save_pretrained(folder)
+    else:
+        tokenizer_2 = write_t5_tokenizer(folder / "tokenizer_2")
+        transformer = _build(FluxTransformer2DModel, config, device)
+        clip = _clip(tokenizer, transformer.config.pooled_projection_dim)
+        t5 = T5EncoderModel(t5_config(len(tokenizer_2), d_model=transformer.config.joint_attention_dim))
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
+                                                    base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                                                    max_image_seq_len=4096)
+        FluxPipeline(scheduler=scheduler, vae=_vae(16, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                                                   use_post_quant_conv=False),
+                     text_encoder=clip, tokenizer=tokenizer, text_encoder_2=t5, tokenizer_2=tokenizer_2,
+                     transformer=transformer, image_encoder=None, feature_extractor=None).save_pretrained(folder)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def write_images(folder: Path, count: int, size: int) -> None:
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(count):
+        pixels = (torch.rand(size // 8, size // 8, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).resize((size, size), Image.NEAREST).save(folder / f"{i:03d}.png")
+        (folder / f"{i:03d}.txt").write_text(f"a random pattern number {i}\n")
+
+
+def write_clip(folder: Path, frames: int, height: int, width: int) -> None:
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    base = (torch.rand(height // 8, width // 8, 3, generator=g) * 255).to(torch.uint8)
+    images = [Image.fromarray(torch.roll(base, shifts=i, dims=1).numpy()).resize((width, height), Image.NEAREST)
+              for i in range(frames)]
+    images[0].save(folder / "clip.webp", save_all=True, append_images=images[1:], duration=62, loop=0, quality=60)
+    (folder / "clip.txt").write_text("a random pattern drifting right\n")

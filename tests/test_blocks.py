@@ -1,0 +1,194 @@
+"""The denoiser's blocks: block swap (order of transfers, numbers equal to no swap), selective gradient
+checkpointing, static compile shapes, and the SDPA backend choice (recording, measuring in a child process,
+choosing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import diffusion_train_args
+from safetensors.torch import load_file
+
+from toolkit.models.block_swap import BlockSwap, plan_block_swap, spread
+from toolkit.train.blocks import checkpointed_indices, compile_options, prepare_blocks
+
+
+class Block(torch.nn.Module):
+    """A frozen linear with a trainable low-rank update, like a LoRA block."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.base = torch.nn.Linear(width, width)
+        self.base.requires_grad_(False)
+        self.down = torch.nn.Parameter(torch.randn(2, width) * 0.1)
+        self.up = torch.nn.Parameter(torch.randn(width, 2) * 0.1)
+
+    def forward(self, x):
+        return torch.tanh(self.base(x) + x @ self.down.T @ self.up.T)
+
+
+def stack(n: int = 6) -> list[Block]:
+    torch.manual_seed(0)
+    return [Block() for _ in range(n)]
+
+
+def run_step(blocks, x):
+    for block in blocks:
+        x = block(x)
+    x.square().sum().backward()
+    return [p.grad.clone() for b in blocks for p in (b.down, b.up)]
+
+
+def test_spread_and_plan():
+    assert spread(0, 10) == [] and spread(10, 10) == list(range(10))
+    assert spread(3, 9) == [2, 5, 8] and spread(1, 5) == [4]
+    blocks = stack(4)  # 8x8 weight + 8 bias in fp32: 288 bytes frozen each
+    fits = plan_block_swap("auto", blocks, resident_gb=10.0, budget_gb=20.0, device_backend="cuda", unified=False)
+    assert fits.swapped == [] and "fit" in fits.reason
+    need = plan_block_swap("auto", blocks, resident_gb=1e-9 * 4 * 288, budget_gb=1e-9 * 2.5 * 288,
+                           device_backend="cuda", unified=False)
+    assert need.swapped == [1, 3] and "auto -> 2" in need.reason
+    assert plan_block_swap("auto", blocks, 99.0, 1.0, "cuda", unified=True).swapped == []
+    assert plan_block_swap("auto", blocks, 99.0, 1.0, "cpu", unified=False).swapped == []
+    assert plan_block_swap(3, blocks, 0.0, 1.0, "cuda", unified=False).swapped == [1, 2, 3]
+
+
+# The next step's forward 1 -> 3 -> 5 finds 1 and 3 resident: it releases 1 and fetches 5; backward then as before.
+SECOND_STEP = [("release", 1), ("copy", 5), ("release", 5), ("copy", 1)]
+
+
+def test_block_swap_order_and_gradients_equal_to_no_swap():
+    x = torch.randn(3, 8)
+    reference = run_step(stack(), x)
+
+    blocks, events = stack(), []
+    swap = BlockSwap(blocks, [1, 3, 5], torch.device("cpu"), trace=lambda what, i: events.append((what, i)))
+    for index, block in enumerate(blocks):
+        assert block.down.device.type == "cpu" and block.down.requires_grad
+    plan = prepare_blocks({"t": blocks}, compile_=False, checkpointing=False, swaps={"t": swap}, shape_count=1,
+                          log=lambda m: None)
+    assert plan.checkpointed == {"t": [1, 3, 5]} and plan.swapped == {"t": [1, 3, 5]}
+    grads = run_step(blocks, x)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    # Forward 1 -> 3 -> 5 (each prefetching the next), then the recomputes in backward 5 -> 3 -> 1. Block 3 stays
+    # resident at the turn (expected next), and block 3 again at the end (the next forward starts 1 -> 3).
+    assert events == [("copy", 1), ("copy", 3), ("release", 1), ("copy", 5), ("release", 5), ("copy", 1)]
+    # A swapped block's frozen weight points at its host copy once released, at a slot while resident.
+    assert blocks[5].base.weight.data_ptr() == swap.entries[5].params[0][1].data_ptr()
+    events.clear()
+    for block in blocks:
+        block.down.grad = block.up.grad = None
+    grads = run_step(blocks, x)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+    assert events == SECOND_STEP
+
+
+def test_selective_checkpointing_indices_and_static_shapes():
+    assert checkpointed_indices(True, 4, []) == [0, 1, 2, 3]
+    assert checkpointed_indices(False, 4, [2]) == [2]
+    assert checkpointed_indices(2, 6, []) == [2, 5]
+    assert compile_options(3)[0] == {"dynamic": False}
+    assert compile_options(9)[0] == {"dynamic": None}
+    assert torch._dynamo.config.recompile_limit >= 5
+
+
+def test_batch_shapes_count_every_bucket_and_tail():
+    from toolkit.data.order import BatchOrder
+
+    order = BatchOrder([0, 0, 0, 1, 1, 2], batch_size=2, seed=0)
+    assert order.batch_shapes() == {(0, 2), (0, 1), (1, 2), (2, 1)}
+    assert len(order.first_batch()) in (1, 2) and order.position == 0
+
+
+def test_flux_trains_the_same_lora_with_blocks_swapped_and_checkpointed(tmp_path, run_cli, capsys):
+    """Through the entry point: a run with one block swapped and both checkpointed gives the same LoRA, bit for
+    bit, as the plain one (tiny:flux has one double and one single block), samples included."""
+    out = {}
+    for name, more in (("plain", []), ("changed", ["model.block_swap=1", "train.gradient_checkpointing=2"])):
+        run_dir = tmp_path / name
+        assert run_cli(*diffusion_train_args("quickstart_flux.yaml", run_dir, "sample.every=2", *more)) == 0
+        out[name] = load_file(run_dir / "final" / "pytorch_lora_weights.safetensors")
+        assert (run_dir / "samples" / "step-000002" / "grid.png").is_file()
+    log = capsys.readouterr().err
+    assert "model.block_swap=1: 1 of 2 blocks swapped" in log
+    assert "blocks: transformer: 2 blocks, 2 gradient-checkpointed, 1 swapped" in log
+    assert "blocks: transformer: 2 blocks, 0 gradient-checkpointed, 0 swapped" in log
+    assert out["plain"].keys() == out["changed"].keys()
+    assert all(torch.equal(out["plain"][k], out["changed"][k]) for k in out["plain"])
+
+
+# -- attention --------------------------------------------------------------------------------------------------
+def test_attention_calls_are_recorded_with_counts():
+    from toolkit.train.attention import record_attention_calls
+
+    q = torch.randn(1, 2, 16, 8)
+    k = torch.randn(1, 2, 24, 8)
+
+    def forward():
+        for _ in range(3):
+            torch.nn.functional.scaled_dot_product_attention(q, k, k)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    calls = record_attention_calls(forward)
+    assert [(c.q, c.k, c.causal, c.count) for c in calls] == [((1, 2, 16, 8), (1, 2, 24, 8), False, 3),
+                                                             ((1, 2, 16, 8), (1, 2, 16, 8), True, 1)]
+
+
+def test_attention_choice_takes_the_fastest_that_ran_and_agrees():
+    from toolkit.train.attention import choose, priority
+    from torch.nn.attention import SDPBackend
+
+    results = {"cudnn": {"error": "crashed the process: illegal memory access", "crashed": True},
+               "flash": {"seconds": 0.004, "difference": 0.0},
+               "efficient": {"seconds": 0.003, "difference": 0.5}}
+    best, why = choose(results)
+    assert best == "flash" and "cudnn (crashed the process" in why and "efficient (outputs differ" in why
+    results["efficient"]["difference"] = 0.001
+    assert choose(results)[0] == "efficient"
+    assert choose({"cudnn": {"error": "no kernel"}}) == (None, "no backend ran on the recorded shapes: cudnn (no kernel)")
+    assert priority("efficient")[:2] == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+
+def test_attention_measured_in_a_child_process_on_the_cpu(tmp_path):
+    """The real child: on the CPU only the flash kernel runs; cuDNN and memory-efficient have no CPU kernel."""
+    from toolkit.train.attention import AttentionCall, measure_in_child, probe
+
+    call = AttentionCall(q=(1, 2, 32, 16), k=(1, 2, 32, 16), v=(1, 2, 32, 16), dtype="float32", mask=None,
+                         causal=False, gqa=False, count=2)
+    results = measure_in_child([call], torch.device("cpu"), tmp_path)
+    assert set(results) == {"cudnn", "flash", "efficient"}
+    assert "seconds" in results["flash"] and results["flash"]["seconds"] > 0
+    assert "error" in results["cudnn"] and "error" in results["efficient"]
+    best, why = probe([call], torch.device("cpu"), tmp_path / "attention.json")
+    assert best == "flash" and "measured" in why
+    again = probe([call], torch.device("cpu"), tmp_path / "attention.json")
+    assert again[0] == "flash" and "measured before" in again[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_block_swap_on_the_gpu_streams_and_gives_the_same_gradients():
+    """On a GPU the copies run on a side stream behind events: the gradients still equal the resident run's, with
+    and without compiled blocks, and the swapped blocks' frozen weights take no device memory between uses."""
+    x = torch.randn(64, 8, device="cuda")
+    resident = [b.cuda() for b in stack()]
+    reference = run_step(resident, x)
+    for compiled in (False, True):
+        blocks = stack()
+        swap = BlockSwap(blocks, [0, 2, 3, 5], torch.device("cuda"))
+        for index, block in enumerate(blocks):
+            if index not in swap.entries:
+                block.cuda()
+            else:
+                block.down.data, block.up.data = block.down.data.cuda(), block.up.data.cuda()
+        assert blocks[2].base.weight.is_pinned()
+        prepare_blocks({"t": blocks}, compile_=compiled, checkpointing=False, swaps={"t": swap}, shape_count=1,
+                       log=lambda m: None)
+        for _ in range(2):
+            for block in blocks:
+                block.down.grad = block.up.grad = None
+            grads = run_step(blocks, x)
+            torch.cuda.synchronize()
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, reference))
+        swap.leave_all()
+        assert all(p.device.type == "cpu" for i in swap.entries for p, _ in swap.entries[i].params)

@@ -1,0 +1,117 @@
+"""The repeated blocks of a denoiser, each wrapped once for what the run asks of it: compiled (train.compile),
+gradient-checkpointed (train.gradient_checkpointing: all, none, or N of them spread evenly), and streamed in
+from CPU memory (model.block_swap, models/block_swap.py; a swapped block is always checkpointed).
+
+The wrapper replaces the block's `forward` (the module, its parameter names and its hooks stay as they are):
+
+    forward(*args)  ->  checkpoint(run, *args) when checkpointed and grad is on, else run(*args)
+    run(*args)      ->  swap.enter(index) for a swapped block; then the block's own forward, compiled or not
+
+so the swap fetches the weights both in the forward pass and in the recompute during backward, and the compiled
+code never contains the swap's host logic. Compiling the forward alone (not the module's __call__) keeps
+module hooks (FSDP's, PEFT's) outside the compiled graph.
+
+Shapes: each aspect bucket gives the blocks another input shape. When a run has few batch shapes (at most
+STATIC_SHAPES_MAX), each is compiled once with static shapes, the fastest code; with more, dynamo's automatic
+dynamic shapes compile a second, shape-generic version at the second shape and reuse it for all others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from toolkit.models.block_swap import BlockSwap, spread
+
+STATIC_SHAPES_MAX = 8
+
+
+@dataclass
+class BlockPlan:
+    """What was done to the blocks of each root, for the log and the tests."""
+
+    compiled: int = 0
+    checkpointed: dict[str, list[int]] = field(default_factory=dict)
+    swapped: dict[str, list[int]] = field(default_factory=dict)
+    totals: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> list[str]:
+        lines = []
+        for name, total in self.totals.items():
+            ckpt, swap = self.checkpointed.get(name, []), self.swapped.get(name, [])
+            lines.append(f"blocks: {name}: {total} blocks, {len(ckpt)} gradient-checkpointed, {len(swap)} swapped"
+                         f"{', compiled' if self.compiled else ''}")
+        return lines
+
+
+def checkpointed_indices(setting, total: int, swapped: list[int]) -> list[int]:
+    """train.gradient_checkpointing resolved over `total` blocks: true all, false none, an integer N that many
+    spread evenly; swapped blocks are always included."""
+    if setting is True:
+        chosen = set(range(total))
+    elif setting is False or setting is None:
+        chosen = set()
+    else:
+        chosen = set(spread(int(setting), total))
+    return sorted(chosen | set(swapped))
+
+
+def compile_options(shape_count: int) -> tuple[dict, str]:
+    """torch.compile's dynamic setting for a run whose blocks see `shape_count` batch shapes, and why."""
+    import torch._dynamo
+
+    if shape_count <= STATIC_SHAPES_MAX:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shape_count + 2)
+        return {"dynamic": False}, (f"{shape_count} batch shape{'s' if shape_count != 1 else ''}: each compiled once "
+                                    "with static shapes")
+    return {"dynamic": None}, (f"{shape_count} batch shapes: static for the first, then one shape-generic "
+                               "compilation for all others (dynamo's automatic dynamic shapes)")
+
+
+def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkpointed: bool,
+               swap: BlockSwap | None) -> None:
+    """Replace `block.forward` by the wrapper in the module docstring (`compiled`: torch.compile options, or
+    None)."""
+    forward = block.forward
+    if compiled is not None:
+        forward = torch.compile(forward, **compiled)
+    swapped = swap is not None and index in swap.entries
+
+    def run(*args, **kwargs):
+        if swapped:
+            swap.enter(index)
+        return forward(*args, **kwargs)
+
+    def wrapped(*args, **kwargs):
+        if checkpointed and torch.is_grad_enabled():
+            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return run(*args, **kwargs)
+
+    block.forward = wrapped
+
+
+def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bool, checkpointing,
+                   swaps: Mapping[str, BlockSwap], shape_count: int, log: Callable[[str], None]) -> BlockPlan:
+    """Wrap every block of every root in `regions` ({root name: its blocks in forward order})."""
+    plan = BlockPlan()
+    options = None
+    if compile_:
+        import torch._dynamo
+
+        torch._dynamo.config.suppress_errors = True  # a block dynamo cannot compile runs eagerly, with its reason
+        options, why = compile_options(shape_count)
+        log(f"train.compile: {why}")
+    for name, blocks in regions.items():
+        swap = swaps.get(name)
+        swapped = swap.swapped if swap is not None else []
+        ckpt = checkpointed_indices(checkpointing, len(blocks), swapped)
+        for index, block in enumerate(blocks):
+            wrap_block(block, index, options, index in ckpt, swap)
+        plan.totals[name], plan.checkpointed[name], plan.swapped[name] = len(blocks), ckpt, swapped
+        plan.compiled += len(blocks) if compile_ else 0
+    for line in plan.describe():
+        log(line)
+    return plan
