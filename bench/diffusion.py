@@ -130,6 +130,8 @@ def plain_inputs(kind: str, model, w: dict):
 
 
 def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: bool, compiled: bool) -> dict:
+    if kind == "flux":  # PyTorch's cuDNN SDPA backend crashes on Flux shapes (FINDINGS.md): a user turns it off
+        torch.backends.cuda.enable_cudnn_sdp(False)
     model = plain_model(kind, folder, ckpt, compiled)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device() == "cuda")
