@@ -32,8 +32,10 @@ from toolkit.models.objectives import Noised
 
 # Attention and SwiGLU feed-forward of every block (the noise and context refiners and the joint layers).
 Z_IMAGE_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
-# ... and each modulated block's AdaLN projection (4 * dim outputs).
-Z_IMAGE_ALL_LINEAR = Z_IMAGE_TARGETS + ["adaLN_modulation.0"]
+# ... and each modulated block's AdaLN projection (4 * dim outputs); a regex (PEFT full-matches a string), since the
+# final layer's adaLN_modulation.0 is its SiLU.
+Z_IMAGE_ALL_LINEAR = (r".*(layers|noise_refiner|context_refiner)\.\d+\.(attention\.(to_q|to_k|to_v|to_out\.0)"
+                      r"|feed_forward\.w[123]|adaLN_modulation\.0)")
 
 
 def in_z_image_blocks(name: str) -> bool:
@@ -58,7 +60,7 @@ class ZImageAdapter(FlowMatchingAdapter):
 
         return ZImagePipeline
 
-    def lora_target_modules(self) -> list[str]:
+    def lora_target_modules(self) -> list[str] | str:
         return target_modules(self.cfg.network.target_modules, Z_IMAGE_TARGETS, Z_IMAGE_ALL_LINEAR)
 
     def setup_training(self) -> None:
