@@ -169,11 +169,12 @@ def train(out: Translation, s: Section) -> None:
     out.set("train.steps", as_int(s.take("steps", 1000), s.key("steps")), s.key("steps"))
     out.set("train.batch_size", as_int(s.take("batch_size", 1), s.key("batch_size")), s.key("batch_size"))
     accum = as_int(s.take("gradient_accumulation", 1), s.key("gradient_accumulation"))
-    accum = max(accum, as_int(s.take("gradient_accumulation_steps", 1), s.key("gradient_accumulation_steps")))
+    legacy = as_int(s.take("gradient_accumulation_steps", 1), s.key("gradient_accumulation_steps"))
+    if legacy < 1:
+        out.skip(s.key("gradient_accumulation_steps"), legacy, "accumulating a whole epoch (-1) is not available here")
+    accum = max(accum, legacy)
     if accum > 1:
         out.set("train.grad_accum", accum, s.key("gradient_accumulation"))
-    elif accum < 1:
-        out.skip(s.key("gradient_accumulation_steps"), accum, "accumulating a whole epoch (-1) is not available here")
     lr = as_float(s.take("lr", 1e-6), s.key("lr"))
     unet_lr = s.take("unet_lr")
     if unet_lr is not None and as_float(unet_lr, s.key("unet_lr")) != lr:
