@@ -22,6 +22,7 @@ commands (passed to `python -m toolkit COMMAND`):
   presets                             GPU architecture presets, and which one applies here
   doctor                              backend, arch, ROCm environment, bitsandbytes, torch
   merge RUN_DIR OUT_DIR               fold an LLM LoRA into its base model and save the full model
+  import-aitk JOB.yaml > CONFIG.yaml  translate an ai-toolkit job file (what does not translate: on stderr)
   test [PYTEST ARGS]                  the test suite (python -m pytest -q tests)
 
 options:

@@ -1,4 +1,4 @@
-"""The transformer key styles (Flux, SD3, Qwen-Image, Wan): the written keys, alphas, and a round trip through
+"""The transformer key styles (Flux, SD3, Qwen-Image, Z-Image, Flux.2, Wan): the written keys, alphas, and a round trip through
 diffusers' own readers on layouts the quickstarts do not have (Wan image-to-video, every linear layer).
 
 Each test puts a PEFT LoRA (rank 4, non-zero B) on a tiny transformer, reads its factors (peft_factors), writes
@@ -13,12 +13,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from toolkit.models.lora_export import (Factor, diffusers_keys_scaled, diffusers_keys_with_alpha, peft_factors,
-                                        qwen_image_keys, wan_native_keys)
+from toolkit.models.diffusion_flux2 import FLUX2_ALL_LINEAR
+from toolkit.models.lora_export import (Factor, diffusers_keys_scaled, diffusers_keys_with_alpha, flux2_keys,
+                                        peft_factors, qwen_image_keys, wan_native_keys, z_image_keys)
 
 # Each family's key style, as its adapter names it (transformer_key_style).
 KEYS = {"flux": diffusers_keys_with_alpha, "sd3": diffusers_keys_scaled, "wan21": wan_native_keys,
-        "wan22": wan_native_keys, "qwen_image": qwen_image_keys}
+        "wan22": wan_native_keys, "qwen_image": qwen_image_keys, "z_image": z_image_keys, "flux2": flux2_keys}
+SCALED = {"sd3", "flux2"}  # the scale folded into lora_A: their diffusers readers refuse `.alpha` keys
 
 RANK = 4
 METADATA = {"ss_network_dim": str(RANK), "toolkit_family": "test"}
@@ -61,12 +63,17 @@ def _factors(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, to
     return {m: (state[f"{m}.lora_A.weight"], state[f"{m}.lora_B.weight"]) for m in modules}
 
 
+def _output(model, inputs: dict) -> torch.Tensor:
+    out = model(**inputs, return_dict=False)[0]
+    return torch.stack(out) if isinstance(out, list) else out  # Z-Image returns one tensor per sample
+
+
 def _assert_same_output(original, reloaded, inputs: dict):
     with torch.no_grad():
-        expected = original(**inputs, return_dict=False)[0]
-        got = reloaded(**inputs, return_dict=False)[0]
+        expected = _output(original, inputs)
+        got = _output(reloaded, inputs)
         reloaded.disable_adapters()
-        base = reloaded(**inputs, return_dict=False)[0]
+        base = _output(reloaded, inputs)
     # The LoRA moves the output well beyond the tolerance, so matching it means the mapping is right.
     assert (base - expected).abs().max() > 1e-2
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -215,6 +222,40 @@ def _qwen_image_inputs():
             "timestep": torch.tensor([0.5]), "img_shapes": [[(1, 4, 4)]]}
 
 
+def _tiny_z_image():
+    """Z-Image layout (noise / context refiners, joint layers, fused-in-ComfyUI attention), 1 block each, dim 32."""
+    from diffusers import ZImageTransformer2DModel
+
+    return ZImageTransformer2DModel(in_channels=4, dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
+                                    cap_feat_dim=16, axes_dims=[4, 6, 6], axes_lens=[64, 32, 32])
+
+
+def _z_image_inputs():
+    g = torch.Generator().manual_seed(1)
+    return {"x": [torch.randn(4, 1, 8, 8, generator=g)], "t": torch.tensor([0.5]),
+            "cap_feats": [torch.randn(5, 16, generator=g)]}
+
+
+def _tiny_flux2():
+    """FLUX.2 layout (shared modulation, fused single-block projections), 1 double + 1 single block, 2 heads of 16."""
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel(in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                   num_attention_heads=2, joint_attention_dim=12, axes_dims_rope=(4, 4, 4, 4))
+
+
+def _flux2_inputs():
+    g = torch.Generator().manual_seed(1)
+    return {"hidden_states": torch.randn(1, 16, 8, generator=g),
+            "encoder_hidden_states": torch.randn(1, 5, 12, generator=g), "timestep": torch.tensor([0.5]),
+            "img_ids": torch.zeros(16, 4), "txt_ids": torch.zeros(5, 4), "guidance": torch.tensor([3.5])}
+
+
+# Every linear layer of each: all of them have a name in ComfyUI's maps (comfy.utils.z_image_to_diffusers; for Flux.2
+# flux_to_diffusers, which has none for the shared modulation and the embedders, hence the adapter's all-linear).
+Z_IMAGE_LINEAR = (r".*(\.\d+\.(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[123]|adaLN_modulation\.0)"
+                  r"|all_x_embedder\.2-1|all_final_layer\.2-1\.(linear|adaLN_modulation\.1)|t_embedder\.mlp\.[02]"
+                  r"|cap_embedder\.1)")
 QWEN_LINEAR = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "img_mod.1",
                "txt_mod.1", "net.0.proj", "net.2", "img_in", "txt_in", "linear_1", "linear_2", "norm_out.linear",
                "proj_out"]
@@ -241,29 +282,44 @@ def _loaded_by_the_pipeline(pipeline_class, make_transformer, file):
     ("flux", _tiny_flux, ALL_LINEAR, _flux_inputs, "single_transformer_blocks.0.proj_mlp"),
     ("sd3", _tiny_sd35, SD3_LINEAR, _sd3_inputs, "transformer_blocks.0.attn2.to_q"),
     ("qwen_image", _tiny_qwen_image, QWEN_LINEAR, _qwen_image_inputs, "transformer_blocks.1.txt_mod.1"),
+    ("z_image", _tiny_z_image, Z_IMAGE_LINEAR, _z_image_inputs, "context_refiner.0.attention.to_out.0"),
+    ("flux2", _tiny_flux2, FLUX2_ALL_LINEAR, _flux2_inputs, "single_transformer_blocks.0.attn.to_qkv_mlp_proj"),
 ])
 def test_mmdit_families_keep_diffusers_module_names_with_their_scale(tmp_path, family, make_transformer, targets,
                                                                       inputs, known_module):
-    from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
+    import diffusers
 
-    pipeline_class = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline, "qwen_image": QwenImagePipeline}[family]
+    pipeline_class = getattr(diffusers, {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline",
+                                         "qwen_image": "QwenImagePipeline", "z_image": "ZImagePipeline",
+                                         "flux2": "Flux2Pipeline"}[family])
     alpha = 6.0
     original = _lora(make_transformer, targets, alpha)
     peft_state, out = _export(tmp_path, original, family, alpha)
     written = load_file(str(out))
 
-    # The module names ComfyUI maps itself (comfy.utils.flux_to_diffusers / mmdit_to_diffusers; Qwen-Image's own),
-    # with an `.alpha` (flux, qwen_image) or the scale folded into lora_A (sd3, whose diffusers reader refuses it).
-    prefix = "diffusion_model" if family == "qwen_image" else "transformer"
+    # The module names ComfyUI maps itself (comfy.utils.flux_to_diffusers / mmdit_to_diffusers /
+    # z_image_to_diffusers; Qwen-Image's own), with an `.alpha` (flux, qwen_image, z_image) or the scale folded into
+    # lora_A (sd3, flux2, whose diffusers readers refuse it).
+    prefix = "diffusion_model" if family in ("qwen_image", "z_image") else "transformer"
     assert f"{prefix}.{known_module}.lora_A.weight" in written
     factors = _factors(peft_state)
-    assert len(written) == len(factors) * (2 if family == "sd3" else 3)
+    assert len(written) == len(factors) * (2 if family in SCALED else 3)
     for module, (down, up) in factors.items():
         name = f"{prefix}.{module.removeprefix('transformer.')}"
         assert torch.equal(written[f"{name}.lora_B.weight"], up), module
-        if family == "sd3":
+        if family in SCALED:
             assert torch.equal(written[f"{name}.lora_A.weight"], down * (alpha / RANK)), module
         else:
             assert torch.equal(written[f"{name}.lora_A.weight"], down) and written[f"{name}.alpha"].item() == alpha
 
     _assert_same_output(original, _loaded_by_the_pipeline(pipeline_class, make_transformer, out), inputs())
+
+
+def test_flux2_module_without_comfyui_name_is_an_error():
+    """The shared modulation layers have no diffusers-name entry in ComfyUI's Flux map: the file falls back to
+    diffusers' own layout (diffusion_files.py) rather than writing keys ComfyUI would skip."""
+    factors = {"double_stream_modulation_img.linear": Factor(torch.zeros(RANK, 32), torch.zeros(192, RANK), 8.0),
+               "transformer_blocks.0.attn.to_q": Factor(torch.zeros(RANK, 32), torch.zeros(32, RANK), 8.0)}
+    with pytest.raises(ValueError, match="no ComfyUI Flux.2 name for the LoRA modules "
+                                         "\\['double_stream_modulation_img.linear'\\]"):
+        flux2_keys(factors)

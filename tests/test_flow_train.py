@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO
 from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
+from toolkit.data.images import load_pixels
 from toolkit.models.flow_matching import SigmaSampler, flux_mu
 from toolkit.paths import resolve_model_path
 
@@ -28,30 +29,38 @@ def _pixels(images) -> np.ndarray:
     return np.asarray(images[0], dtype=np.int16)
 
 
-# family, its pipeline, and the pipeline call settings that match the quickstart's samples
-@pytest.mark.parametrize("family, pipeline_name, guidance", [
-    ("flux", "FluxPipeline", dict(guidance_scale=3.5)),
-    ("sd3", "StableDiffusion3Pipeline", dict(guidance_scale=3.0)),
-    ("qwen_image", "QwenImagePipeline", dict(true_cfg_scale=4.0, negative_prompt=" ")),  # true CFG
-])
-def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(family, pipeline_name, guidance, tmp_path,
-                                                                            run_cli, capsys):
+# family -> its pipeline, the pipeline call settings that match the quickstart's samples, the LoRA file's key prefix
+# (the names ComfyUI maps, lora_export.py), one module it must hold, and whether it has `.alpha` keys
+IMAGE_FAMILIES = {
+    "flux": ("FluxPipeline", dict(guidance_scale=3.5), "transformer.", "transformer_blocks.0.attn.to_q", True),
+    "sd3": ("StableDiffusion3Pipeline", dict(guidance_scale=3.0), "transformer.", "transformer_blocks.0.attn.to_q",
+            False),
+    "qwen_image": ("QwenImagePipeline", dict(true_cfg_scale=4.0, negative_prompt=" "), "diffusion_model.",  # true CFG
+                   "transformer_blocks.0.attn.to_q", True),
+    "z_image": ("ZImagePipeline", dict(guidance_scale=0.0), "diffusion_model.", "layers.0.attention.to_q", True),
+    "flux2": ("Flux2Pipeline", dict(guidance_scale=4.0), "transformer.",
+              "single_transformer_blocks.0.attn.to_qkv_mlp_proj", False),
+}
+
+
+@pytest.mark.parametrize("family", list(IMAGE_FAMILIES))
+def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(family, tmp_path, run_cli, capsys):
+    pipeline_name, guidance, prefix, known_module, alphas = IMAGE_FAMILIES[family]
     out = tmp_path / "run"
     # alpha != rank: the file's adapter metadata makes diffusers scale by alpha/rank, as training did
     assert run_cli(*diffusion_train_args(f"quickstart_{family}.yaml", out, "sample.prompts=[sks a red circle]",
                                          "network.alpha=16")) == 0
     err = capsys.readouterr().err
-    # 24 captions + the sample prompt (sd3: + the negative prompt "")
-    assert f"text embeddings: 0 cached, {25 if family == 'flux' else 26} encoded" in err
+    # 24 captions + the sample prompt (+ the negative prompt "" for the families that sample with one)
+    assert f"text embeddings: 0 cached, {25 if family in ('flux', 'flux2') else 26} encoded" in err
     assert "text encoders: freed after caching" in err
     losses = _losses(out)
     assert len(losses) == 2 and all(np.isfinite(losses))
 
     weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
-    prefix = "diffusion_model." if family == "qwen_image" else "transformer."  # the names ComfyUI maps (lora_export.py)
-    suffixes = (".lora_A.weight", ".lora_B.weight") + ((".alpha",) if family != "sd3" else ())
+    suffixes = (".lora_A.weight", ".lora_B.weight") + ((".alpha",) if alphas else ())
     assert all(k.startswith(prefix) and k.endswith(suffixes) for k in weights)
-    assert f"{prefix}transformer_blocks.0.attn.to_q.lora_A.weight" in weights
+    assert f"{prefix}{known_module}.lora_A.weight" in weights
     if family == "flux":  # single blocks, but not the model's final proj_out
         assert "transformer.single_transformer_blocks.0.proj_out.lora_A.weight" in weights
         assert not any(k.startswith("transformer.proj_out.") for k in weights)
@@ -65,7 +74,8 @@ def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(fami
     call = dict(num_inference_steps=2, width=64, height=64, **guidance)
 
     def generate() -> np.ndarray:
-        return _pixels(pipe("sks a red circle", generator=torch.Generator("cpu").manual_seed(42), **call).images)
+        return _pixels(pipe(prompt="sks a red circle", generator=torch.Generator("cpu").manual_seed(42),
+                            **call).images)
 
     base = generate()
     pipe.load_lora_weights(str(out / "final"))
@@ -73,6 +83,79 @@ def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(fami
     trained = np.asarray(Image.open(out / "samples" / "step-000002" / "00.png"), dtype=np.int16)
     assert np.abs(with_lora - base).max() >= 2
     assert np.abs(with_lora - trained).max() <= 1
+
+
+@pytest.mark.parametrize("family", ["z_image", "flux2"])
+def test_resume_from_a_checkpoint_is_bit_identical(family, tmp_path, run_cli):
+    common = ("sample.prompts=[]", "save.every=1", "save.format=diffusers")
+    full = tmp_path / "full"
+    assert run_cli(*diffusion_train_args(f"quickstart_{family}.yaml", full, *common)) == 0
+    resumed = tmp_path / "resumed"
+    assert run_cli(*diffusion_train_args(f"quickstart_{family}.yaml", resumed, *common,
+                                         f"train.resume={full / 'checkpoints' / 'step-000001'}")) == 0
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-000002"]
+    assert _losses(resumed) == _losses(full)[1:]
+    a, b = (load_file(str(run / "final" / "pytorch_lora_weights.safetensors")) for run in (full, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family, pipeline_name, latent_shape", [
+    ("z_image", "ZImagePipeline", (1, 16, 8, 8)),     # the VAE's latents at 64x64
+    ("flux2", "Flux2Pipeline", (1, 128, 4, 4)),       # 32 channels patchified 2x2
+])
+def test_predict_is_the_velocity_the_pipeline_steps_with(family, pipeline_name, latent_shape, tmp_path):
+    """The family's conventions checked against its pipeline rather than restated: the cached text is the pipeline's
+    own encoding; one scheduler step of the pipeline from latents x at its first sigma moves x by
+    (sigma_1 - sigma_0) * predict(x, sigma_0); the training sigmas are shifted as the pipeline shifts them; Flux.2's
+    latents are what the pipeline encodes a reference image to."""
+    import diffusers
+
+    from toolkit.models.diffusion_base import Denoiser
+    from toolkit.models.objectives import Noised
+
+    guidance = ["train.guidance=4.0"] if family == "flux2" else []  # what the pipeline call below feeds it
+    adapter, dataset = adapter_for(f"quickstart_{family}.yaml", tmp_path, *guidance)
+    prompt = adapter.sample_prompts()[0]  # cached
+    text = adapter.embeddings_for(prompt)
+    fresh = getattr(diffusers, pipeline_name).from_pretrained(resolve_model_path(f"tiny:{family}"))
+    with torch.no_grad():
+        if family == "z_image":
+            (own,), _ = fresh.encode_prompt([prompt], device="cpu", do_classifier_free_guidance=False)
+            tokens = text["prompt_embeds"][0][text["prompt_embeds_mask"][0].bool()]
+            pipeline_text = dict(prompt_embeds=[tokens], guidance_scale=0.0)
+        else:
+            own, tokens = fresh.encode_prompt(prompt, device="cpu")[0][0], text["prompt_embeds"][0]
+            pipeline_text = dict(prompt_embeds=text["prompt_embeds"], guidance_scale=4.0)
+    assert torch.equal(tokens, own)
+
+    pipe, steps = adapter.pipe, 2 if family == "z_image" else 50  # flux2: its training shift is the one at 50 steps
+    pipe.set_progress_bar_config(disable=True)
+    x = torch.randn(latent_shape, generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def first_step(pipeline, i, t, kwargs):
+        seen.append(kwargs["latents"].clone())
+        pipeline._interrupt = True  # the remaining steps are skipped
+        return {}
+
+    pipe(**pipeline_text, num_inference_steps=steps, width=64, height=64, latents=x.clone(), output_type="latent",
+         callback_on_step_end=first_step)
+    sigmas = pipe.scheduler.sigmas
+    transformer = pipe.transformer
+    with torch.no_grad():
+        velocity = adapter.predict(Denoiser(transformer, transformer.dtype, transformer.config),
+                                   Noised(x, sigmas[:1], torch.zeros_like(x)), text, {})
+    after = seen[0] if family == "z_image" else seen[0].transpose(1, 2).reshape(latent_shape)  # flux2: tokens
+    torch.testing.assert_close(after, x + (sigmas[1] - sigmas[0]) * velocity, rtol=1e-5, atol=1e-6)
+    # sigma 1 - 1/steps (the pipelines' unshifted schedule) shifted as the training sampler shifts
+    sampler = adapter.sampler_for(x)
+    assert float(sampler.shifted(torch.tensor(1 - 1 / steps))) == pytest.approx(float(sigmas[1]), rel=1e-5)
+    if family == "z_image":
+        assert not adapter.dynamic_shift and sampler.shift == 3.0 and sampler.mu is None
+    else:
+        batch = dataset.collate([0])
+        pixels = load_pixels(dataset.items[0])[0][None]
+        assert torch.allclose(batch["latents"], fresh._encode_vae_image(pixels, None), atol=1e-5)
 
 
 def test_flux_loss_is_the_velocity_mse_with_resolution_dependent_shift(tmp_path):

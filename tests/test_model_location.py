@@ -82,3 +82,12 @@ def test_a_cached_hub_model_without_network_runs_in_offline_mode_with_a_note(tmp
     assert proc.returncode == 0, proc.stderr
     assert (f"note: http://127.0.0.1:9 did not answer within 3 s; '{repo}' is in the local cache, so this run uses "
             "it in offline mode (HF_HUB_OFFLINE=1)") in proc.stderr
+
+
+def test_the_new_familys_tiny_folders_pass_as_local_folders(run_cli, capsys):
+    """A pipeline folder given by path is checked component by component: FLUX.2's tokenizer, saved by transformers 5
+    as TokenizersBackend, holds no weights (as PixtralProcessor, the real folder's, does not)."""
+    for family in ("z_image", "flux2"):
+        folder = resolve_model_path(f"tiny:{family}")
+        assert run_cli("validate", REPO / f"configs/examples/quickstart_{family}.yaml",
+                       f"model.name_or_path={folder}") == 0, capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Tiny flow-matching pipelines (tiny:flux, tiny:sd3, tiny:wan21, tiny:wan22, tiny:wan22-5b, tiny:qwen_image): written
+"""Tiny flow-matching pipelines (tiny:flux, tiny:sd3, tiny:wan21, tiny:wan22, tiny:wan22-5b, tiny:qwen_image, tiny:z_image,
+tiny:flux2): written
 on first use, loaded by their diffusers pipeline class, and able to generate; the family-specific settings are the
 real ones."""
 
@@ -38,6 +39,13 @@ KINDS = {
                                          "tokenizer": "Qwen2Tokenizer", "transformer": "QwenImageTransformer2DModel",
                                          "vae": "AutoencoderKLQwenImage",
                                          "scheduler": "FlowMatchEulerDiscreteScheduler"}, (1, 64, 64, 3)),
+    "z_image": ("ZImagePipeline", {"text_encoder": "Qwen3Model", "tokenizer": "Qwen2Tokenizer",
+                                   "transformer": "ZImageTransformer2DModel", "vae": "AutoencoderKL",
+                                   "scheduler": "FlowMatchEulerDiscreteScheduler"}, (1, 64, 64, 3)),
+    # FLUX.2-dev's tokenizer is a PixtralProcessor (torchvision for its image half); the tiny one holds its tokenizer
+    "flux2": ("Flux2Pipeline", {"text_encoder": "Mistral3ForConditionalGeneration", "tokenizer": "TokenizersBackend",
+                                "transformer": "Flux2Transformer2DModel", "vae": "AutoencoderKLFlux2",
+                                "scheduler": "FlowMatchEulerDiscreteScheduler"}, (1, 64, 64, 3)),
 }
 # Kinds whose family is not in config/families.py yet (their writer exists; the FamilySpec.tiny entry comes with the
 # family): skipped until registered.
@@ -149,3 +157,26 @@ def test_writer_is_deterministic_and_keeps_the_callers_rng(tmp_path):
         name = next(p.name for p in (tmp_path / "again" / part).glob("*.safetensors"))
         a, b = load_file(tmp_path / "again" / part / name), load_file(f"{cached}/{part}/{name}")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_chat_templates_render_the_prompts_as_the_real_models_do():
+    """Z-Image: Qwen3's user turn and generation prompt (no empty think block with enable_thinking); FLUX.2: Mistral
+    Small 3.1's system prompt and instruction; every word one token, so the 512-token window keeps the prompt."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    z_image = _load("z_image").tokenizer
+    text = z_image.apply_chat_template([{"role": "user", "content": "a sks dog"}], tokenize=False,
+                                       add_generation_prompt=True, enable_thinking=True)
+    assert text == "<|im_start|>user\na sks dog<|im_end|>\n<|im_start|>assistant\n"
+    assert z_image.tokenize("a sks dog") == ["a", "Ġsks", "Ġdog"]
+
+    flux2 = _load("flux2").tokenizer
+    (text,) = flux2.apply_chat_template(format_input(["a sks dog"]), tokenize=False)
+    assert text == f"<s>[SYSTEM_PROMPT]{SYSTEM_MESSAGE}[/SYSTEM_PROMPT][INST]a sks dog[/INST]"
+    ids = flux2.apply_chat_template(format_input(["a sks dog"]), tokenize=True, return_dict=True, padding="max_length",
+                                    truncation=True, max_length=512)["input_ids"][0]
+    tokens = flux2.convert_ids_to_tokens(ids)
+    assert tokens[:2] == ["<s>", "[SYSTEM_PROMPT]"] and tokens[-1] == "<pad>" and len(tokens) == 512
+    end = tokens.index("[/INST]")
+    assert tokens[end - 4:end + 1] == ["[INST]", "a", "Ġsks", "Ġdog", "[/INST]"] and end < 40

@@ -17,6 +17,7 @@ USAGE_EXAMPLES = """examples:
   ./start_toolkit.sh validate my.yaml
   ./start_toolkit.sh presets
   ./start_toolkit.sh doctor
+  ./start_toolkit.sh import-aitk job.yaml > config.yaml   # from an ai-toolkit job
 """
 
 
@@ -122,6 +123,18 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_aitk(args: argparse.Namespace) -> int:
+    from toolkit.aitk import render, translate_job
+
+    translation = translate_job(args.job)
+    print(render(translation, args.job), end="")
+    for skipped in translation.skipped:
+        print(f"not translated: {skipped.key} = {skipped.value!r}: {skipped.reason}", file=sys.stderr)
+    for note in translation.notes:
+        print(f"changed: {note}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="start_toolkit.sh", description="YAML-driven LoRA training toolkit.",
                                      epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="dtype of the saved weights (auto: the base model's)")
     merge.add_argument("--step", type=int, default=None, help="merge the run folder's checkpoint of this step")
     merge.set_defaults(func=cmd_merge)
+    aitk = sub.add_parser("import-aitk", help="translate an ai-toolkit job file into this toolkit's config (YAML on "
+                          "stdout; what does not translate, on stderr)")
+    aitk.add_argument("job", metavar="JOB.yaml", help="an ai-toolkit job file (config.process[0] is translated)")
+    aitk.set_defaults(func=cmd_import_aitk)
     return parser
 
 

@@ -81,6 +81,15 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Qwen-Image", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
                tiny={"qwen_image": "toolkit.tiny.qwen_image:write_tiny_qwen_image"}, pipeline_class="QwenImagePipeline"),
+    FamilySpec("z_image", "toolkit.models.diffusion_zimage:ZImageAdapter", ImageDataSection,
+               FLOW_SETTINGS | {"sample.negative_prompt"}, "Z-Image / Z-Image-Turbo", timestep_sampling="logit_normal",
+               batch_cap=2, save_formats=("diffusers", "comfyui"),
+               tiny={"z_image": "toolkit.tiny.z_image:write_tiny_z_image"}, pipeline_class="ZImagePipeline"),
+    FamilySpec("flux2", "toolkit.models.diffusion_flux2:Flux2Adapter", ImageDataSection,
+               FLOW_SETTINGS | {"train.guidance"}, "FLUX.2 [dev]", timestep_sampling="logit_normal", batch_cap=1,
+               save_formats=("diffusers", "comfyui"), tiny={"flux2": "toolkit.tiny.flux2:write_tiny_flux2"},
+               pipeline_class="Flux2Pipeline",
+               cudnn_sdpa=False),  # as Flux.1 (same head size), whose shapes crashed PyTorch's cuDNN SDPA
 )}
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)

@@ -114,6 +114,11 @@ class DiffusionAdapter(DiffusersLoraFiles, AdapterBase):
             raise UserError(f"model.name_or_path: cannot load '{self.cfg.model.name_or_path}' as a {self.family} "
                             f"pipeline: {str(err).splitlines()[0]}\n  fix: give a local diffusers folder "
                             "(model_index.json) or a Hub id you can reach") from None
+        except ImportError as err:  # a component class that needs a library the toolkit does not install
+            raise UserError(f"model.name_or_path: loading '{self.cfg.model.name_or_path}' as a {self.family} pipeline "
+                            f"needs a library that is not installed: {str(err).strip().splitlines()[0]}\n  fix: "
+                            "install the library it names into the toolkit's environment (.venv/bin/pip install ...)"
+                            ) from None
         self.pipe.set_progress_bar_config(disable=True)
         for module in self.pipe.components.values():
             if isinstance(module, torch.nn.Module):

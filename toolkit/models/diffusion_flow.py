@@ -52,6 +52,8 @@ class FlowMatchingAdapter(DiffusionAdapter):
     samples_need_text_encoders = False
     # The LoRA file's keys for the transformer's factors (lora_export.py): diffusers' module names with alphas
     transformer_key_style = staticmethod(diffusers_keys_with_alpha)
+    # Which linear layers (by name inside the denoiser) the memory plan quantizes: the repeated blocks'
+    quantized_layer = staticmethod(in_blocks)
 
     def lora_key_style(self, factors: dict[str, Factors]) -> dict[str, torch.Tensor]:
         (transformer,) = factors.values()  # one transformer per file (each Wan 2.2 expert has its own)
@@ -83,7 +85,7 @@ class FlowMatchingAdapter(DiffusionAdapter):
         for name in self.denoiser_names:
             count = quantize_linear_layers(self.component(name), self.quantize, self.runtime.compute_dtype,
                                            self.runtime.device, skip=(), backend=self.quantize_library,
-                                           include=in_blocks)
+                                           include=self.quantized_layer)
             self.log(f"model: quantized {count} linear layers of the {name} to {self.quantize} "
                      f"({self.quantize_library})")
 

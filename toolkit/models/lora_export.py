@@ -10,8 +10,9 @@ loader and, where the family has one, kohya's sd-scripts or musubi-tuner all rea
 - flux (`diffusers_keys_with_alpha`), qwen_image (`qwen_image_keys`): diffusers module names
   (`transformer.<module>.lora_A.weight`; `diffusion_model.` for Qwen-Image) and a `<module>.alpha`, which
   ComfyUI (comfy/lora.py load_lora) and diffusers' Flux and Qwen-Image readers take as the alpha.
-- sd3 (`diffusers_keys_scaled`): diffusers module names with the scale folded into lora_A: diffusers' SD3
-  reader refuses any key without "lora" in it, so an `.alpha` cannot be written.
+- z_image (`z_image_keys`): as Qwen-Image, diffusers module names under `diffusion_model.` with `.alpha`.
+- sd3 (`diffusers_keys_scaled`), flux2 (`flux2_keys`): diffusers module names with the scale folded into lora_A:
+  diffusers' SD3 and Flux.2 readers refuse any key without "lora" in it, so an `.alpha` cannot be written.
 - wan21, wan22 (`wan_native_keys`): ComfyUI's and the original Wan module names under `diffusion_model.`.
 
 A format that cannot hold a module (a Wan module without an original name, DoRA magnitudes) is a ValueError.
@@ -19,6 +20,7 @@ A format that cannot hold a module (a Wan module without an original name, DoRA 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +120,7 @@ def kohya_keys(unet: Factors, text_encoders: dict[str, Factors], te_prefixes: di
     return out
 
 
-# -- flux, qwen_image, sd3: diffusers module names -------------------------------------------------------------
+# -- flux, qwen_image, z_image, flux2, sd3: diffusers module names ------------------------------------------------
 
 def diffusers_keys_with_alpha(factors: Factors, prefix: str = "transformer") -> dict[str, torch.Tensor]:
     """`<prefix>.<module>.lora_A/lora_B.weight` and `<prefix>.<module>.alpha`, the diffusers module names.
@@ -139,6 +141,33 @@ def qwen_image_keys(factors: Factors) -> dict[str, torch.Tensor]:
     (_convert_non_diffusers_qwen_lora_to_diffusers) strips `diffusion_model.` and applies each alpha, while it
     would take `transformer.`-prefixed keys with alphas for modules of a `transformer` submodule."""
     return diffusers_keys_with_alpha(factors, prefix="diffusion_model")
+
+
+def z_image_keys(factors: Factors) -> dict[str, torch.Tensor]:
+    """Z-Image: the diffusers module names under `diffusion_model.`, with `.alpha`. ComfyUI (comfy/lora.py, its
+    Lumina2 branch) maps `diffusion_model.<diffusers module>` through comfy.utils.z_image_to_diffusers, which covers
+    every linear layer of the model (to_q/to_k/to_v as slices of the fused qkv); diffusers' Z-Image reader
+    (_convert_non_diffusers_z_image_lora_to_diffusers) strips `diffusion_model.` and applies each alpha."""
+    return diffusers_keys_with_alpha(factors, prefix="diffusion_model")
+
+
+# Flux.2 modules that ComfyUI maps from diffusers names (comfy.utils.flux_to_diffusers, which serves Flux.2 too): the
+# blocks' attention and feed-forward layers, the single blocks' fused projections, and the input / output layers.
+# The shared modulation layers and the time / guidance embedders have no diffusers-name entry there.
+FLUX2_COMFYUI_MODULES = re.compile(
+    r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+    r"|ff\.linear_(in|out)|ff_context\.linear_(in|out))"
+    r"|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)|x_embedder|context_embedder|proj_out")
+
+
+def flux2_keys(factors: Factors) -> dict[str, torch.Tensor]:
+    """Flux.2: `transformer.<diffusers module>` with the scale folded into lora_A, as SD3: diffusers' Flux.2 reader
+    takes `transformer.` keys as they are and refuses `.alpha` keys; ComfyUI, finding no alpha, applies B @ A. A
+    module ComfyUI has no name for is a ValueError."""
+    unmapped = sorted(m for m in factors if not FLUX2_COMFYUI_MODULES.fullmatch(m))
+    if unmapped:
+        raise ValueError(f"no ComfyUI Flux.2 name for the LoRA modules {unmapped[:4]}")
+    return diffusers_keys_scaled(factors)
 
 
 def diffusers_keys_scaled(factors: Factors) -> dict[str, torch.Tensor]:

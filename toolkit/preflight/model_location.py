@@ -22,7 +22,7 @@ HUB_TIMEOUT_S = 3.0
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 # model_index.json components that hold no weights of their own.
-NO_WEIGHTS = ("Tokenizer", "TokenizerFast", "Scheduler", "Processor", "FeatureExtractor")
+NO_WEIGHTS = ("Tokenizer", "TokenizerFast", "TokenizersBackend", "Scheduler", "Processor", "FeatureExtractor")
 LLM_LAYOUT = "a transformers model folder: config.json, weights (*.safetensors or pytorch_model*.bin), tokenizer files"
 DIFFUSERS_LAYOUT = ("a diffusers pipeline folder: model_index.json and one subfolder per component, each with its "
                     "config and *.safetensors weights")

@@ -65,25 +65,37 @@ def _learn_merges(words: list[str]) -> list[tuple[str, str]]:
             pieces[word] = merged
 
 
-def write_qwen_tokenizer(out: Path) -> "Qwen2Tokenizer":  # noqa: F821
-    """A Qwen2 byte-level BPE tokenizer (vocab.json + merges.txt + tokenizer.json): the 256 byte symbols, merges
-    that make every template and test word one token (with and without its leading space), then the specials."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-
+def byte_level_bpe(words: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """(vocab, merges) of a byte-level BPE: the 256 byte symbols, then merges that make each of `words` one token,
+    with and without its leading space."""
     byte_map = _bytes_to_unicode()
 
     def byte_level(text: str) -> str:
         return "".join(byte_map[b] for b in text.encode("utf-8"))
 
-    words = list(dict.fromkeys(_TEMPLATE_WORDS + list(_WORDS)))
+    words = list(dict.fromkeys(words))
     merges = _learn_merges([byte_level(w) for w in words] + [byte_level(" " + w) for w in words])
-    vocab_list = list(byte_map.values()) + [a + b for a, b in merges]
-    vocab_list = list(dict.fromkeys(vocab_list)) + QWEN_SPECIALS
-    vocab = {token: i for i, token in enumerate(vocab_list)}
+    vocab_list = list(dict.fromkeys(list(byte_map.values()) + [a + b for a, b in merges]))
+    return {token: i for i, token in enumerate(vocab_list)}, merges
+
+
+def write_qwen_tokenizer(out: Path, extra_words: tuple[str, ...] = (), extra_tokens: tuple[str, ...] = (),
+                         chat_template: str | None = None) -> "Qwen2Tokenizer":  # noqa: F821
+    """A Qwen2 byte-level BPE tokenizer (vocab.json + merges.txt + tokenizer.json): the 256 byte symbols, merges
+    that make every template and test word (and `extra_words`) one token, then the specials and `extra_tokens`
+    (added, not special: Qwen3's <think> tags); `chat_template` is saved with it."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = byte_level_bpe(_TEMPLATE_WORDS + list(_WORDS) + list(extra_words))
+    for token in QWEN_SPECIALS + list(extra_tokens):
+        vocab[token] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
                                pad_token="<|endoftext|>", model_max_length=32768, errors="replace")
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS], special_tokens=True)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_tokens])
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(out)
     return tokenizer
 

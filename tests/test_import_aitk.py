@@ -1,0 +1,121 @@
+"""`import-aitk`: ai-toolkit job files (tests/fixtures/aitk/, written in ai-toolkit's layout) translated through the
+CLI entry point: the values carried over, the settings reported as not translated, and the translation validating
+with load_run once it points at a tiny model and a data folder that exist."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from conftest import REPO
+from toolkit.device.detect import DeviceInfo
+
+FIXTURES = REPO / "tests" / "fixtures" / "aitk"
+DATA = REPO / "configs" / "examples" / "data"
+H100 = DeviceInfo("cuda", "sm_90", "test H100", 80.0, bf16=True)  # the jobs are GPU jobs (fp16, bf16)
+
+# fixture -> (tiny model and data folder to validate with, expected values, settings reported as not translated)
+CASES = {
+    "flux": ("tiny:flux", "shapes", {
+        "run.name": "shapes_flux_v1", "run.output_dir": "output/${run.name}", "model.family": "flux",
+        "model.name_or_path": "black-forest-labs/FLUX.1-dev", "model.quantize": "8bit", "network.rank": 16,
+        "network.alpha": 8.0, "data.path": "/data/shapes", "data.caption_ext": ".txt", "data.trigger_word": "sks",
+        "data.caption_dropout": 0.05, "data.resolution": 1024, "train.steps": 1500, "train.lr": 1e-4,
+        "train.optimizer": "adamw8bit", "train.eps": 1e-6, "train.weight_decay": 0.01, "train.precision": "bf16",
+        "train.ema_decay": 0.99, "train.timestep_sampling": "logit_normal", "train.flow_shift": 1.0,
+        "save.dtype": "fp16", "save.every": 200, "save.keep_last": 3, "sample.every": 200,
+        "sample.prompts": ["[trigger] a red circle on a white background", "a blue square, [trigger] style"],
+        "sample.guidance_scale": 3.5, "sample.num_inference_steps": 28, "sample.seed": 42},
+        ["model.low_vram", "datasets[0].resolution", "train.content_or_style", "performance_log_every"]),
+    "sdxl": ("tiny:sdxl", "shapes", {
+        "run.output_dir": "/runs/${run.name}", "model.family": "sdxl", "model.dtype": "fp16", "network.rank": 32,
+        "network.alpha": 16.0, "data.path": "/data/sdxl", "data.caption_ext": ".caption", "data.shuffle_tags": True,
+        "data.keep_tokens": 1, "data.bucket_step": 32, "data.cache_latents": False, "train.batch_size": 4,
+        "train.grad_accum": 2, "train.lr": 5e-5, "train.optimizer": "adamw", "train.weight_decay": 0.02,
+        "train.betas": [0.9, 0.99], "train.lr_scheduler": "cosine", "train.warmup_steps": 100,
+        "train.precision": "fp16", "train.max_grad_norm": 0.5, "train.train_text_encoder": True,
+        "train.noise_offset": 0.05, "train.min_snr_gamma": 5.0, "sample.prompts": ["a red circle", "a green triangle"],
+        "sample.negative_prompt": "blurry, low quality", "log.every": 5, "log.wandb": True,
+        "log.wandb_project": "shapes"},
+        ["network.conv", "network.conv_alpha", "datasets[0].num_repeats", "datasets[0].flip_x",
+         "sample.samples[1].width"]),
+    "sd15": ("tiny:sd", "shapes", {
+        "model.family": "sd", "network.rank": 8, "network.alpha": 1.0, "data.path": "/data/sd15",
+        "data.trigger_word": "zxq", "train.steps": 800, "train.optimizer": "prodigy", "train.lr": 1.0,
+        "train.precision": "fp32", "save.every": 100, "save.keep_last": 5, "save.dtype": "fp16",
+        "sample.prompts": ["zxq a yellow star", "a purple circle"], "sample.negative_prompt": "text, watermark"},
+        ["device", "network.type", "network.lokr_factor", "datasets[1]", "sample.walk_seed"]),
+    "wan21": ("tiny:wan21", "clips", {
+        "model.family": "wan21", "model.name_or_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "network.rank": 32,
+        "data.path": "/data/clips", "data.num_frames": 33, "data.resolution": 480, "train.lr": 2e-4,
+        "train.weight_decay": 1e-4, "sample.num_frames": 37, "sample.fps": 15, "sample.width": 832,
+        "sample.height": 480, "sample.negative_prompt": "static, blurry",
+        "sample.prompts": ["a red circle moving right on a white background"]},
+        ["model.quantize_te"]),
+    # only a folder and a model: ai-toolkit's own defaults where they differ from this toolkit's
+    "minimal": ("tiny:sd", "shapes", {
+        "run.name": "defaults_only", "model.family": "sd", "network.rank": 4, "network.alpha": 1.0,
+        "data.path": "/data/minimal", "data.resolution": 512, "train.steps": 1000, "train.batch_size": 1,
+        "train.lr": 1e-6, "train.optimizer": "adamw", "train.precision": "fp32", "save.every": 1000,
+        "save.keep_last": 5, "sample.every": 100, "sample.prompts": [], "sample.seed": 0,
+        "sample.guidance_scale": 7.0, "sample.num_inference_steps": 20, "sample.width": 512},
+        []),
+}
+
+
+def _dotted(config: dict, key: str):
+    section, name = key.split(".", 1)
+    return config[section][name]
+
+
+@pytest.mark.parametrize("job", list(CASES))
+def test_job_translates_reports_what_it_cannot_and_validates(job, tmp_path, run_cli, capsys):
+    from toolkit.config.run import load_run
+    from toolkit.preflight import path_checks
+
+    tiny, data, expected, untranslated = CASES[job]
+    assert run_cli("import-aitk", FIXTURES / f"{job}.yaml") == 0
+    captured = capsys.readouterr()
+    config = yaml.safe_load(captured.out)
+    assert {key: _dotted(config, key) for key in expected} == expected
+    reported = re.findall(r"^not translated: (\S+) = ", captured.err, flags=re.M)
+    assert reported == untranslated
+    assert f"# {len(untranslated)} setting" in captured.out  # and each one as a comment after the config
+    assert all(f"# not translated: {key} = " in captured.out for key in untranslated)
+
+    translated = tmp_path / "config.yaml"
+    translated.write_text(captured.out)
+    run = load_run([translated], [f"model.name_or_path={tiny}", f"data.path={DATA / data}"], device=H100,
+                   check_paths=path_checks(check_output=False))
+    assert run.cfg.model.family == expected["model.family"] and run.cfg.data.path == str(DATA / data)
+    assert run.cfg.train.steps == config["train"]["steps"]
+
+
+def test_changed_values_are_noted(run_cli, capsys):
+    """Settings carried over with a change: Wan's 4k+1 frame counts."""
+    assert run_cli("import-aitk", FIXTURES / "wan21.yaml") == 0
+    err = capsys.readouterr().err
+    assert "changed: datasets[0].num_frames: 35 frames -> 33 (clips here are 4k+1 frames)" in err
+    assert "changed: sample.num_frames: 40 frames -> 37" in err
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "config file not found"),
+    ("config: {process: [\n", "invalid YAML"),
+    ("run: {name: x}\nmodel: {family: sd}\n", "not an ai-toolkit job file: it has no config.process list"),
+    ("job: extract\nconfig: {name: x, process: [{type: locon, linear: 64}]}\n",
+     "config.process[0].type is 'locon', not a LoRA trainer"),
+    ("config: {name: x, process: [{type: sd_trainer, model: {name_or_path: m, arch: chroma}, datasets: []}]}\n",
+     "model arch 'chroma' has no family in this toolkit"),
+    ("config: {name: x, process: [{type: sd_trainer, model: {name_or_path: m, arch: flux}, train: {steps: 0},"
+     " datasets: [{folder_path: /d}]}]}\n", "the translated config does not validate"),
+])
+def test_a_file_that_does_not_translate_is_a_short_error(content, message, tmp_path, run_cli, capsys):
+    job = tmp_path / "job.yaml"
+    if content is not None:
+        job.write_text(content)
+    assert run_cli("import-aitk", job) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "Traceback" not in captured.err and captured.out == ""

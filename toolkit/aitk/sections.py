@@ -1,0 +1,279 @@
+"""ai-toolkit's sections, one function each, translated into this toolkit's keys.
+
+Where a job leaves a setting out, ai-toolkit's default (toolkit/config_modules.py) is what it trained with, so
+the translation writes that default when it differs from this toolkit's (learning rate 1e-6, rank 4, alpha 1.0,
+...). Settings that only change speed or memory are carried over when the job sets them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolkit.aitk.job import Section, Translation, as_float, as_int
+
+# ai-toolkit dtype names -> train.precision / save.dtype / model.dtype
+DTYPES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32",
+          "float32": "fp32", "float": "fp32", "full": "fp32"}
+# ai-toolkit optimizer name -> (this toolkit's optimizer, what ai-toolkit's constructor passes that ours would not)
+OPTIMIZERS = {
+    "adamw": ("adamw", {"eps": 1e-6, "weight_decay": 0.01}),        # torch AdamW's default weight decay
+    "adamw8bit": ("adamw8bit", {"eps": 1e-6, "weight_decay": 0.01}),  # bitsandbytes AdamW8bit's default
+    "adam": ("adamw", {"eps": 1e-6, "weight_decay": 0.0}),           # Adam = AdamW without weight decay
+    "adam8bit": ("adamw8bit", {"eps": 1e-6, "weight_decay": 0.0}),
+    "lion": ("lion", {}), "lion8bit": ("lion8bit", {}), "adafactor": ("adafactor", {}),
+    "prodigy": ("prodigy", {"eps": 1e-6}),
+}
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts")
+# ai-toolkit's flow-matching timestep_type -> (train.timestep_sampling, train.flow_shift): its sigmoid and linear
+# draw unshifted sigmas (CustomFlowMatchEulerDiscreteScheduler.set_train_timesteps); its shift types apply the
+# scheduler's shift as inference does, which is this toolkit's flow_shift auto.
+TIMESTEP_TYPES = {"sigmoid": ("logit_normal", 1.0), "linear": ("uniform", 1.0), "shift": ("uniform", None),
+                  "flux_shift": ("uniform", None), "lumina2_shift": ("uniform", None)}
+SD_FAMILIES = ("sd", "sdxl")
+
+
+def dtype(value: Any, key: str, out: Translation) -> str | None:
+    name = DTYPES.get(str(value).lower())
+    if name is None:
+        out.skip(key, value, f"unknown dtype; one of {', '.join(sorted(DTYPES))}")
+    return name
+
+
+def clip_frames(frames: int, key: str, out: Translation) -> int:
+    """The largest 4k+1 frame count up to `frames` (Wan's VAE compresses 4 frames into one after the first)."""
+    usable = (max(frames, 1) - 1) // 4 * 4 + 1
+    if usable != frames:
+        out.note(key, f"{frames} frames -> {usable} (clips here are 4k+1 frames)")
+    return usable
+
+
+def network(out: Translation, s: Section) -> None:
+    kind = str(s.take("type", "lora")).lower()
+    if kind != "lora":
+        reason = {"lokr": "LoKr (Kronecker-factored) adapters are not available here",
+                  "locon": "LoCon's convolution layers are not adapted here (linear layers only)"}
+        out.skip(s.key("type"), kind, reason.get(kind, "only LoRA (and DoRA) adapters are available here") +
+                 "; a LoRA of the same rank and alpha is trained instead")
+    for lokr in ("lokr_full_rank", "lokr_factor", "old_lokr_format"):
+        s.skip(lokr, "LoKr settings; a LoRA is trained instead" if kind == "lokr" else "applies to LoKr only")
+    rank = s.take("rank", s.take("linear"))
+    rank = 4 if rank is None else as_int(rank, s.key("linear"))
+    alpha = s.take("alpha", 1.0)
+    alpha = s.take("linear_alpha", alpha)
+    out.set("network.rank", rank, s.key("linear"))
+    out.set("network.alpha", as_float(alpha, s.key("linear_alpha")), s.key("linear_alpha"))
+    s.skip("conv", "LoRA on convolution layers: this toolkit adapts linear layers only", when=None)
+    s.skip("conv_alpha", "LoRA on convolution layers: this toolkit adapts linear layers only", when=None)
+    dropout = s.take("dropout")
+    if dropout is not None:
+        out.set("network.dropout", as_float(dropout, s.key("dropout")), s.key("dropout"))
+    s.skip("network_kwargs", "module filters by name (only_if_contains, ignore_if_contains): set "
+           "network.target_modules to a list of module names instead", when={})
+    s.skip("transformer_only", "LoRA outside the transformer: sd/sdxl take train.train_text_encoder", when=True)
+    s.skip("pretrained_lora_path", "starting from an existing LoRA is not available here", when=None)
+    s.done()
+
+
+def save(out: Translation, s: Section) -> None:
+    saved = dtype(s.take("dtype", "float16"), s.key("dtype"), out)
+    if saved:
+        out.set("save.dtype", saved, s.key("dtype"))
+    out.set("save.every", as_int(s.take("save_every", 1000), s.key("save_every")), s.key("save_every"))
+    out.set("save.keep_last", max(1, as_int(s.take("max_step_saves_to_keep", 5), s.key("max_step_saves_to_keep"))),
+            s.key("max_step_saves_to_keep"))
+    fmt = s.take("save_format", "safetensors")
+    if fmt == "diffusers":
+        out.set("save.format", "diffusers", s.key("save_format"))
+    elif fmt != "safetensors":
+        out.skip(s.key("save_format"), fmt, "unknown save format")
+    push = s.take("push_to_hub", False)
+    if push:
+        out.skip(s.key("push_to_hub"), push, "uploading to the Hugging Face Hub is not done here: upload final/")
+        s.skip("hf_repo_id", "Hub upload")
+        s.skip("hf_private", "Hub upload")
+    else:  # the Hub settings do nothing without push_to_hub
+        s.take("hf_repo_id")
+        s.take("hf_private")
+    s.done()
+
+
+def datasets(out: Translation, items: Any, trigger: Any) -> None:
+    if not isinstance(items, list) or not items or not isinstance(items[0], dict):
+        out.skip("datasets", items, "no dataset folder: set data.path")
+        return
+    for i, extra in enumerate(items[1:], start=1):
+        where = extra.get("folder_path") if isinstance(extra, dict) else extra
+        out.skip(f"datasets[{i}]", where, "one data folder per run here: merge the folders, or train on it separately")
+    s = Section(out, "datasets[0]", items[0])
+    s.skip("type", "only image (and video clip) folders train here", when="image")
+    path = s.take("folder_path")
+    if path is None:
+        out.skip(s.key("dataset_path"), s.take("dataset_path"), "no folder_path: set data.path to an image folder")
+    else:
+        out.set("data.path", str(path), s.key("folder_path"))
+    ext = s.take("caption_ext", s.take("caption_type", ".txt"))
+    out.set("data.caption_ext", ext if str(ext).startswith(".") else f".{ext}", s.key("caption_ext"))
+    own = s.take("trigger_word")
+    if trigger and own and own != trigger:
+        out.skip(s.key("trigger_word"), own, f"one trigger word per run here: the process's {trigger!r}")
+    trigger = trigger or own
+    if trigger:
+        out.set("data.trigger_word", str(trigger), "trigger_word")
+    if s.has("default_caption"):
+        out.set("data.default_caption", str(s.take("default_caption") or ""), s.key("default_caption"))
+    dropout = as_float(s.take("caption_dropout_rate", 0.0), s.key("caption_dropout_rate"))
+    if dropout:
+        out.set("data.caption_dropout", dropout, s.key("caption_dropout_rate"))
+    if s.take("shuffle_tokens", False):
+        out.set("data.shuffle_tags", True, s.key("shuffle_tokens"))
+    if s.has("keep_tokens"):
+        out.set("data.keep_tokens", as_int(s.take("keep_tokens"), s.key("keep_tokens")), s.key("keep_tokens"))
+    resolution = s.take("resolution", 512)
+    sizes = [as_int(r, s.key("resolution")) for r in (resolution if isinstance(resolution, list) else [resolution])]
+    out.set("data.resolution", max(sizes), s.key("resolution"))
+    if len(sizes) > 1:
+        out.skip(s.key("resolution"), resolution, f"multi-resolution training (every image at each size): trains at "
+                 f"{max(sizes)} here, in aspect-ratio buckets of that area")
+    if s.has("bucket_tolerance"):
+        out.set("data.bucket_step", as_int(s.take("bucket_tolerance"), s.key("bucket_tolerance")),
+                s.key("bucket_tolerance"))
+    s.skip("buckets", "images are always bucketed by aspect ratio here", when=True)
+    cached = [s.take(k) for k in ("cache_latents_to_disk", "cache_latents")]
+    if any(c is not None for c in cached):
+        out.set("data.cache_latents", any(bool(c) for c in cached), s.key("cache_latents_to_disk"))
+    if s.has("cache_text_embeddings"):
+        out.set("data.cache_text_embeddings", bool(s.take("cache_text_embeddings")), s.key("cache_text_embeddings"))
+    frames = s.take("num_frames")
+    if frames is not None:
+        out.set("data.num_frames", clip_frames(as_int(frames, s.key("num_frames")), s.key("num_frames"), out),
+                s.key("num_frames"), frames)
+    for name, reason in (("num_repeats", "dataset repeats: training length is train.steps here"),
+                         ("flip_x", "augmentation (flips) is not available here"),
+                         ("flip_y", "augmentation (flips) is not available here"),
+                         ("random_crop", "augmentation (random crops) is not available here"),
+                         ("random_scale", "augmentation (random scale) is not available here"),
+                         ("token_dropout_rate", "per-tag caption dropout is not available here"),
+                         ("is_reg", "regularisation datasets are not available here"),
+                         ("network_weight", "per-dataset loss weights are not available here"),
+                         ("loss_multiplier", "per-dataset loss weights are not available here"),
+                         ("shrink_video_to_frames", "clips always contribute data.num_frames frames taken evenly"),
+                         ("batch_size", "one batch size per run here: train.batch_size")):
+        s.skip(name, reason, when={"num_repeats": 1, "network_weight": 1.0, "loss_multiplier": 1.0,
+                                   "shrink_video_to_frames": True, "batch_size": None,
+                                   "token_dropout_rate": 0.0}.get(name, False))
+    s.done()
+
+
+def train(out: Translation, s: Section) -> None:
+    family = out.family
+    out.set("train.steps", as_int(s.take("steps", 1000), s.key("steps")), s.key("steps"))
+    out.set("train.batch_size", as_int(s.take("batch_size", 1), s.key("batch_size")), s.key("batch_size"))
+    accum = as_int(s.take("gradient_accumulation", 1), s.key("gradient_accumulation"))
+    legacy = as_int(s.take("gradient_accumulation_steps", 1), s.key("gradient_accumulation_steps"))
+    if legacy < 1:
+        out.skip(s.key("gradient_accumulation_steps"), legacy, "accumulating a whole epoch (-1) is not available here")
+    accum = max(accum, legacy)
+    if accum > 1:
+        out.set("train.grad_accum", accum, s.key("gradient_accumulation"))
+    lr = as_float(s.take("lr", 1e-6), s.key("lr"))
+    unet_lr = s.take("unet_lr")
+    if unet_lr is not None and as_float(unet_lr, s.key("unet_lr")) != lr:
+        lr = as_float(unet_lr, s.key("unet_lr"))
+        out.note(s.key("unet_lr"), f"train.lr {lr} (the denoiser's learning rate)")
+    s.skip("text_encoder_lr", "one learning rate for every trained module here: train.lr", when=None)
+    optimizer(out, s, lr)
+    scheduler = str(s.take("lr_scheduler", "constant"))
+    params = s.take("lr_scheduler_params") or {}
+    if scheduler in LR_SCHEDULERS:
+        out.set("train.lr_scheduler", scheduler, s.key("lr_scheduler"))
+    else:
+        out.skip(s.key("lr_scheduler"), scheduler, f"not available here ({', '.join(LR_SCHEDULERS)}): constant")
+    sched = Section(out, s.key("lr_scheduler_params"), params)
+    if sched.has("num_warmup_steps"):
+        out.set("train.warmup_steps", as_int(sched.take("num_warmup_steps"), sched.key("num_warmup_steps")),
+                sched.key("num_warmup_steps"))
+    sched.done()
+    precision = dtype(s.take("dtype", "fp32"), s.key("dtype"), out)
+    if precision:
+        out.set("train.precision", precision, s.key("dtype"))
+    if s.has("gradient_checkpointing"):
+        out.set("train.gradient_checkpointing", bool(s.take("gradient_checkpointing")), s.key("gradient_checkpointing"))
+    out.set("train.max_grad_norm", as_float(s.take("max_grad_norm", 1.0), s.key("max_grad_norm")), s.key("max_grad_norm"))
+    ema = s.take("ema_config") or {}
+    if isinstance(ema, dict) and ema.get("use_ema"):
+        out.set("train.ema_decay", as_float(ema.get("ema_decay", 0.999), s.key("ema_config.ema_decay")),
+                s.key("ema_config"))
+        for extra in sorted(set(ema) - {"use_ema", "ema_decay"}):
+            out.skip(s.key(f"ema_config.{extra}"), ema[extra])
+    noise = str(s.take("noise_scheduler", "ddpm")).lower()
+    flow = family not in SD_FAMILIES
+    timesteps = str(s.take("timestep_type", "sigmoid"))
+    if s.take("linear_timesteps", False) or s.take("linear_timesteps2", False):  # as ai-toolkit: linear wins
+        timesteps = "linear"
+    if flow and timesteps in TIMESTEP_TYPES:  # ai-toolkit's DDPM training ignores timestep_type (uniform steps)
+        sampling, shift = TIMESTEP_TYPES[timesteps]
+        out.set("train.timestep_sampling", sampling, s.key("timestep_type"), timesteps)
+        if shift is not None:
+            out.set("train.flow_shift", shift, s.key("timestep_type"), timesteps)
+    elif flow:
+        out.skip(s.key("timestep_type"), timesteps, f"not available here ({', '.join(TIMESTEP_TYPES)} are): the "
+                 "family's usual sampling")
+    if (noise == "flowmatch") != flow:
+        out.skip(s.key("noise_scheduler"), noise, f"the {family} family trains with "
+                 f"{'rectified flow' if flow else 'its DDPM noise schedule'}")
+    if s.take("train_text_encoder", False):
+        out.set("train.train_text_encoder", True, s.key("train_text_encoder"))
+    for name, key in (("noise_offset", "train.noise_offset"), ("min_snr_gamma", "train.min_snr_gamma"),
+                      ("snr_gamma", "train.min_snr_gamma")):
+        value = s.take(name)
+        if value:
+            out.set(key, as_float(value, s.key(name)), s.key(name))
+    if s.has("switch_boundary_every"):
+        out.set("train.expert_switch_every", as_int(s.take("switch_boundary_every"), s.key("switch_boundary_every")),
+                s.key("switch_boundary_every"))
+    if s.take("disable_sampling", False):
+        out.config.setdefault("sample", {})["prompts"] = []
+    s.skip("train_unet", "the denoiser always trains here", when=True)
+    s.skip("skip_first_sample", "no sample is taken before the first step here", when=True)
+    s.skip("loss_type", "the loss is the mean squared error here", when="mse")
+    s.skip("content_or_style", "timestep weighting by content/style is not available here", when="balanced")
+    s.skip("unload_text_encoder", "text encoders are freed once their outputs are cached", when=False)
+    s.skip("cache_text_embeddings", "text embeddings are cached (data.cache_text_embeddings)", when=True)
+    s.skip("xformers", "attention runs through PyTorch's SDPA", when=False)
+    s.skip("sdp", "attention runs through PyTorch's SDPA", when=True)
+    s.skip("attention_backend", "attention runs through PyTorch's SDPA", when="native")
+    s.done()
+
+
+def optimizer(out: Translation, s: Section, lr: float) -> None:
+    name = str(s.take("optimizer", "adamw")).lower()
+    ours, implied = OPTIMIZERS.get(name, (None, {}))
+    if ours is None:
+        ours, implied = OPTIMIZERS["adamw8bit"]
+        out.skip(s.key("optimizer"), name, f"not available here; adamw8bit instead (available: "
+                 f"{', '.join(sorted(OPTIMIZERS))})")
+    elif ours != name:
+        out.note(s.key("optimizer"), f"{name} -> train.optimizer {ours} with weight_decay 0")
+    if ours == "prodigy" and lr < 0.1:  # ai-toolkit runs Prodigy (and D-Adaptation) at lr 1.0 below 0.1
+        out.note(s.key("lr"), f"{lr} -> 1.0 (ai-toolkit trains Prodigy at 1.0 when lr is under 0.1)")
+        lr = 1.0
+    out.set("train.lr", lr, s.key("lr"))
+    out.set("train.optimizer", ours, s.key("optimizer"), name)
+    params = Section(out, s.key("optimizer_params"), s.take("optimizer_params"))
+    settings = dict(implied)
+    for key in ("weight_decay", "eps"):
+        if params.has(key):
+            settings[key] = as_float(params.take(key), params.key(key))
+    if params.has("betas"):
+        settings["betas"] = [as_float(b, params.key("betas")) for b in params.take("betas")]
+    for key, value in settings.items():
+        out.set(f"train.{key}", value, params.key(key))
+    extra = {}
+    from toolkit.optim.build import optimizer_spec
+
+    for key in list(params.rest):
+        if key in optimizer_spec(ours).accepts:
+            extra[key] = params.take(key)
+    if extra:
+        out.set("train.optimizer_args", extra, params.key(next(iter(extra))))
+    params.done()
