@@ -88,8 +88,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec("flux2", "toolkit.models.diffusion_flux2:Flux2Adapter", ImageDataSection,
                FLOW_SETTINGS | {"train.guidance"}, "FLUX.2 [dev]", timestep_sampling="logit_normal", batch_cap=1,
                save_formats=("diffusers", "comfyui"), tiny={"flux2": "toolkit.tiny.flux2:write_tiny_flux2"},
-               pipeline_class="Flux2Pipeline",
-               cudnn_sdpa=False),  # as Flux.1 (same head size), whose shapes crashed PyTorch's cuDNN SDPA
+               pipeline_class="Flux2Pipeline"),
 )}
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
