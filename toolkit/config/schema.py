@@ -31,7 +31,7 @@ class RunSection:
     name: str = opt("lora", "Run name; the run folder is named after it by default.", resume_safe=True)
     output_dir: str = opt("outputs/${run.name}", "Run folder: config, checkpoints, samples, logs and the final LoRA.",
                           resume_safe=True)
-    seed: int = opt(42, "Seed for python, numpy and torch RNGs and the data order.")
+    seed: int = opt(42, "Seed for python, numpy and torch RNGs, the data order and the augmentation draws.")
 
 
 @dataclass

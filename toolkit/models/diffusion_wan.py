@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from toolkit.data.augment import View
 from toolkit.errors import UserError
 from toolkit.models.diffusion_base import Denoiser
 from toolkit.models.diffusion_files import lora_file_in
@@ -58,10 +59,10 @@ class WanAdapter(FlowMatchingAdapter):
 
         return scan_clips(data, self.log)
 
-    def load_item(self, item) -> tuple[torch.Tensor, tuple[int, int]]:
+    def load_item(self, item, view: View) -> dict[str, torch.Tensor]:
         from toolkit.data.video import load_clip
 
-        return load_clip(item), (0, 0)
+        return {"pixels": load_clip(item, view), "crop": torch.tensor(view.top_left)}
 
     def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.pipe.vae.config
