@@ -80,6 +80,10 @@ class ModelSection:
     expert_offload: Union[bool, str] = opt("auto", "Wan 2.2 A14B: keep only the expert being trained on the device, the "
                                            "other in CPU memory; auto: when both do not fit the memory budget.")
     trust_remote_code: bool = opt(False, "Allow model code from the Hub repository (transformers trust_remote_code).")
+    task: str = opt("auto", "Wan: t2v (text-to-video) or i2v (image-to-video: each clip's start image conditions the "
+                    "model as WanImageToVideoPipeline does); auto reads the model folder (a WanImageToVideoPipeline "
+                    "is i2v, anything else t2v). TI2V-5B does both: set i2v to train it on start images.",
+                    choices=("auto", "t2v", "i2v"))
 
 
 @dataclass
@@ -173,6 +177,8 @@ class SampleSection:
     fps: int = opt(16, "Video: frames per second of the written samples.", minimum=1, resume_safe=True)
     width: int = opt(0, "Diffusion: sample width; 0 means data.resolution.", minimum=0, resume_safe=True)
     height: int = opt(0, "Diffusion: sample height; 0 means data.resolution.", minimum=0, resume_safe=True)
+    images: List[str] = opt([], "Wan image-to-video: the start image of each sample, one per prompt (or one for "
+                            "all), resized to cover the sample size and centre-cropped.", resume_safe=True)
 
 
 @dataclass

@@ -37,6 +37,8 @@ class ClipItem:
     frame_count: int                # frames in the file (1 for a still image)
     bucket: tuple[int, int, int]    # training (width, height, frames)
     content_hash: str = ""
+    start_image: Path | None = None  # image-to-video: the image beside the clip that stands for its first frame
+    start_hash: str = ""
 
 
 def check_num_frames(num_frames: int) -> None:
@@ -99,9 +101,11 @@ def _probe(path: Path) -> tuple[tuple[int, int], int]:
     return _probe_container(path) if path.suffix.lower() in CONTAINER_EXTS else _probe_pillow(path)
 
 
-def scan_clips(data, log: Callable[[str], None]) -> list[ClipItem]:
+def scan_clips(data, log: Callable[[str], None],
+               select: Callable[[list[ClipItem]], list[ClipItem]] | None = None) -> list[ClipItem]:
     """Every readable clip or image under data.path with its caption and (width, height, frames) bucket;
-    unreadable files are skipped and named."""
+    unreadable files are skipped and named. `select` narrows the list before the bucket table is printed
+    (image-to-video: start images are not items)."""
     check_num_frames(data.num_frames)
     root = Path(data.path)
     if not root.is_dir():
@@ -113,6 +117,8 @@ def scan_clips(data, log: Callable[[str], None]) -> list[ClipItem]:
     if not items:
         raise UserError(f"data.path: no usable videos or images in {root}\n  fix: add .mp4/.webm/.gif videos or "
                         f".png/.jpg images (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
+    if select is not None:
+        items = select(items)
     log(format_clip_buckets(Counter(item.bucket for item in items)))
     return items
 
