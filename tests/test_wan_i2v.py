@@ -127,7 +127,8 @@ def test_the_cached_condition_is_the_pipelines_for_every_view(two_clips, tmp_pat
     for name, view in (("green_circle.webp", 1), ("red_circle.webp", 0)):
         index = next(i for i, item in enumerate(dataset.items) if item.path.name == name)
         item = dataset.items[index]
-        assert (item.start_image is not None) == (name == "green_circle.webp") and dataset.views[index][view].flip == view
+        assert (item.start_image is not None) == (name == "green_circle.webp")
+        assert dataset.views[index][view].flip == view
         if item.start_image is not None:
             start = _frame(item.start_image).transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         else:
@@ -169,6 +170,15 @@ def test_ti2v_5b_sees_the_start_latent_at_timestep_0_and_no_loss_there(two_clips
     pred = seen["output"] = adapter.predict(*_denoiser(adapter), noised,
                                             adapter.conditioning(batch, adapter.trainable_modules()), batch)
     torch.testing.assert_close(loss, (pred[:, :, 1:] - noised.target[:, :, 1:]).pow(2).mean())
+
+    # Without the latent cache, each step encodes the batch's start images into the same condition.
+    uncached, data = adapter_for("quickstart_wan22_i2v.yaml", tmp_path / "uncached", "model.name_or_path=tiny:wan22-5b",
+                                 "model.task=i2v", f"data.path={two_clips}", "data.cache_latents=false")
+    batch = data.collate([index])
+    assert "latents" not in batch and batch["image"].shape == (1, 3, 64, 64)
+    cond = uncached.conditioning(batch, uncached.trainable_modules())
+    torch.testing.assert_close(cond["condition"], condition, rtol=1e-4, atol=1e-5)
+    assert torch.isfinite(mean_loss(uncached, batch))
 
 
 def _denoiser(adapter):

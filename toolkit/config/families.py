@@ -25,7 +25,8 @@ DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.timestep_sampl
 DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_offset", "train.min_snr_gamma",
                                       "sample.negative_prompt"}
 FLOW_SETTINGS = DIFFUSION_SETTINGS | {"train.flow_shift", "model.quantize", "model.quantize_backend"}
-VIDEO_SETTINGS = FLOW_SETTINGS | {"sample.negative_prompt", "sample.num_frames", "sample.fps", "model.task", "sample.images"}
+VIDEO_SETTINGS = FLOW_SETTINGS | {"sample.negative_prompt", "sample.num_frames", "sample.fps", "model.task",
+                                  "sample.images"}
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,8 @@ class Augmentation:
         return (False, True) if self.random_flip else (False,)
 
     def views(self, size: tuple[int, int], bucket: tuple[int, int]) -> list[View]:
-        """Every view training can draw of an item of `size` in `bucket`: crops in order, each unflipped then flipped."""
+        """Every view training can draw of an item of `size` in `bucket`: crops in order, each unflipped, then
+        flipped."""
         centre = centre_offset(size, bucket)
         return [View(offset, flip, plain=offset == centre and not flip)
                 for offset in crop_offsets(size, bucket, self.crop_variants) for flip in self.flips]

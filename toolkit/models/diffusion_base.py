@@ -1,6 +1,6 @@
 """What every diffusion family shares: a diffusers pipeline, PEFT LoRA on its denoiser(s), cached latents and
-text embeddings (diffusion_data.py), the training loss (written once: latents -> objective.noise -> the family's predict ->
-objective.loss), samples, and LoRA files in the diffusers format that `pipe.load_lora_weights` reads.
+text embeddings (diffusion_data.py), the training loss (written once: latents -> objective.noise -> the family's
+predict -> objective.loss), samples, and LoRA files in the diffusers format that `pipe.load_lora_weights` reads.
 
 A family sets its pipeline class, which components carry the LoRA (`denoiser_names`), its text encoders and
 the text tensors its denoiser takes (`text_keys`), its default LoRA targets, its objective (setup_training),

@@ -81,7 +81,8 @@ class DiffusionData:
                 for item, view in entries]
         cached = iter(self.latent_cache.fill(keys, lambda idx: [self._encode_entry(*entries[i]) for i in idx]))
         dataset.encoded = [[next(cached) for _ in views] for views in dataset.views]
-        per_item = f" ({len(entries) // len(dataset.items)} views per item)" if len(entries) > len(dataset.items) else ""
+        views = len(entries) // len(dataset.items)
+        per_item = f" ({views} views per item)" if len(entries) > len(dataset.items) else ""
         self.log(f"latents: {self.latent_cache.hits} cached, {self.latent_cache.misses} encoded{per_item}")
 
     def _encode_entry(self, item, view: View) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ weights (and so their optimizer state) never leave the device. Each expert's LoR
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,7 @@ class WanAdapter(FlowMatchingAdapter):
     def _prepare_data(self):
         if not self.start_images:
             return super()._prepare_data()
-        with self.start_images.image_encoder_on_device(stay=not self.cfg.data.cache_latents):
+        with self.start_images.image_encoder_on_device(keep=not self.cfg.data.cache_latents):
             return super()._prepare_data()
 
     def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
@@ -130,13 +130,15 @@ class WanAdapter(FlowMatchingAdapter):
     def generate(self, prompt: str, seed: int) -> list:
         text, negative = self.embeddings_for(prompt), self.embeddings_for(self.cfg.sample.negative_prompt)
         frames = self.cfg.sample.num_frames or self.cfg.data.num_frames
-        start = {}
+        start, placed = {}, nullcontext()
         if self.sample_starts:  # sample i starts from image i (pipeline seeds go sample.seed + i), or the only one
             index = (seed - self.cfg.sample.seed) if len(self.sample_starts) > 1 else 0
             start["image"] = sample_image(self.sample_starts[index], self.sample_size())
-        out = self.pipeline_call(seed, prompt_embeds=text["prompt_embeds"],
-                                 negative_prompt_embeds=negative["prompt_embeds"], num_frames=frames, output_type="pil",
-                                 **start)
+            placed = self.start_images.image_encoder_on_device()
+        with placed:
+            out = self.pipeline_call(seed, prompt_embeds=text["prompt_embeds"],
+                                     negative_prompt_embeds=negative["prompt_embeds"], num_frames=frames,
+                                     output_type="pil", **start)
         return list(out.frames[0])
 
 

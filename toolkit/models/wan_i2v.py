@@ -125,17 +125,18 @@ class StartImages:
         return ("start-image", self.mode, self.image_embeds, item.start_hash or "first-frame")
 
     @contextmanager
-    def image_encoder_on_device(self, stay: bool):
-        """The CLIP image encoder (Wan 2.1) on the device while the cache fills (and after, when `stay`: latents
-        not cached, so every step encodes)."""
+    def image_encoder_on_device(self, keep: bool = False):
+        """The CLIP image encoder (Wan 2.1) on the device inside (filling the cache, sampling); afterwards back
+        where it was, unless `keep` (latents not cached: every step encodes start images)."""
         encoder = self.pipe.image_encoder if self.image_embeds else None
+        before = encoder.device if encoder is not None else None
         if encoder is not None:
             encoder.to(self.device)
         try:
             yield
         finally:
-            if encoder is not None and not stay:
-                encoder.to("cpu")
+            if encoder is not None and not keep:
+                encoder.to(before)
 
     # -- condition -------------------------------------------------------------------------
     def encode(self, images: torch.Tensor, frames: int) -> dict[str, torch.Tensor]:
@@ -175,7 +176,8 @@ class StartImages:
         return torch.cat([noisy, condition], dim=1), timestep, extra
 
 
-def start_images_for(pipe, task: str, name: str, device: torch.device, log: Callable[[str], None]) -> StartImages | None:
+def start_images_for(pipe, task: str, name: str, device: torch.device,
+                     log: Callable[[str], None]) -> StartImages | None:
     """The start-image condition of an image-to-video run (None for text-to-video); a UserError when the model
     cannot train `task`."""
     mode = check_task(pipe, task, name)

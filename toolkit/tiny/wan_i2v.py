@@ -27,7 +27,8 @@ def _image_encoder():
 
     config = CLIPVisionConfig(hidden_size=CLIP_WIDTH, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                               image_size=CLIP_SIZE, patch_size=8, projection_dim=CLIP_WIDTH)
-    processor = CLIPImageProcessor(size={"shortest_edge": CLIP_SIZE}, crop_size={"height": CLIP_SIZE, "width": CLIP_SIZE})
+    processor = CLIPImageProcessor(size={"shortest_edge": CLIP_SIZE},
+                                   crop_size={"height": CLIP_SIZE, "width": CLIP_SIZE})
     return CLIPVisionModel(config), processor
 
 
