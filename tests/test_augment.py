@@ -19,6 +19,8 @@ from toolkit.data.video import load_clip
 from toolkit.tiny.fixtures import write_shapes_dataset
 
 CLIPS = REPO / "configs/examples/data/clips"
+# Latent and text caches of this module's runs kept apart from the session's (conftest.py)
+pytestmark = pytest.mark.usefixtures("own_data_caches")
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ START = DATA / "green_circle.png"   # the start image beside green_circle.webp, 
 PROMPT = "a green circle moving right on a white background"
 # 2 steps on 5 frames of each clip, a 5-frame sample of 2 denoising steps at the end
 SHORT = ("data.num_frames=5", "sample.num_frames=5", "sample.num_inference_steps=2", "sample.every=0")
+# Latent and text caches of this module's runs kept apart from the session's (conftest.py)
+pytestmark = pytest.mark.usefixtures("own_data_caches")
 
 
 @pytest.fixture(scope="module")
