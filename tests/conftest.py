@@ -21,6 +21,17 @@ def tiny_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def own_data_caches(tmp_path_factory, monkeypatch, tiny_cache) -> Path:
+    """Latent and text caches of a test kept apart from the session's (other tests count cache hits, and the same
+    toy images recur across tests); the tiny models are the session's."""
+    cache = tmp_path_factory.mktemp("data-cache")
+    (tiny_cache / "tiny").mkdir(parents=True, exist_ok=True)
+    (cache / "tiny").symlink_to(tiny_cache / "tiny")
+    monkeypatch.setenv("TOOLKIT_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
 def run_cli(monkeypatch):
     """Run `python -m toolkit ARGS` in-process from the repo root; returns main()'s exit code (the output goes
     to pytest's capture: read it with capsys)."""

@@ -100,7 +100,7 @@ def test_batch_shapes_count_every_bucket_and_tail():
     assert len(order.first_batch()) in (1, 2) and order.position == 0
 
 
-def test_flux_trains_the_same_lora_with_blocks_swapped_and_checkpointed(tmp_path, run_cli, capsys):
+def test_flux_trains_the_same_lora_with_blocks_swapped_and_checkpointed(tmp_path, run_cli, capsys, own_data_caches):
     """Through the entry point: a run with one block swapped and both checkpointed gives the same LoRA, bit for
     bit, as the plain one (tiny:flux has one double and one single block), samples included."""
     out = {}

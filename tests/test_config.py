@@ -327,7 +327,8 @@ def test_every_example_config_validates_under_every_preset(config, presets, run_
     else:
         problems = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
         assert code == 2 and problems
-        assert all(p.startswith(("  - 'data.path' in", "  - 'model.name_or_path' in")) for p in problems), problems
+        user_files = ("  - 'data.path' in", "  - 'model.name_or_path' in", "  - 'sample.images' in")
+        assert all(p.startswith(user_files) for p in problems), problems
     user = read_yaml_layer(config)
     problems = []
     for name, preset in presets.items():

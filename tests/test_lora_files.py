@@ -33,17 +33,8 @@ CASES = {
 EXPERT_FILES = {"transformer": ("high_noise", {}), "transformer_2": ("low_noise", {"load_into_transformer_2": True})}
 
 
-@pytest.fixture(autouse=True)
-def own_data_caches(tmp_path_factory, monkeypatch):
-    """Latent and text caches of this module's runs kept apart from the session's (other tests count cache hits);
-    the tiny models are the session's."""
-    import os
-
-    session = Path(os.environ["TOOLKIT_CACHE"])
-    cache = tmp_path_factory.mktemp("lora-files-cache")
-    (session / "tiny").mkdir(parents=True, exist_ok=True)
-    (cache / "tiny").symlink_to(session / "tiny")
-    monkeypatch.setenv("TOOLKIT_CACHE", str(cache))
+# Latent and text caches of this module's runs kept apart from the session's (conftest.py)
+pytestmark = pytest.mark.usefixtures("own_data_caches")
 
 
 def trained_adapter(run_dir: Path, step_dir: Path):

@@ -293,20 +293,27 @@ def test_resume_false_refuses_a_run_folder_with_checkpoints(reference, tmp_path,
 
 
 SD_ARGS = ["train", str(REPO / "configs/examples/quickstart_sd.yaml"), "train.steps=6", "save.every=2",
-           "save.keep_last=10", "sample.prompts=[]", "log.every=1", "log.tensorboard=false", "train.batch_size=2"]
+           "save.keep_last=10", "sample.prompts=[]", "log.every=1", "log.tensorboard=false", "train.batch_size=2",
+           # every augmentation: its draws must come out the same after the resume
+           "data.random_flip=true", "data.crop_variants=3", "data.shuffle_tags=true", "data.tag_dropout=0.2",
+           "data.caption_dropout=0.2"]
 
 
-def test_sd_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
+def test_sd_kill_9_mid_run_then_resume_is_bit_identical_with_augmentation(tmp_path):
+    from toolkit.tiny.fixtures import write_shapes_dataset
+
     ref, out = tmp_path / "reference", tmp_path / "run"
+    write_shapes_dataset(tmp_path / "data", sizes=((64, 64), (96, 64)), count=2)  # 96x64: three crops each
+    args = [*SD_ARGS, f"data.path={tmp_path / 'data'}"]
     # A private cache: the latent/text caches this writes must not turn other tests' first runs into cache hits.
     env = {**SINGLE_THREAD, "TOOLKIT_CACHE": str(tmp_path / "cache")}
-    proc = run_toolkit(*SD_ARGS, f"run.output_dir={ref}", env=env)
+    proc = run_toolkit(*args, f"run.output_dir={ref}", env=env)
     assert proc.returncode == 0, proc.stderr
-    killed = subprocess.Popen([sys.executable, "-m", "toolkit", *SD_ARGS, f"run.output_dir={out}"], cwd=REPO,
+    killed = subprocess.Popen([sys.executable, "-m", "toolkit", *args, f"run.output_dir={out}"], cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
     kill_9_after_checkpoint(killed, out, 2)
     assert killed.returncode == -signal.SIGKILL and not (out / "final").exists()
-    proc = run_toolkit(*SD_ARGS, f"run.output_dir={out}", env=env)
+    proc = run_toolkit(*args, f"run.output_dir={out}", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" in proc.stderr
     name = "pytorch_lora_weights.safetensors"

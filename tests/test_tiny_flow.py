@@ -1,5 +1,5 @@
-"""Tiny flow-matching pipelines (tiny:flux, tiny:sd3, tiny:wan21, tiny:wan22, tiny:wan22-5b, tiny:qwen_image, tiny:z_image,
-tiny:flux2): written
+"""Tiny flow-matching pipelines (tiny:flux, tiny:sd3, tiny:wan21, tiny:wan22, tiny:wan22-5b, the image-to-video
+tiny:wan21-i2v and tiny:wan22-i2v, tiny:qwen_image, tiny:z_image, tiny:flux2): written
 on first use, loaded by their diffusers pipeline class, and able to generate; the family-specific settings are the
 real ones."""
 
@@ -15,6 +15,8 @@ import torch
 from toolkit.paths import resolve_model_path
 from toolkit.tiny import TINY_WRITERS, write_tiny
 
+# the class name transformers saves a CLIPImageProcessor under (CLIPImageProcessorPil since transformers 5)
+IMAGE_PROCESSOR = __import__("transformers").CLIPImageProcessor().__class__.__name__
 # kind -> (pipeline class, components in model_index.json, output shape of a 64x64 generation)
 KINDS = {
     "flux": ("FluxPipeline", {"text_encoder": "CLIPTextModel", "tokenizer": "CLIPTokenizer",
@@ -35,6 +37,14 @@ KINDS = {
     "wan22-5b": ("WanPipeline", {"text_encoder": "UMT5EncoderModel", "tokenizer": "T5Tokenizer",
                                  "transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan",
                                  "scheduler": "UniPCMultistepScheduler"}, (1, 5, 64, 64, 3)),
+    "wan21-i2v": ("WanImageToVideoPipeline", {"text_encoder": "UMT5EncoderModel", "tokenizer": "T5Tokenizer",
+                                              "image_encoder": "CLIPVisionModel", "image_processor": IMAGE_PROCESSOR,
+                                              "transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan",
+                                              "scheduler": "UniPCMultistepScheduler"}, (1, 5, 64, 64, 3)),
+    "wan22-i2v": ("WanImageToVideoPipeline", {"text_encoder": "UMT5EncoderModel", "tokenizer": "T5Tokenizer",
+                                              "transformer": "WanTransformer3DModel",
+                                              "transformer_2": "WanTransformer3DModel", "vae": "AutoencoderKLWan",
+                                              "scheduler": "UniPCMultistepScheduler"}, (1, 5, 64, 64, 3)),
     "qwen_image": ("QwenImagePipeline", {"text_encoder": "Qwen2_5_VLForConditionalGeneration",
                                          "tokenizer": "Qwen2Tokenizer", "transformer": "QwenImageTransformer2DModel",
                                          "vae": "AutoencoderKLQwenImage",
@@ -84,6 +94,10 @@ def test_tiny_flow_pipeline_loads_and_generates(kind):
                 generator=torch.Generator().manual_seed(0), output_type="np")
     if pipeline_name == "WanPipeline":
         output = pipe(**call, num_frames=5).frames
+    elif pipeline_name == "WanImageToVideoPipeline":
+        from PIL import Image
+
+        output = pipe(**call, num_frames=5, image=Image.new("RGB", (64, 64), "white")).frames
     else:
         output = pipe(**call).images
     assert np.asarray(output).shape == shape

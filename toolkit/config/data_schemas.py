@@ -33,11 +33,24 @@ class ImageDataSection:
     caption_ext: str = opt(".txt", "Caption file extension.")
     default_caption: str = opt("", "Caption for images that have none.")
     trigger_word: Optional[str] = opt(None, "Replaces [trigger] in captions and prompts; prepended when missing.")
-    caption_dropout: float = opt(0.0, "Probability of training on an empty caption.", minimum=0.0)
-    shuffle_tags: bool = opt(False, "Shuffle comma-separated tags (after keep_tokens).")
-    keep_tokens: int = opt(0, "Leading tags kept in place when shuffle_tags is on.", minimum=0)
+    caption_dropout: float = opt(0.0, "Probability of training a sample on an empty caption (drawn per sample and "
+                                 "epoch; the empty caption's embedding is cached).", minimum=0.0, maximum=1.0)
+    shuffle_tags: bool = opt(False, "Shuffle the comma-separated tags of each caption every epoch, after the first "
+                             "keep_tokens (kohya's shuffle_caption); text embeddings are then computed every step.")
+    keep_tokens: int = opt(0, "Leading tags that shuffle_tags and tag_dropout leave in place (the prepended trigger "
+                           "word is always kept).", minimum=0)
+    tag_dropout: float = opt(0.0, "Probability of leaving out each tag after keep_tokens (kohya's "
+                             "caption_tag_dropout_rate); text embeddings are then computed every step.",
+                             minimum=0.0, maximum=1.0)
+    random_flip: bool = opt(False, "Train on the horizontally mirrored image (or clip) half of the time; the mirrored "
+                            "copy is encoded and cached once, beside the original. Leave off for text, logos and "
+                            "subjects whose left and right differ.")
+    crop_variants: int = opt(1, "Crops per image within its aspect bucket: 1 takes the centre; N > 1 takes N crops "
+                             "evenly spaced along the side that overhangs the bucket (kohya's random_crop), each "
+                             "encoded and cached once, and trains on one of them per epoch. The latent cache then "
+                             "holds N (2N with random_flip) latents per image.", minimum=1)
     cache_latents: bool = opt(True, "Cache VAE latents to disk.")
-    cache_text_embeddings: bool = opt(True, "Cache text-encoder outputs to disk (not with shuffle_tags, caption_dropout "
+    cache_text_embeddings: bool = opt(True, "Cache text-encoder outputs to disk (not with shuffle_tags, tag_dropout "
                                       "or train.train_text_encoder: those compute them every step).")
     bucket_step: int = opt(64, "Aspect-ratio buckets: sides are multiples of this many pixels.", minimum=8)
     min_bucket_side: int = opt(0, "Smallest bucket side in pixels; 0 means bucket_step.", minimum=0)

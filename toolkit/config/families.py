@@ -26,7 +26,8 @@ DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_o
                                       "sample.negative_prompt"}
 FLOW_SETTINGS = DIFFUSION_SETTINGS | {"train.flow_shift", "model.quantize", "model.quantize_backend",
                                       "model.block_swap"}
-VIDEO_SETTINGS = FLOW_SETTINGS | {"sample.negative_prompt", "sample.num_frames", "sample.fps"}
+VIDEO_SETTINGS = FLOW_SETTINGS | {"sample.negative_prompt", "sample.num_frames", "sample.fps", "model.task",
+                                  "sample.images"}
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,16 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                timestep_sampling="logit_normal", batch_cap=4, save_formats=("diffusers", "comfyui"),
                tiny={"sd3": "toolkit.tiny.flow:write_tiny_sd3"}, pipeline_class="StableDiffusion3Pipeline"),
     FamilySpec("wan21", "toolkit.models.diffusion_wan:WanAdapter", VideoDataSection, VIDEO_SETTINGS,
-               "Wan 2.1 text-to-video", timestep_sampling="logit_normal", batch_cap=1,
-               save_formats=("diffusers", "comfyui"), tiny={"wan21": "toolkit.tiny.flow:write_tiny_wan21"},
+               "Wan 2.1 text-to-video and image-to-video", timestep_sampling="logit_normal", batch_cap=1,
+               save_formats=("diffusers", "comfyui"), tiny={"wan21": "toolkit.tiny.flow:write_tiny_wan21",
+                                                           "wan21-i2v": "toolkit.tiny.wan_i2v:write_tiny_wan21_i2v"},
                pipeline_class="WanPipeline"),
     FamilySpec("wan22", "toolkit.models.diffusion_wan:Wan22Adapter", VideoDataSection,
                VIDEO_SETTINGS | {"train.experts", "train.expert_switch_every", "model.expert_offload"},
-               "Wan 2.2 A14B (two experts) and TI2V-5B", timestep_sampling="logit_normal", batch_cap=1,
-               save_formats=("diffusers", "comfyui"),
-               tiny={"wan22": "toolkit.tiny.flow:write_tiny_wan22", "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b"},
+               "Wan 2.2 A14B (two experts; text- or image-to-video) and TI2V-5B", timestep_sampling="logit_normal",
+               batch_cap=1, save_formats=("diffusers", "comfyui"),
+               tiny={"wan22": "toolkit.tiny.flow:write_tiny_wan22", "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b",
+                     "wan22-i2v": "toolkit.tiny.wan_i2v:write_tiny_wan22_i2v"},
                pipeline_class="WanPipeline"),
     FamilySpec("qwen_image", "toolkit.models.diffusion_qwen:QwenImageAdapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Qwen-Image", timestep_sampling="logit_normal",

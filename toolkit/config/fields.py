@@ -1,4 +1,4 @@
-"""Schema fields: a default with its documentation, allowed values, lower bound and resume safety as metadata."""
+"""Schema fields: a default with its documentation, allowed values, bounds and resume safety as metadata."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 
 def opt(default: Any, doc: str, choices: tuple | None = None, minimum: float | None = None,
-        resume_safe: bool = False) -> Any:
-    """A schema field with its documentation and optional allowed values / lower bound.
+        maximum: float | None = None, resume_safe: bool = False) -> Any:
+    """A schema field with its documentation and optional allowed values / lower and upper bounds (inclusive).
 
     resume_safe: a resumed run may change it, because it alters cadence, output or where the run goes, not
     what it learns; any other change between a checkpoint's config and the current one refuses the resume."""
@@ -18,6 +18,8 @@ def opt(default: Any, doc: str, choices: tuple | None = None, minimum: float | N
         meta["choices"] = tuple(choices)
     if minimum is not None:
         meta["min"] = minimum
+    if maximum is not None:
+        meta["max"] = maximum
     if resume_safe:
         meta["resume_safe"] = True
     if isinstance(default, (list, dict)):

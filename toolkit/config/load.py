@@ -174,9 +174,9 @@ def _missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
 
 
 def _check_values(cfg: DictConfig, sources: dict[str, str], problems: list[str]) -> None:
-    """Choices and lower bounds from the schema metadata, checked after interpolation."""
+    """Choices and bounds from the schema metadata, checked after interpolation."""
     for dotted, meta in iter_schema_fields(cfg):
-        if "choices" not in meta and "min" not in meta:
+        if "choices" not in meta and "min" not in meta and "max" not in meta:
             continue
         try:
             value = OmegaConf.select(cfg, dotted, throw_on_missing=False)
@@ -191,6 +191,8 @@ def _check_values(cfg: DictConfig, sources: dict[str, str], problems: list[str])
             problems.append(f"'{dotted}' in {where}: '{value}' is not one of {', '.join(map(str, meta['choices']))}{hint}")
         if "min" in meta and isinstance(value, (int, float)) and value < meta["min"]:
             problems.append(f"'{dotted}' in {where}: {value} is below the minimum {meta['min']}")
+        if "max" in meta and isinstance(value, (int, float)) and value > meta["max"]:
+            problems.append(f"'{dotted}' in {where}: {value} is above the maximum {meta['max']}")
 
 
 def _check_family_settings(cfg: DictConfig, family: str, set_by: dict[str, Layer], problems: list[str]) -> None:

@@ -72,7 +72,9 @@ def _description(f: dataclasses.Field) -> str:
     text = meta.get("doc", "")
     if "choices" in meta:
         text += " One of " + ", ".join(f"`{c}`" for c in meta["choices"]) + "."
-    if "min" in meta:
+    if "min" in meta and "max" in meta:
+        text += f" From {meta['min']:g} to {meta['max']:g}."
+    elif "min" in meta:
         text += f" At least {meta['min']:g}."
     if meta.get("resume_safe"):
         text += " A resumed run may change it."

@@ -31,7 +31,7 @@ class RunSection:
     name: str = opt("lora", "Run name; the run folder is named after it by default.", resume_safe=True)
     output_dir: str = opt("outputs/${run.name}", "Run folder: config, checkpoints, samples, logs and the final LoRA.",
                           resume_safe=True)
-    seed: int = opt(42, "Seed for python, numpy and torch RNGs and the data order.")
+    seed: int = opt(42, "Seed for python, numpy and torch RNGs, the data order and the augmentation draws.")
 
 
 @dataclass
@@ -88,6 +88,10 @@ class ModelSection:
                                       "budget or the memory is unified, else the fewest blocks that make them fit "
                                       "(instead of model.quantize=auto quantizing).", resume_safe=True)
     trust_remote_code: bool = opt(False, "Allow model code from the Hub repository (transformers trust_remote_code).")
+    task: str = opt("auto", "Wan: t2v (text-to-video) or i2v (image-to-video: each clip's start image conditions the "
+                    "model as WanImageToVideoPipeline does); auto reads the model folder (a WanImageToVideoPipeline "
+                    "is i2v, anything else t2v). TI2V-5B does both: set i2v to train it on start images.",
+                    choices=("auto", "t2v", "i2v"))
 
 
 @dataclass
@@ -183,6 +187,8 @@ class SampleSection:
     fps: int = opt(16, "Video: frames per second of the written samples.", minimum=1, resume_safe=True)
     width: int = opt(0, "Diffusion: sample width; 0 means data.resolution.", minimum=0, resume_safe=True)
     height: int = opt(0, "Diffusion: sample height; 0 means data.resolution.", minimum=0, resume_safe=True)
+    images: List[str] = opt([], "Wan image-to-video: the start image of each sample, one per prompt (or one for "
+                            "all), resized to cover the sample size and centre-cropped.", resume_safe=True)
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from toolkit.data.augment import Augmentation, View, mirrored_left, resized_size
 from toolkit.data.buckets import bucket_table, choose_bucket, format_bucket_table
 from toolkit.data.captions import CaptionRules
 from toolkit.errors import UserError
@@ -38,7 +38,7 @@ class ImageItem:
 def caption_rules(data) -> CaptionRules:
     return CaptionRules(trigger_word=data.trigger_word, default_caption=data.default_caption,
                         caption_dropout=data.caption_dropout, shuffle_tags=data.shuffle_tags,
-                        keep_tokens=data.keep_tokens)
+                        keep_tokens=data.keep_tokens, tag_dropout=data.tag_dropout)
 
 
 def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_EXTS) -> list[tuple[Path, str | None]]:
@@ -142,79 +142,90 @@ def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
     return items
 
 
-def load_pixels(item: ImageItem) -> tuple[torch.Tensor, tuple[int, int]]:
-    """The image resized to cover its bucket and centre-cropped: CHW in [-1, 1], and the crop's (top, left)."""
+def load_pixels(item: ImageItem, view: View | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The image resized to cover its bucket and cut to it (centred, or at the view's offset, mirrored when the
+    view says so): CHW in [-1, 1], and the cut's (top, left) in the resized image as the model sees it (mirrored
+    with the pixels, as SDXL's crop conditioning expects)."""
     from PIL import Image, ImageOps
 
     with Image.open(item.path) as opened:
         image = ImageOps.exif_transpose(opened).convert("RGB")
-    image, crop = cover_and_crop(image, item.bucket)
-    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous(), crop
+    image, (top, left) = cover_and_crop(image, item.bucket, view.top_left if view else None)
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1).contiguous()
+    if view is not None and view.flip:
+        return pixels.flip(-1), (top, mirrored_left(left, item.size, item.bucket))
+    return pixels, (top, left)
 
 
-def cover_and_crop(image, bucket: tuple[int, int]):
-    """An RGB PIL image resized (Lanczos) to cover bucket (width, height) and centre-cropped to it, and the crop's (top, left)."""
+def cover_and_crop(image, bucket: tuple[int, int], top_left: tuple[int, int] | None = None):
+    """An RGB PIL image resized (Lanczos) to cover bucket (width, height) and cut to it at `top_left` (default:
+    centred), and the cut's (top, left)."""
     from PIL import Image
 
     bw, bh = bucket
-    w, h = image.size
-    scale = max(bw / w, bh / h)
-    new_w, new_h = max(bw, round(w * scale)), max(bh, round(h * scale))
-    if (new_w, new_h) != (w, h):
+    new_w, new_h = resized_size(image.size, bucket)
+    if (new_w, new_h) != image.size:
         image = image.resize((new_w, new_h), Image.Resampling.LANCZOS)
-    top, left = (new_h - bh) // 2, (new_w - bw) // 2
+    top, left = top_left if top_left is not None else ((new_h - bh) // 2, (new_w - bw) // 2)
     return image.crop((left, top, left + bw, top + bh)), (top, left)
+
+
+def load_image_view(item: ImageItem, view: View | None = None) -> dict[str, torch.Tensor]:
+    """One view of an image as a DiffusionDataset row: its pixels and the cut's (top, left)."""
+    pixels, crop = load_pixels(item, view)
+    return {"pixels": pixels, "crop": torch.tensor(crop)}
 
 
 @dataclass
 class DiffusionDataset:
-    """Items in buckets; a batch holds latents (cached) or pixels, and text embeddings (cached) or captions.
+    """Items in buckets; a batch holds each item's view (augment.py) as cached latents (with whatever else the
+    family cached beside them) or as pixels, and text embeddings (cached) or captions.
 
-    `load` reads one item's pixels and crop (images: load_pixels; video clips: their frames). With cached
-    text embeddings and caption dropout, `empty_text` (the embedding of "") stands in for a dropped caption.
+    `load(item, view)` reads one view: {"pixels": ..., "crop": (top, left)} and any family extras (the
+    start image of image-to-video). `encoded[i][v]` is view v of item i from the latent cache. With cached text
+    embeddings and caption dropout, `empty_text` (the embedding of "") stands in for a dropped caption.
     """
 
     items: list
     rules: CaptionRules
-    latents: list[torch.Tensor] | None = None
-    crops: list[tuple[int, int]] | None = None
+    augment: Augmentation = field(default_factory=Augmentation)
+    encoded: list[list[dict[str, torch.Tensor]]] | None = None
     text: list[dict[str, torch.Tensor]] | None = None
     empty_text: dict[str, torch.Tensor] | None = None
-    load: Callable[[Any], tuple[torch.Tensor, tuple[int, int]]] = load_pixels
+    load: Callable[[Any, View], dict[str, torch.Tensor]] = load_image_view
     groups: list[int] = field(init=False)
+    views: list[list[View]] = field(init=False)
 
     def __post_init__(self) -> None:
         order = {b: i for i, b in enumerate(sorted({item.bucket for item in self.items}))}
         self.groups = [order[item.bucket] for item in self.items]
+        self.views = [self.augment.views(item.size, item.bucket[:2]) for item in self.items]
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def _text_for(self, i: int) -> dict[str, torch.Tensor]:
-        # The global `random` stream is saved in checkpoints, so resumed runs drop the same captions.
-        if self.rules.caption_dropout > 0 and random.random() < self.rules.caption_dropout:
-            return self.empty_text
-        return self.text[i]
-
-    def collate(self, indices: Sequence[int]) -> dict[str, Any]:
+    def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
+        """The batch of `indices`, with each item's view and caption edits drawn for `epoch` (augment.py)."""
         batch: dict[str, Any] = {}
-        if self.latents is not None:
-            batch["latents"] = torch.stack([self.latents[i] for i in indices])
-            crops = [self.crops[i] for i in indices]
+        picks = [self.augment.draw_view(i, epoch, len(self.views[i])) for i in indices]
+        if self.encoded is not None:
+            rows = [self.encoded[i][v] for i, v in zip(indices, picks)]
         else:
-            loaded = [self.load(self.items[i]) for i in indices]
-            batch["pixels"] = torch.stack([p for p, _ in loaded])
-            crops = [c for _, c in loaded]
+            rows = [self.load(self.items[i], self.views[i][v]) for i, v in zip(indices, picks)]
+        for key in rows[0]:
+            if key != "crop":
+                batch[key] = torch.stack([row[key] for row in rows])
+        rngs = [self.augment.caption_rng(i, epoch) for i in indices]
         if self.text is not None:
-            texts = [self._text_for(i) for i in indices]
+            texts = [self.empty_text if self.rules.dropped(rng) else self.text[i] for i, rng in zip(indices, rngs)]
             for key in texts[0]:
                 batch[key] = torch.stack([t[key] for t in texts])
         else:
-            batch["captions"] = [self.rules.vary(self.items[i].caption, random) for i in indices]
+            batch["captions"] = [self.rules.vary(self.items[i].caption, rng) for i, rng in zip(indices, rngs)]
         # Where each item's pixels came from, (B, 2) each, for families that condition on it (SDXL):
         # the file's (height, width), the crop's (top, left) in the resized image, the bucket's (height, width).
         batch["original_size"] = torch.tensor([(self.items[i].size[1], self.items[i].size[0]) for i in indices])
-        batch["crop_top_left"] = torch.tensor(crops)
+        batch["crop_top_left"] = torch.stack([torch.as_tensor(row["crop"]).long() for row in rows])
         batch["target_size"] = torch.tensor([(self.items[i].bucket[1], self.items[i].bucket[0]) for i in indices])
         return batch
+

@@ -55,5 +55,6 @@ class PackedTextDataset:
     def __len__(self) -> int:
         return len(self.packs)
 
-    def collate(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+    def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, torch.Tensor]:
+        """The batch of `indices` (text is not augmented: `epoch` changes nothing)."""
         return flatten_samples([self.samples[i] for pack in indices for i in self.packs[pack]])

@@ -165,7 +165,8 @@ class TextDataset:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def collate(self, indices: Sequence[int]) -> dict[str, Any]:
+    def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
+        """The batch of `indices` (text is not augmented: `epoch` changes nothing)."""
         return pad_samples([self.samples[i] for i in indices], self.pad_token_id)
 
 

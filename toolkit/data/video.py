@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from toolkit.data.augment import View
 from toolkit.data.images import IMAGE_EXTS, cover_and_crop, file_hash, oriented_size, scan_folder
 from toolkit.errors import UserError
 
@@ -36,6 +37,8 @@ class ClipItem:
     frame_count: int                # frames in the file (1 for a still image)
     bucket: tuple[int, int, int]    # training (width, height, frames)
     content_hash: str = ""
+    start_image: Path | None = None  # image-to-video: the image beside the clip that stands for its first frame
+    start_hash: str = ""
 
 
 def check_num_frames(num_frames: int) -> None:
@@ -98,9 +101,11 @@ def _probe(path: Path) -> tuple[tuple[int, int], int]:
     return _probe_container(path) if path.suffix.lower() in CONTAINER_EXTS else _probe_pillow(path)
 
 
-def scan_clips(data, log: Callable[[str], None]) -> list[ClipItem]:
+def scan_clips(data, log: Callable[[str], None],
+               select: Callable[[list[ClipItem]], list[ClipItem]] | None = None) -> list[ClipItem]:
     """Every readable clip or image under data.path with its caption and (width, height, frames) bucket;
-    unreadable files are skipped and named."""
+    unreadable files are skipped and named. `select` narrows the list before the bucket table is printed
+    (image-to-video: start images are not items)."""
     check_num_frames(data.num_frames)
     root = Path(data.path)
     if not root.is_dir():
@@ -112,6 +117,8 @@ def scan_clips(data, log: Callable[[str], None]) -> list[ClipItem]:
     if not items:
         raise UserError(f"data.path: no usable videos or images in {root}\n  fix: add .mp4/.webm/.gif videos or "
                         f".png/.jpg images (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
+    if select is not None:
+        items = select(items)
     log(format_clip_buckets(Counter(item.bucket for item in items)))
     return items
 
@@ -155,8 +162,9 @@ def _decode_pillow(path: Path, indices: list[int]) -> dict[int, "Image"]:
     return frames
 
 
-def load_clip(item: ClipItem) -> torch.Tensor:
-    """The clip's bucket frames, each resized to cover the bucket and centre-cropped: (3, F, H, W) in [-1, 1]."""
+def load_clip(item: ClipItem, view: View | None = None) -> torch.Tensor:
+    """The clip's bucket frames, each resized to cover the bucket and cut to it (centred, or at the view's
+    offset, mirrored when the view says so): (3, F, H, W) in [-1, 1]."""
     width, height, count = item.bucket
     indices = frame_indices(item.frame_count, count)
     decode = _decode_container if item.path.suffix.lower() in CONTAINER_EXTS else _decode_pillow
@@ -165,8 +173,11 @@ def load_clip(item: ClipItem) -> torch.Tensor:
     if missing:
         raise UserError(f"{item.path}: the file said it has {item.frame_count} frames, but decoding ended before "
                         f"frame {missing[0]}\n  fix: re-encode it (ffmpeg -i in.mp4 -c:v libx264 out.mp4) or remove it")
-    array = np.stack([np.asarray(cover_and_crop(frames[i], (width, height))[0], dtype=np.float32) for i in indices])
-    return torch.from_numpy(array / 127.5 - 1.0).permute(3, 0, 1, 2).contiguous()
+    top_left = view.top_left if view else None
+    array = np.stack([np.asarray(cover_and_crop(frames[i], (width, height), top_left)[0], dtype=np.float32)
+                      for i in indices])
+    pixels = torch.from_numpy(array / 127.5 - 1.0).permute(3, 0, 1, 2).contiguous()
+    return pixels.flip(-1) if view is not None and view.flip else pixels
 
 
 def write_video(frames: list["Image"], out_base: Path, fps: int = 16,

@@ -61,8 +61,8 @@ class TrainDataset(Protocol):
 
     def __len__(self) -> int: ...
 
-    def collate(self, indices: Sequence[int]) -> dict[str, Any]:
-        """A batch (CPU tensors) of the items at `indices`."""
+    def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
+        """A batch (CPU tensors) of the items at `indices`, drawn in `epoch` (which seeds any augmentation)."""
 
 
 class ModelAdapter(Protocol):

@@ -1,6 +1,6 @@
 """What every diffusion family shares: a diffusers pipeline, PEFT LoRA on its denoiser(s), cached latents and
-text embeddings, the training loss (written once: latents -> objective.noise -> the family's predict ->
-objective.loss), samples, and LoRA files in the diffusers format that `pipe.load_lora_weights` reads.
+text embeddings (diffusion_data.py), the training loss (written once: latents -> objective.noise -> the family's
+predict -> objective.loss), samples, and LoRA files in the diffusers format that `pipe.load_lora_weights` reads.
 
 A family sets its pipeline class, which components carry the LoRA (`denoiser_names`), its text encoders and
 the text tensors its denoiser takes (`text_keys`), its default LoRA targets, its objective (setup_training),
@@ -19,14 +19,13 @@ import torch
 from omegaconf import DictConfig
 
 from toolkit.data.captions import apply_trigger
-from toolkit.data.images import DiffusionDataset, caption_rules, load_pixels, scan_images
-from toolkit.data.latent_cache import TensorCache, cache_key
 from toolkit.errors import UserError
 from toolkit.models.base import AdapterBase, Runtime, eval_mode, repeated_blocks
+from toolkit.models.diffusion_data import DiffusionData, unbatch
 from toolkit.models.diffusion_files import DiffusersLoraFiles
 from toolkit.models.lora import lora_config
 from toolkit.models.objectives import Noised
-from toolkit.paths import cache_root, resolve_model_path
+from toolkit.paths import resolve_model_path
 
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
@@ -41,13 +40,7 @@ class Denoiser:
     config: Any
 
 
-def unbatch(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """A dict of batched tensors as one dict per item."""
-    n = next(iter(tensors.values())).shape[0]
-    return [{k: v[i] for k, v in tensors.items()} for i in range(n)]
-
-
-class DiffusionAdapter(DiffusersLoraFiles, AdapterBase):
+class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
     denoiser_names: tuple[str, ...] = ("unet",)      # pipeline components that carry the LoRA
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     text_keys: tuple[str, ...] = ("prompt_embeds",)   # the cached text tensors the denoiser takes
@@ -259,84 +252,6 @@ class DiffusionAdapter(DiffusersLoraFiles, AdapterBase):
 
     def latents_of(self, batch: dict[str, Any]) -> torch.Tensor:
         return batch["latents"].to(self.runtime.device) if "latents" in batch else self.encode_pixels(batch["pixels"])
-
-    # -- data ------------------------------------------------------------------------------
-    def scan(self, data) -> list:
-        return scan_images(data, self.log)
-
-    def load_item(self, item) -> tuple[torch.Tensor, tuple[int, int]]:
-        return load_pixels(item)
-
-    def prepare_data(self) -> DiffusionDataset:
-        """Scan the data and fill the latent and text caches (the main process first; the others then read
-        what it wrote). The VAE visits the device for encoding; text encoders are freed when nothing needs
-        them again."""
-        with self.runtime.main_process_first():
-            return self._prepare_data()
-
-    def _prepare_data(self) -> DiffusionDataset:
-        data, rules = self.cfg.data, caption_rules(self.cfg.data)
-        items = self.scan(data)
-        dataset = DiffusionDataset(items, rules, load=self.load_item)
-        root = cache_root() / "diffusion"
-        vae = self.pipe.vae
-        vae.to(self.runtime.device)
-        if data.cache_latents:
-            self.latent_cache = TensorCache(root, "latents")
-            vae_id = (self.model_path, self.cfg.model.revision, str(vae.dtype), "mode")
-            keys = [cache_key(it.content_hash, it.bucket, *vae_id) for it in items]
-            cached = self.latent_cache.fill(keys, lambda idx: [self._encode_item(items[i]) for i in idx])
-            dataset.latents = [c["latents"] for c in cached]
-            dataset.crops = [(int(c["crop"][0]), int(c["crop"][1])) for c in cached]
-            self.log(f"latents: {self.latent_cache.hits} cached, {self.latent_cache.misses} encoded")
-            vae.to("cpu")  # only sampling needs it again
-        self._prepare_text(dataset, items, rules, root)
-        return dataset
-
-    def _prepare_text(self, dataset: DiffusionDataset, items: list, rules, root: Path) -> None:
-        data, train_te = self.cfg.data, self.trains_text_encoders
-        per_step = ("train.train_text_encoder is on" if train_te else
-                    "data.shuffle_tags changes captions every step" if rules.shuffle_tags else
-                    "data.cache_text_embeddings is off" if not data.cache_text_embeddings else None)
-        encoders = self.text_encoders
-        for encoder in encoders:
-            encoder.to(self.runtime.device)
-        if per_step is not None:
-            if data.cache_text_embeddings:
-                self.log(f"text embeddings: computed every step, not cached ({per_step}); the text encoders stay "
-                         "on the device")
-            return
-        self.text_cache = TensorCache(root, "text")
-        text_id = (self.model_path, self.cfg.model.revision, self.family, str(encoders[0].dtype))
-        captions = [it.caption for it in items]
-        extra = [""] if rules.caption_dropout > 0 else []
-        if not self.samples_need_text_encoders:
-            extra += self.sample_prompts() + ([self.cfg.sample.negative_prompt] if self.uses_negative_prompt else [])
-        extra = [p for p in dict.fromkeys(extra) if p not in captions]
-        texts = captions + extra
-        keys = [cache_key(text, *text_id) for text in texts]
-        with torch.no_grad():
-            cached = self.text_cache.fill(keys, lambda idx: unbatch(self.encode_text([texts[i] for i in idx])))
-        dataset.text = cached[:len(captions)]
-        self.prompt_cache = dict(zip(texts, cached))
-        dataset.empty_text = self.prompt_cache.get("")
-        self.log(f"text embeddings: {self.text_cache.hits} cached, {self.text_cache.misses} encoded")
-        if self.samples_need_text_encoders:
-            for encoder in encoders:
-                encoder.to("cpu")
-        else:
-            self.free_text_encoders()
-
-    def free_text_encoders(self) -> None:
-        """Drop the text encoders: every caption and sample prompt is cached, so nothing needs them again."""
-        for name in self.text_encoder_names:
-            if getattr(self.pipe, name, None) is not None:
-                setattr(self.pipe, name, None)
-        self.log("text encoders: freed after caching (every caption and sample prompt is cached)")
-
-    def _encode_item(self, item) -> dict[str, torch.Tensor]:
-        pixels, crop = self.load_item(item)
-        return {"latents": self.encode_pixels(pixels[None])[0], "crop": torch.tensor(crop)}
 
     def embeddings_for(self, prompt: str) -> dict[str, torch.Tensor]:
         """One prompt's text conditioning (batch of 1) on the device: cached, or encoded now."""

@@ -1,4 +1,5 @@
-"""The video families `wan21` (Wan 2.1 T2V) and `wan22` (Wan 2.2: A14B with two experts, or TI2V-5B).
+"""The video families `wan21` (Wan 2.1 T2V and I2V) and `wan22` (Wan 2.2: A14B with two experts, T2V or I2V, or
+TI2V-5B). Image-to-video (model.task, the start-image condition) is in wan_i2v.py.
 
 Clips (toolkit.data.video) are encoded by the Wan VAE (time / 4, space / 8 or / 16) and normalised with its
 per-channel latent statistics; the transformer predicts the flow velocity at timestep 1000 * sigma.
@@ -12,12 +13,13 @@ weights (and so their optimizer state) never leave the device. Each expert's LoR
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from toolkit.data.augment import View
 from toolkit.errors import UserError
 from toolkit.models.diffusion_base import Denoiser
 from toolkit.models.diffusion_files import lora_file_in
@@ -25,6 +27,7 @@ from toolkit.models.diffusion_flow import FlowMatchingAdapter
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import wan_native_keys
 from toolkit.models.objectives import Noised
+from toolkit.models.wan_i2v import StartImages, resolve_task, sample_image, sample_images, start_images_for
 
 WAN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 WAN_ALL_LINEAR = WAN_TARGETS + ["add_k_proj", "add_v_proj", "time_embedder.linear_1", "time_embedder.linear_2",
@@ -36,11 +39,18 @@ class WanAdapter(FlowMatchingAdapter):
     transformer_key_style = staticmethod(wan_native_keys)
     text_encoder_names = ("text_encoder",)
     max_text_tokens = 512
+    task = "t2v"                              # model.task, resolved in load()
+    start_images: StartImages | None = None   # image-to-video: the start-image condition (wan_i2v.py)
+
+    def load(self) -> None:
+        self.task, why = resolve_task(self.cfg.model.task, self.model_path, self.cfg.model.revision)
+        self.log(f"model.task: {self.task} ({why})")
+        super().load()
 
     def pipeline_class(self):
-        from diffusers import WanPipeline
+        from diffusers import WanImageToVideoPipeline, WanPipeline
 
-        return WanPipeline
+        return WanImageToVideoPipeline if self.task == "i2v" else WanPipeline
 
     def lora_target_modules(self) -> list[str]:
         return target_modules(self.cfg.network.target_modules, WAN_TARGETS, WAN_ALL_LINEAR)
@@ -51,17 +61,40 @@ class WanAdapter(FlowMatchingAdapter):
         self.expand_timesteps = bool(self.pipe.config.get("expand_timesteps", False))
         self.log(f"flow matching: {self.timestep_sampling} sigmas shifted by {self.shift:g}"
                  + (" (train.flow_shift)" if self.cfg.train.flow_shift != "auto" else " (the scheduler's flow_shift)"))
+        name = self.cfg.model.name_or_path
+        self.start_images = start_images_for(self.pipe, self.task, name, self.runtime.device, self.log)
+        self.sample_starts = sample_images(list(self.cfg.sample.images), self.sample_prompts(), self.task, name)
+        if self.start_images is not None:
+            self.objective = self.start_images.objective(self.objective)
+            self.log(f"image-to-video: {self.start_images.describe()}")
 
     # -- data ------------------------------------------------------------------------------
     def scan(self, data) -> list:
         from toolkit.data.video import scan_clips
 
-        return scan_clips(data, self.log)
+        return scan_clips(data, self.log, self.start_images.items if self.start_images else None)
 
-    def load_item(self, item) -> tuple[torch.Tensor, tuple[int, int]]:
+    def load_item(self, item, view: View) -> dict[str, torch.Tensor]:
         from toolkit.data.video import load_clip
 
-        return load_clip(item), (0, 0)
+        loaded = {"pixels": load_clip(item, view), "crop": torch.tensor(view.top_left)}
+        return self.start_images.load(item, view, loaded) if self.start_images else loaded
+
+    def encode_view(self, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = super().encode_view(loaded)
+        if self.start_images:  # the start image's condition, cached with the clip's latents
+            out.update({k: v[0] for k, v in self.start_images.encode(loaded["image"][None],
+                                                                     loaded["pixels"].shape[1]).items()})
+        return out
+
+    def latent_key_parts(self, item) -> tuple:
+        return self.start_images.key_parts(item) if self.start_images else ()
+
+    def _prepare_data(self):
+        if not self.start_images:
+            return super()._prepare_data()
+        with self.start_images.image_encoder_on_device(keep=not self.cfg.data.cache_latents):
+            return super()._prepare_data()
 
     def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.pipe.vae.config
@@ -75,23 +108,37 @@ class WanAdapter(FlowMatchingAdapter):
         return {"prompt_embeds": embeds}
 
     # -- loss ------------------------------------------------------------------------------
+    def conditioning(self, batch: dict[str, Any], modules) -> dict[str, torch.Tensor]:
+        cond = super().conditioning(batch, modules)
+        return {**cond, **self.start_images.conditioning(batch)} if self.start_images else cond
+
     def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
                 batch: dict[str, Any]) -> torch.Tensor:
         dtype = denoiser.dtype
-        timestep = (noised.t * 1000).to(dtype)
+        hidden, timestep, extra = noised.noisy, noised.t * 1000, {}
+        _, p_h, p_w = denoiser.config.patch_size
+        tokens_per_frame = (hidden.shape[3] // p_h) * (hidden.shape[4] // p_w)
         if self.expand_timesteps:  # Wan 2.2 TI2V-5B takes a timestep per latent patch
-            _, p_h, p_w = denoiser.config.patch_size
-            shape = noised.noisy.shape
-            timestep = timestep[:, None].expand(-1, shape[2] * (shape[3] // p_h) * (shape[4] // p_w))
-        return denoiser.forward(hidden_states=noised.noisy.to(dtype), timestep=timestep,
-                                encoder_hidden_states=cond["prompt_embeds"].to(dtype), return_dict=False)[0]
+            timestep = timestep[:, None].expand(-1, hidden.shape[2] * tokens_per_frame)
+        if self.start_images:
+            hidden, timestep, extra = self.start_images.model_inputs(hidden, timestep, cond, tokens_per_frame)
+        return denoiser.forward(hidden_states=hidden.to(dtype), timestep=timestep.to(dtype),
+                                encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+                                **{k: v.to(dtype) for k, v in extra.items()}, return_dict=False)[0]
 
     # -- sampling --------------------------------------------------------------------------
     def generate(self, prompt: str, seed: int) -> list:
         text, negative = self.embeddings_for(prompt), self.embeddings_for(self.cfg.sample.negative_prompt)
         frames = self.cfg.sample.num_frames or self.cfg.data.num_frames
-        out = self.pipeline_call(seed, prompt_embeds=text["prompt_embeds"],
-                                 negative_prompt_embeds=negative["prompt_embeds"], num_frames=frames, output_type="pil")
+        start, placed = {}, nullcontext()
+        if self.sample_starts:  # sample i starts from image i (pipeline seeds go sample.seed + i), or the only one
+            index = (seed - self.cfg.sample.seed) if len(self.sample_starts) > 1 else 0
+            start["image"] = sample_image(self.sample_starts[index], self.sample_size())
+            placed = self.start_images.image_encoder_on_device()
+        with placed:
+            out = self.pipeline_call(seed, prompt_embeds=text["prompt_embeds"],
+                                     negative_prompt_embeds=negative["prompt_embeds"], num_frames=frames,
+                                     output_type="pil", **start)
         return list(out.frames[0])
 
 

@@ -27,6 +27,7 @@ def path_checks(check_output: bool = True) -> PathCheck:
         if family not in FAMILY_SPECS:
             return []
         problems = data_problems(cfg, sources, FAMILY_SPECS[family].data_schema is TextDataSection)
+        problems += sample_image_problems(cfg, sources)
         name = _value(cfg, "model.name_or_path")
         if isinstance(name, str) and name:
             problems += model_problems(name, FAMILY_SPECS[family], _value(cfg, "model.revision"),
@@ -64,4 +65,18 @@ def data_problems(cfg: DictConfig, sources: dict, files: bool) -> list[str]:
         elif not files and not path.is_dir():
             problems.append(f"'{key}' in {where}: {path} is a file; give the folder that holds the images or videos "
                             "(with same-name caption files, or a metadata.jsonl)")
+    return problems
+
+
+def sample_image_problems(cfg: DictConfig, sources: dict) -> list[str]:
+    """sample.images (image-to-video start images): each an image file that exists."""
+    images = _value(cfg, "sample.images") or []
+    where = sources.get("sample.images", DEFAULTS_LABEL)
+    problems = []
+    for image in images:
+        path = Path(str(image))
+        if not path.is_file():
+            relative = "" if path.is_absolute() else f" (relative paths are taken from {Path.cwd()})"
+            what = "is a folder" if path.is_dir() else "does not exist"
+            problems.append(f"'sample.images' in {where}: {path} {what}{relative}; give an image file")
     return problems

@@ -44,16 +44,17 @@ def write_shapes_dataset(out: Path, sizes: tuple[tuple[int, int], ...] = ((64, 6
     return written
 
 
-def write_clips_dataset(out: Path, count: int = 6, frames: int = 9, size: tuple[int, int] = (64, 64)) -> list[Path]:
+def write_clips_dataset(out: Path, count: int = 6, frames: int = 9, size: tuple[int, int] = (64, 64),
+                        stills: int = 2) -> list[Path]:
     """Animated webp clips of a coloured shape moving left to right on white ("a red circle moving right"),
-    plus two stills, each with a caption file: the toy video set in configs/examples/data/clips."""
+    plus `stills` stills, each with a caption file: the toy video set in configs/examples/data/clips."""
     from PIL import Image
 
     out.mkdir(parents=True, exist_ok=True)
     w, h = size
     side = min(w, h) * 0.4
     written = []
-    for n, (colour, shape) in enumerate(_pairs(count + 2)):
+    for n, (colour, shape) in enumerate(_pairs(count + stills)):
         still = n >= count
         images = []
         for f in range(1 if still else frames):
@@ -73,3 +74,19 @@ def write_clips_dataset(out: Path, count: int = 6, frames: int = 9, size: tuple[
         path.with_suffix(".txt").write_text(caption + "\n")
         written.append(path)
     return written
+
+
+def write_i2v_clips_dataset(out: Path, count: int = 4, frames: int = 9, size: tuple[int, int] = (64, 64)) -> list[Path]:
+    """The image-to-video toy set in configs/examples/data/clips_i2v: `count` clips (as write_clips_dataset, no
+    stills), the last with a start image beside it: its first frame drawn at twice the size (the same aspect
+    ratio), as a sharper still of the first frame would be."""
+    from PIL import Image
+
+    clips = write_clips_dataset(out, count=count, frames=frames, size=size, stills=0)
+    colour, shape = clips[-1].stem.split("_")
+    w, h = size[0] * 2, size[1] * 2
+    side = min(w, h) * 0.4
+    image = Image.new("RGB", (w, h), (255, 255, 255))
+    _draw_shape(image, shape, colour, 0, (h - side) / 2, side)
+    image.save(clips[-1].with_suffix(".png"))
+    return clips

@@ -129,14 +129,17 @@ def write_tiny_sd3(out: Path) -> None:
     pipe.save_pretrained(out, safe_serialization=True)
 
 
-def _wan_transformer(channels: int):
-    """A 2-layer WanTransformer3DModel (2 heads of 12, text_dim 32), the diffusers tests' tiny Wan settings."""
+def wan_transformer(channels: int, in_channels: int | None = None, image_dim: int | None = None):
+    """A 2-layer WanTransformer3DModel (2 heads of 12, text_dim 32), the diffusers tests' tiny Wan settings, on
+    `channels` latent channels; image-to-video models take `in_channels` (condition channels included) and, for
+    Wan 2.1 I2V, cross-attend to image embeddings of width `image_dim`."""
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
-                                 in_channels=channels, out_channels=channels, text_dim=32, freq_dim=256, ffn_dim=32,
-                                 num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-                                 rope_max_seq_len=1024)
+                                 in_channels=in_channels or channels, out_channels=channels, text_dim=32,
+                                 freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                                 qk_norm="rms_norm_across_heads", rope_max_seq_len=1024, image_dim=image_dim,
+                                 added_kv_proj_dim=24 if image_dim else None)  # the inner width, as the real model
 
 
 def wan21_vae():
@@ -162,9 +165,9 @@ def _write_wan(out: Path, experts: int, vae_factory, channels: int, flow_shift: 
     tokenizer = write_t5_tokenizer(out / "tokenizer")
     torch.manual_seed(0)
     text_encoder = UMT5EncoderModel(t5_config(len(tokenizer), d_model=32, umt5=True))
-    transformer = _wan_transformer(channels)
+    transformer = wan_transformer(channels)
     # Drawn after the first expert from the same stream, so the two experts have different weights.
-    transformer_2 = _wan_transformer(channels) if experts == 2 else None
+    transformer_2 = wan_transformer(channels) if experts == 2 else None
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae_factory(),
                        scheduler=wan_scheduler(flow_shift), transformer=transformer, transformer_2=transformer_2,
                        **pipeline_config)

@@ -71,6 +71,11 @@ class Stepper:
         self.skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False)
                                     and self.accelerator.scaler is None and self.ema is None)
 
+    def _next_batch(self) -> dict:
+        """This process's next micro-batch; its epoch keys the data's augmentation draws (data/augment.py)."""
+        indices = self.order.next_batch()
+        return self.dataset.collate(indices, epoch=self.order.epoch)
+
     def launch(self, stop_requested: bool) -> StepSums:
         """Launch one optimizer step over grad_accum micro-batches on every process; its numbers stay on the
         device (StepSums) until read. The loss is the mean over every unit (token, sample) of the global batch;
@@ -81,7 +86,7 @@ class Stepper:
         loss is read a step later, while the GPU works on the next one. Other optimizers (and fp16 loss
         scaling, and the EMA) read the loss here, once, after backward is queued."""
         accum = self.train.grad_accum
-        batches = [self.dataset.collate(self.order.next_batch()) for _ in range(accum)]
+        batches = [self._next_batch() for _ in range(accum)]
         device = self.accelerator.device
         counts = [float(sum(self.adapter.loss_weight(batch) for batch in batches)),
                   float(sum(self.adapter.tokens_in(batch) for batch in batches)), float(stop_requested)]

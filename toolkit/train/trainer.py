@@ -179,7 +179,8 @@ class Trainer:
         self.optimizer = self.accelerator.prepare_optimizer(optimizer)
         self.stepper = Stepper(self, optimizer)
         if procs.several:
-            # Each process draws its own noise, dropout and caption choices from here on.
+            # Each process draws its own noise and dropout from here on (augmentation draws are keyed by item and
+            # epoch: data/augment.py).
             seed_everything(hash((cfg.run.seed, procs.rank)) % 2**63)
         n_train = sum(p.numel() for p in self.params)
         self._check_checkpoint_room(n_train)

@@ -1,0 +1,132 @@
+"""The data half of a diffusion adapter: scanning the folder, loading an item's views (augment.py), and filling
+the latent and text-embedding caches. Mixed into DiffusionAdapter, which provides `cfg`, `pipe`, `runtime`,
+`log`, `model_path`, `family`, `text_encoders`, `encode_pixels`, `encode_text` and the sample prompts.
+
+Latents: every view of every item (crop offsets and flip, data.crop_variants and data.random_flip) is encoded
+once and cached, keyed by the file's content, its bucket, the model, the VAE mode, the view and anything the
+family conditions on beside it (`latent_key_parts`: an image-to-video start image). A family that caches more
+than the latents per view (Wan image-to-video: the start frame's condition) returns it from `encode_view`.
+
+Text: each caption is encoded once and cached, with the empty caption when data.caption_dropout is set, unless
+the words change every epoch (tag shuffle, tag dropout) or the text encoders train: a shuffled caption has as
+many variants as orders of its tags (3.6 million for 10 tags), far more than a cache could hold or a run would
+see twice, so those captions are encoded every step and the text encoders stay on the device. kohya refuses
+cached text-encoder outputs with shuffle_caption for the same reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+import torch
+
+from toolkit.data.augment import Augmentation, View
+from toolkit.data.images import DiffusionDataset, caption_rules, load_image_view, scan_images
+from toolkit.data.latent_cache import TensorCache, cache_key
+from toolkit.paths import cache_root
+
+
+def unbatch(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """A dict of batched tensors as one dict per item."""
+    n = next(iter(tensors.values())).shape[0]
+    return [{k: v[i] for k, v in tensors.items()} for i in range(n)]
+
+
+class DiffusionData:
+    # -- family hooks ----------------------------------------------------------------------
+    def scan(self, data) -> list:
+        return scan_images(data, self.log)
+
+    def load_item(self, item, view: View) -> dict[str, torch.Tensor]:
+        """One view of an item: {"pixels": CHW (or CFHW) in [-1, 1], "crop": (top, left)} and any extras the
+        family's `encode_view` reads."""
+        return load_image_view(item, view)
+
+    def encode_view(self, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the latent cache keeps of one loaded view (batch of 1 in, unbatched out): its latents, and a
+        family's other image-derived conditioning."""
+        return {"latents": self.encode_pixels(loaded["pixels"][None])[0]}
+
+    def latent_key_parts(self, item) -> tuple:
+        """What else the cached entry of `item` depends on beyond file, bucket, model and view."""
+        return ()
+
+    # -- caches ----------------------------------------------------------------------------
+    def prepare_data(self) -> DiffusionDataset:
+        """Scan the data and fill the latent and text caches (the main process first; the others then read
+        what it wrote). The VAE visits the device for encoding; text encoders are freed when nothing needs
+        them again."""
+        with self.runtime.main_process_first():
+            return self._prepare_data()
+
+    def _prepare_data(self) -> DiffusionDataset:
+        data, rules = self.cfg.data, caption_rules(self.cfg.data)
+        items = self.scan(data)
+        augment = Augmentation.from_data(data, self.cfg.run.seed)
+        dataset = DiffusionDataset(items, rules, augment, load=self.load_item)
+        root = cache_root() / "diffusion"
+        vae = self.pipe.vae
+        vae.to(self.runtime.device)
+        if data.cache_latents:
+            self._fill_latents(dataset, root)
+            vae.to("cpu")  # only sampling needs it again
+        self._prepare_text(dataset, items, rules, root)
+        return dataset
+
+    def _fill_latents(self, dataset: DiffusionDataset, root: Path) -> None:
+        """dataset.encoded: every view of every item, from the cache or encoded now (one VAE call per view)."""
+        self.latent_cache = TensorCache(root, "latents")
+        vae_id = (self.model_path, self.cfg.model.revision, str(self.pipe.vae.dtype), "mode")
+        entries = [(item, view) for item, views in zip(dataset.items, dataset.views) for view in views]
+        keys = [cache_key(item.content_hash, item.bucket, *vae_id, *self.latent_key_parts(item), *view.key_parts())
+                for item, view in entries]
+        cached = iter(self.latent_cache.fill(keys, lambda idx: [self._encode_entry(*entries[i]) for i in idx]))
+        dataset.encoded = [[next(cached) for _ in views] for views in dataset.views]
+        views = len(entries) // len(dataset.items)
+        per_item = f" ({views} views per item)" if len(entries) > len(dataset.items) else ""
+        self.log(f"latents: {self.latent_cache.hits} cached, {self.latent_cache.misses} encoded{per_item}")
+
+    def _encode_entry(self, item, view: View) -> dict[str, torch.Tensor]:
+        loaded = self.load_item(item, view)
+        return {**self.encode_view(loaded), "crop": torch.as_tensor(loaded["crop"])}
+
+    def _prepare_text(self, dataset: DiffusionDataset, items: list, rules, root: Path) -> None:
+        data, train_te = self.cfg.data, self.trains_text_encoders
+        per_step = ("train.train_text_encoder is on" if train_te else
+                    "data.shuffle_tags changes captions every step" if rules.shuffle_tags else
+                    "data.tag_dropout changes captions every step" if rules.tag_dropout > 0 else
+                    "data.cache_text_embeddings is off" if not data.cache_text_embeddings else None)
+        encoders = self.text_encoders
+        for encoder in encoders:
+            encoder.to(self.runtime.device)
+        if per_step is not None:
+            if data.cache_text_embeddings:
+                self.log(f"text embeddings: computed every step, not cached ({per_step}); the text encoders stay "
+                         "on the device")
+            return
+        self.text_cache = TensorCache(root, "text")
+        text_id = (self.model_path, self.cfg.model.revision, self.family, str(encoders[0].dtype))
+        captions = [it.caption for it in items]
+        extra = [""] if rules.caption_dropout > 0 else []
+        if not self.samples_need_text_encoders:
+            extra += self.sample_prompts() + ([self.cfg.sample.negative_prompt] if self.uses_negative_prompt else [])
+        extra = [p for p in dict.fromkeys(extra) if p not in captions]
+        texts = captions + extra
+        keys = [cache_key(text, *text_id) for text in texts]
+        with torch.no_grad():
+            cached = self.text_cache.fill(keys, lambda idx: unbatch(self.encode_text([texts[i] for i in idx])))
+        dataset.text = cached[:len(captions)]
+        self.prompt_cache = dict(zip(texts, cached))
+        dataset.empty_text = self.prompt_cache.get("")
+        self.log(f"text embeddings: {self.text_cache.hits} cached, {self.text_cache.misses} encoded")
+        if self.samples_need_text_encoders:
+            for encoder in encoders:
+                encoder.to("cpu")
+        else:
+            self.free_text_encoders()
+
+    def free_text_encoders(self) -> None:
+        """Drop the text encoders: every caption and sample prompt is cached, so nothing needs them again."""
+        for name in self.text_encoder_names:
+            if getattr(self.pipe, name, None) is not None:
+                setattr(self.pipe, name, None)
+        self.log("text encoders: freed after caching (every caption and sample prompt is cached)")
