@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import cpu_runtime, diffusion_train_args
+from helpers import cpu_runtime, data_cache_apart, diffusion_train_args
 from lora_math import compare_updates, expected_updates, plain_weights
 from toolkit.paths import resolve_model_path
 from toolkit.train.checkpoint import trainable_from_file
@@ -33,15 +33,8 @@ EXPERT_FILES = {"transformer": ("high_noise", {}), "transformer_2": ("low_noise"
 
 @pytest.fixture(autouse=True)
 def own_data_caches(tmp_path_factory, monkeypatch):
-    """Latent and text caches of this module's runs kept apart from the session's (other tests count cache hits);
-    the tiny models are the session's."""
-    import os
-
-    session = Path(os.environ["TOOLKIT_CACHE"])
-    cache = tmp_path_factory.mktemp("lora-files-cache")
-    (session / "tiny").mkdir(parents=True, exist_ok=True)
-    (cache / "tiny").symlink_to(session / "tiny")
-    monkeypatch.setenv("TOOLKIT_CACHE", str(cache))
+    """Latent and text caches of this module's runs kept apart from the session's (other tests count cache hits)."""
+    monkeypatch.setenv("TOOLKIT_CACHE", str(data_cache_apart(tmp_path_factory.mktemp("lora-files-cache"))))
 
 
 def trained_adapter(run_dir: Path, step_dir: Path):

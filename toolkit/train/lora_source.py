@@ -71,11 +71,13 @@ def run_lora(run_dir: Path, step: int | None = None, log=print) -> LoraSource:
     if (run_dir / "final").is_dir():
         return LoraSource(run_dir / "final", f"final/ of {run_dir}", tag="final")
     for _, path in checkpoints:
-        if verify_checkpoint(path)[0] is not None:
-            source = _checkpoint_source(path, f" of {run_dir}")
-            log(f"{run_dir} has no final/ yet (a run still training, or one that stopped): using its latest "
-                f"finished checkpoint, {path.name}")
-            return source
+        checkpoint, problem = verify_checkpoint(path)
+        if checkpoint is None:
+            log(f"warning: skipping checkpoint {path}: {problem}")
+            continue
+        log(f"{run_dir} has no final/ yet (a run still training, or one that stopped): using its latest finished "
+            f"checkpoint, {path.name}")
+        return _checkpoint_source(path, f" of {run_dir}")
     raise UserError(f"{run_dir} has no final/ and no finished checkpoint (it holds: {_listing(run_dir)})\n"
                     "  fix: give the folder of a run that has saved a checkpoint (save.every) or finished")
 

@@ -102,8 +102,8 @@ def check_resume_config(checkpoint: Checkpoint, current: dict, notice: Callable[
     if refused:
         keys = {r.split(":", 1)[0] for r in refused}
         keep = "" if keys & INIT_FROM_FIXED else (
-            f"\n  or, to keep what it learned with the new settings: --fresh network.init_from={checkpoint.path} (a "
-            "new run that starts from this checkpoint's LoRA, with fresh steps, optimizer and schedule)")
+            f"\n  or, to keep what it learned with the new settings, add: network.init_from={checkpoint.path} --fresh "
+            "(a new run that starts from this checkpoint's LoRA, with fresh steps, optimizer and schedule)")
         raise UserError(
             f"cannot resume from {checkpoint.path}: these settings differ from the run's and would change "
             "what it learns:\n" + "\n".join(f"  - {r}" for r in refused)
