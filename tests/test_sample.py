@@ -115,7 +115,8 @@ def test_missing_run_lora_or_step_is_exit_2_naming_what_exists(runs, run_cli, ca
 
     assert run_cli("sample", run, "--checkpoint", "5") == 2
     err = capsys.readouterr().err
-    assert f"{run} has no checkpoint of step 5 ({run / 'checkpoints' / 'step-000005'}); its checkpoints: steps 1, 2" in err
+    missing = run / "checkpoints" / "step-000005"
+    assert f"{run} has no checkpoint of step 5 ({missing}); its checkpoints: steps 1, 2" in err
 
     empty = tmp_path / "started"
     (empty / "checkpoints").mkdir(parents=True)

@@ -34,8 +34,8 @@ def lora_file_in(path: Path, folder: str = "", label: str | None = None) -> Path
     for candidate in (path / folder / LORA_FILE, path / "final" / folder / LORA_FILE):
         if candidate.is_file():
             return candidate
-    raise UserError(f"{label or path}: no {Path(folder) / LORA_FILE} here or in its final/\n  fix: give a run folder, its "
-                    "final/ folder, a checkpoint folder (checkpoints/step-NNNNNN) or the .safetensors file")
+    raise UserError(f"{label or path}: no {Path(folder) / LORA_FILE} here or in its final/\n  fix: give a run folder, "
+                    "its final/ folder, a checkpoint folder (checkpoints/step-NNNNNN) or the .safetensors file")
 
 
 class DiffusersLoraFiles:

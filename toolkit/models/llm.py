@@ -307,9 +307,10 @@ class LLMAdapter(AdapterBase):
         if not (folder / "adapter_config.json").is_file() and (folder / "final" / "adapter_config.json").is_file():
             folder = folder / "final"
         if not ((folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()):
-            raise UserError(f"{label or path}: not a PEFT adapter folder (adapter_config.json + adapter_model.safetensors), "
-                            "nor a run folder with one in final/\n  fix: give the folder PEFT's save_pretrained "
-                            "wrote (a run's final/ or checkpoint folder), not the .safetensors file alone")
+            raise UserError(f"{label or path}: not a PEFT adapter folder (adapter_config.json + "
+                            "adapter_model.safetensors), nor a run folder with one in final/\n  fix: give the folder "
+                            "PEFT's save_pretrained wrote (a run's final/ or checkpoint folder), not the .safetensors "
+                            "file alone")
         model = f"llm ({self.cfg.model.name_or_path})"
         with second_adapter():
             self._load_adapter(folder, partial, label or str(folder), model)

@@ -20,7 +20,6 @@ from pathlib import Path
 from toolkit.errors import UserError
 from toolkit.train.checkpoint import META, _sha256, list_checkpoints, step_dir_name, verify_checkpoint
 
-
 # What a folder's copy takes: LoRA weights and their configs, in the folder or one level down (Wan 2.2's experts).
 LORA_SUFFIXES = (".safetensors", ".json", ".bin")
 
@@ -34,9 +33,12 @@ class LoraSource:
     tag: str = "file"   # short name for output folders: final, step-000020, file
 
 
-def _listing(folder: Path) -> str:
+def _listing(folder: Path, most: int = 12) -> str:
+    """What `folder` holds, for a message: the first names (folders with a /), and how many there are."""
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-    return ", ".join(names[:12]) + (f", ... ({len(names)} entries)" if len(names) > 12 else "") if names else "nothing"
+    if not names:
+        return "nothing"
+    return ", ".join(names[:most]) + (f", ... ({len(names)} entries)" if len(names) > most else "")
 
 
 def _checkpoint_source(path: Path, run_label: str = "") -> LoraSource:
