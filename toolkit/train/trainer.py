@@ -69,6 +69,7 @@ class Trainer:
         self.fresh = fresh
         self.run_dir = RunDir(Path(self.cfg.run.output_dir))
         self.lock: RunLock | None = None  # the main process's lock on the run folder, held until run() returns
+        self.init_from: LoraSnapshot | None = None  # network.init_from's files, for a run that starts (not resumes)
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     def log(self, message: str) -> None:
@@ -134,8 +135,8 @@ class Trainer:
         return checkpoint
 
     # -- setup -----------------------------------------------------------------------------
-    def _setup(self, init_from: LoraSnapshot | None = None):
-        cfg, device, procs = self.cfg, self.run_cfg.device, self.procs
+    def _setup(self):
+        cfg, device, procs, init_from = self.cfg, self.run_cfg.device, self.procs, self.init_from
         runtime = Runtime(device=self.accelerator.device, info=device, base_dtype=DTYPES[cfg.model.dtype],
                           compute_dtype=DTYPES[cfg.train.precision], run_dir=self.run_dir.root, log=self.log,
                           is_main=procs.is_main, world_size=procs.world_size, rank=procs.rank,
@@ -383,8 +384,10 @@ class Trainer:
             checkpoint = self._open_run_folder(container)
             if checkpoint is None and init is not None and init_from is None:
                 lora_source(init)  # raises: it does not exist
-            self._setup(init_from if checkpoint is None else None)
+            self.init_from = init_from if checkpoint is None else None
+            self._setup()
         finally:
+            self.init_from = None
             if init_from is not None:
                 init_from.close()
         self.nan_streak = 0
