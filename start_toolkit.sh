@@ -21,6 +21,8 @@ commands (passed to `python -m toolkit COMMAND`):
   validate CONFIG.yaml                the merged config and where each value came from
   presets                             GPU architecture presets, and which one applies here
   doctor                              backend, arch, ROCm environment, bitsandbytes, torch
+  sample RUN_DIR [--checkpoint STEP]  images, video or text from a run's LoRA (final/ or a checkpoint)
+        [--prompt TEXT ...] [--seed N] with the run's own model and sample settings, into RUN_DIR/samples/cli-*/
   merge RUN_DIR OUT_DIR               fold an LLM LoRA into its base model and save the full model
   import-aitk JOB.yaml > CONFIG.yaml  translate an ai-toolkit job file (what does not translate: on stderr)
   test [PYTEST ARGS]                  the test suite (python -m pytest -q tests)

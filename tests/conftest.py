@@ -49,3 +49,11 @@ def run_toolkit(*args: str, cwd: Path = REPO, timeout: float = 300, env: dict | 
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "toolkit", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=full_env)
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tiny_cache, tmp_path_factory):
+    """Tiny finished runs, trained on first use once per session (helpers.TinyRuns: runs[family] is the folder)."""
+    from helpers import TinyRuns
+
+    return TinyRuns(tmp_path_factory.mktemp("tiny-runs"))

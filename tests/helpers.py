@@ -44,6 +44,58 @@ def diffusion_train_args(config: str, out: Path, *extra: str) -> list[str]:
             "log.every=1", *extra]
 
 
+def data_cache_apart(root: Path) -> Path:
+    """`root` as a TOOLKIT_CACHE whose tiny/ is the session's: latent and text caches filled with it are kept apart
+    from the session's (other tests count cache hits), the tiny models are not written again."""
+    import os
+
+    session = Path(os.environ["TOOLKIT_CACHE"])
+    (session / "tiny").mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tiny").symlink_to(session / "tiny")
+    return root
+
+
+# Tiny runs that tests read once they have finished (`sample`, network.init_from): two steps, a checkpoint and samples
+# at each, LoRA files in fp32. sd trains with alpha != rank and writes its kohya copy; flux its ComfyUI copy.
+TINY_RUN_COMMON = ["train.steps=2", "save.every=1", "sample.every=1", "log.every=1", "log.tensorboard=false",
+                   "save.dtype=fp32"]
+TINY_RUNS = {
+    "sd": ("quickstart_sd.yaml", ["train.batch_size=2", "sample.num_inference_steps=2", "network.rank=4",
+                                  "network.alpha=6", "save.format=kohya"]),
+    "flux": ("quickstart_flux.yaml", ["train.batch_size=2", "sample.num_inference_steps=2", "sample.every=0"]),
+    "wan21": ("quickstart_wan21.yaml", ["train.batch_size=1", "sample.num_inference_steps=2", "sample.num_frames=5"]),
+    "llm": ("quickstart_llm.yaml", ["data.max_seq_len=32", "train.batch_size=4"]),
+}
+
+
+class TinyRuns:
+    """The TINY_RUNS, each trained through the CLI on first use (runs[family] is its run folder), with latent and
+    text caches of their own in `cache` (data_cache_apart): tests that load their LoRAs point
+    TOOLKIT_CACHE there too, so that sample prompts' embeddings are the ones the training cached."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.cache = data_cache_apart(root / "cache")
+        self.folders: dict[str, Path] = {}
+
+    def __getitem__(self, family: str) -> Path:
+        if family not in self.folders:
+            import pytest
+
+            from toolkit.cli import main
+
+            config, extra = TINY_RUNS[family]
+            out = self.root / family
+            with pytest.MonkeyPatch.context() as mp:
+                mp.chdir(REPO)
+                mp.setenv("TOOLKIT_CACHE", str(self.cache))
+                assert main(["train", str(REPO / "configs/examples" / config), f"run.output_dir={out}",
+                             *TINY_RUN_COMMON, *extra]) == 0
+            self.folders[family] = out
+        return self.folders[family]
+
+
 def read_metrics(run_dir: Path, key: str | None = "loss") -> list:
     """The records of logs/metrics.jsonl (only those with `key`, or all when key is None)."""
     records = [json.loads(line) for line in (Path(run_dir) / "logs" / "metrics.jsonl").read_text().splitlines()]

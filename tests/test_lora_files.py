@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import cpu_runtime, diffusion_train_args
+from helpers import cpu_runtime, data_cache_apart, diffusion_train_args
 from lora_math import compare_updates, expected_updates, plain_weights
 from toolkit.paths import resolve_model_path
 from toolkit.train.checkpoint import trainable_from_file

@@ -15,6 +15,7 @@ USAGE_EXAMPLES = """examples:
   ./start_toolkit.sh train my.yaml train.lr=5e-5 train.steps=4000
   ./start_toolkit.sh train my.yaml --gpus all          # one process per visible GPU
   ./start_toolkit.sh validate my.yaml
+  ./start_toolkit.sh sample outputs/my_run --checkpoint 200 --prompt "a red fox"
   ./start_toolkit.sh presets
   ./start_toolkit.sh doctor
   ./start_toolkit.sh import-aitk job.yaml > config.yaml   # from an ai-toolkit job
@@ -135,6 +136,14 @@ def cmd_import_aitk(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    from toolkit.sample import sample_run
+
+    sample_run(args.run_dir, step=args.checkpoint, prompts=args.prompt, seed=args.seed, overrides=args.overrides,
+               out=args.out, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="start_toolkit.sh", description="YAML-driven LoRA training toolkit.",
                                      epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,6 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "stdout; what does not translate, on stderr)")
     aitk.add_argument("job", metavar="JOB.yaml", help="an ai-toolkit job file (config.process[0] is translated)")
     aitk.set_defaults(func=cmd_import_aitk)
+    sample = sub.add_parser("sample", help="images, video or text from a run's LoRA (final/ or a checkpoint) with the "
+                            "run's own model and sample settings")
+    sample.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (run.output_dir)")
+    sample.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="sample.* or device.* settings for this sampling (e.g. sample.num_inference_steps=30)")
+    sample.add_argument("--checkpoint", type=int, default=None, metavar="STEP",
+                        help="the LoRA of checkpoints/step-STEP instead of final/")
+    sample.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                        help="a prompt (repeat for more); default: the run's sample.prompts")
+    sample.add_argument("--seed", type=int, default=None, help="sampling seed (default: the run's sample.seed)")
+    sample.add_argument("--out", default=None, metavar="DIR",
+                        help="a new folder for the samples (default: RUN_DIR/samples/cli-<time>-<final|step-N>/)")
+    sample.set_defaults(func=cmd_sample)
     return parser
 
 

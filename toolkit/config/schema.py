@@ -102,6 +102,12 @@ class NetworkSection:
     dropout: float = opt(0.0, "Dropout on the LoRA input.", minimum=0.0)
     rslora: bool = opt(False, "Rank-stabilised LoRA scaling (alpha/sqrt(rank)).")
     target_modules: Any = opt("auto", "Modules to adapt: auto (the family's default), all-linear, or a list of module names.")
+    init_from: Optional[str] = opt(None, "Start a new run from an existing LoRA instead of a random one: a LoRA file "
+                                   "(the toolkit's, or a diffusers, kohya or ComfyUI .safetensors for the family), a "
+                                   "PEFT adapter folder (llm), a run folder (its final/) or a checkpoint folder. Its "
+                                   "rank must equal network.rank; its scale is kept (the update is the file's whatever "
+                                   "network.alpha says); modules it does not cover start as usual. Steps, optimizer "
+                                   "and schedule start fresh. A run that resumes from a checkpoint ignores it.")
 
 
 @dataclass

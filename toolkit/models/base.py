@@ -97,6 +97,15 @@ class ModelAdapter(Protocol):
     def sample(self, out_dir: Path) -> list[Path]:
         """Generate from cfg.sample.prompts into out_dir; return the files written."""
 
+    def prepare_sampling(self) -> None:
+        """Without training (the `sample` command: load(), load_lora(), then this): what sample() needs that
+        prepare_data() and place_for_training() would have done."""
+
+    def load_lora(self, path: Path, partial: bool = False, label: str | None = None) -> None:
+        """Load a LoRA (a file or folder the family's loader reads; a run folder means its final/) into the trained
+        LoRA; `partial`: modules it does not cover keep their weights (network.init_from); `label`: how messages
+        name it (else its path)."""
+
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The exact trainable tensors, for checkpoints."""
 
@@ -137,6 +146,10 @@ class AdapterBase:
         load_trainable_state_dict(self.network, state)
 
     # -- optional hooks (no-op defaults) ------------------------------------------------------
+    def prepare_sampling(self) -> None:
+        """Before sampling without training (see ModelAdapter); nothing to do for a family whose load() places
+        everything sampling needs."""
+
     def begin_step(self, step: int) -> None:
         """Called before optimizer step `step` (1-based), for state that follows the step number."""
 

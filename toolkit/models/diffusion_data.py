@@ -103,19 +103,12 @@ class DiffusionData:
                 self.log(f"text embeddings: computed every step, not cached ({per_step}); the text encoders stay "
                          "on the device")
             return
-        self.text_cache = TensorCache(root, "text")
-        text_id = (self.model_path, self.cfg.model.revision, self.family, str(encoders[0].dtype))
         captions = [it.caption for it in items]
         extra = [""] if rules.caption_dropout > 0 else []
         if not self.samples_need_text_encoders:
-            extra += self.sample_prompts() + ([self.cfg.sample.negative_prompt] if self.uses_negative_prompt else [])
+            extra += self.sample_texts()
         extra = [p for p in dict.fromkeys(extra) if p not in captions]
-        texts = captions + extra
-        keys = [cache_key(text, *text_id) for text in texts]
-        with torch.no_grad():
-            cached = self.text_cache.fill(keys, lambda idx: unbatch(self.encode_text([texts[i] for i in idx])))
-        dataset.text = cached[:len(captions)]
-        self.prompt_cache = dict(zip(texts, cached))
+        dataset.text = self.cache_texts(captions + extra, root)[:len(captions)]
         dataset.empty_text = self.prompt_cache.get("")
         self.log(f"text embeddings: {self.text_cache.hits} cached, {self.text_cache.misses} encoded")
         if self.samples_need_text_encoders:
@@ -123,6 +116,33 @@ class DiffusionData:
                 encoder.to("cpu")
         else:
             self.free_text_encoders()
+
+    def cache_texts(self, texts: list[str], root: Path) -> list[dict[str, torch.Tensor]]:
+        """The text conditioning of `texts` from the disk cache, encoded (and cached) where it is not there;
+        they become the prompt cache that samples read."""
+        self.text_cache = TensorCache(root, "text")
+        text_id = (self.model_path, self.cfg.model.revision, self.family, str(self.text_encoders[0].dtype))
+        keys = [cache_key(text, *text_id) for text in texts]
+        with torch.no_grad():
+            cached = self.text_cache.fill(keys, lambda idx: unbatch(self.encode_text([texts[i] for i in idx])))
+        self.prompt_cache = dict(zip(texts, cached))
+        return cached
+
+    def sample_texts(self) -> list[str]:
+        """The texts samples are generated from when the text encoders are gone: prompts and negative prompt."""
+        return self.sample_prompts() + ([self.cfg.sample.negative_prompt] if self.uses_negative_prompt else [])
+
+    def prepare_sampling(self) -> None:
+        """For `sample`: families that sample from cached text get their prompts' embeddings (the ones training
+        cached, read back, so the samples match the trainer's), then the text encoders are freed; then the
+        denoisers go where training would put them."""
+        if not self.samples_need_text_encoders:
+            for encoder in self.text_encoders:
+                encoder.to(self.runtime.device)
+            self.cache_texts(list(dict.fromkeys(self.sample_texts())), cache_root() / "diffusion")
+            self.log(f"text embeddings: {self.text_cache.hits} cached, {self.text_cache.misses} encoded")
+            self.free_text_encoders()
+        self.place_for_training()
 
     def free_text_encoders(self) -> None:
         """Drop the text encoders: every caption and sample prompt is cached, so nothing needs them again."""

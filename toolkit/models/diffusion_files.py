@@ -19,22 +19,23 @@ from safetensors.torch import save_file
 
 from toolkit.errors import UserError
 from toolkit.models.lora_export import Factors, peft_factors
+from toolkit.models.lora_loading import (DEFAULT, LOADED, copy_loaded_adapter, has_loaded, reading_lora,
+                                         refuse_unplaced, second_adapter, unplaced_lora_keys)
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
-LOADED = "toolkit_loaded"  # the adapter name a file is loaded under before its weights are copied
 
 
-def lora_file_in(path: Path, folder: str = "") -> Path:
+def lora_file_in(path: Path, folder: str = "", label: str | None = None) -> Path:
     """The LoRA file of `path`: the file itself, a folder holding it (final/, a checkpoint), or a run folder
-    (its final/); `folder` is a subfolder (a Wan 2.2 expert's) of the folder."""
+    (its final/); `folder` is a subfolder (a Wan 2.2 expert's) of the folder; `label` names `path` in errors."""
     path = Path(path)
     if path.is_file():
         return path
     for candidate in (path / folder / LORA_FILE, path / "final" / folder / LORA_FILE):
         if candidate.is_file():
             return candidate
-    raise UserError(f"{path}: no {Path(folder) / LORA_FILE} here or in its final/\n  fix: give a run folder, its "
-                    "final/ folder, a checkpoint folder (checkpoints/step-NNNNNN) or the .safetensors file")
+    raise UserError(f"{label or path}: no {Path(folder) / LORA_FILE} here or in its final/\n  fix: give a run folder, "
+                    "its final/ folder, a checkpoint folder (checkpoints/step-NNNNNN) or the .safetensors file")
 
 
 class DiffusersLoraFiles:
@@ -97,42 +98,41 @@ class DiffusersLoraFiles:
         return name
 
     # -- loading a file back -------------------------------------------------------------------------------------
-    def load_lora(self, path: Path) -> None:
-        """Load the LoRA file of a run folder, its final/, a checkpoint folder or a file into the trained modules."""
-        self.load_lora_file(lora_file_in(path), list(self.network.keys()))
+    def load_lora(self, path: Path, partial: bool = False, label: str | None = None) -> None:
+        """Load the LoRA file of a run folder, its final/, a checkpoint folder or a file into the trained modules
+        (`partial`: modules the file does not cover keep their weights; see lora_loading.copy_loaded_adapter;
+        `label`: how messages name it, else its path)."""
+        file = lora_file_in(path, label=label)
+        self.load_lora_file(file, list(self.network.keys()), partial, label or str(file))
 
-    def load_lora_file(self, file: Path, names: list[str], **load_kwargs) -> None:
-        """Load `file` with the pipeline's own load_lora_weights (as users do) under a second adapter name, then
-        copy each module's update into the trained adapter: B as read, A times the loaded scale over the trained
-        one (bit-exact when the file holds the trained alpha). Modules of the file and of the trained LoRA must
-        be the same."""
-        self.pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=LOADED, **load_kwargs)
+    def load_lora_file(self, file: Path, names: list[str], partial: bool, label: str, **load_kwargs) -> None:
+        """Load `file` with the pipeline's own load_lora_weights (as users do: it reads every key style diffusers
+        knows) under a second adapter name, then copy each module's update into the trained adapter of the
+        components `names` (toolkit/models/lora_loading.py)."""
+        model = f"{self.family} model ({self.cfg.model.name_or_path})"
+        with second_adapter():
+            self._load_lora_file(file, names, partial, label, model, load_kwargs)
+
+    def _load_lora_file(self, file: Path, names: list[str], partial: bool, label: str, model: str,
+                        load_kwargs: dict) -> None:
         try:
+            with unplaced_lora_keys() as unplaced, reading_lora(label, model):
+                self.pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=LOADED, **load_kwargs)
+            refuse_unplaced(label, unplaced, model)
+            loaded = [name for name, module in self.pipe.components.items()
+                      if isinstance(module, torch.nn.Module) and has_loaded(module)]
+            untrained = [name for name in loaded if name not in names]
+            if untrained:
+                raise UserError(f"{label}: it has LoRA weights for the {', '.join(untrained)}, which this run does not "
+                                "train\n  fix: train.train_text_encoder=true for text encoders, or a LoRA of the "
+                                f"{', '.join(names)} alone")
+            if not loaded:
+                raise UserError(f"{label}: none of its weights is a LoRA of the {model}\n  fix: give a LoRA trained "
+                                "for this model")
             for name in names:
-                copy_loaded_adapter(self.component(name), file, name)
+                copy_loaded_adapter(self.component(name), label, name, partial, self.log)
         finally:
-            self.pipe.delete_adapters(LOADED)
+            if any(has_loaded(m) for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)):
+                self.pipe.delete_adapters(LOADED)
             for name in names:
-                self.component(name).set_adapter("default")
-
-
-def copy_loaded_adapter(model: torch.nn.Module, file: Path, name: str) -> None:
-    """Copy the LOADED adapter's update of every LoRA layer of `model` into its "default" adapter."""
-    from peft.tuners.lora import LoraLayer
-
-    layers = {path: m for path, m in model.named_modules() if isinstance(m, LoraLayer)}
-    missing = sorted(p for p, m in layers.items() if "default" in m.lora_A and LOADED not in m.lora_A)
-    extra = sorted(p for p, m in layers.items() if LOADED in m.lora_A and "default" not in m.lora_A)
-    if missing or extra:
-        raise UserError(f"{file}: its LoRA modules do not match the {name}'s: {len(missing)} missing "
-                        f"(e.g. {missing[:2]}), {len(extra)} not trained here (e.g. {extra[:2]})\n"
-                        "  fix: load a file written by a run with the same model and network settings")
-    with torch.no_grad():
-        for layer in layers.values():
-            if "default" not in layer.lora_A:
-                continue
-            ratio = layer.scaling[LOADED] / layer.scaling["default"]
-            down = layer.lora_A[LOADED].weight
-            target = layer.lora_A["default"].weight
-            target.copy_(down if ratio == 1.0 else (down.double() * ratio).to(down.dtype))
-            layer.lora_B["default"].weight.copy_(layer.lora_B[LOADED].weight)
+                self.component(name).set_adapter(DEFAULT)

@@ -250,9 +250,11 @@ class Wan22Adapter(WanAdapter):
     def file_prefix(self, name: str) -> str:
         return "transformer"  # each expert's file holds one transformer, loaded into transformer_2 on request
 
-    def load_lora(self, path: Path) -> None:
+    def load_lora(self, path: Path, partial: bool = False, label: str | None = None) -> None:
         if not self.two_experts:
-            return super().load_lora(path)
+            return super().load_lora(path, partial, label)
         for name in self.trained:
             into_second = {"load_into_transformer_2": True} if name == "transformer_2" else {}
-            self.load_lora_file(lora_file_in(path, EXPERT_FOLDERS[name]), [name], **into_second)
+            file = lora_file_in(path, EXPERT_FOLDERS[name], label)
+            named = f"{label} ({EXPERT_FOLDERS[name]})" if label else str(file)
+            self.load_lora_file(file, [name], partial, named, **into_second)

@@ -18,6 +18,7 @@ from toolkit.errors import UserError
 from toolkit.models.base import AdapterBase, Runtime, eval_mode
 from toolkit.models.llm_loss import DecoderHiddenStates, fused_loss_for
 from toolkit.models.lora import lora_config, target_modules
+from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
 from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
 from toolkit.paths import resolve_model_path
 
@@ -297,8 +298,29 @@ class LLMAdapter(AdapterBase):
         config_path.write_text(json.dumps(config, indent=2) + "\n")
         return [out_dir / "adapter_model.safetensors", config_path]
 
-    def load_lora(self, path: Path) -> None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
+    def load_lora(self, path: Path, partial: bool = False, label: str | None = None) -> None:
+        """Load a PEFT adapter folder (a run's final/ or checkpoint folder, or any adapter saved by PEFT; a run
+        folder means its final/) with PEFT's own load_adapter, then copy its update into the trained adapter
+        (toolkit/models/lora_loading.py; `partial`: modules it does not cover keep their weights; `label`: how
+        messages name it, else its path)."""
+        folder = Path(path)
+        if not (folder / "adapter_config.json").is_file() and (folder / "final" / "adapter_config.json").is_file():
+            folder = folder / "final"
+        if not ((folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()):
+            raise UserError(f"{label or path}: not a PEFT adapter folder (adapter_config.json + "
+                            "adapter_model.safetensors), nor a run folder with one in final/\n  fix: give the folder "
+                            "PEFT's save_pretrained wrote (a run's final/ or checkpoint folder), not the .safetensors "
+                            "file alone")
+        model = f"llm ({self.cfg.model.name_or_path})"
+        with second_adapter():
+            self._load_adapter(folder, partial, label or str(folder), model)
 
-        set_peft_model_state_dict(self.network, load_file(str(Path(path) / "adapter_model.safetensors")))
+    def _load_adapter(self, folder: Path, partial: bool, label: str, model: str) -> None:
+        try:
+            with reading_lora(label, model):
+                result = self.network.load_adapter(str(folder), adapter_name=LOADED)
+            refuse_unplaced(label, [k for k in result.unexpected_keys if ".lora_" in k], model)
+            copy_loaded_adapter(self.network, label, "model", partial, self.log)
+        finally:
+            if LOADED in self.network.peft_config:
+                self.network.delete_adapter(LOADED)

@@ -89,15 +89,25 @@ def checkpoint_processes(checkpoint: Checkpoint) -> int:
     return int(state.get("world_size", 1))
 
 
+# A refused resume suggests starting over from the checkpoint's LoRA (network.init_from) unless what changed is
+# one of these: a LoRA does not carry over to another model, rank or type, and init_from is then what changed.
+INIT_FROM_FIXED = frozenset({"model.family", "model.name_or_path", "model.revision", "network.rank", "network.type",
+                             "network.init_from"})
+
+
 def check_resume_config(checkpoint: Checkpoint, current: dict, notice: Callable[[str], None],
                         processes: int = 1) -> None:
     saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))
     allowed, refused = config_changes(saved, current, (checkpoint_processes(checkpoint), processes))
     if refused:
+        keys = {r.split(":", 1)[0] for r in refused}
+        keep = "" if keys & INIT_FROM_FIXED else (
+            f"\n  or, to keep what it learned with the new settings, add: network.init_from={checkpoint.path} --fresh "
+            "(a new run that starts from this checkpoint's LoRA, with fresh steps, optimizer and schedule)")
         raise UserError(
             f"cannot resume from {checkpoint.path}: these settings differ from the run's and would change "
             "what it learns:\n" + "\n".join(f"  - {r}" for r in refused)
-            + "\n  fix: put them back, or start over with --fresh (the old run is moved aside, not deleted)")
+            + "\n  fix: put them back, or start over with --fresh (the old run is moved aside, not deleted)" + keep)
     for change in allowed:
         notice(f"resume: applying changed setting {change}")
 

@@ -39,6 +39,7 @@ from toolkit.train.checkpoint import (TRAINABLE, find_latest_checkpoint, load_ch
                                       save_checkpoint, set_aside_checkpoints_after, trainable_file_state)
 from toolkit.train.distributed import Processes
 from toolkit.train.ema import LoraEMA
+from toolkit.train.lora_source import LoraSnapshot, lora_source
 from toolkit.train.metrics import MetricsLogger
 from toolkit.train.report import RunReport
 from toolkit.train.resume import check_resume_config, choose_start
@@ -72,6 +73,7 @@ class Trainer:
         self.run_dir = RunDir(Path(self.cfg.run.output_dir))
         self.lock: RunLock | None = None  # the main process's lock on the run folder, held until run() returns
         self.exits = ExitStack()  # settings held for the run (the SDPA backend order), undone when it ends
+        self.init_from: LoraSnapshot | None = None  # network.init_from's files, for a run that starts (not resumes)
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     def log(self, message: str) -> None:
@@ -138,7 +140,7 @@ class Trainer:
 
     # -- setup -----------------------------------------------------------------------------
     def _setup(self):
-        cfg, device, procs = self.cfg, self.run_cfg.device, self.procs
+        cfg, device, procs, init_from = self.cfg, self.run_cfg.device, self.procs, self.init_from
         runtime = Runtime(device=self.accelerator.device, info=device, base_dtype=DTYPES[cfg.model.dtype],
                           compute_dtype=DTYPES[cfg.train.precision], run_dir=self.run_dir.root, log=self.log,
                           is_main=procs.is_main, world_size=procs.world_size, rank=procs.rank,
@@ -148,6 +150,10 @@ class Trainer:
             self.adapter = build_adapter(cfg, runtime)
         self.sharded = runtime.shard_base = self._choose_distributed()
         self.adapter.load()
+        if init_from is not None:  # before the EMA, the optimizer and any wrapping see the LoRA weights
+            self.adapter.load_lora(init_from.path, partial=True, label=f"network.init_from ({init_from.source.label})")
+            self.log(f"network.init_from: the LoRA starts from {init_from.source.label}; steps, optimizer state and "
+                     "schedule start fresh")
         self.dataset = self.adapter.prepare_data()
         if len(self.dataset) == 0:
             raise UserError(f"data.path: {cfg.data.path} gave no training samples")
@@ -395,12 +401,25 @@ class Trainer:
         container = resolved_container(cfg)
         self.config_yaml = OmegaConf.to_yaml(OmegaConf.create(container))
         self.config_hash = hashlib.sha256(self.config_yaml.encode()).hexdigest()[:16]
-        checkpoint = self._open_run_folder(container)
-        self._setup()
+        # network.init_from is copied before --fresh may move a run folder (the LoRA's own, perhaps) aside; a resumed
+        # run does not read it, so a path that is gone is an error only for a run that starts
+        init = Path(cfg.network.init_from) if cfg.network.init_from else None
+        init_from = LoraSnapshot(lora_source(init, self.log)) if init is not None and init.exists() else None
+        try:
+            checkpoint = self._open_run_folder(container)
+            if checkpoint is None and init is not None and init_from is None:
+                lora_source(init)  # raises: it does not exist
+            self.init_from = init_from if checkpoint is None else None
+            self._setup()
+        finally:
+            self.init_from = None
+            if init_from is not None:
+                init_from.close()
         self.nan_streak = 0
         start = self._restore(checkpoint) if checkpoint is not None else 0
         if checkpoint is not None:
-            self.log(f"resumed from {checkpoint.path} (step {start})")
+            self.log(f"resumed from {checkpoint.path} (step {start})"
+                     + ("; network.init_from is not applied to a resumed run" if cfg.network.init_from else ""))
             if self.is_main:
                 for stale in set_aside_checkpoints_after(self.run_dir.checkpoints, start):
                     self.log(f"resume: checkpoint above step {start} set aside (kept, no longer used): {stale}")

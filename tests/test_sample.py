@@ -1,0 +1,143 @@
+"""`sample RUN_DIR` through the real entry point, on tiny finished runs (sd images, wan21 video, llm text).
+
+The samples of final/ and of a checkpoint equal, pixel for pixel and token for token, what the trainer itself
+sampled at that step with the same prompts and seeds (the LoRA files loaded back by diffusers / PEFT give the
+trained update exactly); another checkpoint gives other samples; --prompt and --seed are used; nothing the run
+wrote is touched and a run whose lock is held (still training) is sampled without taking the lock; a missing run
+folder, LoRA or step is exit 2 naming what exists."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+@pytest.fixture
+def runs(tiny_runs, monkeypatch):
+    """The session's tiny finished runs (helpers.TINY_RUNS), with their own latent and text caches in force."""
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tiny_runs.cache))
+    return tiny_runs
+
+
+def pixels(path: Path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def frames(path: Path) -> list[np.ndarray]:
+    """Every frame of an animated webp."""
+    from PIL import ImageSequence
+
+    return [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(Image.open(path))]
+
+
+def sample(run_cli, run: Path, *args) -> Path:
+    """`sample RUN *args` through the CLI; the one new samples/cli-* folder it wrote."""
+    before = set((run / "samples").glob("cli-*"))
+    assert run_cli("sample", run, *args) == 0
+    [folder] = set((run / "samples").glob("cli-*")) - before
+    return folder
+
+
+def test_sd_samples_equal_the_trainers_for_final_and_each_checkpoint(runs, run_cli, capsys):
+    from toolkit.train.run_lock import RunLock, lock_path
+
+    run = runs["sd"]
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    # A run still training holds its lock: sample neither waits for it nor takes it.
+    lock = RunLock(run)
+    lock.acquire(lambda _: None)
+    try:
+        held = lock_path(run).read_text()
+        final = sample(run_cli, run)
+        assert lock_path(run).read_text() == held
+    finally:
+        lock.release()
+    assert final.name.startswith("cli-") and final.name.endswith("-final")
+    assert sorted(p.name for p in final.iterdir()) == ["00.png", "01.png", "grid.png", "prompts.txt", "source.txt"]
+    step2, step1 = run / "samples" / "step-000002", run / "samples" / "step-000001"
+    for name in ("00.png", "01.png"):
+        assert np.array_equal(pixels(final / name), pixels(step2 / name)), name
+    assert (final / "prompts.txt").read_text() == (step2 / "prompts.txt").read_text()
+
+    checkpoint = sample(run_cli, run, "--checkpoint", "1")
+    assert checkpoint.name.endswith("-step-000001")
+    assert np.array_equal(pixels(checkpoint / "00.png"), pixels(step1 / "00.png"))
+    assert not np.array_equal(pixels(checkpoint / "00.png"), pixels(final / "00.png"))  # another LoRA, other pixels
+    assert "checkpoint step 1 of" in (checkpoint / "source.txt").read_text()
+
+    out = run.parent / "sd-own-prompt"
+    assert run_cli("sample", run, "--prompt", "[trigger] a green triangle", "--seed", "7", "--out", out) == 0
+    assert (out / "prompts.txt").read_text() == "00: sks a green triangle\n"
+    assert sorted(p.name for p in out.iterdir()) == ["00.png", "grid.png", "prompts.txt", "source.txt"]
+    assert not np.array_equal(pixels(out / "00.png"), pixels(final / "00.png"))
+    # Nothing the run wrote changed; only the new sample folders were added.
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+    added = {p for p in run.rglob("*") if p.is_file()} - set(before)
+    assert {p.parent for p in added} == {final, checkpoint}
+    capsys.readouterr()
+    assert run_cli("sample", run, "--out", out) == 2  # never into a folder that holds something
+    assert f"sample --out: {out} exists and is not an empty folder" in capsys.readouterr().err
+
+
+def test_wan21_video_samples_equal_the_trainers(runs, run_cli):
+    run = runs["wan21"]
+    final = sample(run_cli, run)
+    step2 = run / "samples" / "step-000002"
+    written = sorted(p.name for p in step2.iterdir())
+    assert "00.webp" in written and sorted(p.name for p in final.iterdir()) == sorted(written + ["source.txt"])
+    video = frames(final / "00.webp")
+    assert len(video) == 5
+    assert all(np.array_equal(a, b) for a, b in zip(video, frames(step2 / "00.webp"), strict=True))
+    assert np.array_equal(pixels(final / "00.png"), pixels(step2 / "00.png"))
+
+
+def test_llm_text_samples_equal_the_trainers(runs, run_cli):
+    run = runs["llm"]
+    read = lambda folder: [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+    trained = {step: read(run / "samples" / f"step-{step:06d}") for step in (1, 2)}
+    assert trained[1] != trained[2]
+    final, checkpoint = sample(run_cli, run), sample(run_cli, run, "--checkpoint", "1")
+    assert read(final) == trained[2] and read(checkpoint) == trained[1]
+    assert read(final)[0]["prompt"] == "the red circle" and read(final)[0]["completion"]
+
+
+def test_missing_run_lora_or_step_is_exit_2_naming_what_exists(runs, run_cli, capsys, tmp_path):
+    run = runs["sd"]
+    capsys.readouterr()
+    assert run_cli("sample", tmp_path / "nothing") == 2
+    err = capsys.readouterr().err
+    assert f"run folder {tmp_path / 'nothing'} does not exist" in err and "Traceback" not in err
+
+    assert run_cli("sample", run, "--checkpoint", "5") == 2
+    err = capsys.readouterr().err
+    missing = run / "checkpoints" / "step-000005"
+    assert f"{run} has no checkpoint of step 5 ({missing}); its checkpoints: steps 1, 2" in err
+
+    empty = tmp_path / "started"
+    (empty / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "config.yaml", empty / "config.yaml")
+    assert run_cli("sample", empty) == 2
+    err = capsys.readouterr().err
+    assert f"{empty} has no final/ and no finished checkpoint (it holds: checkpoints/, config.yaml)" in err
+
+    # A run with no final/ yet (still training) is sampled from its latest finished checkpoint.
+    partial = tmp_path / "training"
+    shutil.copytree(run / "checkpoints", partial / "checkpoints")
+    shutil.copy(run / "config.yaml", partial / "config.yaml")
+    damaged = partial / "checkpoints" / "step-000002"
+    (damaged / "pytorch_lora_weights.safetensors").unlink()
+    folder = sample(run_cli, partial, "--prompt", "a red circle on a white background")
+    err = capsys.readouterr().err
+    assert f"warning: skipping checkpoint {damaged}: pytorch_lora_weights.safetensors is missing" in err
+    assert f"{partial} has no final/ yet (a run still training, or one that stopped): using its latest finished " \
+           "checkpoint, step-000001" in err
+    assert folder.name.endswith("-step-000001")
+    assert np.array_equal(pixels(folder / "00.png"), pixels(run / "samples" / "step-000001" / "00.png"))
+
+    assert run_cli("sample", run, "model.name_or_path=tiny:sdxl") == 2
+    assert "model.name_or_path=tiny:sdxl: only settings that do not change the trained model" in capsys.readouterr().err
