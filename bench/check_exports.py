@@ -240,13 +240,15 @@ class ComfyUI:
 
 
 class _Collect(logging.Handler):
-    def __init__(self, into: list):
+    """Log messages containing `marker`, each turned into a list of entries by `parse` (default: the message)."""
+
+    def __init__(self, into: list, marker: str = "lora key not loaded", parse=lambda message: [message]):
         super().__init__()
-        self.into = into
+        self.into, self.marker, self.parse = into, marker, parse
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "lora key not loaded" in record.getMessage():
-            self.into.append(record.getMessage())
+        if self.marker in record.getMessage():
+            self.into += self.parse(record.getMessage())
 
 
 def tiny_unet_config(config) -> dict:
@@ -329,7 +331,8 @@ def musubi_apply(root: Path, file: Path, adapter, name: str) -> tuple[dict, dict
         save_file({k: v.contiguous() for k, v in before.items()}, str(model_file))
         converted = convert_from_diffusers("lora_unet_", load_file(str(file)))
         unread = []
-        handler = _CollectMusubi(unread)
+        handler = _Collect(unread, "not all LoRA keys are used",
+                           lambda message: message.split(": ", 1)[1].split(", "))
         logging.getLogger("musubi_tuner.utils.lora_utils").addHandler(handler)
         try:
             after = load_safetensors_with_lora_and_fp8(str(model_file), [converted], [1.0], False, torch.device("cpu"))
@@ -337,15 +340,6 @@ def musubi_apply(root: Path, file: Path, adapter, name: str) -> tuple[dict, dict
             logging.getLogger("musubi_tuner.utils.lora_utils").removeHandler(handler)
     return before, {k: after[k] for k in before}, len(unread)
 
-
-class _CollectMusubi(logging.Handler):
-    def __init__(self, into: list):
-        super().__init__()
-        self.into = into
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "not all LoRA keys are used" in record.getMessage():
-            self.into += record.getMessage().split(": ", 1)[1].split(", ")
 
 
 # -- the run ------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 from helpers import diffusion_train_args
 from safetensors.torch import load_file
 
-from toolkit.models.block_swap import BlockSwap, plan_block_swap, spread
+from toolkit.models.block_swap import SLOTS_PER_KIND, BlockSwap, plan_block_swap, spread
 from toolkit.train.blocks import checkpointed_indices, compile_options, prepare_blocks
 
 
@@ -190,5 +190,20 @@ def test_block_swap_on_the_gpu_streams_and_gives_the_same_gradients():
             grads = run_step(blocks, x)
             torch.cuda.synchronize()
             assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, reference))
-        swap.leave_all()
-        assert all(p.device.type == "cpu" for i in swap.entries for p, _ in swap.entries[i].params)
+        resident = [i for i, entry in swap.entries.items() if entry.slot is not None]
+        assert len(resident) <= SLOTS_PER_KIND  # one kind of block here: never more on the device than its slots
+        assert all(p.device.type == "cpu" for i in swap.entries if i not in resident
+                   for p, _ in swap.entries[i].params)
+
+
+@pytest.mark.parametrize("config, extra, message", [
+    ("quickstart_flux.yaml", ["model.block_swap=1", "model.quantize=8bit"], "not combined with model.quantize=8bit"),
+    ("quickstart_wan22.yaml", ["model.block_swap=1", "model.expert_offload=true"], "model.expert_offload=true yet"),
+    ("quickstart_flux.yaml", ["model.block_swap=-1"], "must be a number of blocks (0: none) or auto, got -1"),
+    ("quickstart_llm.yaml", ["train.gradient_checkpointing=3"], "an LLM checkpoints all its layers or none"),
+])
+def test_block_settings_that_cannot_run_are_refused_before_loading(run_cli, capsys, config, extra, message):
+    from conftest import REPO
+
+    assert run_cli("validate", str(REPO / "configs/examples" / config), *extra) == 2
+    assert message in capsys.readouterr().err

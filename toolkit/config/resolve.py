@@ -88,6 +88,13 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
     block_swap = cfg.model.get("block_swap", 0)
     if block_swap != "auto" and (isinstance(block_swap, bool) or not isinstance(block_swap, int) or block_swap < 0):
         problems.append(f"'model.block_swap' must be a number of blocks (0: none) or auto, got {block_swap!r}")
+    elif isinstance(block_swap, int) and block_swap > 0:
+        if cfg.model.quantize in ("8bit", "4bit"):
+            problems.append(f"'model.block_swap'={block_swap} swaps 16-bit weights; it is not combined with "
+                            f"model.quantize={cfg.model.quantize}: set one of them to none / 0")
+        if cfg.model.get("expert_offload") is True:
+            problems.append(f"'model.block_swap'={block_swap} is not combined with model.expert_offload=true yet (the "
+                            "offload moves whole experts): set model.expert_offload=false or model.block_swap=0")
     if cfg.device.distributed == "fsdp":
         _check_fsdp(cfg, problems)
     if cfg.train.compile == "auto":

@@ -38,7 +38,6 @@ class SwapPlan:
 
     swapped: list[int]
     reason: str
-    weights_gb: float = 0.0      # of the swapped blocks' frozen weights
 
 
 def spread(count: int, total: int) -> list[int]:
@@ -67,7 +66,7 @@ def plan_block_swap(setting, blocks: list[torch.nn.Module], resident_gb: float, 
         count = min(setting, len(blocks))
         chosen = spread(count, len(blocks))
         return SwapPlan(chosen, f"model.block_swap={setting}: {count} of {len(blocks)} blocks swapped (set in the "
-                                f"config)", sum(sizes[i] for i in chosen))
+                                f"config)")
     if device_backend == "cpu":
         return SwapPlan([], "model.block_swap=auto -> 0: the CPU holds every weight already")
     if unified:
@@ -82,11 +81,10 @@ def plan_block_swap(setting, blocks: list[torch.nn.Module], resident_gb: float, 
         if moved >= excess:
             return SwapPlan(chosen, f"model.block_swap=auto -> {count}: {resident_gb:.1f} GB of 16-bit weights exceed "
                                     f"the {budget_gb:.1f} GB weight budget; {count} of {len(blocks)} blocks "
-                                    f"({moved:.1f} GB) stay in CPU memory and stream in ahead of use", moved)
+                                    f"({moved:.1f} GB) stay in CPU memory and stream in ahead of use")
     chosen = list(range(len(blocks)))
     return SwapPlan(chosen, f"model.block_swap=auto -> {len(blocks)}: even with every block swapped the rest exceeds "
-                            f"the {budget_gb:.1f} GB weight budget; expect out-of-memory errors",
-                    sum(sizes))
+                            f"the {budget_gb:.1f} GB weight budget; expect out-of-memory errors")
 
 
 @dataclass
@@ -127,7 +125,6 @@ class BlockSwap:
             for p, host in params:
                 p.data = host
             self.entries[index] = _Swapped(index, block, kind, params)
-        self.blocks = {i: blocks[i] for i in self.order}
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         cpu = tensor.detach().to("cpu")
@@ -136,9 +133,6 @@ class BlockSwap:
     @property
     def swapped(self) -> list[int]:
         return list(self.order)
-
-    def resident_bytes_saved(self) -> int:
-        return sum(frozen_bytes(e.block) for e in self.entries.values())
 
     def _pool(self, kind: tuple) -> _Pool:
         if kind not in self.pools:
@@ -226,12 +220,6 @@ class BlockSwap:
             torch.cuda.current_stream(self.device).wait_event(entry.ready)
         if upcoming is not None and self.entries[upcoming].slot is None:
             self._fetch(self.entries[upcoming], protect={index, upcoming})
-
-    def leave_all(self) -> None:
-        """Release every slot (after a step, before sampling or saving): the weights point at the host copies."""
-        for entry in self.entries.values():
-            self._evict(entry)
-        self.history = []
 
 
 def move_except_swapped(root: torch.nn.Module, device: torch.device, swap: BlockSwap) -> None:

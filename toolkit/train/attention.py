@@ -95,6 +95,7 @@ def time_backend(name: str, calls: list[AttentionCall], device: torch.device, re
     """Seconds for forward + backward of `calls` (each weighted by its count) with only backend `name`, and the
     outputs of the first call (to compare backends)."""
     from torch.nn.attention import sdpa_kernel
+    from torch.utils.benchmark import Timer
 
     total, outputs = 0.0, []
     with sdpa_kernel([BACKENDS[name]]):
@@ -110,22 +111,7 @@ def time_backend(name: str, calls: list[AttentionCall], device: torch.device, re
             out = once()
             if not outputs:
                 outputs.append(out.detach().float())
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(reps):
-                    once()
-                end.record()
-                torch.cuda.synchronize(device)
-                seconds = start.elapsed_time(end) / 1000 / reps
-            else:
-                import time
-
-                started = time.perf_counter()
-                for _ in range(reps):
-                    once()
-                seconds = (time.perf_counter() - started) / reps
+            seconds = Timer("once()", globals={"once": once}).timeit(reps).mean  # synchronises CUDA itself
             total += seconds * call.count
     return total, outputs
 

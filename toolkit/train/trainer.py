@@ -228,11 +228,10 @@ class Trainer:
     def _choose_attention(self) -> None:
         """device.sdpa_backend: measured on a GPU from the attention calls of one forward on a real batch, which
         runs eagerly, without gradients and without touching the training RNG streams (train/attention.py)."""
-        batch = self.dataset.collate(self.order.first_batch())
-
-        def forward():
+        def forward():  # only called when there is something to measure
             state = rng_state()
             try:
+                batch = self.dataset.collate(self.order.first_batch())
                 with torch.no_grad(), self._eager(), self.accelerator.autocast():
                     self.adapter.loss(batch, self.adapter.trainable_modules())
             finally:
