@@ -13,6 +13,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session", autouse=True)
+def library_log_handlers():
+    """diffusers and transformers create their log handler on first use, bound to sys.stderr as it is then. Made
+    inside a test that captures with capsys, it would write to that test's stream, closed afterwards, and a later
+    warning would print "--- Logging error ---" with a traceback into another test's output. Made here, it
+    writes to the session's stream."""
+    import diffusers.utils.logging
+    import transformers.utils.logging
+
+    diffusers.utils.logging.get_logger("diffusers")
+    transformers.utils.logging.get_logger("transformers")
+
+
+@pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory) -> Path:
     """Tiny models are written once per test session into a private cache (TOOLKIT_CACHE)."""
     cache = Path(os.environ.get("TOOLKIT_TEST_CACHE") or tmp_path_factory.mktemp("toolkit-cache"))
