@@ -55,6 +55,7 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
         self.pipe = None
         self.objective = None   # DDPMObjective or FlowObjective, set by setup_training
         self.prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
+        self.constants: dict[tuple, torch.Tensor] = {}  # see constant()
         self.timestep_sampling = cfg.train.timestep_sampling  # resolved from auto per family (config/resolve.py)
 
     # -- family hooks ----------------------------------------------------------------------
@@ -244,14 +245,28 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
         modules when the text encoders carry a LoRA)."""
         device = self.runtime.device
         if keys[0] in batch:
-            return {k: batch[k].to(device) for k in keys if k in batch}
+            return {k: self.to_device(batch[k]) for k in keys if k in batch}
         if not self.trains_text_encoders:
             with torch.no_grad():
                 return self.encode_text(batch["captions"])
         return self.encode_text(batch["captions"], encoders={n: modules[n] for n in self.text_encoder_names})
 
     def latents_of(self, batch: dict[str, Any]) -> torch.Tensor:
-        return batch["latents"].to(self.runtime.device) if "latents" in batch else self.encode_pixels(batch["pixels"])
+        return self.to_device(batch["latents"]) if "latents" in batch else self.encode_pixels(batch["pixels"])
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the device without waiting for the GPU: the trainer pins batches on CUDA, so the copy
+        is queued behind the previous step's work (a blocking copy would idle the GPU while the next step launches)."""
+        return tensor.to(self.runtime.device, non_blocking=True)
+
+    def constant(self, key: tuple, make) -> torch.Tensor:
+        """`make()` (a host tensor that depends only on `key`: position ids of a latent shape) on the device, built
+        once per key; building it every step would copy it over each time. The copy is from pinned memory, so even the
+        first one (a new aspect bucket mid-run) does not wait for the GPU."""
+        if key not in self.constants:
+            made = make()
+            self.constants[key] = self.to_device(made.pin_memory() if self.runtime.device.type == "cuda" else made)
+        return self.constants[key]
 
     def embeddings_for(self, prompt: str) -> dict[str, torch.Tensor]:
         """One prompt's text conditioning (batch of 1) on the device: cached, or encoded now."""

@@ -223,7 +223,8 @@ class FluxAdapter(FlowMatchingAdapter):
             hidden_states=FluxPipeline._pack_latents(noised.noisy.to(dtype), b, c, h, w),
             timestep=noised.t.to(dtype), guidance=guidance, pooled_projections=cond["pooled_prompt_embeds"].to(dtype),
             encoder_hidden_states=embeds, txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
-            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            img_ids=self.constant(("img_ids", h, w, dtype),
+                                  lambda: FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", dtype)),
             return_dict=False)[0]
         return unpack_flux(pred, b, c, h, w)
 

@@ -105,8 +105,10 @@ class Flux2Adapter(FlowMatchingAdapter):
         guidance = torch.full((b,), float(self.cfg.train.guidance), device=device) if self.guidance_embeds else None
         pred = denoiser.forward(hidden_states=Flux2Pipeline._pack_latents(noisy.to(dtype)),
                                 encoder_hidden_states=embeds, timestep=noised.t.to(dtype), guidance=guidance,
-                                img_ids=Flux2Pipeline._prepare_latent_ids(noisy).to(device),
-                                txt_ids=Flux2Pipeline._prepare_text_ids(embeds).to(device), return_dict=False)[0]
+                                img_ids=self.constant(("img_ids", b, h, w), lambda: Flux2Pipeline._prepare_latent_ids(noisy)),
+                                txt_ids=self.constant(("txt_ids", b, embeds.shape[1]),
+                                                      lambda: Flux2Pipeline._prepare_text_ids(embeds)),
+                                return_dict=False)[0]
         return unpack_flux2(pred, h, w)
 
     # -- samples ---------------------------------------------------------------------------

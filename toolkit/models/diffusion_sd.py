@@ -21,10 +21,13 @@ UNET_ALL_LINEAR = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "f
                    "time_emb_proj", "linear_1", "linear_2"]
 
 
+TIME_ID_KEYS = ("original_size", "crop_top_left", "target_size")
+
+
 def sdxl_time_ids(batch: Mapping[str, Any]) -> torch.Tensor:
     """SDXL's size and crop micro-conditioning, (B, 6) float32: original (h, w), crop (top, left), target (h, w),
     the order of diffusers' StableDiffusionXLPipeline._get_add_time_ids."""
-    return torch.cat([batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1).float()
+    return torch.cat([batch[k] for k in TIME_ID_KEYS], dim=1).float()
 
 
 class StableDiffusionAdapter(DiffusionAdapter):
@@ -126,7 +129,8 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         return {"prompt_embeds": torch.cat(states, dim=-1), "pooled_prompt_embeds": pooled}
 
     def unet_kwargs(self, cond: dict[str, torch.Tensor], batch: dict[str, Any], dtype: torch.dtype) -> dict:
-        added = {"text_embeds": cond["pooled_prompt_embeds"], "time_ids": sdxl_time_ids(batch).to(self.runtime.device)}
+        time_ids = sdxl_time_ids({k: self.to_device(batch[k]) for k in TIME_ID_KEYS})
+        added = {"text_embeds": cond["pooled_prompt_embeds"], "time_ids": time_ids}
         return {"added_cond_kwargs": {k: v.to(dtype) for k, v in added.items()}}
 
     def unused_parameters(self) -> bool:

@@ -160,7 +160,8 @@ class StartImages:
     def conditioning(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The batch's condition on the device: cached with its latents, or encoded now from its start images."""
         if "condition" in batch:
-            return {k: batch[k].to(self.device) for k in ("condition", "image_embeds") if k in batch}
+            # non_blocking: the trainer pins batches, so the copy does not wait for the GPU
+            return {k: batch[k].to(self.device, non_blocking=True) for k in ("condition", "image_embeds") if k in batch}
         return self.encode(batch["image"], batch["pixels"].shape[2])
 
     def model_inputs(self, noisy: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor],

@@ -1,0 +1,59 @@
+"""On a GPU, launching a training step never waits for the GPU: the host queues step N+1 while the GPU still runs
+step N. A copy from pageable memory, a `.item()`, a `nonzero()` or a host-built tensor moved every step makes the
+host wait, and the GPU then idles while the next step is launched (about 11 ms a step on an H100: the gap between
+the toolkit and the plain loop that bench/llm.py and bench/diffusion.py measured).
+
+Each quickstart trains a few steps through the real entry point with PyTorch's sync debug mode on while steps after
+the first two are launched (the first ones compile and fill caches); every synchronizing call is reported with the
+line that made it."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from conftest import REPO
+
+# torch's fused AdamW skips a non-finite step on the device; the 8-bit optimizers still read the loss first
+CONFIGS = ["quickstart_sd.yaml", "quickstart_sdxl.yaml", "quickstart_flux.yaml", "quickstart_wan21.yaml",
+           "quickstart_sd3.yaml", "quickstart_llm.yaml"]
+
+
+def synchronizing_calls(monkeypatch) -> list[str]:
+    """'file:line message' of every synchronizing CUDA call made inside Stepper.launch from its third call on."""
+    from toolkit.train.step import Stepper
+
+    found: list[str] = []
+    launch = Stepper.launch
+    calls = {"n": 0}
+
+    def watched(self, stop_requested):
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            return launch(self, stop_requested)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                sums = launch(self, stop_requested)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        found.extend(f"{w.filename}:{w.lineno} {str(w.message).splitlines()[0]}" for w in caught
+                     if "called a synchronizing" in str(w.message))
+        return sums
+
+    monkeypatch.setattr(Stepper, "launch", watched)
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@pytest.mark.parametrize("config", CONFIGS)
+def test_launching_a_step_never_waits_for_the_gpu(config, tmp_path, run_cli, monkeypatch):
+    found = synchronizing_calls(monkeypatch)
+    code = run_cli("train", REPO / "configs/examples" / config, f"run.output_dir={tmp_path}", "train.steps=6",
+                   "train.batch_size=2", "save.every=0", "sample.every=0", "log.every=100", "train.compile=false", "train.optimizer=adamw")
+    assert code == 0
+    assert found == [], "synchronizing calls while a step launched:\n" + "\n".join(dict.fromkeys(found))
