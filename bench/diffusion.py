@@ -16,7 +16,9 @@ Rows (--rows):
   plain-compiled        plain + torch.compile as a user adds it: the whole UNet, or each DiT block
   plain-compiled-ckpt   both
   toolkit-eager         the toolkit's Trainer, train.compile=false
-  toolkit               the Trainer with train.compile=true (its SDPA backend measured at start: device.sdpa_backend=auto)
+  toolkit               the Trainer with train.compile=true (its SDPA backend measured at start: device.sdpa_backend=auto;
+                        train.cuda_graphs=auto: the SD/SDXL UNet compiled whole is replayed as a CUDA graph)
+  toolkit-nographs      the same with train.cuda_graphs=false
   toolkit-ckpt          toolkit + train.gradient_checkpointing=true
   toolkit-ckpt-N        toolkit + N of the blocks checkpointed
   toolkit-swap24        toolkit + checkpointing, in a process capped at 24 GiB of GPU memory, the toolkit told it
@@ -173,6 +175,8 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
 
     overrides = [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
                  "train.compile=false" if row == "toolkit-eager" else f"train.compile={device() == 'cuda'}"]
+    if row == "toolkit-nographs":
+        overrides.append("train.cuda_graphs=false")
     if kind == "wan":
         overrides += [f"data.num_frames={w['frames']}", f"data.resolution={math.ceil(math.sqrt(w['height'] * w['width']))}",
                       "data.bucket_step=32"]
@@ -194,7 +198,8 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
               "log: {tensorboard: false}\n")
     logs: list[str] = []
     rate, peak = trainer_rate(config, overrides, work / f"run-{kind}-{row}", "adamw", steps, warmup, logs)
-    notes = [line for line in logs if line.startswith(("attention:", "blocks:", "train.compile", "model.quantize"))]
+    shown = ("attention:", "blocks:", "train.compile", "train.cuda_graphs", "model.quantize")
+    notes = [line for line in logs if line.startswith(shown)]
     return {"s_per_step": 1 / rate, "peak_gib": peak, "notes": notes}
 
 

@@ -207,3 +207,24 @@ def test_block_settings_that_cannot_run_are_refused_before_loading(run_cli, caps
 
     assert run_cli("validate", str(REPO / "configs/examples" / config), *extra) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setting, changes, refusal", [
+    ("auto", {}, None),
+    (True, {}, None),
+    (False, {}, "train.cuda_graphs=false"),
+    ("auto", {"gpu": False}, "no GPU"),
+    ("auto", {"blocks": 19}, "compiled block by block"),
+    ("auto", {"checkpointed": True}, "gradient-checkpointed"),
+    ("auto", {"swapped": True}, "swapped blocks"),
+    ("auto", {"grad_accum": 2}, "train.grad_accum > 1"),
+    ("auto", {"static": False, "compiled": False}, "train.compile is off; more than 8 batch shapes"),
+])
+def test_cuda_graphs_apply_only_to_a_whole_denoiser_replayed_unchanged(setting, changes, refusal):
+    """A graph replays its kernels into the same buffers: only a region compiled whole, with static shapes, neither
+    recomputed in backward (checkpointed) nor re-pointed (swapped), one micro-batch a step, on a GPU."""
+    from toolkit.train.blocks import graph_refusal
+
+    facts = dict(compiled=True, static=True, blocks=1, checkpointed=False, swapped=False, grad_accum=1, gpu=True)
+    found = graph_refusal(setting, **{**facts, **changes})
+    assert found == refusal if refusal is None else refusal in found

@@ -54,6 +54,7 @@ def synchronizing_calls(monkeypatch) -> list[str]:
 def test_launching_a_step_never_waits_for_the_gpu(config, tmp_path, run_cli, monkeypatch):
     found = synchronizing_calls(monkeypatch)
     code = run_cli("train", REPO / "configs/examples" / config, f"run.output_dir={tmp_path}", "train.steps=6",
-                   "train.batch_size=2", "save.every=0", "sample.every=0", "log.every=100", "train.compile=false", "train.optimizer=adamw")
+                   "train.batch_size=2", "save.every=0", "sample.every=0", "log.every=100", "train.compile=false",
+                   "train.optimizer=adamw")
     assert code == 0
     assert found == [], "synchronizing calls while a step launched:\n" + "\n".join(dict.fromkeys(found))

@@ -105,6 +105,8 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         decisions.append(Decision("train.compile", value, why))
     elif not isinstance(cfg.train.compile, bool):
         problems.append(f"'train.compile' must be true, false or auto, got {cfg.train.compile!r}")
+    if not (isinstance(cfg.train.cuda_graphs, bool) or cfg.train.cuda_graphs == "auto"):
+        problems.append(f"'train.cuda_graphs' must be true, false or auto, got {cfg.train.cuda_graphs!r}")
     if cfg.train.timestep_sampling == "auto" and applies_to("train.timestep_sampling", family):
         sampling = family_spec(family).timestep_sampling or "uniform"
         cfg.train.timestep_sampling = sampling

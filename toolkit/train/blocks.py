@@ -11,6 +11,12 @@ so the swap fetches the weights both in the forward pass and in the recompute du
 code never contains the swap's host logic. Compiling the forward alone (not the module's __call__) keeps
 module hooks (FSDP's, PEFT's) outside the compiled graph.
 
+CUDA graphs (train.cuda_graphs): a denoiser compiled whole (the SD/SDXL UNet when not checkpointed) is compiled in
+torch.compile's reduce-overhead mode, which records its kernels once per shape and replays them as one CUDA/HIP
+graph. The host otherwise spends more time launching the UNet's thousands of small kernels than the GPU spends
+running them (bench/profile_steps.py). A checkpointed or swapped block, or a step of several micro-batches, would
+reuse a graph's output buffers while they are still needed, so those keep ordinary launches.
+
 Shapes: each aspect bucket gives the blocks another input shape. When a run has few batch shapes (at most
 STATIC_SHAPES_MAX), each is compiled once with static shapes, the fastest code; with more, dynamo's automatic
 dynamic shapes compile a second, shape-generic version at the second shape and reuse it for all others.
@@ -34,6 +40,7 @@ class BlockPlan:
     """What was done to the blocks of each root, for the log and the tests."""
 
     compiled: int = 0
+    graphs: list[str] = field(default_factory=list)  # the roots replayed as CUDA graphs
     checkpointed: dict[str, list[int]] = field(default_factory=dict)
     swapped: dict[str, list[int]] = field(default_factory=dict)
     totals: dict[str, int] = field(default_factory=dict)
@@ -43,7 +50,7 @@ class BlockPlan:
         for name, total in self.totals.items():
             ckpt, swap = self.checkpointed.get(name, []), self.swapped.get(name, [])
             lines.append(f"blocks: {name}: {total} blocks, {len(ckpt)} gradient-checkpointed, {len(swap)} swapped"
-                         f"{', compiled' if self.compiled else ''}")
+                         f"{', compiled' if self.compiled else ''}{', as a CUDA graph' if name in self.graphs else ''}")
         return lines
 
 
@@ -71,6 +78,18 @@ def compile_options(shape_count: int) -> tuple[dict, str]:
                                "compilation for all others (dynamo's automatic dynamic shapes)")
 
 
+def graph_refusal(setting, *, compiled: bool, static: bool, blocks: int, checkpointed: bool, swapped: bool,
+                  grad_accum: int, gpu: bool) -> str | None:
+    """Why a root's blocks are not replayed as a CUDA graph (train.cuda_graphs), or None when they are."""
+    reasons = [why for refused, why in (
+        (setting is False, "train.cuda_graphs=false"), (not gpu, "no GPU"), (not compiled, "train.compile is off"),
+        (not static, f"more than {STATIC_SHAPES_MAX} batch shapes"),
+        (blocks != 1, "it is compiled block by block (graphs apply to a denoiser compiled whole)"),
+        (checkpointed, "it is gradient-checkpointed"), (swapped, "it has swapped blocks"),
+        (grad_accum > 1, "train.grad_accum > 1")) if refused]
+    return "; ".join(reasons) if reasons else None
+
+
 def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkpointed: bool,
                swap: BlockSwap | None) -> None:
     """Replace `block.forward` by the wrapper in the module docstring (`compiled`: torch.compile options, or
@@ -94,7 +113,8 @@ def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkp
 
 
 def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bool, checkpointing,
-                   swaps: Mapping[str, BlockSwap], shape_count: int, log: Callable[[str], None]) -> BlockPlan:
+                   swaps: Mapping[str, BlockSwap], shape_count: int, log: Callable[[str], None],
+                   cuda_graphs=False, grad_accum: int = 1, gpu: bool = False) -> BlockPlan:
     """Wrap every block of every root in `regions` ({root name: its blocks in forward order})."""
     plan = BlockPlan()
     options = None
@@ -108,8 +128,17 @@ def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bo
         swap = swaps.get(name)
         swapped = swap.swapped if swap is not None else []
         ckpt = checkpointed_indices(checkpointing, len(blocks), swapped)
+        refusal = graph_refusal(cuda_graphs, compiled=compile_, static=shape_count <= STATIC_SHAPES_MAX,
+                                blocks=len(blocks), checkpointed=bool(ckpt), swapped=bool(swapped),
+                                grad_accum=grad_accum, gpu=gpu)
+        region_options = options
+        if refusal is None:
+            region_options = {**options, "mode": "reduce-overhead"}
+            plan.graphs.append(name)
+        elif compile_ and cuda_graphs is True:
+            log(f"train.cuda_graphs: {name} keeps ordinary kernel launches: {refusal}")
         for index, block in enumerate(blocks):
-            wrap_block(block, index, options, index in ckpt, swap)
+            wrap_block(block, index, region_options, index in ckpt, swap)
         plan.totals[name], plan.checkpointed[name], plan.swapped[name] = len(blocks), ckpt, swapped
         plan.compiled += len(blocks) if compile_ else 0
     for line in plan.describe():

@@ -66,6 +66,7 @@ class Stepper:
         self.dataset, self.order, self.modules, self.sharded = t.dataset, t.order, t.modules, t.sharded
         self.params, self.optimizer, self.scheduler, self.ema = t.params, t.optimizer, t.scheduler, t.ema
         self.inner = optimizer
+        self.cuda_graphs = t.cuda_graphs  # compiled regions replayed as CUDA graphs (train/blocks.py)
         # Optimizers that take GradScaler's `found_inf` (torch's fused ones) skip a non-finite step on the
         # device, so the trainer never waits for the GPU between steps.
         self.skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -105,6 +106,8 @@ class Stepper:
                 # Pinned host memory makes the adapter's non_blocking copies asynchronous: a copy from
                 # pageable memory waits for the GPU to drain, leaving it idle while the next step launches.
                 batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+            if self.cuda_graphs:  # a new step: the graphs' previous outputs may be overwritten from here on
+                torch.compiler.cudagraph_mark_step_begin()
             with self.procs.no_sync(self.modules, skip=micro < accum - 1 and not self.sharded):
                 with self.accelerator.autocast():
                     loss = self.adapter.loss(batch, self.modules)

@@ -218,11 +218,14 @@ class Trainer:
         Returns the number of compiled blocks."""
         cfg = self.cfg
         regions = self.adapter.block_regions()
+        self.cuda_graphs = False
         if not regions:
             return compile_blocks(self.adapter.shard_roots(), self.log) if cfg.train.compile else 0
         plan = prepare_blocks(regions, compile_=bool(cfg.train.compile), checkpointing=cfg.train.gradient_checkpointing,
                               swaps=self.adapter.block_swaps(), shape_count=len(self.order.batch_shapes()),
-                              log=self.log)
+                              log=self.log, cuda_graphs=cfg.train.cuda_graphs, grad_accum=cfg.train.grad_accum,
+                              gpu=self.accelerator.device.type == "cuda")
+        self.cuda_graphs = bool(plan.graphs)
         return plan.compiled
 
     def _choose_attention(self) -> None:
