@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import diffusion_train_args
+from helpers import diffusion_train_args, read_metrics
 from safetensors.torch import load_file
 
 from toolkit.models.block_swap import SLOTS_PER_KIND, BlockSwap, plan_block_swap, spread
@@ -228,3 +228,23 @@ def test_cuda_graphs_apply_only_to_a_whole_denoiser_replayed_unchanged(setting, 
     facts = dict(compiled=True, static=True, blocks=1, checkpointed=False, swapped=False, grad_accum=1, gpu=True)
     found = graph_refusal(setting, **{**facts, **changes})
     assert found == refusal if refusal is None else refusal in found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_cuda_graphs_train_the_same_lora_as_ordinary_launches(tmp_path, run_cli, capsys):
+    """The SD quickstart's UNet compiled whole, replayed as a CUDA graph or launched kernel by kernel: the same
+    losses step by step and the same LoRA (the graph replays the compiled kernels; only the launching differs)."""
+    losses, weights = {}, {}
+    for graphs in (True, False):
+        out = tmp_path / f"graphs-{graphs}"
+        args = diffusion_train_args("quickstart_sd.yaml", out, "train.steps=6", "train.compile=true",
+                                    "train.gradient_checkpointing=false", f"train.cuda_graphs={graphs}")
+        assert run_cli(*args) == 0
+        log = capsys.readouterr().err
+        assert ("compiled, as a CUDA graph" in log) is graphs
+        losses[graphs] = [r["loss"] for r in read_metrics(out)]
+        weights[graphs] = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    assert len(losses[True]) == 6
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+    assert all(torch.allclose(weights[True][k], weights[False][k], atol=1e-5) for k in weights[False])
