@@ -100,3 +100,39 @@ def test_base_parameters_are_counted_without_loading(tmp_path):
     wan_count, wan_path = counts["quickstart_wan22.yaml"]
     pipe = WanPipeline.from_pretrained(wan_path)
     assert wan_count == sum(p.numel() for m in (pipe.transformer, pipe.transformer_2) for p in m.parameters())
+
+
+def test_wan22_a14b_on_24_gb_with_block_swap_auto_keeps_16bit_offloads_and_swaps_each_expert():
+    """Block swap instead of 4-bit: one expert on the device at a time (the other offloaded), and each expert swaps
+    the fewest blocks that bring its 28.6 GB of 16-bit weights within the 12.96 GB budget."""
+    from types import SimpleNamespace
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from toolkit.models.diffusion_flow import FlowMatchingAdapter
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(14_300_000_000 // 40, dtype=torch.bfloat16, device="meta"),
+                                             requires_grad=False)
+
+    def expert():
+        root = torch.nn.Module()
+        root._no_split_modules = ["Block"]
+        root.blocks = torch.nn.ModuleList(Block() for _ in range(40))
+        return root
+
+    experts = {"transformer": expert(), "transformer_2": expert()}
+    mode, offload, why = plan_weights("auto", "auto", A14B, gpu(24), 0.9)
+    adapter = SimpleNamespace(
+        cfg=OmegaConf.create({"model": {"block_swap": "auto"}, "device": {"memory_fraction": 0.9}}),
+        runtime=SimpleNamespace(info=gpu(24)), quantize=mode, offload=offload, quantize_setting=lambda: "auto",
+        lora_denoiser_names=lambda: list(experts), component=experts.__getitem__)
+    plans, why = FlowMatchingAdapter.plan_block_swap(adapter, A14B, "auto", why)
+    assert (adapter.quantize, adapter.offload) == ("none", True)
+    # 28.6 - 12.96 = 15.64 GB to move at 0.715 GB a block: 22 blocks of 40, in each expert
+    assert {name: len(plan.swapped) for name, plan in plans.items()} == {"transformer": 22, "transformer_2": 22}
+    assert why.startswith("model.quantize=auto -> none, model.expert_offload=true: 16-bit weights with blocks swapped")
+    assert "; transformer: model.block_swap=auto -> 22" in why and "; transformer_2: model.block_swap=auto -> 22" in why

@@ -92,9 +92,6 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         if cfg.model.quantize in ("8bit", "4bit"):
             problems.append(f"'model.block_swap'={block_swap} swaps 16-bit weights; it is not combined with "
                             f"model.quantize={cfg.model.quantize}: set one of them to none / 0")
-        if cfg.model.get("expert_offload") is True:
-            problems.append(f"'model.block_swap'={block_swap} is not combined with model.expert_offload=true yet (the "
-                            "offload moves whole experts): set model.expert_offload=false or model.block_swap=0")
     if cfg.device.distributed == "fsdp":
         _check_fsdp(cfg, problems)
     if cfg.train.compile == "auto":

@@ -222,14 +222,24 @@ class BlockSwap:
             self._fetch(self.entries[upcoming], protect={index, upcoming})
 
 
-def move_except_swapped(root: torch.nn.Module, device: torch.device, swap: BlockSwap) -> None:
+    def release_all(self) -> None:
+        """Every swapped block back to its host copy and the slots given back to the allocator: the denoiser goes
+        idle (Wan 2.2's other expert trains now). Slots are made again at the next enter()."""
+        for entry in self.entries.values():
+            self._evict(entry)
+        self.pools, self.history = {}, []
+
+
+def move_except_swapped(root: torch.nn.Module, device: torch.device, swap: BlockSwap | None,
+                        trainable: torch.device | None = None) -> None:
     """Every parameter and buffer of `root` onto `device`, but the swapped blocks' frozen weights (which stay
-    in pinned CPU memory until their block runs)."""
-    keep = {id(p) for entry in swap.entries.values() for p, _ in entry.params}
+    in pinned CPU memory until their block runs) and, when `trainable` is given, the trainable (LoRA) weights,
+    which go there instead (they never leave the GPU, where the optimizer state is)."""
+    keep = {id(p) for entry in swap.entries.values() for p, _ in entry.params} if swap is not None else set()
     for module in root.modules():
         for param in module._parameters.values():
             if param is not None and id(param) not in keep:
-                param.data = param.data.to(device)
+                param.data = param.data.to(trainable if trainable is not None and param.requires_grad else device)
         for key, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[key] = buffer.to(device)

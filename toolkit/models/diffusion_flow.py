@@ -94,26 +94,24 @@ class FlowMatchingAdapter(DiffusionAdapter):
         model.quantize auto too, a base whose 16-bit weights exceed the budget swaps blocks rather than being
         quantized; returns the plans by denoiser and the memory plan's reason."""
         model, device, fraction = self.cfg.model, self.runtime.info, self.cfg.device.memory_fraction
-        if self.offload:
-            if model.block_swap == "auto":
-                return {}, why + "; model.block_swap=auto -> 0 (model.expert_offload moves whole experts)"
-            raise UserError("model.block_swap: not combined with model.expert_offload yet (the offload moves whole "
-                            "experts)\n  fix: model.expert_offload=false, or model.block_swap=0")
         if model.block_swap == "auto" and self.quantize_setting() == "auto" and self.quantize != "none":
-            self.quantize, _, why = plan_weights("none", offload, counts, device, fraction)
-            why += " (16-bit weights with blocks swapped rather than quantized: model.block_swap=auto)"
+            self.quantize, self.offload, _ = plan_weights("none", offload, counts, device, fraction)
+            why = ("model.quantize=auto -> none" + (", model.expert_offload=true" if self.offload else "") +
+                   ": 16-bit weights with blocks swapped rather than quantized (model.block_swap=auto)")
         if self.quantize != "none":
             if model.block_swap == "auto":
                 return {}, why + "; model.block_swap=auto -> 0 (the base is quantized)"
             raise UserError("model.block_swap: swaps 16-bit weights; it is not combined with model.quantize\n"
                             "  fix: model.quantize=none, or model.block_swap=0")
         budget = weight_budget_gb(device, fraction)
-        resident = weights_gb(sum(counts.values()), "none")
+        # With expert offload one expert is on the device at a time (Wan 2.2 A14B): each swaps within the budget.
+        resident = weights_gb(max(counts.values()) if self.offload else sum(counts.values()), "none")
         plans = {}
         for name in self.lora_denoiser_names():
             plan = plan_block_swap(model.block_swap, repeated_blocks(self.component(name), outermost=True), resident,
                                    budget, device.backend, device.integrated)
-            why += f"; {plan.reason}"
+            several = len(self.lora_denoiser_names()) > 1
+            why += f"; {name}: {plan.reason}" if several else f"; {plan.reason}"
             if plan.swapped:
                 plans[name] = plan
         return plans, why

@@ -8,7 +8,8 @@ Wan 2.2 A14B splits the denoising between a high-noise expert (`transformer`, ti
 boundary_ratio * 1000) and a low-noise expert (`transformer_2`). `train.experts` picks which get a LoRA;
 with both, training alternates every `train.expert_switch_every` steps, each expert seeing only sigmas of
 its own range. With `model.expert_offload` the idle expert's frozen weights wait in CPU memory; LoRA
-weights (and so their optimizer state) never leave the device. Each expert's LoRA is saved on its own.
+weights (and so their optimizer state) never leave the device. With `model.block_swap` too, the resident
+expert streams its swapped blocks in (models/block_swap.py) and the idle one gives its GPU slots back. Each expert's LoRA is saved on its own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from toolkit.data.augment import View
+from toolkit.models.base import repeated_blocks
+from toolkit.models.block_swap import BlockSwap, move_except_swapped
 from toolkit.errors import UserError
 from toolkit.models.diffusion_base import Denoiser
 from toolkit.models.diffusion_files import lora_file_in
@@ -161,6 +164,7 @@ class Wan22Adapter(WanAdapter):
                             "low_noise": ["transformer_2"]}[experts]
         self.boundary = float(self.pipe.config.get("boundary_ratio") or 0.0)
         self.active = self.trained[0]
+        self.resident = None  # the expert on the device, with model.expert_offload (place_experts)
         super().setup_training()
         if self.two_experts:
             every = self.cfg.train.expert_switch_every
@@ -195,20 +199,26 @@ class Wan22Adapter(WanAdapter):
         return (self.boundary, 1.0) if self.active == "transformer" else (0.0, self.boundary)
 
     def place_for_training(self) -> None:
-        if self.swap_plans:  # block swap (never with expert offload): every expert resident but swapped blocks
+        if not self.offload:  # every expert resident (but its swapped blocks, with block swap)
             super().place_for_training()
         elif not self.runtime.shard_base:
+            for name, plan in self.swap_plans.items():
+                self.swaps[name] = BlockSwap(repeated_blocks(self.component(name), outermost=True), plan.swapped,
+                                             self.runtime.device)
             self.place_experts(self.active)
 
     def place_experts(self, resident: str) -> None:
-        """Every expert on the device, or with offload only `resident`; LoRA weights always on the device."""
-        device = self.runtime.device
+        """Every expert on the device, or with offload only `resident`; LoRA weights always on the device. An
+        expert with swapped blocks keeps those in pinned CPU memory either way; going idle, it gives its GPU
+        slots back first."""
+        device, cpu = self.runtime.device, torch.device("cpu")
         for name in self.denoiser_names:
-            module = self.component(name)
-            lora = [p for p in module.parameters() if p.requires_grad]
-            module.to(device if (not self.offload or name == resident) else torch.device("cpu"))
-            for p in lora:
-                p.data = p.data.to(device)
+            swap = self.swaps.get(name)
+            target = device if (not self.offload or name == resident) else cpu
+            if swap is not None and target == cpu:
+                swap.release_all()
+            move_except_swapped(self.component(name), target, swap, trainable=device)
+        self.resident = resident
 
     @contextmanager
     def _experts_on_demand(self):
@@ -226,8 +236,7 @@ class Wan22Adapter(WanAdapter):
             self.place_experts(self.active)
 
     def _bring(self, name: str) -> None:
-        frozen = next(p for p in self.component(name).parameters() if not p.requires_grad)
-        if frozen.device != self.runtime.device:
+        if name != self.resident:
             self.place_experts(name)
 
     def generate(self, prompt: str, seed: int) -> list:
