@@ -140,8 +140,8 @@ class TrainSection:
     cuda_graphs: Union[bool, str] = opt(
         "auto", "Replay a compiled denoiser as a CUDA/HIP graph (torch.compile's reduce-overhead mode): the host then "
         "launches one graph instead of thousands of kernels, which bounds a compiled SD/SDXL UNet step. It applies to "
-        "a denoiser compiled whole (sd, sdxl without gradient checkpointing), with static shapes, no block swap and "
-        "train.grad_accum 1, on a GPU; auto and true both turn it on there and say why when it cannot apply.",
+        "a denoiser compiled whole (sd, sdxl without gradient checkpointing), with static shapes, no block swap, "
+        "train.grad_accum 1 and one process, on a GPU; auto and true both turn it on there and say why when it cannot apply.",
         resume_safe=True)
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "

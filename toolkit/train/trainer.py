@@ -224,7 +224,7 @@ class Trainer:
         plan = prepare_blocks(regions, compile_=bool(cfg.train.compile), checkpointing=cfg.train.gradient_checkpointing,
                               swaps=self.adapter.block_swaps(), shape_count=len(self.order.batch_shapes()),
                               log=self.log, cuda_graphs=cfg.train.cuda_graphs, grad_accum=cfg.train.grad_accum,
-                              gpu=self.accelerator.device.type == "cuda")
+                              gpu=self.accelerator.device.type == "cuda", processes=self.procs.world_size)
         self.cuda_graphs = bool(plan.graphs)
         return plan.compiled
 
