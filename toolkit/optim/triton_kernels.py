@@ -327,12 +327,14 @@ def fused_step(optimizer: str, params: list[torch.Tensor], grads: list[torch.Ten
         kind, scales = ADAMW, adam_scales(torch.stack([s["step"] for s in states]), lr, beta1, beta2)
     else:
         kind, scales = LION, numels  # Lion has no bias correction: the kernel reads no scales
+    unscale = inv_scale is not None
     return _blockwise_8bit_kernel[(chunk_tensor.numel(),)](
-        chunk_tensor, chunk_start, addrs, numels, scales, found_inf, found_inf if inv_scale is None else inv_scale,  # unread
+        chunk_tensor, chunk_start, addrs, numels, scales, found_inf,
+        inv_scale if unscale else found_inf,  # without UNSCALE the kernel does not read it
         qmap1, mid1, qmap2, mid2,
         lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, 1.0 - lr * weight_decay,
         OPTIMIZER=kind, PARAM_DTYPE=_TL_DTYPES[params[0].dtype], GRAD_DTYPE=_TL_DTYPES[grads[0].dtype],
         BLOCKS=config["blocks"], QUANT_SEARCH=config["quant_search"], DEQUANT=config["dequant"],
-        EXACT_TIES=config.get("exact_ties", first), UNSCALE=inv_scale is not None, num_warps=config["num_warps"],
+        EXACT_TIES=config.get("exact_ties", first), UNSCALE=unscale, num_warps=config["num_warps"],
     )
 
