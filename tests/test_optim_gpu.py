@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import optim_params
+from helpers import assert_optim_unchanged, optim_params, optim_snapshot
 from toolkit.optim import AdamW8bit, Lion8bit, build_optimizer
 from toolkit.optim.quant import dequantize_blockwise
 
@@ -131,17 +131,6 @@ def test_build_optimizer_on_cuda_reports_its_choice():
     print(reason)
 
 
-def _snapshot(opt, params) -> list:
-    return [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
-
-
-def _assert_same(opt, params, snapshot) -> None:
-    for p, (weight, state) in zip(params, snapshot):
-        assert torch.equal(p, weight)
-        for key, value in state.items():
-            assert torch.equal(opt.state[p][key], value), key
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
 def test_triton_found_inf_skips_on_the_device_like_the_reference(cls, dtype):
@@ -163,7 +152,7 @@ def test_triton_found_inf_skips_on_the_device_like_the_reference(cls, dtype):
                 p.grad = torch.full_like(g, float("nan")) if skip else g.clone()
             if with_found_inf:
                 opt.found_inf = torch.full((), float(skip), device="cuda")
-            before = _snapshot(opt, params) if skip else None
+            before = optim_snapshot(opt, params) if skip else None
             if i >= 2:
                 torch.cuda.set_sync_debug_mode("error")  # any host sync inside step() raises
             try:
@@ -171,12 +160,12 @@ def test_triton_found_inf_skips_on_the_device_like_the_reference(cls, dtype):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             if skip:
-                _assert_same(opt, params, before)
+                assert_optim_unchanged(opt, params, before)
         return params, opt
 
     tri_params, tri = run("triton")
     plain_params, plain = run("triton", with_found_inf=False, steps=[i for i in range(6) if i != skipped])
-    _assert_same(tri, tri_params, _snapshot(plain, plain_params))
+    assert_optim_unchanged(tri, tri_params, optim_snapshot(plain, plain_params))
     ref_params, ref = run("torch")
     for a, b in zip(tri_params, ref_params):
         assert int(tri.state[a]["step"]) == int(ref.state[b]["step"]) == 5
@@ -213,4 +202,4 @@ def test_triton_unscales_gradients_with_grad_scale(cls, dtype):
             opt.step()
         runs.append((params, opt))
     (params, opt), (scaled_params, scaled) = runs
-    _assert_same(scaled, scaled_params, _snapshot(opt, params))
+    assert_optim_unchanged(scaled, scaled_params, optim_snapshot(opt, params))

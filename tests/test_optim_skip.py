@@ -5,22 +5,10 @@ decided on the device, and scaled gradients step exactly like unscaled ones."""
 import pytest
 import torch
 
-from helpers import optim_grads, optim_params
+from helpers import assert_optim_unchanged, optim_grads, optim_params, optim_snapshot
 from toolkit.optim import AdamW8bit, Lion8bit
 
 CLASSES = [AdamW8bit, Lion8bit]
-
-
-def _snapshot(opt, params) -> list:
-    return [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
-
-
-def _assert_same(opt, params, snapshot) -> None:
-    for p, (weight, state) in zip(params, snapshot):
-        assert torch.equal(p, weight)
-        assert opt.state[p].keys() == state.keys()
-        for key, value in state.items():
-            assert torch.equal(opt.state[p][key], value), key
 
 
 def _run(cls, grads, skipped: set[int] = frozenset(), found_inf: bool = True):
@@ -41,13 +29,13 @@ def _run(cls, grads, skipped: set[int] = frozenset(), found_inf: bool = True):
 @pytest.mark.parametrize("cls", CLASSES)
 def test_a_step_with_found_inf_changes_nothing(cls, found_inf):
     params, opt = _run(cls, optim_grads(2))
-    before = _snapshot(opt, params)
+    before = optim_snapshot(opt, params)
     assert {p.numel() >= 4096 for p in params} == {True, False}  # 8-bit and fp32 moments both covered
     for p in params:
         p.grad = torch.full_like(p, float("nan"))
     opt.found_inf = torch.tensor(found_inf)
     opt.step()
-    _assert_same(opt, params, before)
+    assert_optim_unchanged(opt, params, before)
     assert [int(opt.state[p]["step"]) for p in params] == [2, 2, 2]
 
 
@@ -59,7 +47,7 @@ def test_a_skipped_step_is_as_if_step_was_never_called(cls, skipped):
     grads = optim_grads(6)
     params, opt = _run(cls, grads, skipped={skipped})
     plain_params, plain = _run(cls, grads[:skipped] + grads[skipped + 1:], found_inf=False)
-    _assert_same(opt, params, _snapshot(plain, plain_params))
+    assert_optim_unchanged(opt, params, optim_snapshot(plain, plain_params))
     assert not all(torch.equal(p, q) for p, q in zip(params, optim_params()))  # it trained
     saved = opt.state_dict()["state"]
     assert [s["step"] for s in saved.values()] == [5, 5, 5] and all(type(s["step"]) is int for s in saved.values())
@@ -93,11 +81,11 @@ def test_grad_scaler_steps_exactly_like_unscaled_gradients_and_skips_an_overflow
     for i, step_grads in enumerate(grads):
         step(step_grads)
         if i == 1:  # an overflow between the second and third step
-            before = _snapshot(opt.optimizer, params)
+            before = optim_snapshot(opt.optimizer, params)
             step([torch.full_like(g, float("inf")) for g in step_grads])
-            _assert_same(opt.optimizer, params, before)
+            assert_optim_unchanged(opt.optimizer, params, before)
             assert scaler.get_scale() == 2.0**11
-    _assert_same(opt.optimizer, params, _snapshot(plain, plain_params))
+    assert_optim_unchanged(opt.optimizer, params, optim_snapshot(plain, plain_params))
     assert not hasattr(opt.optimizer, "found_inf")  # GradScaler removes what it set
 
 
@@ -118,4 +106,4 @@ def test_old_checkpoints_with_int_steps_load_and_go_on_identically():
             p.grad = g.clone()
         resumed.found_inf = torch.tensor(0.0)
         resumed.step()
-    _assert_same(resumed, resumed_params, _snapshot(straight, straight_params))
+    assert_optim_unchanged(resumed, resumed_params, optim_snapshot(straight, straight_params))

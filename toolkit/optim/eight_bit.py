@@ -134,7 +134,7 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
                 for (p, grad, state), step_scales in zip(triples, scales):
                     if inputs.inv_scale is not None:
                         grad = grad.float() * inputs.inv_scale
-                    with reference.unless(inputs.skip, p, *(state[k] for k in _STATE_TENSORS if k in state)):
+                    with reference.undone_if(inputs.skip, p, *(state[k] for k in _STATE_TENSORS if k in state)):
                         self._reference_update(p, grad, state, group, step_scales)
             for key, triples in fused.items():
                 self._fused_update(index, key, triples, group, scaler[key[0]])

@@ -79,7 +79,7 @@ def lion_8bit_update_(p: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: f
 
 
 @contextlib.contextmanager
-def unless(skip: torch.Tensor | None, *tensors: torch.Tensor) -> Iterator[None]:
+def undone_if(skip: torch.Tensor | None, *tensors: torch.Tensor) -> Iterator[None]:
     """The in-place updates of `tensors` inside the block are undone where `skip` (a 0-dim bool tensor, True: a
     non-finite step) holds: torch.where on the device picks the old or the new values, so nothing waits to read
     it. The update runs either way (on non-finite numbers, harmlessly). skip=None: nothing is copied."""
