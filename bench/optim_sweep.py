@@ -5,7 +5,8 @@
 For each variant (quantize search, dequantize method, blocks per program, warps) and param dtype: one fused
 step against the pure-torch reference on a few tensors (codes that differ, largest param error), then the
 step times over --tensors parameters of --size x --size, timed as bench/optim.py times them. --baseline times an
-older copy of toolkit/optim/triton_kernels.py in the same run, for a before/after from one machine.
+older copy of toolkit/optim/triton_kernels.py in the same run, for a before/after from one machine (one whose
+fused_step takes the step counts from the states, as since the step count moved to the device).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def check_one_step(fused_step, config: dict, dtype: torch.dtype) -> str:
     ref_states = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()} for st in states]
     ref_params = [p.clone() for p in params]
     fused_step("adamw", params, grads, states, triton_kernels._LaunchTables(), lr=1e-3, beta1=0.9, beta2=0.999,
-               eps=1e-8, weight_decay=0.05, step=states[0]["step"], config=config)
+               eps=1e-8, weight_decay=0.05, config=config)
     for p, g, st in zip(ref_params, grads, ref_states):
         adamw_8bit_update_(p, g, st, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)
     diffs = max_diff = 0

@@ -119,3 +119,19 @@ def optim_grads(steps: int, dtype: torch.dtype = torch.float32, shapes=OPTIM_SHA
     """`steps` lists of gradients for `shapes`, drawn from N(0, 0.01^2) with `seed`, in `dtype` on the CPU."""
     gen = torch.Generator().manual_seed(seed)
     return [[(torch.randn(s, generator=gen) * 0.01).to(dtype) for s in shapes] for _ in range(steps)]
+
+
+def optim_snapshot(optimizer, params) -> list:
+    """Copies of each parameter and its optimizer state, for assert_optim_unchanged."""
+    return [(p.detach().clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()})
+            for p in params]
+
+
+def assert_optim_unchanged(optimizer, params, snapshot) -> None:
+    """Each parameter and every entry of its optimizer state equal the snapshot's, bit for bit."""
+    for p, (weight, state) in zip(params, snapshot, strict=True):
+        assert torch.equal(p, weight)
+        assert optimizer.state[p].keys() == state.keys()
+        for key, value in state.items():
+            now = optimizer.state[p][key]
+            assert torch.equal(now, value) if torch.is_tensor(value) else now == value, key

@@ -101,8 +101,10 @@ def test_state_bytes_per_parameter():
     opt = AdamW8bit([p])
     p.grad = torch.randn_like(p)
     opt.step()
-    state_bytes = sum(t.numel() * t.element_size() for t in opt.state[p].values() if torch.is_tensor(t))
+    state = opt.state[p]
+    state_bytes = sum(t.numel() * t.element_size() for k, t in state.items() if k != "step")
     assert state_bytes / p.numel() == pytest.approx(2 + 8 / 256)  # 2.03
+    assert state["step"].dtype == torch.int64 and state["step"].shape == ()  # one count per tensor, on its device
 
 
 def test_param_groups_use_their_own_lr_and_weight_decay():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import optim_params
+from helpers import assert_optim_unchanged, optim_params, optim_snapshot
 from toolkit.optim import AdamW8bit, Lion8bit, build_optimizer
 from toolkit.optim.quant import dequantize_blockwise
 
@@ -129,3 +129,77 @@ def test_build_optimizer_on_cuda_reports_its_choice():
     opt, reason = build_optimizer("adamw", _params(torch.float32), lr=1e-3, device_type="cuda")
     assert opt.param_groups[0]["fused"] is True
     print(reason)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+def test_triton_found_inf_skips_on_the_device_like_the_reference(cls, dtype):
+    """found_inf (0, or 1 with NaN gradients at the fourth of six steps) on both implementations, as the trainer
+    sets it: the skipped step leaves params, moments, absmax and step count exactly as they were; the Triton run
+    equals, bit for bit, the Triton run that never called step() for it, and tracks the reference; steps after the
+    first two (which compile) never wait for the GPU; a skipped first step leaves a fresh state."""
+    lr = 1e-3 if cls is AdamW8bit else 1e-4
+    gen = torch.Generator().manual_seed(3)
+    grads = [[(torch.randn(s, generator=gen) * 0.01).to(dtype).cuda() for s in SHAPES] for _ in range(6)]
+    skipped = 3
+
+    def run(impl, with_found_inf=True, steps=range(6)):
+        params = _params(dtype)
+        opt = cls(params, lr=lr, weight_decay=0.05, impl=impl)
+        for i in steps:
+            skip = i == skipped and with_found_inf
+            for p, g in zip(params, grads[i]):
+                p.grad = torch.full_like(g, float("nan")) if skip else g.clone()
+            if with_found_inf:
+                opt.found_inf = torch.full((), float(skip), device="cuda")
+            before = optim_snapshot(opt, params) if skip else None
+            if i >= 2:
+                torch.cuda.set_sync_debug_mode("error")  # any host sync inside step() raises
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            if skip:
+                assert_optim_unchanged(opt, params, before)
+        return params, opt
+
+    tri_params, tri = run("triton")
+    plain_params, plain = run("triton", with_found_inf=False, steps=[i for i in range(6) if i != skipped])
+    assert_optim_unchanged(tri, tri_params, optim_snapshot(plain, plain_params))
+    ref_params, ref = run("torch")
+    for a, b in zip(tri_params, ref_params):
+        assert int(tri.state[a]["step"]) == int(ref.state[b]["step"]) == 5
+        assert (a.float() - b.float()).abs().mean().item() <= 6e-5
+
+    params = _params(dtype)
+    fresh = cls(params, lr=lr, impl="triton")
+    for p in params:
+        p.grad = torch.full_like(p, float("nan"))
+    fresh.found_inf = torch.ones((), device="cuda")
+    fresh.step()
+    for p, start in zip(params, _params(dtype)):
+        state = fresh.state[p]
+        assert torch.equal(p, start) and int(state["step"]) == 0
+        assert all(not state[k].any() for k in state if k != "step")  # zero moments and absmax, as created
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+def test_triton_unscales_gradients_with_grad_scale(cls, dtype):
+    """GradScaler's grad_scale (gradients of a loss scaled by a power of two, not unscaled before step()): the
+    kernel's unscaling is exact, so the run equals the run on unscaled gradients bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    grads = [[(torch.randn(s, generator=gen) * 0.01).to(dtype).cuda() for s in SHAPES] for _ in range(3)]
+    runs = []
+    for scale in (None, 2.0**12):
+        params = _params(dtype)
+        opt = cls(params, lr=1e-3, weight_decay=0.05, impl="triton")
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g * scale if scale else g.clone()
+            if scale:
+                opt.grad_scale = torch.full((), scale, device="cuda")
+            opt.step()
+        runs.append((params, opt))
+    (params, opt), (scaled_params, scaled) = runs
+    assert_optim_unchanged(scaled, scaled_params, optim_snapshot(opt, params))

@@ -70,7 +70,8 @@ def test_absurd_lr_gives_nan_losses_that_skip_steps_then_stop_with_a_message(tmp
     assert not (out / "final").exists()
 
 
-@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw"])  # read before the update / skipped on the device
+# skipped on the device (the toolkit's 8-bit, torch's fused AdamW) / the loss read before the update (fp32 Lion)
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw", "lion"])
 def test_one_nan_loss_skips_that_update_and_training_goes_on(monkeypatch, tmp_path, capsys, optimizer):
     out = tmp_path / "run"
     loss_failing_at(monkeypatch, {3}, lambda loss: loss * float("nan"))
@@ -84,17 +85,25 @@ def test_one_nan_loss_skips_that_update_and_training_goes_on(monkeypatch, tmp_pa
     assert (out / "final" / "adapter_model.safetensors").is_file()
 
 
-def test_loss_read_a_step_late_trains_exactly_like_reading_it_at_once(monkeypatch, tmp_path, capsys):
-    """Fused AdamW skips a non-finite step on the device and the trainer reads each loss one step late (no
-    wait for the GPU between steps). With a NaN at step 3 of 6 and nothing due in between, that run logs the
-    same losses, warns the same way and ends with the same LoRA, bit for bit, as the trainer reading every
-    loss before its update."""
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_loss_read_a_step_late_trains_exactly_like_reading_it_at_once(monkeypatch, tmp_path, capsys, optimizer):
+    """Fused AdamW and the toolkit's adamw8bit skip a non-finite step on the device, and the trainer reads each
+    loss one step late (no wait for the GPU between steps). With a NaN at step 3 of 6 and nothing due in
+    between, that run logs the same losses, warns the same way and ends with the same LoRA, bit for bit, as the
+    trainer reading every loss before its update (and not calling step() for step 3)."""
     from toolkit.train.trainer import Trainer
 
+    setup, skipped_on_device = Trainer._setup, []
+
+    def watched(self):
+        setup(self)
+        skipped_on_device.append(self.stepper.skips_on_device)
+
+    monkeypatch.setattr(Trainer, "_setup", watched)
     loss_failing_at(monkeypatch, {3}, lambda loss: loss * float("nan"))
-    common = ("train.steps=6", "save.every=0", "log.every=1", "train.optimizer=adamw")
+    common = ("train.steps=6", "save.every=0", "log.every=1", f"train.optimizer={optimizer}")
     assert train(monkeypatch, tmp_path / "late", *common) == 0
-    setup = Trainer._setup
+    assert skipped_on_device == [True]
 
     def reading_at_once(self):
         setup(self)

@@ -5,7 +5,11 @@ the toolkit and the plain loop that bench/llm.py and bench/diffusion.py measured
 
 Each quickstart trains a few steps through the real entry point with PyTorch's sync debug mode on while steps after
 the first two are launched (the first ones compile and fill caches); every synchronizing call is reported with the
-line that made it."""
+line that made it. Every family runs with torch's fused AdamW; the LLM quickstart also with its own default, the
+toolkit's adamw8bit, and with lion8bit. Those take `optimizer_backend=toolkit` (bitsandbytes' optimizers, which
+`auto` picks on CUDA where bitsandbytes works, read the loss before each update) and LoRA rank 32, at which the tiny
+model's LoRA tensors of 4096 elements and more keep 8-bit state (the Triton kernel) and the others fp32 state (the
+pure-torch update, on the GPU)."""
 
 from __future__ import annotations
 
@@ -16,9 +20,15 @@ import torch
 
 from conftest import REPO
 
-# torch's fused AdamW skips a non-finite step on the device; the 8-bit optimizers still read the loss first
+# torch's fused AdamW and the toolkit's 8-bit optimizers skip a non-finite step on the device
 CONFIGS = ["quickstart_sd.yaml", "quickstart_sdxl.yaml", "quickstart_flux.yaml", "quickstart_wan21.yaml",
            "quickstart_sd3.yaml", "quickstart_llm.yaml"]
+EIGHT_BIT = ["train.optimizer_backend=toolkit", "network.rank=32"]
+CASES = ([pytest.param(config, ["train.optimizer=adamw"], "AdamW", id=config.removesuffix(".yaml"))
+          for config in CONFIGS]
+         + [pytest.param("quickstart_llm.yaml", EIGHT_BIT, "AdamW8bit", id="quickstart_llm-adamw8bit"),
+            pytest.param("quickstart_llm.yaml", ["train.optimizer=lion8bit", *EIGHT_BIT], "Lion8bit",
+                         id="quickstart_llm-lion8bit")])
 
 
 def synchronizing_calls(monkeypatch) -> list[str]:
@@ -50,11 +60,22 @@ def synchronizing_calls(monkeypatch) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
-@pytest.mark.parametrize("config", CONFIGS)
-def test_launching_a_step_never_waits_for_the_gpu(config, tmp_path, run_cli, monkeypatch):
+@pytest.mark.parametrize("config, overrides, optimizer", CASES)
+def test_launching_a_step_never_waits_for_the_gpu(config, overrides, optimizer, tmp_path, run_cli, monkeypatch):
+    from toolkit.train.step import Stepper
+
     found = synchronizing_calls(monkeypatch)
+    skips = []
+    init = Stepper.__init__
+
+    def recording(self, trainer, inner):
+        init(self, trainer, inner)
+        skips.append((type(inner).__name__, self.skips_on_device))
+
+    monkeypatch.setattr(Stepper, "__init__", recording)
     code = run_cli("train", REPO / "configs/examples" / config, f"run.output_dir={tmp_path}", "train.steps=6",
                    "train.batch_size=2", "save.every=0", "sample.every=0", "log.every=100", "train.compile=false",
-                   "train.optimizer=adamw")
+                   *overrides)
     assert code == 0
+    assert skips == [(optimizer, True)], f"{skips}: not {optimizer} skipping a step on the device"
     assert found == [], "synchronizing calls while a step launched:\n" + "\n".join(dict.fromkeys(found))

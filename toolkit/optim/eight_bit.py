@@ -1,12 +1,18 @@
 """8-bit AdamW and Lion with block-wise dynamic quantization of the optimizer state.
 
-State per parameter (plain tensors, bitsandbytes' key names): "step" (int), "state1" (first moment),
+State per parameter (plain tensors, bitsandbytes' key names): "step", "state1" (first moment),
 "state2" (AdamW's second moment), "absmax1"/"absmax2" (fp32, one per 256-block). Parameters of at
 least 4096 elements keep uint8 moments (about 2.03 bytes of state per parameter for AdamW); smaller
-ones keep fp32 moments, as in bitsandbytes.
+ones keep fp32 moments, as in bitsandbytes. "step" is a 0-dim int64 tensor on the parameter's device
+while training (as torch's fused AdamW keeps its step counts) and an int in state_dict(), as bitsandbytes
+and earlier checkpoints have it.
 
 The implementation is picked per device at the first step: the fused Triton kernels for parameters on
 a GPU (CUDA or ROCm) when triton imports, else the pure-torch reference (CPU and any device).
+
+Like torch's fused AdamW, step() takes GradScaler's `found_inf` and `grad_scale` (`_step_supports_amp_scaling`):
+with `found_inf` set to anything but 0 the step changes nothing (parameters, moments, absmax, step count), and
+decides so on the device, so the trainer (train/step.py) launches each step without reading its loss first.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
 
     _name = ""  # "adamw" or "lion": the fused kernel's optimizer
     _moments = 2
+    # GradScaler sets `found_inf` and `grad_scale` and calls step() without reading found_inf itself (no host
+    # sync); the trainer's Stepper sets `found_inf` from the loss (Stepper.skips_on_device)
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults: dict, impl: str):
         if impl not in IMPLEMENTATIONS:
@@ -80,7 +89,7 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
-        state["step"] = 0
+        state["step"] = torch.zeros((), dtype=torch.int64, device=p.device)
         if p.numel() < MIN_8BIT_SIZE:
             for i in range(1, self._moments + 1):
                 state[f"state{i}"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -96,45 +105,72 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scaler = {}  # device -> _ScalerInputs
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         for index, group in enumerate(self.param_groups):
-            fused = defaultdict(list)  # (device, dtypes, step) -> [(p, grad, state)]
+            fused = defaultdict(list)  # (device, param dtype, grad dtype, new state) -> [(p, grad, state)]
+            unfused, counts = defaultdict(list), defaultdict(list)  # device -> [(p, grad, state)], step counts
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self.state[p] if len(self.state[p]) else self._init_state(p)
-                state["step"] += 1
+                new = not self.state[p]
+                state = self._init_state(p) if new else self.state[p]
+                counts[p.device].append(state["step"])
                 grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
                 eight_bit = state["state1"].dtype == torch.uint8
                 if eight_bit and self.implementation_for(p.device) == "triton" and _fusable(p, grad):
-                    fused[(p.device, p.dtype, grad.dtype, state["step"])].append((p, grad, state))
+                    fused[(p.device, p.dtype, grad.dtype, new)].append((p, grad, state))
                 else:
-                    self._reference_update(p, grad, state, group)
+                    unfused[p.device].append((p, grad, state))
+            for device, steps in counts.items():
+                if device not in scaler:
+                    scaler[device] = _ScalerInputs(found_inf, grad_scale, device)
+                torch._foreach_add_(steps, scaler[device].taken)
+            for device, triples in unfused.items():
+                inputs = scaler[device]
+                scales = self._step_scales(group, [state["step"] for _, _, state in triples])
+                for (p, grad, state), step_scales in zip(triples, scales):
+                    if inputs.inv_scale is not None:
+                        grad = grad.float() * inputs.inv_scale
+                    with reference.undone_if(inputs.skip, p, *(state[k] for k in _STATE_TENSORS if k in state)):
+                        self._reference_update(p, grad, state, group, step_scales)
             for key, triples in fused.items():
-                self._fused_update(index, key, triples, group)
+                self._fused_update(index, key, triples, group, scaler[key[0]])
         return loss
 
-    def _fused_update(self, group_index: int, key: tuple, triples: list, group: dict) -> None:
+    def _fused_update(self, group_index: int, key: tuple, triples: list, group: dict, inputs: "_ScalerInputs") -> None:
         from toolkit.optim import triton_kernels
 
-        tables = self._launch_tables.get((group_index,) + key[:3])
+        tables = self._launch_tables.get((group_index,) + key)
         if tables is None:
-            tables = self._launch_tables[(group_index,) + key[:3]] = triton_kernels._LaunchTables()
+            tables = self._launch_tables[(group_index,) + key] = triton_kernels._LaunchTables()
         params, grads, states = (list(x) for x in zip(*triples))
         beta1, beta2 = group["betas"]
         triton_kernels.fused_step(self._name, params, grads, states, tables, lr=group["lr"], beta1=beta1,
                                   beta2=beta2, eps=group.get("eps", 0.0), weight_decay=group["weight_decay"],
-                                  step=key[3])
+                                  found_inf=inputs.found_inf, inv_scale=inputs.inv_scale, first=key[3])
 
-    def _reference_update(self, p, grad, state, group) -> None:
+    def _step_scales(self, group: dict, steps: list[torch.Tensor]) -> list:
+        """What the reference update needs of each step count, computed for all of them at once."""
+        return [None] * len(steps)
+
+    def _reference_update(self, p, grad, state, group, step_scales) -> None:
         raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """torch's state dict, with each "step" an int as bitsandbytes keeps it (read from the device: this waits
+        for the GPU, as saving does anyway)."""
+        state_dict = super().state_dict()
+        state_dict["state"] = {k: {**s, "step": int(s["step"])} for k, s in state_dict["state"].items()}
+        return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this class or of the bitsandbytes optimizer of the same kind (converted first).
 
         Tensors keep their dtype (torch's default loader would cast uint8 and fp32 state to the param dtype)
-        and move to their parameter's device.
+        and move to their parameter's device; "step" (an int, or a tensor) becomes an int64 tensor there.
         """
         if is_bnb_state_dict(state_dict):
             state_dict = convert_bnb_state_dict(state_dict)
@@ -152,7 +188,7 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"the state dict has state for parameter id {saved_id}, which no group lists")
             p = id_map[saved_id]
             state[p] = {k: v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
-            state[p]["step"] = int(state[p]["step"])
+            state[p]["step"] = torch.tensor(int(state[p]["step"]), dtype=torch.int64, device=p.device)
             self._check_loaded_state(p, state[p])
         param_groups = [{**sg, "params": g["params"]} for g, sg in zip(groups, saved_groups)]
         self.__setstate__({"state": state, "param_groups": param_groups})
@@ -176,6 +212,24 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
                             f"expected {num_blocks(p.numel())} blocks of 256")
 
 
+_STATE_TENSORS = ("state1", "state2", "absmax1", "absmax2")
+
+
+class _ScalerInputs:
+    """GradScaler's (or the Stepper's) found_inf and grad_scale on one device, as step() uses them; nothing here
+    is read back to the host."""
+
+    def __init__(self, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None, device: torch.device):
+        self.found_inf = self.skip = self.inv_scale = None
+        self.taken: torch.Tensor | int = 1  # what the step counts advance by
+        if found_inf is not None:
+            self.found_inf = found_inf.to(device, torch.float32, non_blocking=True)
+            self.skip = self.found_inf != 0  # NaN too
+            self.taken = (self.found_inf == 0).long()
+        if grad_scale is not None:  # 1 / scale as GradScaler.unscale_ computes it
+            self.inv_scale = grad_scale.double().reciprocal().float().to(device, non_blocking=True)
+
+
 class AdamW8bit(_Blockwise8bitOptimizer):
     """AdamW with 8-bit block-quantized moments (bitsandbytes-compatible state; decoupled weight decay)."""
 
@@ -188,9 +242,16 @@ class AdamW8bit(_Blockwise8bitOptimizer):
             raise ValueError(f"invalid eps: {eps}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), impl)
 
-    def _reference_update(self, p, grad, state, group) -> None:
+    def _step_scales(self, group: dict, steps: list[torch.Tensor]) -> list:
+        """reference.adam_step_scales of each step count: a few small ops per group rather than per parameter."""
         beta1, beta2 = group["betas"]
-        kwargs = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        step_size, correction2 = reference.adam_step_scales(torch.stack(steps), group["lr"], beta1, beta2)
+        return list(zip(step_size.unbind(), correction2.unbind()))
+
+    def _reference_update(self, p, grad, state, group, step_scales) -> None:
+        beta1, beta2 = group["betas"]
+        kwargs = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                      scales=step_scales)
         if state["state1"].dtype == torch.uint8:
             reference.adamw_8bit_update_(p, grad, state, **kwargs)
         else:
@@ -207,7 +268,7 @@ class Lion8bit(_Blockwise8bitOptimizer):
                  weight_decay: float = 0.0, *, impl: str = "auto"):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), impl)
 
-    def _reference_update(self, p, grad, state, group) -> None:
+    def _reference_update(self, p, grad, state, group, step_scales) -> None:
         beta1, beta2 = group["betas"]
         kwargs = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
         if state["state1"].dtype == torch.uint8:

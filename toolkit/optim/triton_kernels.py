@@ -12,12 +12,14 @@ and values are computed from the maps' structure (quant_arith.py: a chain of com
 decade, then a fused multiply-add): 124-126. The midpoint table is read only on a first step, by the
 programs that hold a value next to a midpoint.
 
+Nothing the launch needs is read back to the host: the bias corrections come from the step counts on the device
+(one pair per tensor, computed by `adam_scales`), and every program first reads GradScaler's `found_inf`,
+returning at once when it is set, so a skipped step writes nothing.
+
 Importing this module imports triton; the optimizers import it only when a parameter is on a GPU.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -25,6 +27,7 @@ import triton.language as tl
 
 from toolkit.optim.quant import BLOCK_SIZE, quant_tables
 from toolkit.optim.quant_arith import NEAR_BOUNDARY, POW5_SLOPE, clamp_line, dequant_constants, quantize_steps
+from toolkit.optim.reference import adam_step_scales
 
 ADAMW, LION = 0, 1
 # config["quant_search"]: BINARY_SEARCH over the midpoint table (exact, slow) or AFFINE (quant_arith);
@@ -136,9 +139,9 @@ def _store(ptrs, values, mask, MASKED: tl.constexpr):
 def _update_blocks(p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, rem,
                    qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
                    lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, inv_correction2,
-                   OPTIMIZER: tl.constexpr, PARAM_DTYPE: tl.constexpr, BLOCKS: tl.constexpr,
+                   inv_scale, OPTIMIZER: tl.constexpr, PARAM_DTYPE: tl.constexpr, BLOCKS: tl.constexpr,
                    QUANT_SEARCH: tl.constexpr, DEQUANT: tl.constexpr, EXACT_TIES: tl.constexpr,
-                   MASKED: tl.constexpr):
+                   UNSCALE: tl.constexpr, MASKED: tl.constexpr):
     # pointers start at this program's first block: 32-bit offsets, `rem` elements left in the tensor
     blocks = tl.arange(0, BLOCKS)
     offs = blocks[:, None] * 256 + tl.arange(0, 256)[None, :]
@@ -146,6 +149,8 @@ def _update_blocks(p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, rem,
     bmask = blocks * 256 < rem
 
     g = _load(g_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
+    if UNSCALE:  # gradients of a scaled loss that GradScaler did not unscale: as its unscale_ would
+        g = g * inv_scale
     p = _load(p_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
     c1 = _load(s1_ptr + offs, mask, 127, MASKED).to(tl.int32)  # 127: 0.0 in the signed map
     a1 = _load(a1_ptr + blocks, bmask, 0.0, MASKED)
@@ -204,30 +209,44 @@ def _update_blocks(p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, rem,
 
 @triton.jit
 def _blockwise_8bit_kernel(
-    chunk_tensor_ptr, chunk_start_ptr, addrs_ptr, numels_ptr,
+    chunk_tensor_ptr, chunk_start_ptr, addrs_ptr, numels_ptr, scales_ptr, found_inf_ptr, inv_scale_ptr,
     qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
-    lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, inv_correction2,
+    lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay,
     OPTIMIZER: tl.constexpr, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     BLOCKS: tl.constexpr, QUANT_SEARCH: tl.constexpr, DEQUANT: tl.constexpr, EXACT_TIES: tl.constexpr,
+    UNSCALE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(chunk_tensor_ptr + pid)
-    start = tl.multiple_of(tl.load(chunk_start_ptr + pid), BLOCKS * 256)
-    rem = tl.load(numels_ptr + t) - start
-    row = addrs_ptr + t * 6
-    # the host sends only 16-byte aligned tensors here: the hints let loads and stores go 16 bytes wide
-    p_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE)), 16) + start
-    g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE)), 16) + start
-    s1_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.uint8)), 16) + start
-    s2_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.uint8)), 16) + start
-    a1_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(tl.float32)), 16) + start // 256
-    a2_ptr = tl.multiple_of(tl.load(row + 5).to(tl.pointer_type(tl.float32)), 16) + start // 256
-    args = (p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, rem, qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
-            lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, inv_correction2)
-    if rem >= BLOCKS * 256:
-        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, DEQUANT, EXACT_TIES, False)
-    else:
-        _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, DEQUANT, EXACT_TIES, True)
+    # GradScaler's found_inf (a zero when none was given): anything but 0 (NaN too) skips the step, every
+    # program leaving its blocks as they were
+    if tl.load(found_inf_ptr) == 0.0:
+        pid = tl.program_id(0)
+        t = tl.load(chunk_tensor_ptr + pid)
+        start = tl.multiple_of(tl.load(chunk_start_ptr + pid), BLOCKS * 256)
+        rem = tl.load(numels_ptr + t) - start
+        row = addrs_ptr + t * 6
+        # the host sends only 16-byte aligned tensors here: the hints let loads and stores go 16 bytes wide
+        p_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE)), 16) + start
+        g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE)), 16) + start
+        s1_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.uint8)), 16) + start
+        s2_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.uint8)), 16) + start
+        a1_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(tl.float32)), 16) + start // 256
+        a2_ptr = tl.multiple_of(tl.load(row + 5).to(tl.pointer_type(tl.float32)), 16) + start // 256
+        if OPTIMIZER == 0:  # this tensor's lr / (1 - beta1**step) and 1 / sqrt(1 - beta2**step) (adam_scales)
+            step_size = tl.load(scales_ptr + 2 * t)
+            inv_correction2 = tl.load(scales_ptr + 2 * t + 1)
+        else:
+            step_size = lr
+            inv_correction2 = 1.0
+        if UNSCALE:
+            inv_scale = tl.load(inv_scale_ptr)
+        else:
+            inv_scale = 1.0
+        args = (p_ptr, g_ptr, s1_ptr, s2_ptr, a1_ptr, a2_ptr, rem, qmap1_ptr, mid1_ptr, qmap2_ptr, mid2_ptr,
+                lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, inv_correction2, inv_scale)
+        if rem >= BLOCKS * 256:
+            _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, DEQUANT, EXACT_TIES, UNSCALE, False)
+        else:
+            _update_blocks(*args, OPTIMIZER, PARAM_DTYPE, BLOCKS, QUANT_SEARCH, DEQUANT, EXACT_TIES, UNSCALE, True)
 
 
 def is_aligned(*tensors: torch.Tensor) -> bool:
@@ -269,32 +288,53 @@ class _LaunchTables:
         return self.chunk_tensor, self.chunk_start, self.addrs, self.numels
 
 
+_zeros: dict[torch.device, torch.Tensor] = {}  # found_inf when none is given, per device
+
+
+def adam_scales(steps: torch.Tensor, lr: float, beta1: float, beta2: float) -> torch.Tensor:
+    """(n, 2) fp32: lr / (1 - beta1**step) and 1 / sqrt(1 - beta2**step) for n step counts, computed on their
+    device in fp64 as the host would compute them, and rounded once to fp32 (the kernel's arithmetic)."""
+    step_size, correction2 = adam_step_scales(steps, lr, beta1, beta2)
+    return torch.stack([step_size, 1.0 / correction2], dim=1).float()
+
+
 def fused_step(optimizer: str, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                tables: _LaunchTables, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-               step: int, config: dict | None = None):
-    """One fused launch updating every (param, grad, 8-bit state) triple; all share dtype, device and step.
+               found_inf: torch.Tensor | None = None, inv_scale: torch.Tensor | None = None, first: bool = False,
+               config: dict | None = None):
+    """One fused launch updating every (param, grad, 8-bit state) triple; all share dtype and device.
 
+    Each state's "step" is a 0-dim tensor on the device, already counting this step. found_inf: None, or a 0-dim
+    fp32 tensor on the device; anything but 0 makes the launch change nothing. inv_scale: 1 / GradScaler's scale
+    when the gradients are still scaled, else None. first: these states were created for this step.
     Returns the launched kernel (its n_regs and n_spills say how it compiled)."""
     config = config or CONFIG_OVERRIDE or DEFAULT_CONFIGS[params[0].dtype]
     # The first step quantizes (1 - beta) * grad / max|(1 - beta) * grad|: with 16-bit grads, ratios that sit
     # exactly on the map's midpoints are common, and the affine form alone may put them on the wrong side
     # (0.05% of codes). From then on values are generic and its rare +-1 codes (1e-5) cost less than the
-    # check, which takes about 15% of a step.
+    # check, which takes about 15% of a step. The host knows only which states are new, not whether their
+    # first step is skipped on the device: after a skipped first step the next one goes unchecked.
     device = params[0].device
     chunk = config["blocks"] * BLOCK_SIZE
     chunk_tensor, chunk_start, addrs, numels = tables.get(params, grads, states, chunk, device)
     qmap1, mid1 = quant_tables(True, device)
     qmap2, mid2 = quant_tables(False, device)
+    if found_inf is None:
+        found_inf = _zeros.get(device)
+        if found_inf is None:
+            found_inf = _zeros[device] = torch.zeros((), device=device)
     if optimizer == "adamw":
-        kind, step_size = ADAMW, lr / (1.0 - beta1**step)
-        inv_correction2 = 1.0 / math.sqrt(1.0 - beta2**step)
+        kind, scales = ADAMW, adam_scales(torch.stack([s["step"] for s in states]), lr, beta1, beta2)
     else:
-        kind, step_size, inv_correction2 = LION, lr, 1.0
+        kind, scales = LION, numels  # Lion has no bias correction: the kernel reads no scales
+    unscale = inv_scale is not None
     return _blockwise_8bit_kernel[(chunk_tensor.numel(),)](
-        chunk_tensor, chunk_start, addrs, numels, qmap1, mid1, qmap2, mid2,
-        lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, 1.0 - lr * weight_decay, step_size, inv_correction2,
+        chunk_tensor, chunk_start, addrs, numels, scales, found_inf,
+        inv_scale if unscale else found_inf,  # without UNSCALE the kernel does not read it
+        qmap1, mid1, qmap2, mid2,
+        lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, 1.0 - lr * weight_decay,
         OPTIMIZER=kind, PARAM_DTYPE=_TL_DTYPES[params[0].dtype], GRAD_DTYPE=_TL_DTYPES[grads[0].dtype],
         BLOCKS=config["blocks"], QUANT_SEARCH=config["quant_search"], DEQUANT=config["dequant"],
-        EXACT_TIES=config.get("exact_ties", step == 1), num_warps=config["num_warps"],
+        EXACT_TIES=config.get("exact_ties", first), UNSCALE=unscale, num_warps=config["num_warps"],
     )
 

@@ -67,8 +67,8 @@ class Stepper:
         self.params, self.optimizer, self.scheduler, self.ema = t.params, t.optimizer, t.scheduler, t.ema
         self.inner = optimizer
         self.cuda_graphs = t.cuda_graphs  # compiled regions replayed as CUDA graphs (train/blocks.py)
-        # Optimizers that take GradScaler's `found_inf` (torch's fused ones) skip a non-finite step on the
-        # device, so the trainer never waits for the GPU between steps.
+        # Optimizers that take GradScaler's `found_inf` (torch's fused AdamW, the toolkit's adamw8bit and
+        # lion8bit) skip a non-finite step on the device, so the trainer never waits for the GPU between steps.
         self.skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False)
                                     and self.accelerator.scaler is None and self.ema is None)
 
@@ -82,10 +82,11 @@ class Stepper:
         device (StepSums) until read. The loss is the mean over every unit (token, sample) of the global batch;
         a non-finite loss anywhere discards the step's update on every process.
 
-        With an optimizer that can skip an update on the device (torch's fused AdamW, as GradScaler uses it)
-        nothing here waits for the GPU: the update is launched with `found_inf` set from the loss, and the
-        loss is read a step later, while the GPU works on the next one. Other optimizers (and fp16 loss
-        scaling, and the EMA) read the loss here, once, after backward is queued."""
+        With an optimizer that can skip an update on the device (torch's fused AdamW and the toolkit's 8-bit
+        optimizers, as GradScaler uses them) nothing here waits for the GPU: the update is launched with
+        `found_inf` set from the loss, and the loss is read a step later, while the GPU works on the next one.
+        Other optimizers (bitsandbytes' too), fp16 loss scaling and the EMA read the loss here, once, after
+        backward is queued."""
         accum = self.train.grad_accum
         batches = [self._next_batch() for _ in range(accum)]
         device = self.accelerator.device
@@ -123,8 +124,11 @@ class Stepper:
         else:
             sums.read()  # the one wait for the GPU in this step
             if math.isfinite(sums.mean):
+                scale = self._loss_scale() if self.ema is not None else 1.0
                 self._update(sums)
-                if self.ema is not None and not self.optimizer.step_was_skipped:  # fp16: the scaler may skip
+                # fp16: GradScaler skipped the update exactly when it lowered its scale (accelerate's
+                # step_was_skipped cannot tell: an optimizer that takes found_inf skips inside step())
+                if self.ema is not None and self._loss_scale() >= scale:
                     self.ema.update()
             else:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -138,3 +142,8 @@ class Stepper:
             sums.grad_norm = self.accelerator.clip_grad_norm_(self.params, self.train.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _loss_scale(self) -> float:
+        """fp16 loss scaling's current scale (a wait for the GPU), 1.0 without it."""
+        scaler = self.accelerator.scaler
+        return 1.0 if scaler is None else scaler.get_scale()
