@@ -191,6 +191,19 @@ def test_cuda_auto_falls_back_to_toolkit_when_bitsandbytes_fails(monkeypatch):
     assert reason.endswith("— bitsandbytes does not import (x), so the toolkit's own is used")
 
 
+def test_cuda_auto_takes_the_triton_kernels_without_trying_bitsandbytes(monkeypatch):
+    import toolkit.optim.build as build
+
+    def never(name, device):
+        raise AssertionError("bitsandbytes was tried")
+
+    monkeypatch.setattr(build, "bnb_self_check", never)
+    monkeypatch.setattr(build, "triton_available", lambda: True)
+    opt, reason = build_optimizer("adamw8bit", _params(), lr=1e-4, device_type="cuda")
+    assert type(opt) is AdamW8bit
+    assert reason.startswith("adamw8bit: toolkit (Triton kernels) — CUDA device: the Triton kernels step about 5x")
+
+
 def test_hip_auto_never_tries_bitsandbytes(monkeypatch):
     import toolkit.optim.build as build
 

@@ -107,3 +107,39 @@ def test_old_checkpoints_with_int_steps_load_and_go_on_identically():
         resumed.found_inf = torch.tensor(0.0)
         resumed.step()
     assert_optim_unchanged(resumed, resumed_params, optim_snapshot(straight, straight_params))
+
+
+def test_a_triton_kernel_that_fails_to_compile_falls_back_to_the_torch_implementation(monkeypatch):
+    """A kernel that does not compile on this GPU (its first launch raises, before writing anything) is said once
+    and the torch implementation steps from then on: the same numbers as an optimizer that used torch throughout.
+    A later failure of a kernel that has run before is raised, not hidden."""
+    import warnings
+
+    from toolkit.optim import eight_bit
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed\nmore detail")
+
+    monkeypatch.setattr(eight_bit, "_fusable", lambda p, grad: True)  # as on a GPU, where triton imports
+    monkeypatch.setattr(AdamW8bit, "_fused_update", broken)
+    runs = {}
+    for impl in ("triton", "torch"):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(16))]
+        opt = AdamW8bit(params, lr=1e-2, impl="torch")
+        if impl == "triton":
+            opt.implementation_for = lambda device, opt=opt: "triton" if opt.impl != "torch" else "torch"
+            opt.impl = "auto"
+        g = torch.Generator().manual_seed(1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g)
+                opt.step()
+        runs[impl] = ([p.detach().clone() for p in params], [str(w.message) for w in caught])
+    assert all(torch.equal(a, b) for a, b in zip(runs["triton"][0], runs["torch"][0]))
+    assert runs["triton"][1] == ["AdamW8bit: the Triton kernel failed on cpu (RuntimeError: PassManager::run failed); "
+                                 "stepping with the torch implementation instead (slower; optimizer_backend: "
+                                 "bitsandbytes is the other choice)"]
+    assert runs["torch"][1] == []

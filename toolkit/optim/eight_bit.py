@@ -17,6 +17,7 @@ decides so on the device, so the trainer (train/step.py) launches each step with
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Callable, Iterable
 
@@ -76,6 +77,7 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.impl = impl
         self._launch_tables: dict[tuple, object] = {}
+        self._launched: set[tuple] = set()  # fused launch keys that compiled and ran once
 
     def implementation_for(self, device: torch.device) -> str:
         """'triton' or 'torch': what steps parameters on `device`."""
@@ -129,16 +131,37 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
                     scaler[device] = _ScalerInputs(found_inf, grad_scale, device)
                 torch._foreach_add_(steps, scaler[device].taken)
             for device, triples in unfused.items():
-                inputs = scaler[device]
-                scales = self._step_scales(group, [state["step"] for _, _, state in triples])
-                for (p, grad, state), step_scales in zip(triples, scales):
-                    if inputs.inv_scale is not None:
-                        grad = grad.float() * inputs.inv_scale
-                    with reference.undone_if(inputs.skip, p, *(state[k] for k in _STATE_TENSORS if k in state)):
-                        self._reference_update(p, grad, state, group, step_scales)
+                self._unfused_update(triples, group, scaler[device])
             for key, triples in fused.items():
-                self._fused_update(index, key, triples, group, scaler[key[0]])
+                if self.implementation_for(key[0]) == "torch":  # a kernel failed to compile earlier in this step
+                    self._unfused_update(triples, group, scaler[key[0]])
+                    continue
+                try:
+                    self._fused_update(index, key, triples, group, scaler[key[0]])
+                except Exception as error:  # noqa: BLE001 - a kernel that does not compile here
+                    if (index,) + key in self._launched:
+                        raise
+                    self._fall_back(key[0], error)
+                    self._unfused_update(triples, group, scaler[key[0]])
+                else:
+                    self._launched.add((index,) + key)
         return loss
+
+    def _fall_back(self, device: torch.device, error: Exception) -> None:
+        """The Triton kernel failed at its first launch (before writing anything): the torch implementation steps
+        this optimizer's parameters from now on, the same numbers up to rounding, slower. Said once, as a warning."""
+        self.impl = "torch"
+        warnings.warn(f"{type(self).__name__}: the Triton kernel failed on {device} ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}); stepping with the torch implementation "
+                      "instead (slower; optimizer_backend: bitsandbytes is the other choice)", stacklevel=3)
+
+    def _unfused_update(self, triples: list, group: dict, inputs: "_ScalerInputs") -> None:
+        scales = self._step_scales(group, [state["step"] for _, _, state in triples])
+        for (p, grad, state), step_scales in zip(triples, scales):
+            if inputs.inv_scale is not None:
+                grad = grad.float() * inputs.inv_scale
+            with reference.undone_if(inputs.skip, p, *(state[k] for k in _STATE_TENSORS if k in state)):
+                self._reference_update(p, grad, state, group, step_scales)
 
     def _fused_update(self, group_index: int, key: tuple, triples: list, group: dict, inputs: "_ScalerInputs") -> None:
         from toolkit.optim import triton_kernels
