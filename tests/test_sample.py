@@ -153,7 +153,8 @@ def test_wan_i2v_samples_equal_the_trainers_and_seed_keeps_each_prompts_image(ow
     from toolkit.models import diffusion_wan
     from toolkit.models.diffusion_flow import FlowMatchingAdapter
 
-    images = [REPO / "configs/examples/data/clips_i2v/green_circle.png", REPO / "configs/examples/data/clips/blue_circle.png"]
+    data = REPO / "configs/examples/data"
+    images = [data / "clips_i2v/green_circle.png", data / "clips/blue_circle.png"]
     run = tmp_path / "i2v"
     assert run_cli("train", REPO / "configs/examples/quickstart_wan21_i2v.yaml", f"run.output_dir={run}",
                    "train.steps=1", "save.every=0", "data.num_frames=5", "sample.num_frames=5",

@@ -133,7 +133,8 @@ def describe(size: int, peaks: dict[int, int | None], budget: Budget, cap: str) 
     def shown(s: int, peak: int | None) -> str:
         if peak is None:
             return f"{s}: out of memory"
-        return f"{s}: {peak / GiB:.2f} GiB" + (" (over)" if peak > budget.limit else "")
+        amount = f"{peak / GiB:.2f} GiB" if peak >= GiB else f"{peak / 2**20:.1f} MiB"
+        return f"{s}: {amount}" + (" (over)" if peak > budget.limit else "")
 
     measured = ", ".join(shown(s, p) for s, p in peaks.items())
     line = (f"forward + backward on the data's largest batch peaked at {measured}; {budget.why}; at most {cap}")

@@ -132,7 +132,7 @@ class Trainer:
         if resumed:
             saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))["train"]
             t.batch_size, note = checkpoint_batch(saved["batch_size"], checkpoint_processes(checkpoint), processes)
-            self.log(note)
+            self._batch_decided(note)
             if t.global_batch_size is not None:
                 t.grad_accum = saved["grad_accum"]
         elif t.global_batch_size is not None:
@@ -295,13 +295,17 @@ class Trainer:
             t.batch_size, t.grad_accum, note = accumulate_to(t.global_batch_size, t.batch_size, procs.world_size, True,
                                                              self.requested_accum)
             why += f"; {note}"
-        self.log(f"train.batch_size=auto -> {t.batch_size}: {why}")
-        for decision in self.run_cfg.decisions:  # the run report lists the measured value
-            if decision.key == "train.batch_size":
-                decision.value, decision.reason = t.batch_size, why
+        self._batch_decided(f"train.batch_size=auto -> {t.batch_size}: {why}")
         self._resolve_config()
         if procs.is_main:
             _write_atomic(self.run_dir.config, self.config_yaml)
+
+    def _batch_decided(self, line: str) -> None:
+        """Log how train.batch_size=auto was settled; the run report's auto decisions show it too."""
+        self.log(line)
+        for decision in self.run_cfg.decisions:
+            if decision.key == "train.batch_size":
+                decision.value, decision.reason = self.cfg.train.batch_size, line.split(": ", 1)[1]
 
     def _choose_attention(self) -> None:
         """device.sdpa_backend: measured on a GPU from the attention calls of one forward on a real batch, which
