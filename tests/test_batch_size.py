@@ -22,6 +22,16 @@ SD = REPO / "configs/examples/quickstart_sd.yaml"
 SHORT = ("train.steps=1", "save.every=1", "sample.prompts=[]", "log.every=1", "log.tensorboard=false")
 
 
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> str:
+    """data.path of 8 images in 2 buckets (64x64 and 128x64 at resolution 96), for the tiny sd runs."""
+    from toolkit.tiny.fixtures import write_shapes_dataset
+
+    path = tmp_path_factory.mktemp("shapes")
+    write_shapes_dataset(path, sizes=((64, 64), (128, 64)), count=4)
+    return f"data.path={path}"
+
+
 def linear(a: float, c: float, oom_from: int | None = None):
     """measure(size) = a x size + c bytes (None, out of memory, from `oom_from` on), and the sizes it was asked."""
     asked: list[int] = []
@@ -96,7 +106,7 @@ def test_text_probe_batches_are_the_widest():
 @pytest.fixture
 def probe(monkeypatch):
     """The probe on the CPU of a 10 GiB 'device' (limit 8.10 GiB): each try runs the real forward + backward on
-    the data's largest batch, its peak modelled as 0.5 GiB x size + 0.5 GiB; from size 5 on, the adapter's loss
+    the data's largest batch, its peak modelled as 0.5 GiB x size + 0.5 GiB; from size 3 on, the adapter's loss
     runs out of memory (raises torch.OutOfMemoryError) before it computes anything. `probe.sizes` lists the batch
     sizes the loss was called with, probe and training alike; `probe.items` the items the probe's batches held."""
     from toolkit.data.images import DiffusionDataset
@@ -119,7 +129,7 @@ def probe(monkeypatch):
 
     def loss_of(adapter, batch, modules):
         Probe.sizes.append(len(batch["latents"]))
-        if Probe.trying and Probe.sizes[-1] >= 5:
+        if Probe.trying and Probe.sizes[-1] >= 3:
             raise torch.OutOfMemoryError("modelled")
         return loss(adapter, batch, modules)
 
@@ -152,31 +162,31 @@ def lora(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(file))
 
 
-def test_auto_batch_is_measured_then_remembered_and_kept_on_resume(probe, own_data_caches, tmp_path, run_cli,
+def test_auto_batch_is_measured_then_remembered_and_kept_on_resume(probe, shapes, own_data_caches, tmp_path, run_cli,
                                                                     capsys):
     first = tmp_path / "first"
-    auto = (*SHORT, "train.batch_size=auto", "train.global_batch_size=6")
+    auto = (shapes, *SHORT, "train.batch_size=auto", "train.global_batch_size=4")
     assert run_cli("train", SD, f"run.output_dir={first}", *auto) == 0
     err = capsys.readouterr().err
-    # 1, 2, 4 fit; 8 is above the cap (the global batch, 6); the line through 2 and 4 meets the limit at 15, so
-    # the cap is tried: out of memory; then halfway, 5: out of memory. 4 it is; the global batch 6 then takes
-    # grad_accum ceil(6 / 4) = 2, and 3 x 2 reaches it exactly.
-    tried = [1, 2, 4, 6, 5]
+    # 1, 2 fit; 4 (the cap: the global batch) runs out of memory; the line through 1 and 2 meets the limit at 15,
+    # so 3 is tried: out of memory. 2 it is, and the global batch 4 takes grad_accum 2.
+    tried = [1, 2, 4, 3]
     assert probe.sizes[:len(tried)] == tried
     assert {probe.dataset.items[i].bucket for i in probe.items} == {(128, 64)}  # the larger of the two buckets
-    assert ("train.batch_size=auto -> 3: measured: forward + backward on the data's largest batch peaked at "
-            "1: 1.00 GiB, 2: 1.50 GiB, 4: 2.50 GiB, 6: out of memory, 5: out of memory; limit "
-            "8.10 GiB = device.memory_fraction 0.9 of 10 GiB, less 0.00 GiB for the optimizer state and 10% for "
-            "fragmentation; at most 6 (train.global_batch_size per process); train.global_batch_size=6: 3 per process "
-            "(of the 4 that fit) x 1 process x grad_accum 2 = 6\n") in err
-    assert "batch: 3 per process x 1 process x 2 accumulation = 6 per optimizer step" in err
+    assert ("train.batch_size=auto -> 2: measured: forward + backward on the data's largest batch peaked at "
+            "1: 1.00 GiB, 2: 1.50 GiB, 4: out of memory, 3: out of memory; limit 8.10 GiB = device.memory_fraction "
+            "0.9 of 10 GiB, less 0.00 GiB for the optimizer state and 10% for fragmentation; at most 4 "
+            "(train.global_batch_size per process); train.global_batch_size=4: 2 per process x 1 process x "
+            "grad_accum 2 = 4\n") in err
+    assert "batch: 2 per process x 1 process x 2 accumulation = 4 per optimizer step (train.global_batch_size=4)" in err
     assert {k: saved_train(first)[k] for k in ("batch_size", "grad_accum", "global_batch_size")} == \
-           {"batch_size": 3, "grad_accum": 2, "global_batch_size": 6}
-    assert probe.sizes[len(tried):] == [3, 3]  # training: 1 step of 2 micro-batches of 3
+           {"batch_size": 2, "grad_accum": 2, "global_batch_size": 4}
+    assert probe.sizes[len(tried):] == [2, 2]  # training: 1 step of 2 micro-batches of 2
 
-    # The probe leaves no trace in training: the same LoRA as batch 3 x 2 set by hand.
+    # The probe leaves no trace in training: the same LoRA as batch 2 x 2 set by hand.
     by_hand = tmp_path / "by_hand"
-    assert run_cli("train", SD, f"run.output_dir={by_hand}", *SHORT, "train.batch_size=3", "train.grad_accum=2") == 0
+    assert run_cli("train", SD, f"run.output_dir={by_hand}", shapes, *SHORT, "train.batch_size=2",
+                   "train.grad_accum=2") == 0
     assert "train.batch_size=auto" not in capsys.readouterr().err
     measured, given = lora(first), lora(by_hand)
     assert measured.keys() == given.keys() and all(torch.equal(measured[k], given[k]) for k in measured)
@@ -185,29 +195,29 @@ def test_auto_batch_is_measured_then_remembered_and_kept_on_resume(probe, own_da
     probe.sizes.clear()
     assert run_cli("train", SD, f"run.output_dir={tmp_path / 'second'}", *auto) == 0
     err = capsys.readouterr().err
-    assert probe.sizes == [3, 3]
+    assert probe.sizes == [2, 2]
     cache = own_data_caches / "batch_size.json"
-    assert f"train.batch_size=auto -> 3: from cache ({cache}): forward + backward" in err
+    assert f"train.batch_size=auto -> 2: from cache ({cache}): forward + backward" in err
 
     # A resume keeps the checkpoint's batch size and measures nothing, whatever the memory says now.
     probe.sizes.clear()
     cache.unlink()
     assert run_cli("train", SD, f"run.output_dir={first}", *auto, "train.steps=2") == 0
     err = capsys.readouterr().err
-    assert ("train.batch_size=auto -> 3: the checkpoint's batch size (a resumed run keeps it; nothing is measured)"
+    assert ("train.batch_size=auto -> 2: the checkpoint's batch size (a resumed run keeps it; nothing is measured)"
             in err)
     assert f"resumed from {first / 'checkpoints' / 'step-000001'} (step 1)" in err
-    assert probe.sizes == [3, 3] and not cache.exists()
-    assert saved_train(first)["batch_size"] == 3
+    assert probe.sizes == [2, 2] and not cache.exists()
+    assert saved_train(first)["batch_size"] == 2
 
 
-def test_cpu_auto_keeps_the_preset_table(tmp_path, run_cli, capsys, monkeypatch):
+def test_cpu_auto_keeps_the_preset_table(shapes, own_data_caches, tmp_path, run_cli, capsys, monkeypatch):
     def never(run, device):
         raise AssertionError("the probe ran on the CPU")
 
     monkeypatch.setattr(bs, "peak_bytes", never)
-    assert run_cli("train", SD, f"run.output_dir={tmp_path}", "train.steps=1", "save.every=0", "sample.prompts=[]",
-                   "train.batch_size=auto") == 0
+    assert run_cli("train", SD, f"run.output_dir={tmp_path}", shapes, "train.steps=1", "save.every=0",
+                   "sample.prompts=[]", "train.batch_size=auto") == 0
     err = capsys.readouterr().err
     assert re.search(r"\n  train\.batch_size=1: preset cpu: \d+ GB of device memory \(>= 0 GB\) -> batch size 1; "
                      r"on the CPU auto keeps the preset's table \(the batch probe measures on GPUs\)\n", err)
@@ -216,7 +226,14 @@ def test_cpu_auto_keeps_the_preset_table(tmp_path, run_cli, capsys, monkeypatch)
     assert saved_train(tmp_path)["batch_size"] == 1
 
 
-def test_global_batch_mistakes_are_short_errors(tmp_path, run_cli, capsys):
+def test_global_batch_with_a_batch_size_set_by_hand_and_its_mistakes(shapes, own_data_caches, tmp_path, run_cli,
+                                                                      capsys):
+    # 5 samples per step in batches of 2: grad_accum 3, 6 per step, the least at or above 5
+    assert run_cli("train", SD, f"run.output_dir={tmp_path / 'run'}", shapes, *SHORT, "save.every=0",
+                   "train.batch_size=2", "train.global_batch_size=5") == 0
+    assert ("batch: 2 per process x 1 process x 3 accumulation = 6 per optimizer step (train.global_batch_size=5: "
+            "the least at or above it with this batch size)") in capsys.readouterr().err
+    assert saved_train(tmp_path / "run")["grad_accum"] == 3
     assert run_cli("train", SD, f"run.output_dir={tmp_path}", "train.batch_size=2", "train.global_batch_size=0") == 2
     assert "'train.global_batch_size' in command line: 0 is below the minimum 1" in capsys.readouterr().err
     assert run_cli("train", SD, f"run.output_dir={tmp_path}", "train.global_batch_size=many") == 2

@@ -229,9 +229,11 @@ class Trainer:
         t = cfg.train
         self.log(f"model: {cfg.model.family} {cfg.model.name_or_path}; {len(self.adapter.lora_targets())} LoRA "
                  f"modules, {n_train:,} trainable parameters; {len(self.dataset)} training samples")
+        total = t.batch_size * procs.world_size * t.grad_accum
         self.log(f"batch: {t.batch_size} per process x {procs.world_size} process{'es' if procs.several else ''} x "
-                 f"{t.grad_accum} accumulation = {t.batch_size * procs.world_size * t.grad_accum} per optimizer step"
-                 + (f" (train.global_batch_size={t.global_batch_size})" if t.global_batch_size is not None else ""))
+                 f"{t.grad_accum} accumulation = {total} per optimizer step"
+                 + ("" if t.global_batch_size is None else f" (train.global_batch_size={t.global_batch_size}"
+                    + (")" if total == t.global_batch_size else ": the least at or above it with this batch size)")))
 
     def _check_checkpoint_room(self, n_train: int) -> None:
         """Now that the LoRA's size is known: room on the disk for a checkpoint (checked by the main process, which
@@ -281,13 +283,14 @@ class Trainer:
         """train.batch_size=auto on a GPU: the largest micro-batch whose forward + backward fits, measured on the main
         process (train/batch_size.py) or remembered from an earlier run; every process takes it."""
         procs, t = self.procs, self.cfg.train
+        choice = None
         if procs.is_main:
             try:
                 choice = probe_for_run(self)
             except BaseException:
                 procs.from_main(None)  # the others stop too, instead of waiting
                 raise
-        choice = procs.from_main(choice if procs.is_main else None)
+        choice = procs.from_main(choice)
         if choice is None:
             raise OtherProcessFailed()
         t.batch_size, why = choice
