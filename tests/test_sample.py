@@ -141,3 +141,45 @@ def test_missing_run_lora_or_step_is_exit_2_naming_what_exists(runs, run_cli, ca
 
     assert run_cli("sample", run, "model.name_or_path=tiny:sdxl") == 2
     assert "model.name_or_path=tiny:sdxl: only settings that do not change the trained model" in capsys.readouterr().err
+
+
+def test_wan_i2v_samples_equal_the_trainers_and_seed_keeps_each_prompts_image(own_data_caches, run_cli, tmp_path,
+                                                                               monkeypatch):
+    """Wan 2.1 image-to-video with a start image per prompt: `sample` gives the trainer's own samples (the LoRA of
+    an image-to-video run loads back, although diffusers' loader adds zero LoRAs on the image cross-attention it did
+    not train), and --seed N samples prompt i from seed N + i and still from image i (the family picks the image
+    by seed - sample.seed)."""
+    from conftest import REPO
+    from toolkit.models import diffusion_wan
+    from toolkit.models.diffusion_flow import FlowMatchingAdapter
+
+    data = REPO / "configs/examples/data"
+    images = [data / "clips_i2v/green_circle.png", data / "clips/blue_circle.png"]
+    run = tmp_path / "i2v"
+    assert run_cli("train", REPO / "configs/examples/quickstart_wan21_i2v.yaml", f"run.output_dir={run}",
+                   "train.steps=1", "save.every=0", "data.num_frames=5", "sample.num_frames=5",
+                   "sample.num_inference_steps=1", "sample.prompts=[a green circle,a blue circle]",
+                   f"sample.images=[{images[0]},{images[1]}]") == 0
+    starts, seeds = [], []
+    pick, call = diffusion_wan.sample_image, FlowMatchingAdapter.pipeline_call
+
+    def sample_image(path, size):
+        starts.append(Path(path))
+        return pick(path, size)
+
+    def pipeline_call(adapter, seed, **kwargs):
+        seeds.append(seed)
+        return call(adapter, seed, **kwargs)
+
+    monkeypatch.setattr(diffusion_wan, "sample_image", sample_image)
+    monkeypatch.setattr(FlowMatchingAdapter, "pipeline_call", pipeline_call)
+    final = sample(run_cli, run)
+    assert seeds == [42, 43] and starts == images
+    for name in ("00.png", "01.png", "00.webp", "01.webp"):
+        trained = run / "samples" / "step-000001" / name
+        assert all(np.array_equal(a, b) for a, b in zip(frames(final / name), frames(trained), strict=True)), name
+    seeds.clear(), starts.clear()
+    moved = sample(run_cli, run, "--seed", "7")
+    assert seeds == [7, 8] and starts == images
+    assert (moved / "source.txt").read_text().endswith("seed 7\n")
+    assert not np.array_equal(pixels(moved / "00.png"), pixels(final / "00.png"))

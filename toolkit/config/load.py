@@ -157,7 +157,8 @@ def _expected_type(node: DictConfig, key: str) -> str:
             return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
                     "List[str]": "a list of strings", "List[float]": "a list of numbers",
                     "Union[int, str]": "an integer or 'auto'", "Union[bool, str]": "true, false or 'auto'",
-                    "Optional[str]": "a string or null", "Dict[str, Any]": "a mapping"}.get(hint, hint)
+                    "Optional[str]": "a string or null", "Optional[int]": "an integer or null",
+                    "Dict[str, Any]": "a mapping"}.get(hint, hint)
     return ""
 
 

@@ -71,6 +71,9 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         cap = family_spec(family).batch_cap
         if cap is not None and size > cap:
             size, why = cap, f"{why}, capped at {cap} for {family} (large samples)"
+        on_cpu = device.backend == "cpu"
+        why += ("; on the CPU auto keeps the preset's table (the batch probe measures on GPUs)" if on_cpu
+                else "; until the trainer measures the largest batch that fits, at the start (train/batch_size.py)")
         cfg.train.batch_size = size
         decisions.append(Decision("train.batch_size", size, why))
     elif not isinstance(cfg.train.batch_size, int) or cfg.train.batch_size < 1:

@@ -24,6 +24,7 @@ class ResolvedRun:
     preset_reason: str
     decisions: list[Decision] = field(default_factory=list)
     layers: list[Layer] = field(default_factory=list)
+    batch_size_auto: bool = False   # train.batch_size was auto: the trainer may measure it (train/batch_size.py)
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:
@@ -60,5 +61,6 @@ def load_run(files: list[str | Path], overrides: list[str], device: DeviceInfo |
         requested = "auto"  # so that the rest of the config is still checked
     preset, reason = choose_preset(requested, device, presets)
     loaded: LoadedConfig = merge_layers([preset.layer] + user_layers, problems, check_paths)
+    batch_size_auto = loaded.cfg.train.batch_size == "auto"
     decisions = resolve_auto(loaded.cfg, device, preset)
-    return ResolvedRun(loaded.cfg, loaded.sources, device, preset, reason, decisions, loaded.layers)
+    return ResolvedRun(loaded.cfg, loaded.sources, device, preset, reason, decisions, loaded.layers, batch_size_auto)

@@ -113,8 +113,18 @@ class NetworkSection:
 @dataclass
 class TrainSection:
     steps: int = opt(1000, "Optimizer steps to train.", minimum=1, resume_safe=True)
-    batch_size: Union[int, str] = opt("auto", "Samples per micro-batch; auto: the preset's value for this GPU's memory.")
-    grad_accum: int = opt(1, "Micro-batches accumulated per optimizer step.", minimum=1)
+    batch_size: Union[int, str] = opt("auto", "Samples per micro-batch and process; auto: on a GPU, the largest that "
+                                      "fits, measured at the start with forward + backward on the data's largest "
+                                      "batch within device.memory_fraction (less room for the optimizer state), "
+                                      "remembered per GPU and config in the cache folder; a resumed run keeps its "
+                                      "checkpoint's. On the CPU (and with device.distributed=fsdp): the preset's "
+                                      "value for the device memory.")
+    grad_accum: int = opt(1, "Micro-batches accumulated per optimizer step (derived from train.global_batch_size "
+                          "when that is set).", minimum=1)
+    global_batch_size: Optional[int] = opt(None, "Samples per optimizer step over all processes; when set, "
+                                           "train.grad_accum becomes ceil(global / (batch_size x processes)) (with "
+                                           "batch_size auto, the batch is then trimmed so the product overshoots "
+                                           "least). null: train.grad_accum as given.", minimum=1)
     lr: float = opt(1e-4, "Peak learning rate.", minimum=0.0)
     lr_scheduler: str = opt("constant", "Learning-rate schedule after warmup.", choices=LR_SCHEDULERS)
     warmup_steps: int = opt(0, "Linear warmup steps from 0 to lr.", minimum=0)

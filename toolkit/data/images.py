@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,6 +204,10 @@ class DiffusionDataset:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def largest_batch(self, size: int) -> list[int]:
+        """An item of the largest bucket (width x height, x frames for clips), `size` times."""
+        return [max(range(len(self.items)), key=lambda i: math.prod(self.items[i].bucket))] * size
 
     def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
         """The batch of `indices`, with each item's view and caption edits drawn for `epoch` (augment.py)."""

@@ -58,3 +58,8 @@ class PackedTextDataset:
     def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, torch.Tensor]:
         """The batch of `indices` (text is not augmented: `epoch` changes nothing)."""
         return flatten_samples([self.samples[i] for pack in indices for i in self.packs[pack]])
+
+    def largest_batch(self, size: int) -> list[int]:
+        """The pack with the most tokens, `size` times (a batch is one row of all its packs' tokens)."""
+        tokens = [sum(len(self.samples[i].input_ids) for i in pack) for pack in self.packs]
+        return [max(range(len(self.packs)), key=tokens.__getitem__)] * size

@@ -169,6 +169,15 @@ class TextDataset:
         """The batch of `indices` (text is not augmented: `epoch` changes nothing)."""
         return pad_samples([self.samples[i] for i in indices], self.pad_token_id)
 
+    def largest_batch(self, size: int) -> list[int]:
+        """The longest sample `size` times, its last copy replaced by the shortest sample: the widest batch,
+        padded (with an attention mask) as most training batches are."""
+        by_length = sorted(range(len(self.samples)), key=lambda i: len(self.samples[i].input_ids))
+        batch = [by_length[-1]] * size
+        if size > 1 and len(by_length) > 1:
+            batch[-1] = by_length[0]
+        return batch
+
 
 def pad_samples(batch: list[TokenizedSample], pad_token_id: int) -> dict[str, torch.Tensor]:
     width = max(len(s.input_ids) for s in batch)

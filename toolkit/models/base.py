@@ -64,6 +64,10 @@ class TrainDataset(Protocol):
     def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
         """A batch (CPU tensors) of the items at `indices`, drawn in `epoch` (which seeds any augmentation)."""
 
+    def largest_batch(self, size: int) -> list[int]:
+        """Indices of a batch of `size` items that takes as much memory as any batch of that size can (items may
+        repeat): what train.batch_size=auto measures (train/batch_size.py)."""
+
 
 class ModelAdapter(Protocol):
     """One model family: loading, data, loss, sampling and LoRA files (see the module docstring)."""

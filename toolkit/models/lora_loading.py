@@ -36,6 +36,12 @@ def has_loaded(model: torch.nn.Module) -> bool:
     return any(LOADED in layer.lora_A for layer in lora_layers(model).values())
 
 
+def _adds_nothing(layer: torch.nn.Module) -> bool:
+    """Whether the LOADED LoRA of `layer` is all zeros: diffusers' Wan loader fills the image cross-attention of an
+    image-to-video model (attn2.add_k_proj / add_v_proj) with such zeros when a file has none for it."""
+    return not (layer.lora_A[LOADED].weight.any() or layer.lora_B[LOADED].weight.any())
+
+
 def copy_loaded_adapter(model: torch.nn.Module, label: str, component: str, partial: bool = False,
                         log: Callable[[str], None] = print) -> int:
     """Copy the LOADED adapter of every LoRA layer of `model` into its trained adapter; returns how many layers.
@@ -46,7 +52,8 @@ def copy_loaded_adapter(model: torch.nn.Module, label: str, component: str, part
     layers = lora_layers(model)
     trained = sorted(p for p, m in layers.items() if DEFAULT in m.lora_A)
     loaded = {p for p, m in layers.items() if LOADED in m.lora_A}
-    extra = sorted(loaded.difference(trained))
+    extra = sorted(p for p in loaded.difference(trained) if not _adds_nothing(layers[p]))
+    loaded.intersection_update(trained)
     missing = [p for p in trained if p not in loaded]
     if extra:
         raise UserError(f"{label}: it has LoRA weights for {len(extra)} modules of the {component} that this run does "

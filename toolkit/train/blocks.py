@@ -79,14 +79,15 @@ def compile_options(shape_count: int) -> tuple[dict, str]:
 
 
 def graph_refusal(setting, *, compiled: bool, static: bool, blocks: int, checkpointed: bool, swapped: bool,
-                  grad_accum: int, gpu: bool, processes: int = 1) -> str | None:
+                  grad_accum: int | None, gpu: bool, processes: int = 1) -> str | None:
     """Why a root's blocks are not replayed as a CUDA graph (train.cuda_graphs), or None when they are."""
     reasons = [why for refused, why in (
         (setting is False, "train.cuda_graphs=false"), (not gpu, "no GPU"), (not compiled, "train.compile is off"),
         (not static, f"more than {STATIC_SHAPES_MAX} batch shapes"),
         (blocks != 1, "it is compiled block by block (graphs apply to a denoiser compiled whole)"),
         (checkpointed, "it is gradient-checkpointed"), (swapped, "it has swapped blocks"),
-        (grad_accum > 1, "train.grad_accum > 1"),
+        (grad_accum is None, "train.grad_accum is decided by the batch probe (train.global_batch_size)"),
+        (grad_accum is not None and grad_accum > 1, "train.grad_accum > 1"),
         (processes > 1, "several processes (graphs under DDP are not tested yet)")) if refused]
     return "; ".join(reasons) if reasons else None
 
@@ -115,7 +116,8 @@ def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkp
 
 def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bool, checkpointing,
                    swaps: Mapping[str, BlockSwap], shape_count: int, log: Callable[[str], None],
-                   cuda_graphs=False, grad_accum: int = 1, gpu: bool = False, processes: int = 1) -> BlockPlan:
+                   cuda_graphs=False, grad_accum: int | None = 1, gpu: bool = False,
+                   processes: int = 1) -> BlockPlan:
     """Wrap every block of every root in `regions` ({root name: its blocks in forward order})."""
     plan = BlockPlan()
     options = None

@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import yaml
 from omegaconf import OmegaConf
 
 from toolkit.config.load import resolved_container
@@ -33,6 +34,7 @@ from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
 from toolkit.paths import cache_root
 from toolkit.train.attention import choose_for_run
+from toolkit.train.batch_size import accumulate_to, checkpoint_batch, measures_on, probe_cap, probe_for_run
 from toolkit.train.blocks import prepare_blocks
 from toolkit.train.compile import compile_blocks
 from toolkit.train.checkpoint import (TRAINABLE, find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
@@ -42,7 +44,7 @@ from toolkit.train.ema import LoraEMA
 from toolkit.train.lora_source import LoraSnapshot, lora_source
 from toolkit.train.metrics import MetricsLogger
 from toolkit.train.report import RunReport
-from toolkit.train.resume import check_resume_config, choose_start
+from toolkit.train.resume import check_resume_config, checkpoint_processes, choose_start
 from toolkit.train.rng import restore_rng_state, rng_state, seed_everything
 from toolkit.train.run_dir import RunDir
 from toolkit.train.run_lock import RunLock
@@ -74,6 +76,8 @@ class Trainer:
         self.lock: RunLock | None = None  # the main process's lock on the run folder, held until run() returns
         self.exits = ExitStack()  # settings held for the run (the SDPA backend order), undone when it ends
         self.init_from: LoraSnapshot | None = None  # network.init_from's files, for a run that starts (not resumes)
+        self.requested_accum = self.cfg.train.grad_accum  # as given: with train.global_batch_size it is derived
+        self.batch_resumed = False  # train.batch_size=auto taken from the checkpoint resumed (never probed again)
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     def log(self, message: str) -> None:
@@ -113,9 +117,32 @@ class Trainer:
                  "(FSDP2, block by block); LoRA weights stay whole on every process")
         return True
 
-    def _open_run_folder(self, container: dict):
-        """On the main process: the checkpoint to resume from (or None), the checked config, the run folder.
-        Every process gets the same answer; an error there stops the others quietly."""
+    def _resolve_config(self) -> None:
+        """The resolved config as the run folder and checkpoints keep it (again once the batch size is settled)."""
+        self.container = resolved_container(self.cfg)
+        self.config_yaml = OmegaConf.to_yaml(OmegaConf.create(self.container))
+        self.config_hash = hashlib.sha256(self.config_yaml.encode()).hexdigest()[:16]
+
+    def _settle_batch(self, checkpoint) -> tuple[int, int, bool]:
+        """What is known of the batch before the model loads: a resumed auto run's batch size is its checkpoint's;
+        train.global_batch_size gives grad_accum (a batch probe sets both again later). Returns (batch size,
+        grad_accum, whether the batch size came from the checkpoint)."""
+        t, processes = self.cfg.train, self.procs.world_size
+        resumed = checkpoint is not None and self.run_cfg.batch_size_auto
+        if resumed:
+            saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))["train"]
+            t.batch_size, note = checkpoint_batch(saved["batch_size"], checkpoint_processes(checkpoint), processes)
+            self._batch_decided(note)
+            if t.global_batch_size is not None:
+                t.grad_accum = saved["grad_accum"]
+        elif t.global_batch_size is not None:
+            t.batch_size, t.grad_accum, _ = accumulate_to(t.global_batch_size, t.batch_size, processes,
+                                                          self.run_cfg.batch_size_auto, self.requested_accum)
+        return t.batch_size, t.grad_accum, resumed
+
+    def _open_run_folder(self):
+        """On the main process: the checkpoint to resume from (or None), the batch size known so far, the checked
+        config, the run folder. Every process gets the same answer; an error there stops the others quietly."""
         outcome = None
         if self.procs.is_main:
             try:
@@ -125,17 +152,21 @@ class Trainer:
                 self.run_dir.remove_unfinished(self.log)
                 self.run_dir.remove_failed_starts_beside(self.log)
                 checkpoint = choose_start(self.cfg.train.resume, self.run_dir, self.fresh, self.log)
+                batch = self._settle_batch(checkpoint)
+                self._resolve_config()
                 if checkpoint is not None:
-                    check_resume_config(checkpoint, container, self.log, processes=self.procs.world_size)
+                    check_resume_config(checkpoint, self.container, self.log, processes=self.procs.world_size)
                 self.run_dir.create()
                 _write_atomic(self.run_dir.config, self.config_yaml)
-                outcome = ("ok", checkpoint)
+                outcome = ("ok", checkpoint, batch)
             except BaseException:
-                self.procs.from_main(("failed", None))
+                self.procs.from_main(("failed", None, None))
                 raise
-        status, checkpoint = self.procs.from_main(outcome)
+        status, checkpoint, batch = self.procs.from_main(outcome)
         if status != "ok":
             raise OtherProcessFailed()
+        self.cfg.train.batch_size, self.cfg.train.grad_accum, self.batch_resumed = batch
+        self._resolve_config()
         return checkpoint
 
     # -- setup -----------------------------------------------------------------------------
@@ -160,9 +191,14 @@ class Trainer:
         self.adapter.place_for_training()
         if self.sharded:  # before the optimizer and EMA see the LoRA weights: sharding moves them to the device
             procs.shard(self.adapter.shard_roots())
+        probing = self._probes_batch_size()
         self.order = BatchOrder(self.dataset.groups, cfg.train.batch_size, cfg.run.seed,
                                 world_size=procs.world_size, rank=procs.rank)
-        self.compiled = self._prepare_blocks()
+        self.compiled = self._prepare_blocks(probing)
+        if probing:  # with the blocks as they train (checkpointed, swapped), before the optimizer exists
+            self._probe_batch_size()
+            self.order = BatchOrder(self.dataset.groups, cfg.train.batch_size, cfg.run.seed,
+                                    world_size=procs.world_size, rank=procs.rank)
         self._choose_attention()
         self.params = trainable_parameters(self.adapter.network)
         decay = cfg.train.ema_decay
@@ -193,8 +229,11 @@ class Trainer:
         t = cfg.train
         self.log(f"model: {cfg.model.family} {cfg.model.name_or_path}; {len(self.adapter.lora_targets())} LoRA "
                  f"modules, {n_train:,} trainable parameters; {len(self.dataset)} training samples")
+        total = t.batch_size * procs.world_size * t.grad_accum
         self.log(f"batch: {t.batch_size} per process x {procs.world_size} process{'es' if procs.several else ''} x "
-                 f"{t.grad_accum} accumulation = {t.batch_size * procs.world_size * t.grad_accum} per optimizer step")
+                 f"{t.grad_accum} accumulation = {total} per optimizer step"
+                 + ("" if t.global_batch_size is None else f" (train.global_batch_size={t.global_batch_size}"
+                    + (")" if total == t.global_batch_size else ": the least at or above it with this batch size)")))
 
     def _check_checkpoint_room(self, n_train: int) -> None:
         """Now that the LoRA's size is known: room on the disk for a checkpoint (checked by the main process, which
@@ -212,21 +251,70 @@ class Trainer:
         if problem:
             raise UserError(problem) if self.procs.is_main else OtherProcessFailed()
 
-    def _prepare_blocks(self) -> int:
+    def _prepare_blocks(self, probing: bool) -> int:
         """Compile, checkpoint and swap the denoiser's blocks as the config says (train/blocks.py); families
         without block regions (llm) compile their repeated blocks whole and checkpoint their own way.
         Returns the number of compiled blocks."""
-        cfg = self.cfg
+        cfg, procs = self.cfg, self.procs
         regions = self.adapter.block_regions()
         self.cuda_graphs = False
         if not regions:
             return compile_blocks(self.adapter.shard_roots(), self.log) if cfg.train.compile else 0
+        shape_count = len(self.order.batch_shapes())
+        if probing and cfg.train.compile:  # compiled for every batch size the probe may choose
+            cap = probe_cap(len(self.dataset), procs.world_size, cfg.train.global_batch_size)[0]
+            shape_count = max(len(BatchOrder(self.dataset.groups, size, cfg.run.seed, world_size=procs.world_size,
+                                             rank=procs.rank).batch_shapes()) for size in range(1, cap + 1))
+        # train.global_batch_size with a probed batch size: the accumulation is known only after the probe
+        accum = None if probing and cfg.train.global_batch_size else cfg.train.grad_accum
         plan = prepare_blocks(regions, compile_=bool(cfg.train.compile), checkpointing=cfg.train.gradient_checkpointing,
-                              swaps=self.adapter.block_swaps(), shape_count=len(self.order.batch_shapes()),
-                              log=self.log, cuda_graphs=cfg.train.cuda_graphs, grad_accum=cfg.train.grad_accum,
-                              gpu=self.accelerator.device.type == "cuda", processes=self.procs.world_size)
+                              swaps=self.adapter.block_swaps(), shape_count=shape_count, log=self.log,
+                              cuda_graphs=cfg.train.cuda_graphs, grad_accum=accum,
+                              gpu=self.accelerator.device.type == "cuda", processes=procs.world_size)
         self.cuda_graphs = bool(plan.graphs)
         return plan.compiled
+
+    def _probes_batch_size(self) -> bool:
+        """Whether train.batch_size=auto is measured now: on a GPU, for a run that does not resume (the CPU keeps
+        the preset's table, as the config's decisions said)."""
+        if not self.run_cfg.batch_size_auto or self.batch_resumed or not measures_on(self.accelerator.device):
+            return False
+        if self.sharded:
+            self.log(f"train.batch_size=auto -> {self.cfg.train.batch_size}: the preset's table (with "
+                     "device.distributed=fsdp every process would have to measure at once; the probe does not run)")
+            return False
+        return True
+
+    def _probe_batch_size(self) -> None:
+        """train.batch_size=auto on a GPU: the largest micro-batch whose forward + backward fits, measured on the main
+        process (train/batch_size.py) or remembered from an earlier run; every process takes it."""
+        procs, t = self.procs, self.cfg.train
+        choice = None
+        if procs.is_main:
+            try:
+                choice = probe_for_run(self)
+            except BaseException:
+                procs.from_main(None)  # the others stop too, instead of waiting
+                raise
+        choice = procs.from_main(choice)
+        if choice is None:
+            raise OtherProcessFailed()
+        t.batch_size, why = choice
+        if t.global_batch_size is not None:
+            t.batch_size, t.grad_accum, note = accumulate_to(t.global_batch_size, t.batch_size, procs.world_size, True,
+                                                             self.requested_accum)
+            why += f"; {note}"
+        self._batch_decided(f"train.batch_size=auto -> {t.batch_size}: {why}")
+        self._resolve_config()
+        if procs.is_main:
+            _write_atomic(self.run_dir.config, self.config_yaml)
+
+    def _batch_decided(self, line: str) -> None:
+        """Log how train.batch_size=auto was settled; the run report's auto decisions show it too."""
+        self.log(line)
+        for decision in self.run_cfg.decisions:
+            if decision.key == "train.batch_size":
+                decision.value, decision.reason = self.cfg.train.batch_size, line.split(": ", 1)[1]
 
     def _choose_attention(self) -> None:
         """device.sdpa_backend: measured on a GPU from the attention calls of one forward on a real batch, which
@@ -375,7 +463,10 @@ class Trainer:
         t = self.cfg.train
         latest = find_latest_checkpoint(self.run_dir.checkpoints, warn=lambda _: None)
         fixes = []
-        if t.batch_size > 1:
+        if t.batch_size > 1 and t.global_batch_size is not None:
+            fixes.append(f"train.batch_size={max(1, t.batch_size // 2)} (train.global_batch_size keeps the batch per "
+                         "optimizer step)")
+        elif t.batch_size > 1:
             fixes.append(f"train.batch_size={max(1, t.batch_size // 2)} train.grad_accum={t.grad_accum * 2} "
                          "(same effective batch)")
         if not t.gradient_checkpointing:
@@ -400,15 +491,12 @@ class Trainer:
     def _train(self) -> Path:
         cfg = self.cfg
         self._start_processes()
-        container = resolved_container(cfg)
-        self.config_yaml = OmegaConf.to_yaml(OmegaConf.create(container))
-        self.config_hash = hashlib.sha256(self.config_yaml.encode()).hexdigest()[:16]
         # network.init_from is copied before --fresh may move a run folder (the LoRA's own, perhaps) aside; a resumed
         # run does not read it, so a path that is gone is an error only for a run that starts
         init = Path(cfg.network.init_from) if cfg.network.init_from else None
         init_from = LoraSnapshot(lora_source(init, self.log)) if init is not None and init.exists() else None
         try:
-            checkpoint = self._open_run_folder(container)
+            checkpoint = self._open_run_folder()
             if checkpoint is None and init is not None and init_from is None:
                 lora_source(init)  # raises: it does not exist
             self.init_from = init_from if checkpoint is None else None
@@ -436,7 +524,7 @@ class Trainer:
             return self.run_dir.final
         self.metrics = MetricsLogger(self.run_dir.logs, steps, start, cfg.log.every, cfg.log.tensorboard, self.is_main,
                                      wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project, run_name=cfg.run.name,
-                                     config=container, profile=cfg.log.profile)
+                                     config=self.container, profile=cfg.log.profile)
         report = RunReport(self.run_dir, self.run_cfg, self.config_yaml) if self.is_main else None
         self.adapter.network.train()
         step = start
