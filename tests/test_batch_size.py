@@ -296,3 +296,21 @@ def test_auto_batch_size_on_the_gpu(config, own_data_caches, tmp_path, run_cli, 
     assert run_cli("train", *args, f"run.output_dir={tmp_path / 'second'}") == 0
     err = capsys.readouterr().err
     assert f"train.batch_size=auto -> {size}: from cache (" in err and "done: 1 steps" in err
+
+
+def test_a_probe_that_breaks_leaves_the_run_on_the_presets_table(probe, shapes, own_data_caches, tmp_path, run_cli,
+                                                                 capsys, monkeypatch):
+    """An error in the probe that is not running out of memory (a driver or library fault) is said on the decision
+    line, and the run trains with the preset's table value instead of stopping; nothing is cached."""
+    def broken(run, device):
+        raise RuntimeError("CUDA driver error: unknown\nmore")
+
+    monkeypatch.setattr(bs, "peak_bytes", broken)
+    out = tmp_path / "run"
+    assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=auto") == 0
+    err = capsys.readouterr().err
+    table = saved_train(out)["batch_size"]
+    assert isinstance(table, int) and table >= 1
+    assert (f"train.batch_size=auto -> {table}: the preset's table: the batch probe failed (RuntimeError: CUDA driver "
+            "error: unknown)\n") in err
+    assert not (own_data_caches / "batch_size.json").exists()

@@ -80,7 +80,7 @@ def peak_bytes(run: Callable[[], None], device: torch.device) -> int | None:
         return None  # this size does not fit; reported with the others
 
 
-def _release(params: list[torch.nn.Parameter], device: torch.device) -> None:
+def release_probe(params: list[torch.nn.Parameter], device: torch.device) -> None:
     """Drop the try's gradients and hand its memory back, so the next try starts where this one did."""
     for p in params:
         p.grad = None
@@ -200,7 +200,7 @@ def choose_batch_size(micro_step: Callable[[int], None], params: list[torch.nn.P
         try:
             return peak_bytes(lambda: micro_step(size), device)
         finally:
-            _release(params, device)
+            release_probe(params, device)
             restore_rng_state(state)
 
     size, peaks = search(measure, cap[0], budget.limit)

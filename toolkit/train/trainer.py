@@ -34,7 +34,8 @@ from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
 from toolkit.paths import cache_root
 from toolkit.train.attention import choose_for_run
-from toolkit.train.batch_size import accumulate_to, checkpoint_batch, measures_on, probe_cap, probe_for_run
+from toolkit.train.batch_size import (accumulate_to, checkpoint_batch, measures_on, probe_cap, probe_for_run,
+                                      release_probe)
 from toolkit.train.blocks import prepare_blocks
 from toolkit.train.compile import compile_blocks
 from toolkit.train.checkpoint import (TRAINABLE, find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
@@ -293,8 +294,15 @@ class Trainer:
         if procs.is_main:
             try:
                 choice = probe_for_run(self)
-            except BaseException:
+            except (UserError, KeyboardInterrupt, SystemExit):
                 procs.from_main(None)  # the others stop too, instead of waiting
+                raise
+            except Exception as error:  # noqa: BLE001 - a probe that breaks must not stop a run that would train
+                release_probe(trainable_parameters(self.adapter.network), self.accelerator.device)
+                choice = (t.batch_size, f"the preset's table: the batch probe failed ({type(error).__name__}: "
+                                        f"{str(error).splitlines()[0] if str(error) else ''})")
+            except BaseException:
+                procs.from_main(None)
                 raise
         choice = procs.from_main(choice)
         if choice is None:
