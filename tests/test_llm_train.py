@@ -324,3 +324,28 @@ def test_loss_is_the_sum_of_token_losses_for_builtin_and_remote_code_models(tmp_
                                ignore_index=-100, reduction="sum")
     assert label_tokens(batch["labels"]) > 0
     assert torch.allclose(summed, expected, rtol=1e-5) and torch.allclose(fallback, expected, rtol=1e-5)
+
+
+def test_a_right_padded_batch_trains_the_same_without_its_padding_mask(tmp_path):
+    """A causal decoder's real tokens never attend to the padding after them: the loss and every LoRA gradient are
+    the same with the mask as without it (which lets attention take its is_causal path with no host read)."""
+    from helpers import adapter_for
+
+    adapter, dataset = adapter_for("quickstart_llm.yaml", tmp_path)
+    assert adapter.drops_padding_mask  # tiny:llm is a LlamaForCausalLM
+    lengths = [len(s.input_ids) for s in dataset.samples]
+    indices = [lengths.index(min(lengths)), lengths.index(max(lengths))]
+    batch = dataset.collate(indices)
+    assert min(lengths) < max(lengths) and "attention_mask" in batch  # padded
+    results = {}
+    for drops in (True, False):
+        adapter.drops_padding_mask = drops
+        modules = adapter.trainable_modules()
+        params = [p for p in adapter.network.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        loss = adapter.loss(batch, modules)
+        loss.backward()
+        results[drops] = (loss.detach(), [p.grad.clone() for p in params])
+    assert torch.allclose(results[True][0], results[False][0], rtol=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(results[True][1], results[False][1]))

@@ -16,7 +16,7 @@ from toolkit.data.samples import IGNORE_INDEX
 from toolkit.data.text import TextData, build_text_data, detect_format, render_chat
 from toolkit.errors import UserError
 from toolkit.models.base import AdapterBase, Runtime, eval_mode
-from toolkit.models.llm_loss import DecoderHiddenStates, fused_loss_for
+from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for
 from toolkit.models.lora import lora_config, target_modules
 from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
 from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
@@ -112,6 +112,7 @@ class LLMAdapter(AdapterBase):
         self.model_path = resolve_model_path(cfg.model.name_or_path)
         self.data: TextData | None = None
         self.fused_loss = None   # set by load(): the fused output head + cross-entropy, where it applies
+        self.drops_padding_mask = False  # set by load()
 
     # -- loading ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -165,6 +166,10 @@ class LLMAdapter(AdapterBase):
         # autocast_adapter_dtype keeps the LoRA weights in fp32 over a bf16/fp16 base.
         self.network = get_peft_model(model, lora, autocast_adapter_dtype=True)
         self.sums_loss = takes_num_items_in_batch(model)
+        # Batches are right-padded (data/text.py): for a causal decoder the padding mask changes nothing the loss
+        # counts. Left out, attention takes SDPA's is_causal path (flash kernels) and transformers does not read
+        # the mask on the host to decide whether it may (a wait for the GPU every step).
+        self.drops_padding_mask = self.sums_loss and getattr(model.config, "model_type", "") in CAUSAL_DECODERS
         if not self.runtime.shard_base:
             self.network.to(self.runtime.device)
         self.fused_loss, why = fused_loss_for(self.network, cfg.kernels, bool(self.cfg.train.compile),
@@ -213,6 +218,8 @@ class LLMAdapter(AdapterBase):
         return batch["input_ids"].numel()
 
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
+        if self.drops_padding_mask:
+            batch = {k: v for k, v in batch.items() if k != "attention_mask"}
         if self.fused_loss is not None:  # it takes the labels from the host (see FusedCausalLMLoss)
             inputs = {k: v.to(self.runtime.device, non_blocking=True) for k, v in batch.items() if k != "labels"}
             return self.fused_loss(modules["model"](**inputs), batch["labels"])

@@ -27,6 +27,11 @@ HEAD_MATH: dict[str, Callable[[Any], HeadMath]] = {
 }
 
 
+# Decoder-only causal LMs whose forward was checked (the list above): a token attends to earlier tokens only
+# (sliding windows included), so in a right-padded batch no token the loss counts attends to a padding token.
+CAUSAL_DECODERS = frozenset(HEAD_MATH)
+
+
 class DecoderHiddenStates(torch.nn.Module):
     """The LoRA model up to its decoder's last hidden states (after the final norm). A module of its own so
     that the process wrapper (DDP) wraps the forward that actually runs."""
