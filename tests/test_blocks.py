@@ -251,6 +251,8 @@ def test_block_settings_that_cannot_run_are_refused_before_loading(run_cli, caps
     ("auto", {"grad_accum": 2}, "train.grad_accum > 1"),
     ("auto", {"processes": 2}, "several processes"),
     ("auto", {"grad_accum": None}, "decided by the batch probe"),
+    ("auto", {"hip": True}, "not measured on ROCm yet"),
+    (True, {"hip": True}, None),
     ("auto", {"static": False, "compiled": False}, "train.compile is off; more than 8 batch shapes"),
 ])
 def test_cuda_graphs_apply_only_to_a_whole_denoiser_replayed_unchanged(setting, changes, refusal):

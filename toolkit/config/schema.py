@@ -151,7 +151,8 @@ class TrainSection:
         "auto", "Replay a compiled denoiser as a CUDA/HIP graph (torch.compile's reduce-overhead mode): the host then "
         "launches one graph instead of thousands of kernels, which bounds a compiled SD/SDXL UNet step. It applies to "
         "a denoiser compiled whole (sd, sdxl without gradient checkpointing), with static shapes, no block swap, "
-        "train.grad_accum 1 and one process, on a GPU; auto and true both turn it on there and say why when it cannot apply.",
+        "train.grad_accum 1 and one process, on a GPU; auto turns it on there on CUDA (not yet on ROCm, unmeasured), "
+        "true on ROCm too; the log says why when it cannot apply.",
         resume_safe=True)
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "

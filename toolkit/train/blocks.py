@@ -79,10 +79,11 @@ def compile_options(shape_count: int) -> tuple[dict, str]:
 
 
 def graph_refusal(setting, *, compiled: bool, static: bool, blocks: int, checkpointed: bool, swapped: bool,
-                  grad_accum: int | None, gpu: bool, processes: int = 1) -> str | None:
+                  grad_accum: int | None, gpu: bool, processes: int = 1, hip: bool = False) -> str | None:
     """Why a root's blocks are not replayed as a CUDA graph (train.cuda_graphs), or None when they are."""
     reasons = [why for refused, why in (
         (setting is False, "train.cuda_graphs=false"), (not gpu, "no GPU"), (not compiled, "train.compile is off"),
+        (hip and setting == "auto", "auto: HIP graphs are not measured on ROCm yet (train.cuda_graphs: true tries them)"),
         (not static, f"more than {STATIC_SHAPES_MAX} batch shapes"),
         (blocks != 1, "it is compiled block by block (graphs apply to a denoiser compiled whole)"),
         (checkpointed, "it is gradient-checkpointed"), (swapped, "it has swapped blocks"),
@@ -117,7 +118,7 @@ def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkp
 def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bool, checkpointing,
                    swaps: Mapping[str, BlockSwap], shape_count: int, log: Callable[[str], None],
                    cuda_graphs=False, grad_accum: int | None = 1, gpu: bool = False,
-                   processes: int = 1) -> BlockPlan:
+                   processes: int = 1, hip: bool = False) -> BlockPlan:
     """Wrap every block of every root in `regions` ({root name: its blocks in forward order})."""
     plan = BlockPlan()
     options = None
@@ -133,12 +134,12 @@ def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bo
         ckpt = checkpointed_indices(checkpointing, len(blocks), swapped)
         refusal = graph_refusal(cuda_graphs, compiled=compile_, static=shape_count <= STATIC_SHAPES_MAX,
                                 blocks=len(blocks), checkpointed=bool(ckpt), swapped=bool(swapped),
-                                grad_accum=grad_accum, gpu=gpu, processes=processes)
+                                grad_accum=grad_accum, gpu=gpu, processes=processes, hip=hip)
         region_options = options
         if refusal is None:
             region_options = {**options, "mode": "reduce-overhead"}
             plan.graphs.append(name)
-        elif compile_ and cuda_graphs is True:
+        elif compile_ and (cuda_graphs is True or refusal.startswith("auto: HIP")):  # asked for, or ROCm's only
             log(f"train.cuda_graphs: {name} keeps ordinary kernel launches: {refusal}")
         for index, block in enumerate(blocks):
             wrap_block(block, index, region_options, index in ckpt, swap)

@@ -271,7 +271,8 @@ class Trainer:
         plan = prepare_blocks(regions, compile_=bool(cfg.train.compile), checkpointing=cfg.train.gradient_checkpointing,
                               swaps=self.adapter.block_swaps(), shape_count=shape_count, log=self.log,
                               cuda_graphs=cfg.train.cuda_graphs, grad_accum=accum,
-                              gpu=self.accelerator.device.type == "cuda", processes=procs.world_size)
+                              gpu=self.accelerator.device.type == "cuda", processes=procs.world_size,
+                              hip=self.run_cfg.device.backend == "hip")
         self.cuda_graphs = bool(plan.graphs)
         return plan.compiled
 
