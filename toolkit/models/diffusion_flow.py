@@ -122,14 +122,28 @@ class FlowMatchingAdapter(DiffusionAdapter):
     def place_for_training(self) -> None:
         if self.runtime.shard_base:
             return
+        self.build_swaps()
         for name in self.denoiser_names:
-            plan = self.swap_plans.get(name)
-            if plan is None:
-                self.component(name).to(self.runtime.device)
-                continue
-            blocks = repeated_blocks(self.component(name), outermost=True)
-            self.swaps[name] = BlockSwap(blocks, plan.swapped, self.runtime.device)
-            move_except_swapped(self.component(name), self.runtime.device, self.swaps[name])
+            self.move_denoiser(name, self.runtime.device)
+
+    def build_swaps(self) -> None:
+        """The BlockSwap of each denoiser that has a swap plan (models/block_swap.py)."""
+        for name, plan in self.swap_plans.items():
+            self.swaps[name] = BlockSwap(repeated_blocks(self.component(name), outermost=True), plan.swapped,
+                                         self.runtime.device)
+
+    def move_denoiser(self, name: str, target: torch.device) -> None:
+        """A denoiser onto `target` (the device, or the CPU for an idle Wan 2.2 expert), its LoRA weights onto the
+        device either way. Swapped blocks' frozen weights stay in pinned CPU memory; a denoiser without swap moves
+        by Module.to, which quantized layers (bitsandbytes) need to carry their quantization state along."""
+        module, swap, device = self.component(name), self.swaps.get(name), self.runtime.device
+        if swap is not None:
+            move_except_swapped(module, target, swap, trainable=device)
+            return
+        lora = [p for p in module.parameters() if p.requires_grad]
+        module.to(target)
+        for p in lora:
+            p.data = p.data.to(device)
 
     def memory_fixes(self) -> list[str]:
         fixes = []

@@ -21,8 +21,6 @@ from typing import Any
 import torch
 
 from toolkit.data.augment import View
-from toolkit.models.base import repeated_blocks
-from toolkit.models.block_swap import BlockSwap, move_except_swapped
 from toolkit.errors import UserError
 from toolkit.models.diffusion_base import Denoiser
 from toolkit.models.diffusion_files import lora_file_in
@@ -202,22 +200,18 @@ class Wan22Adapter(WanAdapter):
         if not self.offload:  # every expert resident (but its swapped blocks, with block swap)
             super().place_for_training()
         elif not self.runtime.shard_base:
-            for name, plan in self.swap_plans.items():
-                self.swaps[name] = BlockSwap(repeated_blocks(self.component(name), outermost=True), plan.swapped,
-                                             self.runtime.device)
+            self.build_swaps()
             self.place_experts(self.active)
 
     def place_experts(self, resident: str) -> None:
         """Every expert on the device, or with offload only `resident`; LoRA weights always on the device. An
         expert with swapped blocks keeps those in pinned CPU memory either way; going idle, it gives its GPU
         slots back first."""
-        device, cpu = self.runtime.device, torch.device("cpu")
         for name in self.denoiser_names:
-            swap = self.swaps.get(name)
-            target = device if (not self.offload or name == resident) else cpu
-            if swap is not None and target == cpu:
-                swap.release_all()
-            move_except_swapped(self.component(name), target, swap, trainable=device)
+            target = self.runtime.device if (not self.offload or name == resident) else torch.device("cpu")
+            if name in self.swaps and target.type == "cpu":
+                self.swaps[name].release_all()
+            self.move_denoiser(name, target)
         self.resident = resident
 
     @contextmanager
