@@ -55,6 +55,10 @@ SHAPES = {
                                  num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                                  final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
                                  sliding_window=4096, tie_word_embeddings=True)),
+    # a 12B-class base (Mistral-Nemo-12B's shape): bench/scaling.py's fsdp memory comparison
+    "nemo-12b": ("mistral", dict(vocab_size=131072, hidden_size=5120, intermediate_size=14336, num_hidden_layers=40,
+                                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
+                                 tie_word_embeddings=False)),
 }
 
 
@@ -69,7 +73,7 @@ def write_model(folder: Path, shape: str = "llama-1b", layers: int | None = None
     config = AutoConfig.for_model(model_type, max_position_embeddings=8192, bos_token_id=1, eos_token_id=3,
                                   pad_token_id=0, **fields)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     del model
     torch.cuda.empty_cache()

@@ -176,13 +176,14 @@ def toolkit_run(name: str, config_yaml: str, overrides: list[str], work: Path, g
 # -- the plain loop (this file's --plain-worker, under torchrun) ----------------------------------------------
 
 def plain_run(kind: str, model_dir: Path, work: Path, gpus: int, warmup: int, steps: int, batch: int, size: int,
-              tiny: bool, timeout: float) -> dict:
-    tag = f"plain-{kind}-{gpus}"
+              tiny: bool, timeout: float, compiled: bool = False) -> dict:
+    tag = f"plain{'-compiled' if compiled else ''}-{kind}-{gpus}"
     result_file, log = work / f"{tag}.json", work / f"{tag}.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
            str(Path(__file__).resolve()), "--plain-worker", kind, "--model", str(model_dir),
            "--result", str(result_file), "--worker-warmup", str(warmup), "--worker-steps", str(steps),
-           "--worker-batch", str(batch), "--worker-size", str(size)] + (["--tiny"] if tiny else [])
+           "--worker-batch", str(batch), "--worker-size", str(size), "--worker-compile", str(int(compiled))]
+    cmd += ["--tiny"] if tiny else []
     wall = run_logged(cmd, log, child_env(work), timeout)
     result = json.loads(result_file.read_text())
     result["process_wall_s"] = wall
@@ -203,6 +204,9 @@ def plain_worker(args) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)  # the same LoRA initialisation on every rank (DDP also broadcasts rank 0's)
     model, params, step = (plain_llm if args.plain_worker == "llm" else plain_sdxl)(args, device, dtype, rank)
+    if args.worker_compile:  # each decoder layer compiled, as a user speeding up the plain loop would
+        for layer in model.get_base_model().model.layers:
+            layer.compile()
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -243,7 +247,8 @@ def plain_worker(args) -> None:
     if rank == 0:
         units = args.worker_batch * (args.worker_size if args.plain_worker == "llm" else 1)
         Path(args.result).write_text(json.dumps({
-            "stack": "plain", "gpus": world, "seconds": seconds, "steps": args.worker_steps,
+            "stack": "plain-compiled" if args.worker_compile else "plain", "gpus": world, "seconds": seconds,
+            "steps": args.worker_steps,
             "units_per_s": args.worker_steps * units * world / seconds, "peak_gib": peaks,
             "memory_kind": "gpu_max_allocated" if cuda else "process_max_rss", "rank_max_diff": diff,
             "lora_parameters": weights.numel()}))
@@ -367,34 +372,86 @@ SDXL_CONFIG = ("model: {family: sdxl}\nnetwork: {rank: 16, alpha: 16}\n"
                "save: {every: 0}\nsample: {prompts: []}\nlog: {tensorboard: false}\n")
 
 
+# -- fsdp vs ddp memory ---------------------------------------------------------------------------------------
+
+def fsdp_memory(args, work: Path, n: int, tiny: bool, tiny_overrides: list[str], measure) -> dict:
+    """The toolkit on N GPUs with device.distributed=ddp, then fsdp: a 12B-class base, gradient checkpointing,
+    1 x 1024 tokens per GPU, so the per-GPU memory is mostly the frozen base (what fsdp shards)."""
+    import llm as bench_llm
+
+    t0 = time.perf_counter()
+    if tiny:
+        from toolkit.paths import resolve_model_path
+        model_dir = Path(resolve_model_path("tiny:llm"))
+    else:
+        model_dir = work / "llm-12b"
+        bench_llm.write_model(model_dir, shape="nemo-12b")
+    data = work / "llm-12b.jsonl"
+    warmup, steps = 2, args.fsdp_steps
+    bench_llm.write_data(data, rows=n * (warmup + steps) + 16)
+    print(f"12B-class model and data written in {time.perf_counter() - t0:.0f}s", flush=True)
+    seq = 64 if tiny else 1024
+    rows: dict = {}
+    for mode in ("ddp", "fsdp"):
+        overrides = [f"model.name_or_path={model_dir}", f"data.path={data}", f"data.max_seq_len={seq}",
+                     "train.batch_size=1", "train.gradient_checkpointing=true", "train.compile=false",
+                     f"device.distributed={mode}", *tiny_overrides]
+        measure("fsdp", rows, mode, n, lambda: toolkit_run(
+            f"llm-{mode}", LLM_CONFIG, overrides, work, n, warmup, steps, seq, args.timeout))
+    return rows
+
+
+
 # -- the table ------------------------------------------------------------------------------------------------
 
 def gib(values) -> str:
     return " / ".join(f"{v:.1f}" for v in values) if values else "-"
 
 
+def print_fsdp(rows: dict, shape: str, n: int) -> None:
+    print(f"\nfsdp vs ddp on {n} GPUs: the toolkit, LLM {shape}, LoRA r=16, gradient checkpointing, "
+          f"1 sequence per GPU, compile off")
+    print(f"{'mode':<6} {'tokens/s':>10} {'per-GPU peak GiB':>18}  ranks")
+    for mode in ("ddp", "fsdp"):
+        r = rows.get((mode, n))
+        if r is None:
+            continue
+        if "error" in r:
+            print(f"{mode:<6} FAILED: {r['error'].splitlines()[0]}")
+            continue
+        print(f"{mode:<6} {r['units_per_s']:>10,.1f} {gib(r['peak_gib']):>18}  {r.get('rank_check', '-')}")
+    ddp, fsdp = rows.get(("ddp", n), {}), rows.get(("fsdp", n), {})
+    if "peak_gib" in ddp and "peak_gib" in fsdp:
+        print(f"fsdp / ddp per-GPU peak memory: {max(fsdp['peak_gib']) / max(ddp['peak_gib']):.2f}x", flush=True)
+
+
+PLAIN_STACKS = ("plain", "plain-compiled")
+
+
 def print_table(title: str, unit: str, rows: dict, gpus: int) -> None:
     print(f"\n{title}")
-    print(f"{'stack':<8} {'GPUs':>4} {unit + '/s':>12} {'per-GPU peak GiB':>18} {'scaling':>8} "
-          f"{'toolkit/plain':>13}  ranks max|diff|")
-    for stack in ("toolkit", "plain"):
+    print(f"{'stack':<15} {'GPUs':>4} {unit + '/s':>12} {'per-GPU peak GiB':>18} {'scaling':>8} "
+          f"{'toolkit/plain':>13} {'/plain-compiled':>15}  ranks max|diff|")
+    for stack in ("toolkit", *PLAIN_STACKS):
         for n in sorted({1, gpus}):
             r = rows.get((stack, n))
             if r is None:
                 continue
             if "error" in r:
-                print(f"{stack:<8} {n:>4} FAILED: {r['error'].splitlines()[0]}")
+                print(f"{stack:<15} {n:>4} FAILED: {r['error'].splitlines()[0]}")
                 continue
             one = rows.get((stack, 1), {})
             scaling = f"{r['units_per_s'] / one['units_per_s']:.2f}x" if n > 1 and "units_per_s" in one else "-"
-            plain = rows.get(("plain", n), {})
-            ratio = f"{rows[('toolkit', n)]['units_per_s'] / plain['units_per_s']:.2f}" \
-                if stack == "toolkit" and "units_per_s" in plain else "-"
+            ratios = []
+            for plain_stack in PLAIN_STACKS:
+                plain = rows.get((plain_stack, n), {})
+                ratios.append(f"{r['units_per_s'] / plain['units_per_s']:.2f}"
+                              if stack == "toolkit" and "units_per_s" in plain else "-")
             diff = "-" if n == 1 else ("?" if r.get("rank_max_diff") is None else f"{r['rank_max_diff']:g}")
             if n > 1 and "rank_check" in r:
                 diff += f" ({r['rank_check']})"
-            print(f"{stack:<8} {n:>4} {r['units_per_s']:>12,.1f} {gib(r['peak_gib']):>18} {scaling:>8} "
-                  f"{ratio:>13}  {diff}")
+            print(f"{stack:<15} {n:>4} {r['units_per_s']:>12,.1f} {gib(r['peak_gib']):>18} {scaling:>8} "
+                  f"{ratios[0]:>13} {ratios[1]:>15}  {diff}")
     kinds = {r.get("memory_kind") for r in rows.values() if "memory_kind" in r}
     print(f"memory: {', '.join(sorted(kinds))}", flush=True)
 
@@ -411,6 +468,12 @@ def main() -> None:
     parser.add_argument("--skip-llm", action="store_true")
     parser.add_argument("--skip-sdxl", action="store_true")
     parser.add_argument("--no-plain-sdxl", action="store_true", help="leave out the plain SDXL loop")
+    parser.add_argument("--no-plain-compiled", action="store_true",
+                        help="leave out the plain LLM loop with each decoder layer compiled")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="also: per-GPU memory of device.distributed=ddp vs fsdp on N GPUs for a 12B-class base "
+                             "(bench/llm.py's nemo-12b shape; tiny:llm with --tiny)")
+    parser.add_argument("--fsdp-steps", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=300, help="seconds for one run")
     parser.add_argument("--out", type=Path, default=None, help="write every measurement here (JSON)")
     parser.add_argument("--logs", type=Path, default=None, help="copy the runs' logs into this folder")
@@ -419,7 +482,7 @@ def main() -> None:
     parser.add_argument("--plain-worker", choices=("llm", "sdxl"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    for name in ("warmup", "steps", "batch", "size"):
+    for name in ("warmup", "steps", "batch", "size", "compile"):
         parser.add_argument(f"--worker-{name}", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain_worker:
@@ -442,7 +505,7 @@ def main() -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     device = "CPU (gloo), tiny models" if tiny else f"{n} x {torch.cuda.get_device_name()}"
     print(f"device: {device}; torch {torch.__version__}; work folder {work}", flush=True)
-    results: dict = {"device": device, "torch": torch.__version__, "llm": {}, "sdxl": {}}
+    results: dict = {"device": device, "torch": torch.__version__, "llm": {}, "sdxl": {}, "fsdp": {}}
     started = time.perf_counter()
     tiny_overrides = ["train.precision=fp32", "device.backend=cpu"] if tiny else []
 
@@ -484,6 +547,9 @@ def main() -> None:
                 "llm", LLM_CONFIG, overrides, work, gpus, llm_warmup, llm_steps, llm_batch * seq, args.timeout))
             measure("llm", llm_rows, "plain", gpus, lambda: plain_run(
                 "llm", model_dir, work, gpus, llm_warmup, llm_steps, llm_batch, seq, tiny, args.timeout))
+            if not args.no_plain_compiled:
+                measure("llm", llm_rows, "plain-compiled", gpus, lambda: plain_run(
+                    "llm", model_dir, work, gpus, llm_warmup, llm_steps, llm_batch, seq, tiny, args.timeout, True))
 
     sdxl_rows: dict = {}
     if not args.skip_sdxl:
@@ -506,6 +572,10 @@ def main() -> None:
                 measure("sdxl", sdxl_rows, "plain", gpus, lambda: plain_run(
                     "sdxl", model_dir, work, gpus, sdxl_warmup, sdxl_steps, sdxl_batch, px, tiny, args.timeout))
 
+    fsdp_rows: dict = {}
+    if args.fsdp:
+        fsdp_rows = fsdp_memory(args, work, n, tiny, tiny_overrides, measure)
+
     print(f"\n== {device}; torch {torch.__version__}; whole run {time.perf_counter() - started:.0f}s ==")
     print("throughput: wall clock over the timed steps (toolkit: its logs/metrics.jsonl records at the last warm-up "
           "step and the last step; plain: GPU synchronised at both ends)")
@@ -520,6 +590,8 @@ def main() -> None:
                     f"batch {sdxl_batch} per GPU; {sdxl_warmup} warm-up + {sdxl_steps} timed steps"
                     + ("; plain loop left out (--no-plain-sdxl)" if args.no_plain_sdxl else ""),
                     "images", sdxl_rows, n)
+    if fsdp_rows:
+        print_fsdp(fsdp_rows, "tiny:llm" if tiny else "nemo-12b shape (12.2B)", n)
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
         for log in work.glob("*.log"):
