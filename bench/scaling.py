@@ -153,9 +153,15 @@ def toolkit_run(name: str, config_yaml: str, overrides: list[str], work: Path, g
               "metrics_tokens_per_s": (sum(r.get("tokens_per_s", 0) for r in timed) / len(timed)) or None}
 
     reports = [json.loads(p.read_text()) for p in sorted(memory.glob("memory-*.json"))]
-    workers = [r for r in reports if (r["rank"] is not None) == (gpus > 1) and "gib" in r]
+    # by rank, the process that trained: the launcher's agent and torch.compile's worker processes report too
+    # (with the rank of the process that started them), with little or no GPU memory of their own
+    by_rank: dict = {}
+    for r in reports:
+        kept = by_rank.get(r["rank"])
+        if (r["rank"] is not None) == (gpus > 1) and "gib" in r and (kept is None or r["gib"] > kept["gib"]):
+            by_rank[r["rank"]] = r
+    workers = sorted(by_rank.values(), key=lambda r: int(r["rank"] or 0))
     if len(workers) == gpus:
-        workers.sort(key=lambda r: int(r["rank"] or 0))
         result["peak_gib"] = [r["gib"] for r in workers]
         result["memory_kind"] = workers[0]["kind"]
     else:  # no hook report: the main process's own figure (metrics.jsonl)

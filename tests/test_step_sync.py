@@ -79,3 +79,62 @@ def test_launching_a_step_never_waits_for_the_gpu(config, overrides, optimizer, 
     assert code == 0
     assert skips == [(optimizer, True)], f"{skips}: not {optimizer} skipping a step on the device"
     assert found == [], "synchronizing calls while a step launched:\n" + "\n".join(dict.fromkeys(found))
+
+
+# Put on PYTHONPATH for the launched workers: the same watch as synchronizing_calls, each rank writing what it found.
+WORKER_WATCH = '''
+import os
+if "LOCAL_RANK" in os.environ and os.environ.get("STEP_SYNC_FOUND"):
+    import atexit, json, warnings
+    import torch
+    from toolkit.train.step import Stepper
+
+    _found, _calls, _launch = [], [0], Stepper.launch
+
+    def _watched(self, stop_requested):
+        _calls[0] += 1
+        if _calls[0] <= 2:
+            return _launch(self, stop_requested)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return _launch(self, stop_requested)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                _found.extend(f"{w.filename}:{w.lineno} {str(w.message).splitlines()[0]}" for w in caught
+                              if "called a synchronizing" in str(w.message))
+
+    Stepper.launch = _watched
+    atexit.register(lambda: open(os.path.join(os.environ["STEP_SYNC_FOUND"], os.environ["RANK"] + ".json"),
+                                 "w").write(json.dumps({"launches": _calls[0], "found": _found})))
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("config", ["quickstart_llm.yaml", "quickstart_sdxl.yaml"])
+def test_launching_a_step_never_waits_with_two_processes(config, tmp_path):
+    """--gpus 2: the loss, token and stop counts are summed over processes every step; that launch does not wait
+    for the GPU either (a count tensor copied from pageable memory did)."""
+    import json
+    import os
+
+    from conftest import run_toolkit
+
+    hook, found = tmp_path / "hook", tmp_path / "found"
+    hook.mkdir()
+    found.mkdir()
+    (hook / "sitecustomize.py").write_text(WORKER_WATCH)
+    pythonpath = os.pathsep.join(p for p in (str(hook), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    proc = run_toolkit("train", REPO / "configs/examples" / config, f"run.output_dir={tmp_path / 'run'}",
+                       "train.steps=6", "train.batch_size=2", "save.every=0", "sample.every=0", "log.every=100",
+                       "train.compile=false", "train.optimizer=adamw", "--gpus", "2",
+                       env={"PYTHONPATH": pythonpath, "STEP_SYNC_FOUND": str(found)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = {p.stem: json.loads(p.read_text()) for p in found.glob("*.json")}
+    assert sorted(reports) == ["0", "1"], reports
+    for rank, report in reports.items():
+        assert report["launches"] == 6, (rank, report)
+        assert report["found"] == [], f"rank {rank}: synchronizing calls while a step launched:\n" + "\n".join(
+            dict.fromkeys(report["found"]))

@@ -93,7 +93,9 @@ class Stepper:
         counts = [float(sum(self.adapter.loss_weight(batch) for batch in batches)),
                   float(sum(self.adapter.tokens_in(batch) for batch in batches)), float(stop_requested)]
         if self.procs.several:  # units, tokens and stop requests summed over processes, read later
-            counts = self.procs.sum(torch.tensor(counts, device=device))
+            # from pinned memory: a copy from pageable memory would wait for the GPU to finish the last step
+            host = torch.tensor(counts, pin_memory=device.type == "cuda")
+            counts = self.procs.sum(host.to(device, non_blocking=True))
             units = counts[0].clamp(min=1.0)
         else:
             units = max(counts[0], 1.0)
