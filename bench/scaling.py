@@ -567,7 +567,7 @@ def main() -> None:
             model_dir = work / "sdxl"
             write_sdxl(model_dir)
         images = work / "images"
-        write_images(images, count=8, side=px)
+        write_images(images, count=sdxl_batch * n * (sdxl_warmup + sdxl_steps), side=px)  # no epoch ends mid-run
         print(f"SDXL pipeline and images written in {time.perf_counter() - t0:.0f}s", flush=True)
         overrides = [f"model.name_or_path={model_dir}", f"data.path={images}", f"data.resolution={px}",
                      f"train.batch_size={sdxl_batch}", *tiny_overrides]
