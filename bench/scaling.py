@@ -480,6 +480,9 @@ def main() -> None:
                         help="also: per-GPU memory of device.distributed=ddp vs fsdp on N GPUs for a 12B-class base "
                              "(bench/llm.py's nemo-12b shape; tiny:llm with --tiny)")
     parser.add_argument("--fsdp-steps", type=int, default=4)
+    parser.add_argument("--stacks", default="toolkit,plain,plain-compiled",
+                        help="which stacks to run (comma-separated; plain-compiled: LLM only)")
+    parser.add_argument("--counts", default=None, help="GPU counts to run (comma-separated; default: 1 and --gpus)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds for one run")
     parser.add_argument("--out", type=Path, default=None, help="write every measurement here (JSON)")
     parser.add_argument("--logs", type=Path, default=None, help="copy the runs' logs into this folder")
@@ -496,6 +499,8 @@ def main() -> None:
         return
 
     tiny, n = args.tiny, args.gpus
+    stacks = set(args.stacks.split(","))
+    counts = sorted({int(c) for c in args.counts.split(",")}) if args.counts else sorted({1, n})
     llm_warmup = args.llm_warmup or (2 if tiny else 10)
     llm_steps = args.llm_steps or (3 if tiny else 20)
     sdxl_warmup = args.sdxl_warmup or (2 if tiny else 5)
@@ -548,12 +553,14 @@ def main() -> None:
         print(f"LLM model and data written in {time.perf_counter() - t0:.0f}s", flush=True)
         overrides = [f"model.name_or_path={model_dir}", f"data.path={data}", f"data.max_seq_len={seq}",
                      f"train.batch_size={llm_batch}", *tiny_overrides]
-        for gpus in sorted({1, n}):
-            measure("llm", llm_rows, "toolkit", gpus, lambda: toolkit_run(
-                "llm", LLM_CONFIG, overrides, work, gpus, llm_warmup, llm_steps, llm_batch * seq, args.timeout))
-            measure("llm", llm_rows, "plain", gpus, lambda: plain_run(
-                "llm", model_dir, work, gpus, llm_warmup, llm_steps, llm_batch, seq, tiny, args.timeout))
-            if not args.no_plain_compiled:
+        for gpus in counts:
+            if "toolkit" in stacks:
+                measure("llm", llm_rows, "toolkit", gpus, lambda: toolkit_run(
+                    "llm", LLM_CONFIG, overrides, work, gpus, llm_warmup, llm_steps, llm_batch * seq, args.timeout))
+            if "plain" in stacks:
+                measure("llm", llm_rows, "plain", gpus, lambda: plain_run(
+                    "llm", model_dir, work, gpus, llm_warmup, llm_steps, llm_batch, seq, tiny, args.timeout))
+            if "plain-compiled" in stacks and not args.no_plain_compiled:
                 measure("llm", llm_rows, "plain-compiled", gpus, lambda: plain_run(
                     "llm", model_dir, work, gpus, llm_warmup, llm_steps, llm_batch, seq, tiny, args.timeout, True))
 
@@ -571,10 +578,11 @@ def main() -> None:
         print(f"SDXL pipeline and images written in {time.perf_counter() - t0:.0f}s", flush=True)
         overrides = [f"model.name_or_path={model_dir}", f"data.path={images}", f"data.resolution={px}",
                      f"train.batch_size={sdxl_batch}", *tiny_overrides]
-        for gpus in sorted({1, n}):
-            measure("sdxl", sdxl_rows, "toolkit", gpus, lambda: toolkit_run(
-                "sdxl", SDXL_CONFIG, overrides, work, gpus, sdxl_warmup, sdxl_steps, sdxl_batch, args.timeout))
-            if not args.no_plain_sdxl:
+        for gpus in counts:
+            if "toolkit" in stacks:
+                measure("sdxl", sdxl_rows, "toolkit", gpus, lambda: toolkit_run(
+                    "sdxl", SDXL_CONFIG, overrides, work, gpus, sdxl_warmup, sdxl_steps, sdxl_batch, args.timeout))
+            if "plain" in stacks and not args.no_plain_sdxl:
                 measure("sdxl", sdxl_rows, "plain", gpus, lambda: plain_run(
                     "sdxl", model_dir, work, gpus, sdxl_warmup, sdxl_steps, sdxl_batch, px, tiny, args.timeout))
 

@@ -31,6 +31,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from toolkit.models.block_swap import BlockSwap, spread
+from toolkit.train.compile import without_ddp_graph_splitting
 
 STATIC_SHAPES_MAX = 8
 
@@ -128,6 +129,8 @@ def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bo
         torch._dynamo.config.suppress_errors = True  # a block dynamo cannot compile runs eagerly, with its reason
         options, why = compile_options(shape_count)
         log(f"train.compile: {why}")
+        if all(len(blocks) > 1 for blocks in regions.values()):  # a denoiser compiled whole keeps DDP's splitting
+            without_ddp_graph_splitting()
     for name, blocks in regions.items():
         swap = swaps.get(name)
         swapped = swap.swapped if swap is not None else []

@@ -15,12 +15,23 @@ import torch
 from toolkit.models.base import repeated_blocks
 
 
+def without_ddp_graph_splitting() -> None:
+    """Blocks compiled one by one run inside DistributedDataParallel's forward with several processes, where dynamo
+    by default hands every graph it compiles to its DDPOptimizer, which splits graphs at gradient-bucket borders so
+    that communication overlaps a model compiled whole. A block's own backward already ends where its gradients
+    are ready, and DDP's reducer overlaps the all-reduce with the blocks before it."""
+    import torch._dynamo
+
+    torch._dynamo.config.optimize_ddp = False
+
+
 def compile_blocks(roots: Mapping[str, torch.nn.Module], log: Callable[[str], None]) -> int:
     """Compile the outermost repeated blocks of every root in place; returns how many. A block that dynamo
     cannot compile runs eagerly (dynamo prints why) instead of stopping the run."""
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True
+    without_ddp_graph_splitting()
     count, kinds = 0, set()
     for name, root in roots.items():
         blocks = repeated_blocks(root, outermost=True)
