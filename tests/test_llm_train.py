@@ -326,10 +326,18 @@ def test_loss_is_the_sum_of_token_losses_for_builtin_and_remote_code_models(tmp_
     assert torch.allclose(summed, expected, rtol=1e-5) and torch.allclose(fallback, expected, rtol=1e-5)
 
 
-def test_a_right_padded_batch_trains_the_same_without_its_padding_mask(tmp_path):
+def test_a_right_padded_batch_trains_the_same_without_its_padding_mask(tmp_path, monkeypatch):
     """A causal decoder's real tokens never attend to the padding after them: the loss and every LoRA gradient are
-    the same with the mask as without it (which lets attention take its is_causal path with no host read)."""
+    the same with the mask as without it (which lets attention take its is_causal path with no host read), and
+    transformers' search for packed samples (a host read of a device tensor) is skipped for such a batch."""
+    from transformers import masking_utils
+
     from helpers import adapter_for
+
+    searches = []
+    search = masking_utils.find_packed_sequence_indices
+    watched = lambda position_ids: searches.append(position_ids.shape) or search(position_ids)  # noqa: E731
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", watched)
 
     adapter, dataset = adapter_for("quickstart_llm.yaml", tmp_path)
     assert adapter.drops_padding_mask  # tiny:llm is a LlamaForCausalLM
@@ -349,3 +357,7 @@ def test_a_right_padded_batch_trains_the_same_without_its_padding_mask(tmp_path)
         results[drops] = (loss.detach(), [p.grad.clone() for p in params])
     assert torch.allclose(results[True][0], results[False][0], rtol=1e-6)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(results[True][1], results[False][1]))
+    assert searches == [] and masking_utils.find_packed_sequence_indices is watched  # skipped, then put back
+    with torch.no_grad():  # the same forward outside the adapter's loss searches once
+        adapter._loss({k: v for k, v in batch.items() if k != "attention_mask"}, adapter.trainable_modules())
+    assert len(searches) == 1

@@ -16,7 +16,7 @@ from toolkit.data.samples import IGNORE_INDEX
 from toolkit.data.text import TextData, build_text_data, detect_format, render_chat
 from toolkit.errors import UserError
 from toolkit.models.base import AdapterBase, Runtime, eval_mode
-from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for
+from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for, no_packed_sequence_search
 from toolkit.models.lora import lora_config, target_modules
 from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
 from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
@@ -218,8 +218,12 @@ class LLMAdapter(AdapterBase):
         return batch["input_ids"].numel()
 
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
-        if self.drops_padding_mask:
-            batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+        if self.drops_padding_mask and "position_ids" not in batch:  # right-padded, not packed
+            with no_packed_sequence_search():
+                return self._loss({k: v for k, v in batch.items() if k != "attention_mask"}, modules)
+        return self._loss(batch, modules)
+
+    def _loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
         if self.fused_loss is not None:  # it takes the labels from the host (see FusedCausalLMLoss)
             inputs = {k: v.to(self.runtime.device, non_blocking=True) for k, v in batch.items() if k != "labels"}
             return self.fused_loss(modules["model"](**inputs), batch["labels"])

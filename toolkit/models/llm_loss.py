@@ -9,7 +9,8 @@ own loss, and the log says why.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -30,6 +31,26 @@ HEAD_MATH: dict[str, Callable[[Any], HeadMath]] = {
 # Decoder-only causal LMs whose forward was checked (the list above): a token attends to earlier tokens only
 # (sliding windows included), so in a right-padded batch no token the loss counts attends to a padding token.
 CAUSAL_DECODERS = frozenset(HEAD_MATH)
+
+
+@contextmanager
+def no_packed_sequence_search() -> Iterator[None]:
+    """For batches that are known not to be packed (right-padded, no position_ids): transformers builds a causal
+    LM's mask without asking whether the rows hold several samples each. Without an attention mask it otherwise
+    looks for packed samples in the position ids it made itself, and `.all()` on that device tensor makes the
+    host wait for the GPU every step (masking_utils.find_packed_sequence_indices, transformers 5). Its answer
+    for such a batch is always None ("not packed"), which is what this returns, without the wait."""
+    from transformers import masking_utils
+
+    search = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if search is None:  # a transformers without it: nothing to skip
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = search
 
 
 class DecoderHiddenStates(torch.nn.Module):

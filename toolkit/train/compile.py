@@ -19,7 +19,9 @@ def without_ddp_graph_splitting() -> None:
     """Blocks compiled one by one run inside DistributedDataParallel's forward with several processes, where dynamo
     by default hands every graph it compiles to its DDPOptimizer, which splits graphs at gradient-bucket borders so
     that communication overlaps a model compiled whole. A block's own backward already ends where its gradients
-    are ready, and DDP's reducer overlaps the all-reduce with the blocks before it."""
+    are ready, and DDP's reducer overlaps the all-reduce with the blocks before it. Measured on 2 H200s
+    (bench/scaling.py, Llama-3.2-1B shape, 4 x 2048 tokens per GPU, one command): with the splitting 150.2k
+    tokens/s and 14.9 GiB per GPU, without it 153.8k and 13.0 GiB (one process: 80.1k, 12.9 GiB)."""
     import torch._dynamo
 
     torch._dynamo.config.optimize_ddp = False
