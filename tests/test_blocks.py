@@ -283,3 +283,15 @@ def test_cuda_graphs_train_the_same_lora_as_ordinary_launches(tmp_path, run_cli,
     assert len(losses[True]) == 6
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
     assert all(torch.allclose(weights[True][k], weights[False][k], atol=1e-5) for k in weights[False])
+
+
+@pytest.mark.parametrize("count, splits", [(6, False), (1, True)])
+def test_blocks_compiled_one_by_one_skip_ddp_graph_splitting(count, splits):
+    """Graphs compiled inside DDP's forward go to dynamo's DDPOptimizer unless optimize_ddp is off: off for
+    blocks compiled one by one (measured faster and smaller on 2 H200s), kept for a denoiser compiled whole."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(optimize_ddp=True, suppress_errors=torch._dynamo.config.suppress_errors):
+        prepare_blocks({"t": stack(count)}, compile_=True, checkpointing=False, swaps={}, shape_count=1,
+                       log=lambda m: None, processes=2)
+        assert torch._dynamo.config.optimize_ddp is splits
