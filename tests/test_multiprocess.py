@@ -74,7 +74,8 @@ def adapter(out: Path) -> dict[str, torch.Tensor]:
 def test_two_processes_train_what_one_process_trains_with_twice_the_batch(tmp_path):
     one = train(1, LLM, tmp_path / "one", "train.steps=8", "train.batch_size=8")
     two = train(2, LLM, tmp_path / "two", "train.steps=8", "train.batch_size=4")
-    sharded = train(2, LLM, tmp_path / "sharded", "train.steps=8", "train.batch_size=4", "device.distributed=fsdp")
+    sharded = train(2, LLM, tmp_path / "sharded", "train.steps=8", "train.batch_size=4", "device.distributed=fsdp",
+                    "model.kernels=fused")
     assert one.returncode == 0 and two.returncode == 0 and sharded.returncode == 0
     a, b, c = adapter(tmp_path / "one"), adapter(tmp_path / "two"), adapter(tmp_path / "sharded")
     assert a.keys() == b.keys() == c.keys() and len(a) == 28
@@ -83,6 +84,10 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(tmp_pa
     assert "device.distributed=ddp (auto: the CPU is never sharded automatically)" in two.stderr
     assert "device.distributed=fsdp (set in the config): the frozen base is sharded over 2 processes" in sharded.stderr
     assert sharded.stderr.count("processes: LoRA weights identical on all 2") == 1
+    # fsdp: the untied embeddings and head of tiny:llm are units of their own, and the fused loss gathers the head
+    assert ("device.distributed=fsdp: sharded model: 2 blocks (LlamaDecoderLayer) + input embeddings and output "
+            "head, each its own unit") in sharded.stderr
+    assert "model.kernels=fused: output head and cross-entropy in chunks" in sharded.stderr
     # the same mean loss at every step (the loss is the mean over every token of the global batch)
     losses_one = [r["loss"] for r in read_metrics(tmp_path / "one")]
     losses_two = [r["loss"] for r in read_metrics(tmp_path / "two")]
@@ -162,3 +167,19 @@ def test_resume_on_another_number_of_processes_with_the_same_global_batch(tmp_pa
     assert "was written by 2 process(es), this run has 1" in more.stderr
     assert "train.batch_size: 4 -> 8 (2 -> 1 processes, global batch 8 unchanged)" in more.stderr
     assert [r["step"] for r in read_metrics(out)][-2:] == [5, 6]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp_shards_untied_embeddings_and_head_as_units_of_their_own(tied):
+    """Untied: the input embeddings and the output head each become an FSDP unit (else FSDP2 keeps the root's
+    weights gathered for the whole step); tied: one parameter cannot be in two units, both stay in the root."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.train.distributed import edge_modules
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config)
+    edges = edge_modules(model)
+    assert edges == ([] if tied else [model.model.embed_tokens, model.lm_head])
+    assert edge_modules(torch.nn.Linear(2, 2)) == []  # not a transformers model: nothing of the kind

@@ -173,9 +173,11 @@ class LLMAdapter(AdapterBase):
         if not self.runtime.shard_base:
             self.network.to(self.runtime.device)
         self.fused_loss, why = fused_loss_for(self.network, cfg.kernels, bool(self.cfg.train.compile),
-                                              self.runtime.shard_base, self.sums_loss)
-        # With the fused loss the trainer runs the decoder alone (hidden states, no logits).
-        self.forward_module = DecoderHiddenStates(self.network) if self.fused_loss else self.network
+                                              self.sums_loss)
+        # With the fused loss the trainer runs the decoder alone (hidden states, no logits); with fsdp, the whole
+        # model, so that its sharded weights are gathered (DecoderHiddenStates).
+        self.forward_module = (DecoderHiddenStates(self.network, through_model=self.runtime.shard_base)
+                               if self.fused_loss else self.network)
         if why:
             self.log(why)
 

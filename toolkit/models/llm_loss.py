@@ -55,15 +55,45 @@ def no_packed_sequence_search() -> Iterator[None]:
 
 class DecoderHiddenStates(torch.nn.Module):
     """The LoRA model up to its decoder's last hidden states (after the final norm). A module of its own so
-    that the process wrapper (DDP) wraps the forward that actually runs."""
+    that the process wrapper (DDP) wraps the forward that actually runs.
 
-    def __init__(self, network: torch.nn.Module):
+    `through_model` (device.distributed=fsdp): the whole causal LM's forward runs, so that FSDP's hooks on the
+    model gather the weights its own unit holds (the final norm; tied embeddings); it computes the logits of the
+    last position only (`logits_to_keep=1`), and the decoder's output is taken with a forward hook."""
+
+    def __init__(self, network: torch.nn.Module, through_model: bool = False):
         super().__init__()
-        self.network = network
+        self.network, self.through_model = network, through_model
 
     def forward(self, **batch) -> torch.Tensor:
         decoder = self.network.get_base_model().get_decoder()
-        return decoder(**batch, use_cache=False).last_hidden_state
+        if not self.through_model:
+            return decoder(**batch, use_cache=False).last_hidden_state
+        captured = []
+        hook = decoder.register_forward_hook(lambda module, args, out: captured.append(out.last_hidden_state))
+        try:
+            self.network(**batch, use_cache=False, logits_to_keep=1)
+        finally:
+            hook.remove()
+        return captured[-1]
+
+
+@contextmanager
+def gathered(module: torch.nn.Module) -> Iterator[None]:
+    """An FSDP2 unit's weights whole for the block (the output head as a unit of its own, device.distributed=fsdp),
+    sharded again after; any other module as it is."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a PyTorch build without torch.distributed
+        FSDPModule = ()  # noqa: N806
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
 
 
 class FusedCausalLMLoss:
@@ -75,17 +105,19 @@ class FusedCausalLMLoss:
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`labels` as the batch has them on the host: which tokens count is found there, so the step never
-        waits for the device to say how many there are."""
+        waits for the device to say how many there are. The head's weight is used in this forward only (the
+        gradient for the hidden states is computed here), so a sharded head is gathered just for this call."""
         shifted = labels[:, 1:].reshape(-1)
         rows = torch.nonzero(shifted != IGNORE_INDEX).squeeze(1)
         device = hidden.device
         to_device = lambda t: (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)  # noqa: E731
-        return linear_cross_entropy(hidden[:, :-1].reshape(-1, hidden.shape[-1]), self.head.weight,
-                                    to_device(shifted), bias=self.head.bias, math_=self.math, step=self.step,
-                                    rows=to_device(rows))
+        with gathered(self.head):
+            return linear_cross_entropy(hidden[:, :-1].reshape(-1, hidden.shape[-1]), self.head.weight,
+                                        to_device(shifted), bias=self.head.bias, math_=self.math, step=self.step,
+                                        rows=to_device(rows))
 
 
-def fused_loss_for(network: torch.nn.Module, setting: str, compiled: bool, sharded: bool,
+def fused_loss_for(network: torch.nn.Module, setting: str, compiled: bool,
                    builtin: bool) -> tuple[FusedCausalLMLoss | None, str]:
     """The fused loss for this PEFT model, or None and why not (for the log)."""
     if setting != "fused":
@@ -98,8 +130,6 @@ def fused_loss_for(network: torch.nn.Module, setting: str, compiled: bool, shard
         reason = "the model's code is not transformers' own (trust_remote_code)"
     elif model_type not in HEAD_MATH:
         reason = f"its forward ({model_type}) has not been checked against the fused loss"
-    elif sharded:
-        reason = "device.distributed=fsdp shards the output head"
     elif type(head) is not torch.nn.Linear or type(head.weight) is not torch.nn.Parameter:
         reason = f"its output head is a {type(head).__name__} (a LoRA target or quantized), not a plain Linear"
     if reason:

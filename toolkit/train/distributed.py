@@ -4,8 +4,9 @@ wraps the trainable modules; every byte goes through torch.distributed.
 
 Two ways to share the work (device.distributed):
 - ddp: every process holds the whole model; each trainable module is wrapped in DistributedDataParallel.
-- fsdp: the frozen base is sharded with FSDP2 (`fully_shard`, block by block, then the model), so each
-  process holds 1/N of it and gathers a block's weights just before using it. The LoRA weights are left out
+- fsdp: the frozen base is sharded with FSDP2 (`fully_shard`, block by block, the input embeddings and the
+  output head each on their own where untied, then the model), so each process holds 1/N of it and gathers a
+  unit's weights just before using it. The LoRA weights are left out
   of the sharding (`ignored_params`): they are small, stay whole on every process, and their gradients are
   averaged with one all-reduce per step (`average_gradients`), so the optimizer, EMA, checkpoints and
   exports see ordinary tensors, exactly as with one process.
@@ -55,9 +56,10 @@ class Processes:
             wrapped[name] = DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=find_unused)
         return wrapped
 
-    def shard(self, roots: Mapping[str, torch.nn.Module]) -> None:
-        """FSDP2 on each root: its repeated blocks (the model's `_no_split_modules` classes), then the root;
-        the trainable (LoRA) weights are not sharded and are moved to this process's device."""
+    def shard(self, roots: Mapping[str, torch.nn.Module]) -> list[str]:
+        """FSDP2 on each root: its repeated blocks (the model's `_no_split_modules` classes), its input embeddings
+        and output head where they have weights of their own (`edge_modules`), then the root; the trainable (LoRA)
+        weights are not sharded and are moved to this process's device. Returns what was sharded, per root."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -66,17 +68,24 @@ class Processes:
         from toolkit.models.base import repeated_blocks
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        done = []
         for name, root in roots.items():
             blocks = repeated_blocks(root)
             if not blocks:
                 raise UserError(f"device.distributed=fsdp: the {name} ({type(root).__name__}) names no repeated "
                                 "blocks to shard\n  fix: device.distributed=ddp")
-            for block in reversed(blocks):  # inner blocks first: an outer one then takes what is left
-                fully_shard(block, mesh=mesh, ignored_params={p for p in block.parameters() if p.requires_grad})
-            fully_shard(root, mesh=mesh, ignored_params={p for p in root.parameters() if p.requires_grad})
+            edges = edge_modules(root)
+            kinds = ", ".join(sorted({type(b).__name__ for b in blocks}))  # before fully_shard renames the classes
+            # inner blocks first: an outer one then takes what is left; the root takes what no unit holds
+            for unit in [*reversed(blocks), *edges, root]:
+                fully_shard(unit, mesh=mesh, ignored_params={p for p in unit.parameters() if p.requires_grad})
             for p in root.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(self.device)
+            edge_note = (" + input embeddings and output head, each its own unit" if edges else
+                         " (embeddings and output head in the root's unit)")
+            done.append(f"{name}: {len(blocks)} blocks ({kinds}){edge_note}")
+        return done
 
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """The mean over processes of the gradients of `params` (fsdp: the unsharded LoRA weights), in one
@@ -140,3 +149,20 @@ class Processes:
         if self.several and dist.is_initialized():
             self.barrier()
             dist.destroy_process_group()
+
+
+def edge_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """A transformers model's input embeddings and output head, to be sharded as units of their own: left in the
+    root's unit, FSDP2 keeps them gathered from the first forward to the end of backward (it does not reshard the
+    root after forward), which for a large vocabulary is gigabytes per process. Tied weights (one parameter in
+    both) stay in the root: a parameter belongs to one unit."""
+    get_input, get_output = getattr(root, "get_input_embeddings", None), getattr(root, "get_output_embeddings", None)
+    if get_input is None or get_output is None:
+        return []
+    parts = [get_input(), get_output()]
+    if not all(isinstance(part, torch.nn.Module) and isinstance(getattr(part, "weight", None), torch.Tensor)
+               for part in parts):
+        return []
+    if parts[0].weight is parts[1].weight:
+        return []
+    return parts

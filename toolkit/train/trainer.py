@@ -191,7 +191,8 @@ class Trainer:
             raise UserError(f"data.path: {cfg.data.path} gave no training samples")
         self.adapter.place_for_training()
         if self.sharded:  # before the optimizer and EMA see the LoRA weights: sharding moves them to the device
-            procs.shard(self.adapter.shard_roots())
+            for line in procs.shard(self.adapter.shard_roots()):
+                self.log(f"device.distributed=fsdp: sharded {line}")
         probing = self._probes_batch_size()
         self.order = BatchOrder(self.dataset.groups, cfg.train.batch_size, cfg.run.seed,
                                 world_size=procs.world_size, rank=procs.rank)
