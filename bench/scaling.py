@@ -1,7 +1,8 @@
 """1 GPU vs N GPUs (default 2) in one run: the toolkit's real launcher beside a plain hand-written DDP loop.
 
     python bench/scaling.py [--gpus 2] [--llm-warmup 10 --llm-steps 20] [--sdxl-warmup 5 --sdxl-steps 10]
-                            [--skip-llm] [--skip-sdxl] [--no-plain-sdxl] [--out results.json] [--logs DIR]
+                            [--skip-llm] [--skip-sdxl] [--no-plain-sdxl] [--no-plain-compiled] [--fsdp]
+                            [--stacks toolkit,plain,plain-compiled] [--counts 1,2] [--out results.json] [--logs DIR]
     python bench/scaling.py --tiny      # tiny:llm and tiny:sdxl on the CPU, 2 processes over gloo (a check)
 
 Workloads (random weights, nothing downloaded):
@@ -15,7 +16,10 @@ Each workload runs, every run a fresh process (group):
 - toolkit, N GPUs: `python -m toolkit train <cfg> ... --gpus N` (the toolkit's own launcher)
 - plain, 1 and N GPUs: this file's --plain-worker under torchrun: transformers / diffusers + PEFT + torch fused
   AdamW, bf16 weights under bf16 autocast (as bench/llm.py's plain loop), wrapped in DistributedDataParallel
-  when N > 1; each rank draws its own data.
+  when N > 1; each rank draws its own data. For the LLM also plain-compiled: the same loop with each decoder layer
+  compiled (`layer.compile()`), the fastest plain loop a user writes.
+- --fsdp: the toolkit on N GPUs with device.distributed=ddp, then fsdp, on a 12B-class base (bench/llm.py's
+  nemo-12b shape; gradient checkpointing, 1 x 1024 tokens per GPU, compile off): per-GPU peak memory and the ratio.
 
 Throughput: wall clock between the end of the warm-up steps and the last step, for both stacks. The toolkit's
 comes from its own logs/metrics.jsonl (log.every = warm-up steps, so a record is written at the last warm-up step
