@@ -106,9 +106,11 @@ def test_sd_on_two_processes_keeps_every_rank_in_step_and_saves_each_ranks_rng(t
     out = tmp_path / "sd"
     proc = train(2, SD, out, "train.steps=4", "train.batch_size=2", "save.every=2", "train.grad_accum=2",
                  f"device.distributed={distributed}", "sample.prompts=[a red circle]", "sample.every=4",
-                 "sample.num_inference_steps=2")
+                 "sample.num_inference_steps=2", "train.gradient_checkpointing=true")
     assert proc.returncode == 0
     assert proc.stderr.count("processes: LoRA weights identical on all 2") == 1
+    # the UNet's blocks are checkpointed under fsdp too
+    assert "blocks: unet: 5 blocks, 5 gradient-checkpointed, 0 swapped" in proc.stderr
     # the main process filled the latent cache (or found it filled); the other read it and printed nothing
     assert proc.stderr.count("latents: ") == 1
     assert "latents: 0 cached, 24 encoded" in proc.stderr or "latents: 24 cached, 0 encoded" in proc.stderr
@@ -183,3 +185,9 @@ def test_fsdp_shards_untied_embeddings_and_head_as_units_of_their_own(tied):
     edges = edge_modules(model)
     assert edges == ([] if tied else [model.model.embed_tokens, model.lm_head])
     assert edge_modules(torch.nn.Linear(2, 2)) == []  # not a transformers model: nothing of the kind
+    # fully_shard swaps each unit's class for an FSDP subclass (FSDPLlamaDecoderLayer): still a block to compile
+    from toolkit.models.base import repeated_blocks
+
+    layer = model.model.layers[0]
+    layer.__class__ = type("FSDP" + type(layer).__name__, (type(layer),), {})
+    assert repeated_blocks(model, outermost=True) == [layer]

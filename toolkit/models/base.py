@@ -221,9 +221,11 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
 
 
 def repeated_blocks(root: torch.nn.Module, outermost: bool = False) -> list[torch.nn.Module]:
-    """The model's `_no_split_modules` blocks, in module order (with `outermost`, not those inside another)."""
+    """The model's `_no_split_modules` blocks, in module order (with `outermost`, not those inside another).
+    A block's class counts by any name in its MRO: FSDP2's fully_shard renames a LlamaDecoderLayer's class to
+    FSDPLlamaDecoderLayer (a subclass)."""
     block_types = set(getattr(root, "_no_split_modules", None) or [])
-    blocks = [m for m in root.modules() if type(m).__name__ in block_types]
+    blocks = [m for m in root.modules() if any(c.__name__ in block_types for c in type(m).__mro__)]
     if not outermost:
         return blocks
     inner = {id(m) for block in blocks for m in block.modules() if m is not block}

@@ -15,6 +15,15 @@ import torch
 from toolkit.models.base import repeated_blocks
 
 
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether `module` is an FSDP2 unit (device.distributed=fsdp)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a PyTorch build without torch.distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def without_ddp_graph_splitting() -> None:
     """Blocks compiled one by one run inside DistributedDataParallel's forward with several processes, where dynamo
     by default hands every graph it compiles to its DDPOptimizer, which splits graphs at gradient-bucket borders so
@@ -40,8 +49,11 @@ def compile_blocks(roots: Mapping[str, torch.nn.Module], log: Callable[[str], No
         if not blocks:
             log(f"train.compile: the {name} ({type(root).__name__}) names no repeated blocks; it runs uncompiled")
         for block in blocks:
-            block.compile()
-            kinds.add(type(block).__name__)
+            if is_sharded(block):  # fsdp: its gather/free hooks stay outside the graph, the forward is compiled
+                block.forward = torch.compile(block.forward)
+            else:
+                block.compile()
+            kinds.add(type(block).__name__.removeprefix("FSDP"))
         count += len(blocks)
     if count:
         log(f"train.compile: {count} blocks ({', '.join(sorted(kinds))}) compiled one by one; the first steps "

@@ -82,8 +82,7 @@ class Processes:
             for p in root.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(self.device)
-            edge_note = (" + input embeddings and output head, each its own unit" if edges else
-                         " (embeddings and output head in the root's unit)")
+            edge_note = " + input embeddings and output head, each its own unit" if edges else ""
             done.append(f"{name}: {len(blocks)} blocks ({kinds}){edge_note}")
         return done
 
