@@ -232,6 +232,15 @@ def repeated_blocks(root: torch.nn.Module, outermost: bool = False) -> list[torc
     return [b for b in blocks if id(b) not in inner]
 
 
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether `module` is an FSDP2 unit (device.distributed=fsdp)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a PyTorch build without torch.distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 

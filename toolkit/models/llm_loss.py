@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from toolkit.kernels.linear_cross_entropy import IGNORE_INDEX, HeadMath, chunk_loss_and_grad, compiled_step, linear_cross_entropy
+from toolkit.models.base import is_sharded
 
 # model_type -> what its CausalLM forward does to lm_head's output (read from the config)
 HEAD_MATH: dict[str, Callable[[Any], HeadMath]] = {
@@ -82,11 +83,7 @@ class DecoderHiddenStates(torch.nn.Module):
 def gathered(module: torch.nn.Module) -> Iterator[None]:
     """An FSDP2 unit's weights whole for the block (the output head as a unit of its own, device.distributed=fsdp),
     sharded again after; any other module as it is."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a PyTorch build without torch.distributed
-        FSDPModule = ()  # noqa: N806
-    if not isinstance(module, FSDPModule):
+    if not is_sharded(module):
         yield
         return
     module.unshard()

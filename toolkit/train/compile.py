@@ -12,16 +12,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from toolkit.models.base import repeated_blocks
-
-
-def is_sharded(module: torch.nn.Module) -> bool:
-    """Whether `module` is an FSDP2 unit (device.distributed=fsdp)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a PyTorch build without torch.distributed
-        return False
-    return isinstance(module, FSDPModule)
+from toolkit.models.base import is_sharded, repeated_blocks
 
 
 def without_ddp_graph_splitting() -> None:
