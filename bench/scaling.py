@@ -418,16 +418,22 @@ def gib(values) -> str:
     return " / ".join(f"{v:.1f}" for v in values) if values else "-"
 
 
+def measured(rows: dict, key: tuple, label: str) -> dict | None:
+    """The row for `key`, or None when there is none or it failed (a failure is printed, under `label`)."""
+    r = rows.get(key)
+    if r is not None and "error" in r:
+        print(f"{label} FAILED: {r['error'].splitlines()[0]}")
+        return None
+    return r
+
+
 def print_fsdp(rows: dict, shape: str, n: int) -> None:
     print(f"\nfsdp vs ddp on {n} GPUs: the toolkit, LLM {shape}, LoRA r=16, gradient checkpointing, "
           f"1 sequence per GPU, compile off")
     print(f"{'mode':<6} {'tokens/s':>10} {'per-GPU peak GiB':>18}  ranks")
     for mode in ("ddp", "fsdp"):
-        r = rows.get((mode, n))
+        r = measured(rows, (mode, n), f"{mode:<6}")
         if r is None:
-            continue
-        if "error" in r:
-            print(f"{mode:<6} FAILED: {r['error'].splitlines()[0]}")
             continue
         print(f"{mode:<6} {r['units_per_s']:>10,.1f} {gib(r['peak_gib']):>18}  {r.get('rank_check', '-')}")
     ddp, fsdp = rows.get(("ddp", n), {}), rows.get(("fsdp", n), {})
@@ -444,11 +450,8 @@ def print_table(title: str, unit: str, rows: dict, gpus: int) -> None:
           f"{'toolkit/plain':>13} {'/plain-compiled':>15}  ranks max|diff|")
     for stack in ("toolkit", *PLAIN_STACKS):
         for n in sorted({1, gpus}):
-            r = rows.get((stack, n))
+            r = measured(rows, (stack, n), f"{stack:<15} {n:>4}")
             if r is None:
-                continue
-            if "error" in r:
-                print(f"{stack:<15} {n:>4} FAILED: {r['error'].splitlines()[0]}")
                 continue
             one = rows.get((stack, 1), {})
             scaling = f"{r['units_per_s'] / one['units_per_s']:.2f}x" if n > 1 and "units_per_s" in one else "-"
