@@ -42,6 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from kernel_profile import print_summary  # noqa: E402  (bench/ is on the path when a script here runs)
+
 H100_H200_BF16_FLOPS = 989e12
 ROWS = ("plain", "plain-compiled", "liger", "liger-compiled", "unsloth", "toolkit-eager", "toolkit", "toolkit-8bit")
 SHAPES = {
@@ -131,15 +133,13 @@ def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int, 
 
 def timed_training(model, steps: int, warmup: int, batch: int, seq: int, read_loss: bool = False) -> dict:
     """The hand-written loop every peer row shares: fused AdamW on the trainable weights, bf16 autocast, the
-    norm clipped to 1.0; the steps after `warmup` timed with CUDA events."""
+    norm clipped to 1.0; the steps after `warmup` timed with CUDA events. With BENCH_PROFILE set, a few more
+    steps run under the profiler and their summary is in the result's "profile"."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     ids = torch.randint(4, 400, (batch, seq), device="cuda")
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for step in range(steps + warmup):
-        if step == warmup:
-            start.record()
+
+    def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
@@ -148,10 +148,26 @@ def timed_training(model, steps: int, warmup: int, batch: int, seq: int, read_lo
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for n in range(steps + warmup):
+        if n == warmup:
+            start.record()
+        step()
     end.record()
     torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 1000
-    return {"tokens_per_s": steps * batch * seq / seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    result = {"tokens_per_s": steps * batch * seq / seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    if os.environ.get("BENCH_PROFILE"):
+        from kernel_profile import profiled
+        from trainer_rate import PROFILED_STEPS
+
+        result["profile"] = {}
+        with profiled(PROFILED_STEPS, result["profile"]):
+            for _ in range(PROFILED_STEPS):
+                step()
+    return result
 
 
 def toolkit_run(model_dir: Path, data: Path, out: Path, optimizer: str, steps: int, warmup: int, batch: int,
@@ -162,8 +178,9 @@ def toolkit_run(model_dir: Path, data: Path, out: Path, optimizer: str, steps: i
                  f"train.batch_size={batch}", *extra]
     config = ("model: {family: llm}\nnetwork: {rank: 16, alpha: 16}\ntrain: {lr: 1.0e-4, precision: bf16,"
               " gradient_checkpointing: false}\nsave: {every: 0}\nlog: {tensorboard: false}\n")
-    rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup)
-    return {"tokens_per_s": rate * batch * seq, "peak_gib": peak}
+    profile = {} if os.environ.get("BENCH_PROFILE") else None
+    rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup, profile=profile)
+    return {"tokens_per_s": rate * batch * seq, "peak_gib": peak, **({"profile": profile} if profile else {})}
 
 
 def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
@@ -218,6 +235,8 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per row")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile a few steps of every row after its timed ones; prints where GPU time goes")
     parser.add_argument("--unsloth-path", default="/tmp/peer", help="where the carried unsloth wheels are installed")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -228,6 +247,8 @@ def main() -> None:
     if args.worker:
         args.json.write_text(json.dumps(run_row(args.worker, args, args.model_dir, args.data, args.work)))
         return
+    if args.profile:
+        os.environ["BENCH_PROFILE"] = "1"  # read by the rows' processes
     work = Path(tempfile.mkdtemp(prefix="bench-llm-"))
     model_dir, data = work / "model", work / "data.jsonl"
     write_model(model_dir, args.shape, args.layers)
@@ -247,6 +268,9 @@ def main() -> None:
         plain = plain or (r["tokens_per_s"] if row == "plain" else None)
         ratio = f"{r['tokens_per_s'] / plain:>9.2f}" if plain else f"{'':>9}"
         print(f"{row:<16} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {r['peak_gib']:>9.1f} {ratio}", flush=True)
+    for row, r in results.items():
+        if "profile" in r:
+            print_summary(row, r["profile"])
     if args.out:
         args.out.write_text(json.dumps({"shape": args.shape, "device": torch.cuda.get_device_name(),
                                         "torch": torch.__version__, "rows": results}, indent=1))
