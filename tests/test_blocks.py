@@ -267,9 +267,12 @@ def test_cuda_graphs_apply_only_to_a_whole_denoiser_replayed_unchanged(setting, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
-def test_cuda_graphs_train_the_same_lora_as_ordinary_launches(tmp_path, run_cli, capsys):
+def test_cuda_graphs_train_the_same_lora_as_ordinary_launches(tmp_path, run_cli, capsys, monkeypatch):
     """The SD quickstart's UNet compiled whole, replayed as a CUDA graph or launched kernel by kernel: the same
-    losses step by step and the same LoRA (the graph replays the compiled kernels; only the launching differs)."""
+    losses step by step and the same LoRA (the graph replays the compiled kernels; only the launching differs).
+    cuDNN's TF32 convolutions (torch's default) are off: the two compilations may pick different convolution
+    algorithms, whose TF32 roundings differ by far more than the tolerance."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     losses, weights = {}, {}
     for graphs in (True, False):
         out = tmp_path / f"graphs-{graphs}"
@@ -282,7 +285,8 @@ def test_cuda_graphs_train_the_same_lora_as_ordinary_launches(tmp_path, run_cli,
         weights[graphs] = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
     assert len(losses[True]) == 6
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
-    assert all(torch.allclose(weights[True][k], weights[False][k], atol=1e-5) for k in weights[False])
+    worst = max((weights[True][k].float() - weights[False][k].float()).abs().max().item() for k in weights[False])
+    assert worst <= 1e-5, f"LoRA weights differ by up to {worst:.3g}"
 
 
 @pytest.mark.parametrize("count, splits", [(6, False), (1, True)])

@@ -129,7 +129,8 @@ class _Blockwise8bitOptimizer(torch.optim.Optimizer):
             for device, steps in counts.items():
                 if device not in scaler:
                     scaler[device] = _ScalerInputs(found_inf, grad_scale, device)
-                torch._foreach_add_(steps, scaler[device].taken)
+                taken = scaler[device].taken  # one device tensor per count: _foreach_add_ with one tensor syncs
+                torch._foreach_add_(steps, [taken] * len(steps) if torch.is_tensor(taken) else taken)
             for device, triples in unfused.items():
                 self._unfused_update(triples, group, scaler[device])
             for key, triples in fused.items():
