@@ -18,7 +18,6 @@ Rows (--rows, comma-separated; a row whose package is missing is reported as ski
   toolkit-8bit     the same with the toolkit's adamw8bit
   toolkit-nofuse   train.compile on, model.kernels=none (what the fused loss adds)
   toolkit-ckpt     the defaults + train.gradient_checkpointing=true (memory)
-  toolkit-graphs   the defaults + train.cuda_graphs=true (each compiled decoder block replayed as a CUDA graph)
 
     python bench/llm.py [--shape llama-1b] [--steps 30 --warmup 5] [--rows plain,toolkit] [--out result.json]
 
@@ -198,7 +197,6 @@ def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
         return plain_stack(*common, compile_layers=True, liger="flce")
     extra = {"toolkit-eager": ["train.compile=false", "model.kernels=none"], "toolkit": [], "toolkit-8bit": [],
              "toolkit-nofuse": ["train.compile=true", "model.kernels=none"],
-             "toolkit-graphs": ["train.cuda_graphs=true"],
              "toolkit-ckpt": ["train.gradient_checkpointing=true"]}[row]
     optimizer = "adamw8bit" if row == "toolkit-8bit" else "adamw"
     return toolkit_run(model_dir, data, work / f"run-{row}", optimizer, args.steps, args.warmup, args.batch,

@@ -291,9 +291,11 @@ def test_compiled_blocks_train_the_same_losses_as_eager(tmp_path):
 
     common = ["train", REPO / "configs/examples/quickstart_llm.yaml", "train.steps=4", "log.every=1",
               "train.optimizer=adamw", "sample.every=0", "log.tensorboard=false"]
-    eager = run_toolkit(*common, f"run.output_dir={tmp_path / 'eager'}", "train.compile=false", timeout=600)
+    eager = run_toolkit(*common, f"run.output_dir={tmp_path / 'eager'}", "train.compile=false",
+                        "train.cuda_graphs=true", timeout=600)
     compiled = run_toolkit(*common, f"run.output_dir={tmp_path / 'compiled'}", "train.compile=true", timeout=600)
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr
+    assert "train.cuda_graphs: applies to a denoiser compiled whole; the decoder blocks keep" in eager.stderr
     assert "train.compile: 2 blocks (LlamaDecoderLayer) compiled one by one" in compiled.stderr
     assert "train.compile: the first step took" in compiled.stderr and "recompile_limit" not in compiled.stderr
     validated = run_toolkit("validate", REPO / "configs/examples/quickstart_llm.yaml").stdout

@@ -27,11 +27,9 @@ def without_ddp_graph_splitting() -> None:
     torch._dynamo.config.optimize_ddp = False
 
 
-def compile_blocks(roots: Mapping[str, torch.nn.Module], log: Callable[[str], None], graphs: bool = False) -> int:
+def compile_blocks(roots: Mapping[str, torch.nn.Module], log: Callable[[str], None]) -> int:
     """Compile the outermost repeated blocks of every root in place; returns how many. A block that dynamo
-    cannot compile runs eagerly (dynamo prints why) instead of stopping the run. With `graphs`, every block is
-    compiled in reduce-overhead mode: its kernels are recorded once and replayed as one CUDA/HIP graph per block
-    call (the caller marks each step's start)."""
+    cannot compile runs eagerly (dynamo prints why) instead of stopping the run."""
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True
@@ -41,15 +39,14 @@ def compile_blocks(roots: Mapping[str, torch.nn.Module], log: Callable[[str], No
         blocks = repeated_blocks(root, outermost=True)
         if not blocks:
             log(f"train.compile: the {name} ({type(root).__name__}) names no repeated blocks; it runs uncompiled")
-        options = {"mode": "reduce-overhead"} if graphs else {}
         for block in blocks:
             if is_sharded(block):  # fsdp: its gather/free hooks stay outside the graph, the forward is compiled
-                block.forward = torch.compile(block.forward, **options)
+                block.forward = torch.compile(block.forward)
             else:
-                block.compile(**options)
+                block.compile()
             kinds.add(type(block).__name__.removeprefix("FSDP"))
         count += len(blocks)
     if count:
-        log(f"train.compile: {count} blocks ({', '.join(sorted(kinds))}) compiled one by one"
-            f"{', each replayed as a CUDA graph' if graphs else ''}; the first steps include the compilation")
+        log(f"train.compile: {count} blocks ({', '.join(sorted(kinds))}) compiled one by one; the first steps "
+            "include the compilation")
     return count
