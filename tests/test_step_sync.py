@@ -138,3 +138,22 @@ def test_launching_a_step_never_waits_with_two_processes(config, tmp_path):
         assert report["launches"] == 6, (rank, report)
         assert report["found"] == [], f"rank {rank}: synchronizing calls while a step launched:\n" + "\n".join(
             dict.fromkeys(report["found"]))
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_fetched_step_numbers_read_as_the_direct_read(several):
+    """StepSums.fetch() copies the numbers behind the step's own work (read a step later, they wait for that step
+    only); what read() then gives equals reading the device tensors directly, to the last bit."""
+    from toolkit.train.step import StepSums
+
+    def sums():
+        counts = torch.tensor([3.0, 517.0, 0.0]) if several else [3.0, 517.0, 0.0]
+        return StepSums(torch.tensor(1.2345678, dtype=torch.float32), counts, grad_norm=torch.tensor(0.3141592))
+
+    direct, fetched = sums(), sums()
+    direct.read()
+    fetched.fetch()
+    fetched.read()
+    assert (fetched.mean, fetched.tokens, fetched.stops) == (direct.mean, direct.tokens, direct.stops)
+    assert fetched.grad_norm == float(direct.grad_norm) and isinstance(fetched.grad_norm, float)
+    assert fetched.mean == float(torch.tensor(1.2345678, dtype=torch.float32)) / 3.0

@@ -24,11 +24,41 @@ class StepSums:
     stops: float = 0.0
     done: bool = False
     ended: "StepEnd | None" = None
+    host: "torch.Tensor | None" = None      # set by fetch(): the numbers on their way to host memory
+    copied: "torch.cuda.Event | None" = None
+
+    def fetch(self) -> None:
+        """Start copying the step's numbers (loss, counts, gradient norm) to host memory right behind the step's
+        work on the GPU's stream, so that read() waits for this step only. A read that copies later queues behind
+        whatever was launched since: reading step N-1 after step N was launched would wait for step N to finish,
+        and the GPU would idle while the host launches step N+1 (measured: 3.4 ms a step, bench/llm.py
+        --profile, LLM 1B shape on an H200)."""
+        values = [self.loss.reshape(1)] + ([self.counts.reshape(-1)] if torch.is_tensor(self.counts) else [])
+        if torch.is_tensor(self.grad_norm):
+            values.append(self.grad_norm.reshape(1))
+        stacked = torch.cat([v.double() for v in values])
+        cuda = stacked.device.type == "cuda"
+        self.host = torch.empty(stacked.shape, dtype=torch.float64, pin_memory=cuda)
+        self.host.copy_(stacked, non_blocking=cuda)
+        if cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
     def read(self) -> None:
         if self.done:
             return
-        if torch.is_tensor(self.counts):
+        if self.host is not None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            values = self.host.tolist()
+            loss, rest = values[0], values[1:]
+            if torch.is_tensor(self.counts):
+                (units, self.tokens, self.stops), rest = rest[:3], rest[3:]
+            else:
+                units, self.tokens, self.stops = self.counts
+            if torch.is_tensor(self.grad_norm):
+                self.grad_norm = rest[0]
+        elif torch.is_tensor(self.counts):
             loss, units, self.tokens, self.stops = torch.cat([self.loss.reshape(1), self.counts]).tolist()
         else:
             loss, (units, self.tokens, self.stops) = self.loss.item(), self.counts
@@ -137,6 +167,8 @@ class Stepper:
         self.scheduler.step()
         sums.lr = self.scheduler.get_last_lr()[0]
         sums.ended = StepEnd.now(device)
+        if self.skips_on_device:  # read a step later, without waiting for the steps launched after this one
+            sums.fetch()          # (after `ended`: that event has completed once the copy has)
         return sums
 
     def _update(self, sums: StepSums) -> None:
