@@ -15,6 +15,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import REPO
+from helpers import read_metrics
 from toolkit.train import batch_size as bs
 
 GiB = 2**30
@@ -313,3 +314,75 @@ def test_a_probe_that_breaks_leaves_the_run_on_the_presets_table(probe, shapes, 
     assert (f"train.batch_size=auto -> {table}: the preset's table: the batch probe failed (RuntimeError: CUDA driver "
             "error: unknown)\n") in err
     assert not (own_data_caches / "batch_size.json").exists()
+
+
+@pytest.mark.parametrize("peak_gib, needed", [(20.0, True), (1.0, False)])
+def test_auto_gradient_checkpointing_is_measured_at_the_batch_size(peak_gib, needed, shapes, own_data_caches,
+                                                                   tmp_path, run_cli, capsys, monkeypatch):
+    """train.gradient_checkpointing=auto with a batch size set, on a 10 GiB 'device' (limit 8.10 GiB): one real
+    forward + backward at the run's batch without checkpointing, its peak modelled; over the limit turns
+    checkpointing on (the UNet's blocks are wrapped with it), within it leaves it off. The measurement leaves no
+    trace: the LoRA equals the one trained with the same setting given by hand."""
+    from toolkit.device.detect import DeviceInfo
+
+    calls = []
+
+    def peak(run, device):
+        run()
+        calls.append(device)
+        return int(peak_gib * GiB)
+
+    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
+    monkeypatch.setattr(bs, "peak_bytes", peak)
+    monkeypatch.setattr("toolkit.config.run.detect_device",
+                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
+    auto = tmp_path / "auto"
+    common = (shapes, *SHORT, "train.batch_size=2", "train.compile=false")  # the cpu preset sets it false: auto here
+    assert run_cli("train", SD, f"run.output_dir={auto}", *common, "train.gradient_checkpointing=auto") == 0
+    err = capsys.readouterr().err
+    relation = "over the" if needed else "within the"
+    assert (f"train.gradient_checkpointing=auto -> {needed}: a step of batch 2 peaked at {peak_gib:.2f} GiB without "
+            f"it, {relation} limit 8.10 GiB = device.memory_fraction 0.9 of 10 GiB") in err
+    assert len(calls) == 1
+    blocks = [line for line in err.splitlines() if line.startswith("blocks: unet:")]
+    assert len(blocks) == 1 and (" 0 gradient-checkpointed" in blocks[0]) is (not needed)
+    assert saved_train(auto)["gradient_checkpointing"] is needed
+
+    by_hand = tmp_path / "by_hand"
+    assert run_cli("train", SD, f"run.output_dir={by_hand}", *common, f"train.gradient_checkpointing={needed}") == 0
+    assert "train.gradient_checkpointing=auto" not in capsys.readouterr().err and len(calls) == 1
+    measured, given = lora(auto), lora(by_hand)
+    assert measured.keys() == given.keys() and all(torch.equal(measured[k], given[k]) for k in measured)
+
+
+def test_auto_gradient_checkpointing_on_an_llm_turns_on_transformers_checkpointing(tmp_path, run_cli, capsys,
+                                                                                  monkeypatch):
+    """The llm family checkpoints through transformers: a measured need turns it on for the loaded model, and
+    the run trains the same losses as with train.gradient_checkpointing=true given by hand."""
+    from toolkit.device.detect import DeviceInfo
+    from toolkit.models.llm import LLMAdapter
+
+    enabled, enable = [], LLMAdapter.enable_gradient_checkpointing
+
+    def recorded(adapter):
+        enable(adapter)
+        enabled.append(adapter.network.get_base_model().is_gradient_checkpointing)
+
+    monkeypatch.setattr(LLMAdapter, "enable_gradient_checkpointing", recorded)
+    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
+    monkeypatch.setattr(bs, "peak_bytes", lambda run, device: (run(), None)[1])  # out of memory without it
+    monkeypatch.setattr("toolkit.config.run.detect_device",
+                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
+    common = ("train.steps=2", "save.every=0", "sample.every=0", "log.every=1", "log.tensorboard=false",
+              "train.batch_size=2", "train.compile=false")
+    losses = {}
+    for name, extra in (("auto", ("train.gradient_checkpointing=auto",)),
+                        ("by_hand", ("train.gradient_checkpointing=true",))):
+        out = tmp_path / name
+        assert run_cli("train", REPO / "configs/examples/quickstart_llm.yaml", f"run.output_dir={out}", *common,
+                       *extra) == 0
+        losses[name] = [r["loss"] for r in read_metrics(out)]
+    err = capsys.readouterr().err
+    assert "train.gradient_checkpointing=auto -> True: a step of batch 2 ran out of memory without it" in err
+    assert enabled == [True] and saved_train(tmp_path / "auto")["gradient_checkpointing"] is True
+    assert len(losses["auto"]) == 2 and losses["auto"] == losses["by_hand"]

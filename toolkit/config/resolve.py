@@ -80,7 +80,10 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         problems.append(f"'train.batch_size' must be a positive integer or auto, got {cfg.train.batch_size!r}")
     if cfg.train.gradient_checkpointing == "auto":
         cfg.train.gradient_checkpointing = False
-        decisions.append(Decision("train.gradient_checkpointing", False, "the preset does not ask for it"))
+        decisions.append(Decision("train.gradient_checkpointing", False, (
+            "off on the CPU (memory is not measured there)" if device.backend == "cpu" else
+            "off unless a step at the run's batch size does not fit without it, measured at the start "
+            "(train/batch_size.py; with train.batch_size=auto: unless a batch of 1 does not fit)")))
     elif not isinstance(cfg.train.gradient_checkpointing, (bool, int)) or (
             not isinstance(cfg.train.gradient_checkpointing, bool) and cfg.train.gradient_checkpointing < 0):
         problems.append(f"'train.gradient_checkpointing' must be true, false, auto or a number of blocks, got "

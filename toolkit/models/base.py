@@ -183,6 +183,11 @@ class AdapterBase:
         blocks and then itself are sharded). Default: the trainable modules themselves."""
         return self.trainable_modules()
 
+    def enable_gradient_checkpointing(self) -> None:
+        """Turn gradient checkpointing on after loading (train.gradient_checkpointing=auto measured that a step
+        needs it). The diffusion families need nothing here: train/blocks.py reads the setting when it wraps the
+        denoiser's blocks, which comes later."""
+
     def block_regions(self) -> dict[str, list[torch.nn.Module]]:
         """By trainable module, its repeated blocks in forward order, which train/blocks.py compiles, checkpoints
         and swaps one by one. Empty (the default): the trainer compiles shard_roots' repeated blocks whole and the

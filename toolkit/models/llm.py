@@ -181,6 +181,10 @@ class LLMAdapter(AdapterBase):
         if why:
             self.log(why)
 
+    def enable_gradient_checkpointing(self) -> None:
+        self.network.get_base_model().gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+
     def base_parameters(self) -> int:
         return self._count_parameters({"revision": self.cfg.model.revision,
                                        "trust_remote_code": self.cfg.model.trust_remote_code})

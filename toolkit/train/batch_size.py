@@ -213,15 +213,14 @@ def choose_batch_size(micro_step: Callable[[int], None], params: list[torch.nn.P
     return size, f"measured: {why}"
 
 
-def probe_for_run(trainer) -> tuple[int, str]:
-    """The main process's probe for a Trainer set up as far as its blocks (not its optimizer): the budget, the cap,
-    the cache key, and the measurement through the adapter's loss on the data's largest batch."""
+def _micro_step_and_budget(trainer) -> tuple[Callable[[int], None], list, Budget]:
+    """Forward + backward through the adapter's loss on the data's largest batch of a size, the LoRA weights, and
+    the budget a micro-step's peak may reach, for a Trainer set up as far as its data (not its optimizer)."""
     t = trainer
-    cfg, procs, device, dataset = t.cfg, t.procs, t.accelerator.device, t.dataset
+    cfg, dataset = t.cfg, t.dataset
     modules, params = t.adapter.trainable_modules(), trainable_parameters(t.adapter.network)
     budget = probe_budget(t.run_cfg.device.memory_gb, cfg.device.memory_fraction, sum(p.numel() for p in params),
-                          cfg.train.ema_decay > 0, procs.world_size)
-    cap = probe_cap(len(dataset), procs.world_size, cfg.train.global_batch_size)
+                          cfg.train.ema_decay > 0, t.procs.world_size)
 
     def micro_step(size: int) -> None:
         batch = dataset.collate(dataset.largest_batch(size))
@@ -230,6 +229,34 @@ def probe_for_run(trainer) -> tuple[int, str]:
         loss.backward()
 
     t.adapter.network.train()  # as it trains (transformers checkpoints layers only in training mode)
+    return micro_step, params, budget
+
+
+def checkpointing_for_run(trainer, size: int) -> tuple[bool, str]:
+    """train.gradient_checkpointing=auto with a batch size set: whether a micro-step of `size` on the data's
+    largest batch needs it, measured without it (the main process, before the blocks are wrapped)."""
+    micro_step, params, budget = _micro_step_and_budget(trainer)
+    device = trainer.accelerator.device
+    state = rng_state()  # the measurement draws noise, timesteps, dropout: training starts from the same draws
+    try:
+        peak = peak_bytes(lambda: micro_step(size), device)
+    finally:
+        restore_rng_state(state)
+        release_probe(params, device)
+    if peak is None:
+        return True, f"a step of batch {size} ran out of memory without it ({budget.why})"
+    if peak > budget.limit:
+        return True, f"a step of batch {size} peaked at {peak / GiB:.2f} GiB without it, over the {budget.why}"
+    return False, f"a step of batch {size} peaked at {peak / GiB:.2f} GiB without it, within the {budget.why}"
+
+
+def probe_for_run(trainer) -> tuple[int, str]:
+    """The main process's probe for a Trainer set up as far as its blocks (not its optimizer): the budget, the cap,
+    the cache key, and the measurement through the adapter's loss on the data's largest batch."""
+    t = trainer
+    cfg, procs, device, dataset = t.cfg, t.procs, t.accelerator.device, t.dataset
+    micro_step, params, budget = _micro_step_and_budget(t)
+    cap = probe_cap(len(dataset), procs.world_size, cfg.train.global_batch_size)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = cache_key(t.container, name, t.run_cfg.device.memory_gb, procs.world_size, budget, cap[0],
                     batch_shapes(dataset.collate(dataset.largest_batch(1))))

@@ -34,8 +34,8 @@ from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
 from toolkit.paths import cache_root
 from toolkit.train.attention import choose_for_run
-from toolkit.train.batch_size import (accumulate_to, checkpoint_batch, measures_on, probe_cap, probe_for_run,
-                                      release_probe)
+from toolkit.train.batch_size import (accumulate_to, checkpoint_batch, checkpointing_for_run, measures_on,
+                                      probe_cap, probe_for_run, release_probe)
 from toolkit.train.blocks import prepare_blocks
 from toolkit.train.compile import compile_blocks
 from toolkit.train.checkpoint import (TRAINABLE, find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
@@ -194,6 +194,9 @@ class Trainer:
             for line in procs.shard(self.adapter.shard_roots()):
                 self.log(f"device.distributed=fsdp: sharded {line}")
         probing = self._probes_batch_size()
+        self.compiled = 0  # the blocks are wrapped below; a measurement before runs them as they load
+        if self._measures_checkpointing():
+            self._decide_checkpointing(1 if probing else self.cfg.train.batch_size)
         self.order = BatchOrder(self.dataset.groups, cfg.train.batch_size, cfg.run.seed,
                                 world_size=procs.world_size, rank=procs.rank)
         self.compiled = self._prepare_blocks(probing)
@@ -290,6 +293,52 @@ class Trainer:
                      "device.distributed=fsdp every process would have to measure at once; the probe does not run)")
             return False
         return True
+
+    def _measures_checkpointing(self) -> bool:
+        """Whether train.gradient_checkpointing=auto is measured now: on a GPU, the base not sharded (every process
+        would have to measure)."""
+        if not self.run_cfg.checkpointing_auto or not measures_on(self.accelerator.device):
+            return False
+        if self.sharded:
+            self.log("train.gradient_checkpointing=auto -> False: not measured with device.distributed=fsdp; set it "
+                     "to true if a step runs out of memory")
+            return False
+        return True
+
+    def _decide_checkpointing(self, size: int) -> None:
+        """train.gradient_checkpointing=auto on a GPU: on only when a step of `size` (the run's batch size; 1 when
+        the batch size is probed next, which then fits the batch to the memory without checkpointing) does not fit
+        without it, measured on the main process (train/batch_size.py); every process takes the answer."""
+        procs, t = self.procs, self.cfg.train
+        choice = None
+        if procs.is_main:
+            try:
+                choice = checkpointing_for_run(self, size)
+            except (UserError, KeyboardInterrupt, SystemExit):
+                procs.from_main(None)
+                raise
+            except Exception as error:  # noqa: BLE001 - a measurement that breaks must not stop a run that would train
+                release_probe(trainable_parameters(self.adapter.network), self.accelerator.device)
+                choice = (False, f"kept off: the measurement failed ({type(error).__name__}: "
+                                 f"{str(error).splitlines()[0] if str(error) else ''})")
+            except BaseException:
+                procs.from_main(None)
+                raise
+        choice = procs.from_main(choice)
+        if choice is None:
+            raise OtherProcessFailed()
+        needed, why = choice
+        if needed:
+            t.gradient_checkpointing = True
+            self.adapter.enable_gradient_checkpointing()
+        line = f"train.gradient_checkpointing=auto -> {needed}: {why}"
+        self.log(line)
+        for decision in self.run_cfg.decisions:
+            if decision.key == "train.gradient_checkpointing":
+                decision.value, decision.reason = needed, line.split(": ", 1)[1]
+        self._resolve_config()
+        if procs.is_main:
+            _write_atomic(self.run_dir.config, self.config_yaml)
 
     def _probe_batch_size(self) -> None:
         """train.batch_size=auto on a GPU: the largest micro-batch whose forward + backward fits, measured on the main
