@@ -97,6 +97,11 @@ def takes_num_items_in_batch(model: torch.nn.Module) -> bool:
     return type(model).__module__.startswith("transformers.models.")
 
 
+def checkpoint_layers(model) -> None:
+    """transformers' gradient checkpointing of every decoder layer, non-reentrant (no inputs need grad)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def label_tokens(labels: torch.Tensor) -> int:
     """Tokens a causal-LM loss counts: labels after the one-token shift that are not IGNORE_INDEX."""
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
@@ -158,7 +163,7 @@ class LLMAdapter(AdapterBase):
             # Move first, then train: on HIP large host-to-device copies of a cast model can fail.
             model.to(self.runtime.device)
         if self.cfg.train.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_layers(model)
         model.config.use_cache = False
         # auto and all-linear adapt every linear layer but the output head; a list names modules.
         targets = target_modules(self.cfg.network.target_modules, "all-linear", "all-linear")
@@ -182,8 +187,7 @@ class LLMAdapter(AdapterBase):
             self.log(why)
 
     def enable_gradient_checkpointing(self) -> None:
-        self.network.get_base_model().gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(self.network.get_base_model())
 
     def base_parameters(self) -> int:
         return self._count_parameters({"revision": self.cfg.model.revision,

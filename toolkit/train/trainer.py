@@ -133,7 +133,7 @@ class Trainer:
         if resumed:
             saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))["train"]
             t.batch_size, note = checkpoint_batch(saved["batch_size"], checkpoint_processes(checkpoint), processes)
-            self._batch_decided(note)
+            self._auto_decided("train.batch_size", t.batch_size, note)
             if t.global_batch_size is not None:
                 t.grad_accum = saved["grad_accum"]
         elif t.global_batch_size is not None:
@@ -309,74 +309,63 @@ class Trainer:
         """train.gradient_checkpointing=auto on a GPU: on only when a step of `size` (the run's batch size; 1 when
         the batch size is probed next, which then fits the batch to the memory without checkpointing) does not fit
         without it, measured on the main process (train/batch_size.py); every process takes the answer."""
-        procs, t = self.procs, self.cfg.train
-        choice = None
-        if procs.is_main:
-            try:
-                choice = checkpointing_for_run(self, size)
-            except (UserError, KeyboardInterrupt, SystemExit):
-                procs.from_main(None)
-                raise
-            except Exception as error:  # noqa: BLE001 - a measurement that breaks must not stop a run that would train
-                release_probe(trainable_parameters(self.adapter.network), self.accelerator.device)
-                choice = (False, f"kept off: the measurement failed ({type(error).__name__}: "
-                                 f"{str(error).splitlines()[0] if str(error) else ''})")
-            except BaseException:
-                procs.from_main(None)
-                raise
-        choice = procs.from_main(choice)
-        if choice is None:
-            raise OtherProcessFailed()
-        needed, why = choice
+        needed, why = self._measured_on_main(lambda: checkpointing_for_run(self, size),
+                                             lambda failure: (False, f"kept off: the measurement failed ({failure})"))
         if needed:
-            t.gradient_checkpointing = True
+            self.cfg.train.gradient_checkpointing = True
             self.adapter.enable_gradient_checkpointing()
-        line = f"train.gradient_checkpointing=auto -> {needed}: {why}"
-        self.log(line)
-        for decision in self.run_cfg.decisions:
-            if decision.key == "train.gradient_checkpointing":
-                decision.value, decision.reason = needed, line.split(": ", 1)[1]
-        self._resolve_config()
-        if procs.is_main:
-            _write_atomic(self.run_dir.config, self.config_yaml)
+        self._auto_decided("train.gradient_checkpointing", needed, f"train.gradient_checkpointing=auto -> {needed}: {why}")
+        self._rewrite_config()
 
     def _probe_batch_size(self) -> None:
         """train.batch_size=auto on a GPU: the largest micro-batch whose forward + backward fits, measured on the main
         process (train/batch_size.py) or remembered from an earlier run; every process takes it."""
-        procs, t = self.procs, self.cfg.train
-        choice = None
+        t = self.cfg.train
+        t.batch_size, why = self._measured_on_main(
+            lambda: probe_for_run(self),
+            lambda failure: (t.batch_size, f"the preset's table: the batch probe failed ({failure})"))
+        if t.global_batch_size is not None:
+            t.batch_size, t.grad_accum, note = accumulate_to(t.global_batch_size, t.batch_size, self.procs.world_size,
+                                                             True, self.requested_accum)
+            why += f"; {note}"
+        self._auto_decided("train.batch_size", t.batch_size, f"train.batch_size=auto -> {t.batch_size}: {why}")
+        self._rewrite_config()
+
+    def _measured_on_main(self, measure, fallback):
+        """measure() on the main process, its answer taken by every process. A measurement that breaks must not
+        stop a run that would train: fallback(what failed) answers instead. A user error or a stop on the main
+        process stops the others too, instead of leaving them waiting."""
+        procs, choice = self.procs, None
         if procs.is_main:
             try:
-                choice = probe_for_run(self)
+                choice = measure()
             except (UserError, KeyboardInterrupt, SystemExit):
-                procs.from_main(None)  # the others stop too, instead of waiting
+                procs.from_main(None)
                 raise
-            except Exception as error:  # noqa: BLE001 - a probe that breaks must not stop a run that would train
+            except Exception as error:  # noqa: BLE001
                 release_probe(trainable_parameters(self.adapter.network), self.accelerator.device)
-                choice = (t.batch_size, f"the preset's table: the batch probe failed ({type(error).__name__}: "
-                                        f"{str(error).splitlines()[0] if str(error) else ''})")
+                first = str(error).splitlines()[0] if str(error) else ""
+                choice = fallback(f"{type(error).__name__}: {first}")
             except BaseException:
                 procs.from_main(None)
                 raise
         choice = procs.from_main(choice)
         if choice is None:
             raise OtherProcessFailed()
-        t.batch_size, why = choice
-        if t.global_batch_size is not None:
-            t.batch_size, t.grad_accum, note = accumulate_to(t.global_batch_size, t.batch_size, procs.world_size, True,
-                                                             self.requested_accum)
-            why += f"; {note}"
-        self._batch_decided(f"train.batch_size=auto -> {t.batch_size}: {why}")
+        return choice
+
+    def _rewrite_config(self) -> None:
+        """The resolved config again, in the run folder too, once an auto setting was measured."""
         self._resolve_config()
-        if procs.is_main:
+        if self.procs.is_main:
             _write_atomic(self.run_dir.config, self.config_yaml)
 
-    def _batch_decided(self, line: str) -> None:
-        """Log how train.batch_size=auto was settled; the run report's auto decisions show it too."""
+    def _auto_decided(self, key: str, value, line: str) -> None:
+        """Log how an auto setting was settled (`line`: "key=auto -> value: why"); the run report shows it too."""
         self.log(line)
         for decision in self.run_cfg.decisions:
-            if decision.key == "train.batch_size":
-                decision.value, decision.reason = self.cfg.train.batch_size, line.split(": ", 1)[1]
+            if decision.key == key:
+                decision.value, decision.reason = value, line.split(": ", 1)[1]
 
     def _choose_attention(self) -> None:
         """device.sdpa_backend: measured on a GPU from the attention calls of one forward on a real batch, which
