@@ -18,6 +18,8 @@ Rows (--rows, comma-separated; a row whose package is missing is reported as ski
   toolkit-8bit     the same with the toolkit's adamw8bit
   toolkit-nofuse   train.compile on, model.kernels=none (what the fused loss adds)
   toolkit-ckpt     the defaults + train.gradient_checkpointing=true (memory)
+  toolkit-keepall  the defaults + train.compile_recompute=none (PyTorch's default partition of each block)
+  toolkit-pointwise the defaults + train.compile_recompute=pointwise (elementwise results recomputed in backward)
 
     python bench/llm.py [--shape llama-1b] [--steps 30 --warmup 5] [--rows plain,toolkit] [--out result.json]
 
@@ -197,7 +199,9 @@ def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
         return plain_stack(*common, compile_layers=True, liger="flce")
     extra = {"toolkit-eager": ["train.compile=false", "model.kernels=none"], "toolkit": [], "toolkit-8bit": [],
              "toolkit-nofuse": ["train.compile=true", "model.kernels=none"],
-             "toolkit-ckpt": ["train.gradient_checkpointing=true"]}[row]
+             "toolkit-ckpt": ["train.gradient_checkpointing=true"],
+             "toolkit-keepall": ["train.compile_recompute=none"],
+             "toolkit-pointwise": ["train.compile_recompute=pointwise"]}[row]
     optimizer = "adamw8bit" if row == "toolkit-8bit" else "adamw"
     return toolkit_run(model_dir, data, work / f"run-{row}", optimizer, args.steps, args.warmup, args.batch,
                        args.seq, extra)
@@ -268,6 +272,13 @@ def main() -> None:
         plain = plain or (r["tokens_per_s"] if row == "plain" else None)
         ratio = f"{r['tokens_per_s'] / plain:>9.2f}" if plain else f"{'':>9}"
         print(f"{row:<16} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {r['peak_gib']:>9.1f} {ratio}", flush=True)
+    peers = {row: r["tokens_per_s"] for row, r in results.items() if "skipped" not in r and not row.startswith("toolkit")}
+    if peers:
+        fastest = max(peers, key=peers.get)
+        for row, r in results.items():
+            if row.startswith("toolkit") and "skipped" not in r:
+                print(f"{row}: {r['tokens_per_s'] / peers[fastest]:.3f}x the fastest peer ({fastest}, "
+                      f"{peers[fastest]:.0f} tokens/s, {results[fastest]['peak_gib']:.1f} GiB)")
     for row, r in results.items():
         if "profile" in r:
             print_summary(row, r["profile"])

@@ -8,10 +8,12 @@ up,down; --batch x --seq random token ids in [4, 400) as input_ids and labels; t
 --checkpointing (unsloth's offloaded "unsloth" mode). The steps after --warmup are timed with CUDA events, exactly
 as every peer row of bench/llm.py (its timed_training).
 
-Unsloth is no dependency of the toolkit: it runs from the wheels in .whl-unsloth/, installed apart, offline:
+Unsloth is no dependency of the toolkit: it runs from its own tree, installed apart and offline. The device has
+no registry, so unsloth 2026.10.9 and what it imports (unsloth_zoo, trl, datasets<5, bitsandbytes, tyro, pydantic,
+...) are installed here with `pip install --no-deps --target` for Python 3.12 x86_64, their unused parts dropped
+(unsloth's studio/ web app, bitsandbytes' libraries for other CUDA versions), and carried as one archive:
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peer \\
-        .whl-unsloth/*.whl
+    mkdir -p /tmp/peer && tar xzf .whl-unsloth/peer.tar.gz -C /tmp/peer
     PYTHONPATH=/tmp/peer python3 bench/peer_unsloth.py --model DIR --steps 30 --warmup 5 --batch 4 --seq 2048 \\
         --out result.json
 

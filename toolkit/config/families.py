@@ -42,6 +42,7 @@ class FamilySpec:
     save_formats: tuple[str, ...] = ()  # save.format values besides auto (the first is what auto writes)
     tiny: dict[str, str] = field(default_factory=dict)  # tiny:<kind> -> "module:function" writing it
     compile_auto: str | None = None     # train.compile=auto on a GPU: why it is on (a measurement); None: off
+    recompute_auto: str | None = None   # train.compile_recompute=auto: why pointwise (a measurement); None: none
     pipeline_class: str = ""            # model_index.json _class_name of a diffusers folder; "": a transformers folder
 
 

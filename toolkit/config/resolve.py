@@ -108,6 +108,12 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         decisions.append(Decision("train.compile", value, why))
     elif not isinstance(cfg.train.compile, bool):
         problems.append(f"'train.compile' must be true, false or auto, got {cfg.train.compile!r}")
+    if cfg.train.compile_recompute == "auto":
+        measured = family_spec(family).recompute_auto
+        cfg.train.compile_recompute = "pointwise" if measured else "none"
+        if cfg.train.compile is True:
+            decisions.append(Decision("train.compile_recompute", cfg.train.compile_recompute,
+                                      measured or f"PyTorch's default: pointwise not measured for {family} yet"))
     if not (isinstance(cfg.train.cuda_graphs, bool) or cfg.train.cuda_graphs == "auto"):
         problems.append(f"'train.cuda_graphs' must be true, false or auto, got {cfg.train.cuda_graphs!r}")
     if cfg.train.timestep_sampling == "auto" and applies_to("train.timestep_sampling", family):

@@ -149,6 +149,13 @@ class TrainSection:
                                     "auto: on for the families measured faster with it on a GPU (llm), off on the "
                                     "CPU. A block that fails to compile runs uncompiled, with a warning.",
                                     resume_safe=True)
+    compile_recompute: str = opt(
+        "auto", "What a compiled block keeps for its backward. pointwise: what matmuls and attention produced; the "
+        "cheap elementwise results (norms, activations such as SwiGLU's, casts) are recomputed in backward instead "
+        "of kept, which lowers activation memory at almost no cost (PyTorch's partitioner with its bans on "
+        "recomputing far-apart, long-chain and backward-materialised elementwise ops lifted). none: PyTorch's "
+        "default. auto: pointwise for the families measured no slower with it, none for the others; read only "
+        "when train.compile is on.", choices=("auto", "pointwise", "none"), resume_safe=True)
     cuda_graphs: Union[bool, str] = opt(
         "auto", "Replay a compiled denoiser as a CUDA/HIP graph (torch.compile's reduce-overhead mode): the host then "
         "launches one graph instead of thousands of kernels, which bounds a compiled SD/SDXL UNet step. It applies to "

@@ -27,6 +27,22 @@ def without_ddp_graph_splitting() -> None:
     torch._dynamo.config.optimize_ddp = False
 
 
+def recompute_elementwise(on: bool) -> None:
+    """train.compile_recompute: with `on` (pointwise), the partitioner that splits each compiled block into its
+    forward and backward recomputes every cheap elementwise op (norms, activations, casts; its allowlist) in the
+    backward rather than keeping its output, even far from its use or where the backward needs it materialised:
+    what a block keeps is then what matmuls and attention produced. Its three bans are what stood in the way
+    (torch._functorch.config); no matmul is ever recomputed, unlike a memory budget below 1, which may. For a
+    Llama decoder layer it drops the SwiGLU product and most normalised hidden states (a LoRA-wrapped layer
+    partitioned on the CPU under bf16 autocast kept 8.86 MiB instead of 12.95; tests/test_compile_recompute.py). Process-wide: it applies to
+    the graphs compiled after it, which are the toolkit's compiled blocks."""
+    import torch._functorch.config as functorch_config
+
+    for ban in ("ban_recompute_used_far_apart", "ban_recompute_long_fusible_chains",
+                "ban_recompute_materialized_backward"):
+        setattr(functorch_config, ban, not on)
+
+
 def compile_blocks(roots: Mapping[str, torch.nn.Module], log: Callable[[str], None]) -> int:
     """Compile the outermost repeated blocks of every root in place; returns how many. A block that dynamo
     cannot compile runs eagerly (dynamo prints why) instead of stopping the run."""

@@ -37,7 +37,7 @@ from toolkit.train.attention import choose_for_run
 from toolkit.train.batch_size import (accumulate_to, checkpoint_batch, checkpointing_for_run, measures_on,
                                       probe_cap, probe_for_run, release_probe)
 from toolkit.train.blocks import prepare_blocks
-from toolkit.train.compile import compile_blocks
+from toolkit.train.compile import compile_blocks, recompute_elementwise
 from toolkit.train.checkpoint import (TRAINABLE, find_latest_checkpoint, load_checkpoint_files, rotate_checkpoints,
                                       save_checkpoint, set_aside_checkpoints_after, trainable_file_state)
 from toolkit.train.distributed import Processes
@@ -263,6 +263,8 @@ class Trainer:
         cfg, procs = self.cfg, self.procs
         regions = self.adapter.block_regions()
         self.cuda_graphs = False
+        if cfg.train.compile:
+            recompute_elementwise(cfg.train.compile_recompute == "pointwise")
         if not regions:
             if cfg.train.cuda_graphs is True:  # asked for where it does not apply: said, not ignored
                 self.log("train.cuda_graphs: applies to a denoiser compiled whole; the decoder blocks keep ordinary "
