@@ -13,13 +13,14 @@ Rows (--rows, comma-separated; a row whose package is missing is reported as ski
   liger            liger-kernel on the model (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy), eager
   liger-compiled   liger's fused linear cross-entropy only + each decoder layer compiled (its fastest, FINDINGS.md)
   unsloth          bench/peer_unsloth.py: unsloth's FastLanguageModel, no gradient checkpointing
+  unsloth-ckpt     the same with unsloth's own (offloading) gradient checkpointing
   toolkit-eager    the toolkit's Trainer, train.compile=false model.kernels=none (adamw)
   toolkit          the toolkit's Trainer with its defaults on a GPU (train.compile and model.kernels auto), adamw
   toolkit-8bit     the same with the toolkit's adamw8bit
   toolkit-nofuse   train.compile on, model.kernels=none (what the fused loss adds)
   toolkit-ckpt     the defaults + train.gradient_checkpointing=true (memory)
-  toolkit-keepall  the defaults + train.compile_recompute=none (PyTorch's default partition of each block)
-  toolkit-pointwise the defaults + train.compile_recompute=pointwise (elementwise results recomputed in backward)
+  toolkit-keepall  the defaults + train.compile_recompute=none (PyTorch's default partition of each block; the
+                   default, auto, is pointwise for an LLM)
 
     python bench/llm.py [--shape llama-1b] [--steps 30 --warmup 5] [--rows plain,toolkit] [--out result.json]
 
@@ -200,8 +201,7 @@ def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
     extra = {"toolkit-eager": ["train.compile=false", "model.kernels=none"], "toolkit": [], "toolkit-8bit": [],
              "toolkit-nofuse": ["train.compile=true", "model.kernels=none"],
              "toolkit-ckpt": ["train.gradient_checkpointing=true"],
-             "toolkit-keepall": ["train.compile_recompute=none"],
-             "toolkit-pointwise": ["train.compile_recompute=pointwise"]}[row]
+             "toolkit-keepall": ["train.compile_recompute=none"]}[row]
     optimizer = "adamw8bit" if row == "toolkit-8bit" else "adamw"
     return toolkit_run(model_dir, data, work / f"run-{row}", optimizer, args.steps, args.warmup, args.batch,
                        args.seq, extra)
@@ -210,10 +210,10 @@ def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
 def measure(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
     """One row in a process of its own: {"tokens_per_s", "peak_gib"} or {"skipped": why}."""
     result = work / f"{row}.json"
-    if row == "unsloth":
+    if row in ("unsloth", "unsloth-ckpt"):
         command = [sys.executable, str(Path(__file__).with_name("peer_unsloth.py")), "--model", str(model_dir),
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-                   "--seq", str(args.seq), "--out", str(result)]
+                   "--seq", str(args.seq), "--out", str(result), *(["--checkpointing"] if row == "unsloth-ckpt" else [])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [args.unsloth_path,
                                                                          os.environ.get("PYTHONPATH")]))}
     else:
