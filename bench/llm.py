@@ -84,12 +84,13 @@ def write_model(folder: Path, shape: str = "llama-1b", layers: int | None = None
     torch.cuda.empty_cache()
 
 
-def write_data(path: Path, rows: int) -> None:
+def write_data(path: Path, rows: int, seq: int = 2048) -> None:
+    """Rows of at least `seq` words (3000 at the usual 2048), so that a packed sequence is one document."""
     words = "the quick brown fox jumps over the lazy dog red circle blue square green triangle".split()
     g = torch.Generator().manual_seed(0)
     with path.open("w") as handle:
         for _ in range(rows):
-            idx = torch.randint(len(words), (3000,), generator=g).tolist()
+            idx = torch.randint(len(words), (max(3000, seq),), generator=g).tolist()
             handle.write(json.dumps({"text": " ".join(words[i] for i in idx)}) + "\n")
 
 
@@ -256,7 +257,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-llm-"))
     model_dir, data = work / "model", work / "data.jsonl"
     write_model(model_dir, args.shape, args.layers)
-    write_data(data, rows=args.batch * (args.steps + args.warmup) + 8)
+    write_data(data, rows=args.batch * (args.steps + args.warmup) + 8, seq=args.seq)
     flops = model_flops_per_step(model_dir, args.batch, args.seq)
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; shape {args.shape}"
           f"{f' ({args.layers} layers)' if args.layers else ''}, LoRA r=16 all-linear, bf16, "
