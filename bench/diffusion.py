@@ -21,6 +21,8 @@ Rows (--rows):
   toolkit-nographs      the same with train.cuda_graphs=false
   toolkit-ckpt          toolkit + train.gradient_checkpointing=true
   toolkit-ckpt-N        toolkit + N of the blocks checkpointed
+  ROW-pointwise         any toolkit row + train.compile_recompute=pointwise (elementwise results recomputed in
+                        backward instead of kept)
   toolkit-swap24        toolkit + checkpointing, in a process capped at 24 GiB of GPU memory, the toolkit told it
                         has 24 GB (device.memory_fraction scaled): model.block_swap=auto decides what to swap
 
@@ -173,7 +175,10 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
 def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int) -> dict:
     from trainer_rate import trainer_rate
 
-    overrides = [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
+    name, pointwise = row, row.endswith("-pointwise")
+    row = row.removesuffix("-pointwise")
+    overrides = ["train.compile_recompute=pointwise"] if pointwise else []
+    overrides += [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
                  "train.compile=false" if row == "toolkit-eager" else f"train.compile={device() == 'cuda'}"]
     if row == "toolkit-nographs":
         overrides.append("train.cuda_graphs=false")
@@ -197,7 +202,7 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
               "train: {lr: 1.0e-4, precision: bf16}\nsave: {every: 0}\nsample: {prompts: []}\n"
               "log: {tensorboard: false}\n")
     logs: list[str] = []
-    rate, peak = trainer_rate(config, overrides, work / f"run-{kind}-{row}", "adamw", steps, warmup, logs)
+    rate, peak = trainer_rate(config, overrides, work / f"run-{kind}-{name}", "adamw", steps, warmup, logs)
     shown = ("attention:", "blocks:", "train.compile", "train.cuda_graphs", "model.quantize")
     notes = [line for line in logs if line.startswith(shown)]
     return {"s_per_step": 1 / rate, "peak_gib": peak, "notes": notes}
