@@ -270,8 +270,9 @@ def test_cuda_graphs_apply_only_to_a_whole_denoiser_replayed_unchanged(setting, 
 def test_cuda_graphs_train_the_same_lora_as_ordinary_launches(tmp_path, run_cli, capsys, monkeypatch):
     """The SD quickstart's UNet compiled whole, replayed as a CUDA graph or launched kernel by kernel: the same
     losses step by step and the same LoRA (the graph replays the compiled kernels; only the launching differs).
-    In fp32 without TF32 (cuDNN's TF32 convolutions are torch's default): in bf16 the two compilations' roundings
-    alone moved the first loss by 0.4% on an H200, which would hide a replay that reads stale inputs."""
+    fp32 without TF32 (cuDNN's TF32 convolutions are torch's default), so that only a real difference shows. The
+    first run encodes its data, the second reads the caches: this test found that encoding moved the RNG streams
+    on the GPU (the losses 0.4% apart from the first step; trainer.py now restores them after data preparation)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     losses, weights = {}, {}

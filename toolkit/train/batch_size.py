@@ -33,7 +33,7 @@ import torch
 from toolkit.errors import UserError
 from toolkit.models.base import trainable_parameters
 from toolkit.paths import cache_root
-from toolkit.train.rng import restore_rng_state, rng_state
+from toolkit.train.rng import rng_untouched
 
 MAX_BATCH = 64          # the probe stops doubling here
 FRAGMENTATION = 0.10    # share of the budget left free for the allocator's fragmentation
@@ -196,12 +196,11 @@ def choose_batch_size(micro_step: Callable[[int], None], params: list[torch.nn.P
         return int(entry["batch_size"]), f"from cache ({cache_file}): {entry['why']}"
 
     def measure(size: int) -> int | None:
-        state = rng_state()
-        try:
-            return peak_bytes(lambda: micro_step(size), device)
-        finally:
-            release_probe(params, device)
-            restore_rng_state(state)
+        with rng_untouched():
+            try:
+                return peak_bytes(lambda: micro_step(size), device)
+            finally:
+                release_probe(params, device)
 
     size, peaks = search(measure, cap[0], budget.limit)
     why = describe(size, peaks, budget, cap[1])
@@ -237,12 +236,11 @@ def checkpointing_for_run(trainer, size: int) -> tuple[bool, str]:
     largest batch needs it, measured without it (the main process, before the blocks are wrapped)."""
     micro_step, params, budget = _micro_step_and_budget(trainer)
     device = trainer.accelerator.device
-    state = rng_state()  # the measurement draws noise, timesteps, dropout: training starts from the same draws
-    try:
-        peak = peak_bytes(lambda: micro_step(size), device)
-    finally:
-        restore_rng_state(state)
-        release_probe(params, device)
+    with rng_untouched():  # the measurement draws noise, timesteps, dropout: training starts from the same draws
+        try:
+            peak = peak_bytes(lambda: micro_step(size), device)
+        finally:
+            release_probe(params, device)
     if peak is None:
         return True, f"a step of batch {size} ran out of memory without it ({budget.why})"
     if peak > budget.limit:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -27,3 +29,13 @@ def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "device" in state and torch.cuda.is_available() and len(state["device"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["device"])
+
+
+@contextmanager
+def rng_untouched() -> Iterator[None]:
+    """Every RNG stream as it was before the block, whatever the block drew (a measurement, data preparation)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(state)
