@@ -320,9 +320,10 @@ def test_a_probe_that_breaks_leaves_the_run_on_the_presets_table(probe, shapes, 
 def test_auto_gradient_checkpointing_is_measured_at_the_batch_size(peak_gib, needed, shapes, own_data_caches,
                                                                    tmp_path, run_cli, capsys, monkeypatch):
     """train.gradient_checkpointing=auto with a batch size set, on a 10 GiB 'device' (limit 8.10 GiB): one real
-    forward + backward at the run's batch without checkpointing, its peak modelled; over the limit turns
-    checkpointing on (the UNet's blocks are wrapped with it), within it leaves it off. The measurement leaves no
-    trace: the LoRA equals the one trained with the same setting given by hand."""
+    forward + backward at the run's batch without checkpointing, its peak modelled; within the limit leaves it
+    off. Over it, a second step with every block checkpointed (the same modelled peak: still over) turns it on
+    for every block. The measurement leaves no trace: the LoRA equals the one trained with the same setting given
+    by hand."""
     from toolkit.device.detect import DeviceInfo
 
     calls = []
@@ -343,14 +344,58 @@ def test_auto_gradient_checkpointing_is_measured_at_the_batch_size(peak_gib, nee
     relation = "over the" if needed else "within the"
     assert (f"train.gradient_checkpointing=auto -> {needed}: a step of batch 2 peaked at {peak_gib:.2f} GiB without "
             f"it, {relation} limit 8.10 GiB = device.memory_fraction 0.9 of 10 GiB") in err
-    assert len(calls) == 1
+    assert len(calls) == (2 if needed else 1)
     blocks = [line for line in err.splitlines() if line.startswith("blocks: unet:")]
     assert len(blocks) == 1 and (" 0 gradient-checkpointed" in blocks[0]) is (not needed)
     assert saved_train(auto)["gradient_checkpointing"] is needed
 
     by_hand = tmp_path / "by_hand"
     assert run_cli("train", SD, f"run.output_dir={by_hand}", *common, f"train.gradient_checkpointing={needed}") == 0
-    assert "train.gradient_checkpointing=auto" not in capsys.readouterr().err and len(calls) == 1
+    assert "train.gradient_checkpointing=auto" not in capsys.readouterr().err and len(calls) == (2 if needed else 1)
+    measured, given = lora(auto), lora(by_hand)
+    assert measured.keys() == given.keys() and all(torch.equal(measured[k], given[k]) for k in measured)
+
+
+def test_auto_gradient_checkpointing_checkpoints_the_fewest_blocks_that_fit(shapes, own_data_caches, tmp_path, run_cli,
+                                                                           capsys, monkeypatch):
+    """Over the budget without checkpointing, within it with every block checkpointed: the fewest blocks N that
+    fit, from a straight line between the two peaks and measured again at N. Modelled: 20 GiB less 3 GiB a
+    checkpointed block, limit 8.10 GiB; the tiny UNet checkpoints its down, mid and up blocks one by one (5), all
+    of them peak at 5 GiB, so the line gives 4 (8 GiB), which fits. The LoRA equals train.gradient_checkpointing=4
+    given by hand."""
+    from toolkit.device.detect import DeviceInfo
+    import toolkit.train.blocks as blocks
+
+    recomputed, peaks = [0], []
+    checkpoint = blocks.checkpoint
+
+    def counted(*args, **kwargs):
+        recomputed[0] += 1
+        return checkpoint(*args, **kwargs)
+
+    def peak(run, device):
+        before = recomputed[0]
+        run()
+        peaks.append(20 - 3 * (recomputed[0] - before))
+        return int(peaks[-1] * GiB)
+
+    monkeypatch.setattr(blocks, "checkpoint", counted)
+    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
+    monkeypatch.setattr(bs, "peak_bytes", peak)
+    monkeypatch.setattr("toolkit.config.run.detect_device",
+                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
+    auto, by_hand = tmp_path / "auto", tmp_path / "by_hand"
+    common = (shapes, *SHORT, "train.batch_size=2", "train.compile=false")
+    assert run_cli("train", SD, f"run.output_dir={auto}", *common, "train.gradient_checkpointing=auto") == 0
+    err = capsys.readouterr().err
+    assert peaks == [20, 5, 8]
+    assert ("train.gradient_checkpointing=auto -> 4: a step of batch 2 peaked at 20.00 GiB without it, over the limit "
+            "8.10 GiB = device.memory_fraction 0.9 of 10 GiB, less 0.00 GiB for the optimizer state and 10% for "
+            "fragmentation; with 4 of its 5 blocks checkpointed it peaked at 8.00 GiB (every block: 5.00 GiB)") in err
+    assert [line for line in err.splitlines() if line.startswith("blocks: unet:")] == [
+        "blocks: unet: 5 blocks, 4 gradient-checkpointed, 0 swapped"]
+    assert saved_train(auto)["gradient_checkpointing"] == 4
+    assert run_cli("train", SD, f"run.output_dir={by_hand}", *common, "train.gradient_checkpointing=4") == 0
     measured, given = lora(auto), lora(by_hand)
     assert measured.keys() == given.keys() and all(torch.equal(measured[k], given[k]) for k in measured)
 

@@ -33,6 +33,7 @@ import torch
 from toolkit.errors import UserError
 from toolkit.models.base import trainable_parameters
 from toolkit.paths import cache_root
+from toolkit.train.blocks import checkpointed_while
 from toolkit.train.rng import rng_untouched
 
 MAX_BATCH = 64          # the probe stops doubling here
@@ -231,21 +232,62 @@ def _micro_step_and_budget(trainer) -> tuple[Callable[[int], None], list, Budget
     return micro_step, params, budget
 
 
-def checkpointing_for_run(trainer, size: int) -> tuple[bool, str]:
-    """train.gradient_checkpointing=auto with a batch size set: whether a micro-step of `size` on the data's
-    largest batch needs it, measured without it (the main process, before the blocks are wrapped)."""
+def _regions_for(trainer, setting) -> dict:
+    """The blocks train.gradient_checkpointing=`setting` would checkpoint (the SD UNet is one region unless
+    checkpointed), none for False."""
+    if setting is False:
+        return {}
+    train = trainer.cfg.train
+    saved, train.gradient_checkpointing = train.gradient_checkpointing, setting
+    try:
+        return trainer.adapter.block_regions()
+    finally:
+        train.gradient_checkpointing = saved
+
+
+def checkpointing_for_run(trainer, size: int) -> tuple[bool | int, str]:
+    """train.gradient_checkpointing=auto with a batch size set, measured on micro-steps of `size` on the data's
+    largest batch (the main process, before the blocks are wrapped): False when one fits without it. Otherwise,
+    for a denoiser with blocks and nothing swapped, the fewest blocks N that bring the step within the budget,
+    from a straight line between the step's peak without checkpointing and with every block checkpointed, then
+    measured at N (True when N does not fit, or every block is needed); True for the others (an LLM)."""
     micro_step, params, budget = _micro_step_and_budget(trainer)
     device = trainer.accelerator.device
-    with rng_untouched():  # the measurement draws noise, timesteps, dropout: training starts from the same draws
-        try:
-            peak = peak_bytes(lambda: micro_step(size), device)
-        finally:
-            release_probe(params, device)
-    if peak is None:
-        return True, f"a step of batch {size} ran out of memory without it ({budget.why})"
-    if peak > budget.limit:
-        return True, f"a step of batch {size} peaked at {peak / GiB:.2f} GiB without it, over the {budget.why}"
-    return False, f"a step of batch {size} peaked at {peak / GiB:.2f} GiB without it, within the {budget.why}"
+
+    def peak_with(setting) -> int | None:
+        # the measurement draws noise, timesteps, dropout: training starts from the same draws
+        with rng_untouched(), checkpointed_while(_regions_for(trainer, setting), setting):
+            try:
+                return peak_bytes(lambda: micro_step(size), device)
+            finally:
+                release_probe(params, device)
+
+    def said(peak: int | None) -> str:
+        return "ran out of memory" if peak is None else f"peaked at {peak / GiB:.2f} GiB"
+
+    step = f"a step of batch {size}"
+    none = peak_with(False)
+    if none is not None and none <= budget.limit:
+        return False, f"{step} peaked at {none / GiB:.2f} GiB without it, within the {budget.why}"
+    if none is None:
+        return True, f"{step} ran out of memory without it ({budget.why})"
+    without = f"{step} peaked at {none / GiB:.2f} GiB without it, over the {budget.why}"
+    regions = _regions_for(trainer, True)
+    if not regions or trainer.adapter.block_swaps():
+        return True, without
+    every = peak_with(True)
+    if every is None or every > budget.limit:
+        return True, f"{without}; with every block checkpointed it {said(every)}"
+    total = max(len(blocks) for blocks in regions.values())
+    count = min(total, math.ceil(total * (none - budget.limit) / max(none - every, 1)))
+    if count < total:
+        some = peak_with(count)
+        if some is not None and some <= budget.limit:
+            return count, (f"{without}; with {count} of its {total} blocks checkpointed it peaked at "
+                           f"{some / GiB:.2f} GiB (every block: {every / GiB:.2f} GiB)")
+        return True, (f"{without}; with {count} of its {total} blocks checkpointed it {said(some)}, with every "
+                      f"block {every / GiB:.2f} GiB")
+    return True, f"{without}; with every block checkpointed it peaked at {every / GiB:.2f} GiB"
 
 
 def probe_for_run(trainer) -> tuple[int, str]:

@@ -24,8 +24,9 @@ dynamic shapes compile a second, shape-generic version at the second shape and r
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -65,6 +66,34 @@ def checkpointed_indices(setting, total: int, swapped: list[int]) -> list[int]:
     else:
         chosen = set(spread(int(setting), total))
     return sorted(chosen | set(swapped))
+
+
+def _checkpointed_call(forward: Callable, *args, **kwargs):
+    if torch.is_grad_enabled():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return forward(*args, **kwargs)
+
+
+@contextmanager
+def checkpointed_while(regions: Mapping[str, list[torch.nn.Module]], setting) -> Iterator[None]:
+    """The blocks of `regions` checkpointed as train.gradient_checkpointing=`setting` would checkpoint them
+    (eager, nothing swapped) for the span of a measurement, then as they were: train.gradient_checkpointing=auto
+    measures steps this way before the blocks are wrapped for good (train/batch_size.py)."""
+    replaced = []
+    for blocks in regions.values():
+        for index in checkpointed_indices(setting, len(blocks), []):
+            block = blocks[index]
+            replaced.append((block, block.__dict__.get("forward")))
+            forward = block.forward
+            block.forward = lambda *args, _forward=forward, **kwargs: _checkpointed_call(_forward, *args, **kwargs)
+    try:
+        yield
+    finally:
+        for block, own in reversed(replaced):
+            if own is None:
+                del block.forward  # the class's forward again
+            else:
+                block.forward = own
 
 
 def compile_options(shape_count: int) -> tuple[dict, str]:
@@ -109,9 +138,7 @@ def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkp
         return forward(*args, **kwargs)
 
     def wrapped(*args, **kwargs):
-        if checkpointed and torch.is_grad_enabled():
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
-        return run(*args, **kwargs)
+        return _checkpointed_call(run, *args, **kwargs) if checkpointed else run(*args, **kwargs)
 
     block.forward = wrapped
 

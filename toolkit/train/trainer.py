@@ -314,12 +314,13 @@ class Trainer:
         """train.gradient_checkpointing=auto on a GPU: on only when a step of `size` (the run's batch size; 1 when
         the batch size is probed next, which then fits the batch to the memory without checkpointing) does not fit
         without it, measured on the main process (train/batch_size.py); every process takes the answer."""
-        needed, why = self._measured_on_main(lambda: checkpointing_for_run(self, size),
-                                             lambda failure: (False, f"kept off: the measurement failed ({failure})"))
-        if needed:
-            self.cfg.train.gradient_checkpointing = True
+        setting, why = self._measured_on_main(lambda: checkpointing_for_run(self, size),
+                                              lambda failure: (False, f"kept off: the measurement failed ({failure})"))
+        self.cfg.train.gradient_checkpointing = setting  # N blocks: the diffusion families read it in _prepare_blocks
+        if setting is True:
             self.adapter.enable_gradient_checkpointing()
-        self._auto_decided("train.gradient_checkpointing", needed, f"train.gradient_checkpointing=auto -> {needed}: {why}")
+        self._auto_decided("train.gradient_checkpointing", setting,
+                           f"train.gradient_checkpointing=auto -> {setting}: {why}")
         self._rewrite_config()
 
     def _probe_batch_size(self) -> None:
