@@ -34,8 +34,8 @@ def recompute_elementwise(on: bool) -> None:
     what a block keeps is then what matmuls and attention produced. Its three bans are what stood in the way
     (torch._functorch.config); no matmul is ever recomputed, unlike a memory budget below 1, which may. For a
     Llama decoder layer it drops the SwiGLU product and most normalised hidden states (a LoRA-wrapped layer
-    partitioned on the CPU under bf16 autocast kept 8.86 MiB instead of 12.95; tests/test_compile_recompute.py). Process-wide: it applies to
-    the graphs compiled after it, which are the toolkit's compiled blocks."""
+    partitioned on the CPU under bf16 autocast kept 8.86 MiB instead of 12.95; tests/test_compile_recompute.py).
+    Process-wide: it applies to the graphs compiled after it, which are the toolkit's compiled blocks."""
     import torch._functorch.config as functorch_config
 
     for ban in ("ban_recompute_used_far_apart", "ban_recompute_long_fusible_chains",

@@ -311,9 +311,10 @@ class Trainer:
         return True
 
     def _decide_checkpointing(self, size: int) -> None:
-        """train.gradient_checkpointing=auto on a GPU: on only when a step of `size` (the run's batch size; 1 when
-        the batch size is probed next, which then fits the batch to the memory without checkpointing) does not fit
-        without it, measured on the main process (train/batch_size.py); every process takes the answer."""
+        """train.gradient_checkpointing=auto on a GPU: off when a step of `size` (the run's batch size; 1 when the
+        batch size is probed next, which then fits the batch to the memory without checkpointing) fits without it;
+        else the fewest denoiser blocks N that fit, or all (train/batch_size.py). Measured on the main process;
+        every process takes the answer."""
         setting, why = self._measured_on_main(lambda: checkpointing_for_run(self, size),
                                               lambda failure: (False, f"kept off: the measurement failed ({failure})"))
         self.cfg.train.gradient_checkpointing = setting  # N blocks: the diffusion families read it in _prepare_blocks
