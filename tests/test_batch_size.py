@@ -356,10 +356,10 @@ def test_auto_gradient_checkpointing_is_measured_at_the_batch_size(peak_gib, nee
     assert measured.keys() == given.keys() and all(torch.equal(measured[k], given[k]) for k in measured)
 
 
-def test_auto_gradient_checkpointing_checkpoints_the_fewest_blocks_that_fit(shapes, own_data_caches, tmp_path, run_cli,
-                                                                           capsys, monkeypatch):
-    """Over the budget without checkpointing, within it with every block checkpointed: the fewest blocks N that
-    fit, from a straight line between the two peaks and measured again at N. Modelled: 20 GiB less 3 GiB a
+def test_auto_gradient_checkpointing_checkpoints_the_blocks_a_line_between_two_peaks_gives(
+        shapes, own_data_caches, tmp_path, run_cli, capsys, monkeypatch):
+    """Over the budget without checkpointing, within it with every block checkpointed: N blocks from a straight
+    line between the two peaks, kept because a step measured at N fits. Modelled: 20 GiB less 3 GiB a
     checkpointed block, limit 8.10 GiB; the tiny UNet checkpoints its down, mid and up blocks one by one (5), all
     of them peak at 5 GiB, so the line gives 4 (8 GiB), which fits. The LoRA equals train.gradient_checkpointing=4
     given by hand."""
@@ -398,6 +398,34 @@ def test_auto_gradient_checkpointing_checkpoints_the_fewest_blocks_that_fit(shap
     assert run_cli("train", SD, f"run.output_dir={by_hand}", *common, "train.gradient_checkpointing=4") == 0
     measured, given = lora(auto), lora(by_hand)
     assert measured.keys() == given.keys() and all(torch.equal(measured[k], given[k]) for k in measured)
+
+
+def test_a_failing_measurement_with_blocks_checkpointed_checkpoints_all_of_them(shapes, own_data_caches, tmp_path,
+                                                                               run_cli, capsys, monkeypatch):
+    """The step is known not to fit without checkpointing: when the measurement with blocks checkpointed fails (a
+    driver fault, not running out of memory), every block is checkpointed and the line says why."""
+    from toolkit.device.detect import DeviceInfo
+
+    calls = []
+
+    def peak(run, device):
+        calls.append(device)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA driver error: unknown")
+        run()
+        return 20 * GiB
+
+    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
+    monkeypatch.setattr(bs, "peak_bytes", peak)
+    monkeypatch.setattr("toolkit.config.run.detect_device",
+                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
+    out = tmp_path / "run"
+    assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=2", "train.compile=false",
+                   "train.gradient_checkpointing=auto") == 0
+    err = capsys.readouterr().err
+    assert "train.gradient_checkpointing=auto -> True: a step of batch 2 peaked at 20.00 GiB without it" in err
+    assert "; measuring with blocks checkpointed failed (RuntimeError: CUDA driver error: unknown)" in err
+    assert len(calls) == 2 and saved_train(out)["gradient_checkpointing"] is True
 
 
 def test_auto_gradient_checkpointing_on_an_llm_turns_on_transformers_checkpointing(tmp_path, run_cli, capsys,

@@ -142,8 +142,8 @@ class TrainSection:
         "auto", "Recompute activations in backward to save memory: true, false, auto, or for the diffusion families "
         "a number N: N of the denoiser's blocks, spread evenly (memory between none and all). auto on a GPU: off when "
         "one forward + backward at the run's batch size (1 with train.batch_size=auto) fits without it, measured at "
-        "the start; otherwise, for a diffusion denoiser, the fewest blocks N that fit (measured with every block "
-        "checkpointed, then at N), else all; off on the CPU.",
+        "the start; otherwise, for a diffusion denoiser with the batch size set, N blocks estimated from the peaks "
+        "without and with every block checkpointed, when a step with N fits, else all; off on the CPU.",
         resume_safe=True)
     compile: Union[bool, str] = opt("auto", "Compile each repeated block of the trained model with torch.compile "
                                     "(regional: one compilation reused by every block); the first steps take longer. "

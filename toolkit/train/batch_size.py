@@ -245,12 +245,13 @@ def _regions_for(trainer, setting) -> dict:
         train.gradient_checkpointing = saved
 
 
-def checkpointing_for_run(trainer, size: int) -> tuple[bool | int, str]:
+def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple[bool | int, str]:
     """train.gradient_checkpointing=auto with a batch size set, measured on micro-steps of `size` on the data's
     largest batch (the main process, before the blocks are wrapped): False when one fits without it. Otherwise,
-    for a denoiser with blocks and nothing swapped, the fewest blocks N that bring the step within the budget,
-    from a straight line between the step's peak without checkpointing and with every block checkpointed, then
-    measured at N (True when N does not fit, or every block is needed); True for the others (an LLM)."""
+    with `some_blocks`, for a denoiser with blocks and nothing swapped: a number of blocks N estimated by a straight
+    line between the step's peak without checkpointing and its peak with every block checkpointed, kept when a
+    step with N checkpointed fits (the blocks differ in size: N is an estimate, not searched further); True when
+    it does not, and for the others (an LLM, a step that runs out of memory without checkpointing)."""
     micro_step, params, budget = _micro_step_and_budget(trainer)
     device = trainer.accelerator.device
 
@@ -273,21 +274,24 @@ def checkpointing_for_run(trainer, size: int) -> tuple[bool | int, str]:
         return True, f"{step} ran out of memory without it ({budget.why})"
     without = f"{step} peaked at {none / GiB:.2f} GiB without it, over the {budget.why}"
     regions = _regions_for(trainer, True)
-    if not regions or trainer.adapter.block_swaps():
+    if not some_blocks or not regions or trainer.adapter.block_swaps():
         return True, without
-    every = peak_with(True)
-    if every is None or every > budget.limit:
-        return True, f"{without}; with every block checkpointed it {said(every)}"
-    total = max(len(blocks) for blocks in regions.values())
-    count = min(total, math.ceil(total * (none - budget.limit) / max(none - every, 1)))
-    if count < total:
+    try:  # the step is known not to fit without it: a failing measurement from here on means all blocks
+        every = peak_with(True)
+        if every is None or every > budget.limit:
+            return True, f"{without}; with every block checkpointed it {said(every)}"
+        total = max(len(blocks) for blocks in regions.values())
+        count = min(total, math.ceil(total * (none - budget.limit) / max(none - every, 1)))
+        if count == total:
+            return True, f"{without}; with every block checkpointed it peaked at {every / GiB:.2f} GiB"
         some = peak_with(count)
-        if some is not None and some <= budget.limit:
-            return count, (f"{without}; with {count} of its {total} blocks checkpointed it peaked at "
-                           f"{some / GiB:.2f} GiB (every block: {every / GiB:.2f} GiB)")
-        return True, (f"{without}; with {count} of its {total} blocks checkpointed it {said(some)}, with every "
-                      f"block {every / GiB:.2f} GiB")
-    return True, f"{without}; with every block checkpointed it peaked at {every / GiB:.2f} GiB"
+    except Exception as error:  # noqa: BLE001 (a driver or library fault, not running out of memory)
+        return True, f"{without}; measuring with blocks checkpointed failed ({type(error).__name__}: {error})"
+    if some is not None and some <= budget.limit:
+        return count, (f"{without}; with {count} of its {total} blocks checkpointed it peaked at "
+                       f"{some / GiB:.2f} GiB (every block: {every / GiB:.2f} GiB)")
+    return True, (f"{without}; with {count} of its {total} blocks checkpointed it {said(some)}, with every "
+                  f"block {every / GiB:.2f} GiB")
 
 
 def probe_for_run(trainer) -> tuple[int, str]:

@@ -199,7 +199,7 @@ class Trainer:
         probing = self._probes_batch_size()
         self.compiled = 0  # the blocks are wrapped below; a measurement before runs them as they load
         if self._measures_checkpointing():
-            self._decide_checkpointing(1 if probing else self.cfg.train.batch_size)
+            self._decide_checkpointing(1 if probing else self.cfg.train.batch_size, some_blocks=not probing)
         self.order = BatchOrder(self.dataset.groups, cfg.train.batch_size, cfg.run.seed,
                                 world_size=procs.world_size, rank=procs.rank)
         self.compiled = self._prepare_blocks(probing)
@@ -268,6 +268,7 @@ class Trainer:
         self.cuda_graphs = False
         if cfg.train.compile:
             recompute_elementwise(cfg.train.compile_recompute == "pointwise")
+            self.exits.callback(recompute_elementwise, False)  # PyTorch's default again once the run ends
         if not regions:
             if cfg.train.cuda_graphs is True:  # asked for where it does not apply: said, not ignored
                 self.log("train.cuda_graphs: applies to a denoiser compiled whole; the decoder blocks keep ordinary "
@@ -310,12 +311,13 @@ class Trainer:
             return False
         return True
 
-    def _decide_checkpointing(self, size: int) -> None:
+    def _decide_checkpointing(self, size: int, some_blocks: bool) -> None:
         """train.gradient_checkpointing=auto on a GPU: off when a step of `size` (the run's batch size; 1 when the
-        batch size is probed next, which then fits the batch to the memory without checkpointing) fits without it;
-        else the fewest denoiser blocks N that fit, or all (train/batch_size.py). Measured on the main process;
+        batch size is probed next) fits without it; else N of the denoiser's blocks where measured to fit (only
+        with `some_blocks`: a probed batch size would otherwise be fitted to the blocks that just hold a batch of
+        1), or all, which the probe then fits the batch to (train/batch_size.py). Measured on the main process;
         every process takes the answer."""
-        setting, why = self._measured_on_main(lambda: checkpointing_for_run(self, size),
+        setting, why = self._measured_on_main(lambda: checkpointing_for_run(self, size, some_blocks),
                                               lambda failure: (False, f"kept off: the measurement failed ({failure})"))
         self.cfg.train.gradient_checkpointing = setting  # N blocks: the diffusion families read it in _prepare_blocks
         if setting is True:
@@ -523,7 +525,7 @@ class Trainer:
         elif t.batch_size > 1:
             fixes.append(f"train.batch_size={max(1, t.batch_size // 2)} train.grad_accum={t.grad_accum * 2} "
                          "(same effective batch)")
-        if not t.gradient_checkpointing:
+        if t.gradient_checkpointing is not True:  # off, or N of the blocks
             fixes.append("train.gradient_checkpointing=true")
         if not optimizer_spec(t.optimizer).memory_light:
             fixes.append("train.optimizer=adamw8bit")
