@@ -11,7 +11,8 @@ as every peer row of bench/llm.py (its timed_training).
 Unsloth is no dependency of the toolkit: it runs from its own tree, installed apart and offline. The device has
 no registry, so unsloth 2026.10.9 and what it imports (unsloth_zoo, trl, datasets<5, bitsandbytes, tyro, pydantic,
 ...) are installed here with `pip install --no-deps --target` for Python 3.12 x86_64, their unused parts dropped
-(unsloth's studio/ web app, bitsandbytes' libraries for other CUDA versions), and carried as one archive:
+(unsloth's studio/ web app, bitsandbytes' libraries for other CUDA versions), and carried as one archive
+(bench/device_packages.sh builds it):
 
     mkdir -p /tmp/peer && tar xzf .whl-unsloth/peer.tar.gz -C /tmp/peer
     PYTHONPATH=/tmp/peer python3 bench/peer_unsloth.py --model DIR --steps 30 --warmup 5 --batch 4 --seq 2048 \\
