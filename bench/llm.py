@@ -23,6 +23,7 @@ Rows (--rows, comma-separated; a row whose package is missing is reported as ski
                    default, auto, is pointwise for an LLM)
 
     python bench/llm.py [--shape llama-1b] [--steps 30 --warmup 5] [--rows plain,toolkit] [--out result.json]
+                        [--profile] [--memory]
 
 Tokens/s are over the timed steps (CUDA events for the hand-written loops, the Trainer's own step rate for the
 toolkit). MFU = (4·N·T + 3·A) / step time / 989e12, with N the base parameters (a tied embedding once), T the
@@ -46,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from kernel_profile import print_summary  # noqa: E402  (bench/ is on the path when a script here runs)
+from memory_peak import print_breakdown  # noqa: E402
 
 H100_H200_BF16_FLOPS = 989e12
 ROWS = ("plain", "plain-compiled", "liger", "liger-compiled", "unsloth", "toolkit-eager", "toolkit", "toolkit-8bit")
@@ -138,7 +140,8 @@ def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int, 
 def timed_training(model, steps: int, warmup: int, batch: int, seq: int, read_loss: bool = False) -> dict:
     """The hand-written loop every peer row shares: fused AdamW on the trainable weights, bf16 autocast, the
     norm clipped to 1.0; the steps after `warmup` timed with CUDA events. With BENCH_PROFILE set, a few more
-    steps run under the profiler and their summary is in the result's "profile"."""
+    steps run under the profiler and their summary is in the result's "profile"; with BENCH_MEMORY, one more
+    step runs with the allocator's history recorded, and what held its peak is in the result's "memory"."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     ids = torch.randint(4, 400, (batch, seq), device="cuda")
@@ -171,6 +174,12 @@ def timed_training(model, steps: int, warmup: int, batch: int, seq: int, read_lo
         with profiled(PROFILED_STEPS, result["profile"]):
             for _ in range(PROFILED_STEPS):
                 step()
+    if os.environ.get("BENCH_MEMORY"):
+        from memory_peak import recorded
+
+        result["memory"] = {}
+        with recorded(result["memory"]):
+            step()
     return result
 
 
@@ -183,8 +192,10 @@ def toolkit_run(model_dir: Path, data: Path, out: Path, optimizer: str, steps: i
     config = ("model: {family: llm}\nnetwork: {rank: 16, alpha: 16}\ntrain: {lr: 1.0e-4, precision: bf16,"
               " gradient_checkpointing: false}\nsave: {every: 0}\nlog: {tensorboard: false}\n")
     profile = {} if os.environ.get("BENCH_PROFILE") else None
-    rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup, profile=profile)
-    return {"tokens_per_s": rate * batch * seq, "peak_gib": peak, **({"profile": profile} if profile else {})}
+    memory = {} if os.environ.get("BENCH_MEMORY") else None
+    rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup, profile=profile, memory=memory)
+    return {"tokens_per_s": rate * batch * seq, "peak_gib": peak, **({"profile": profile} if profile else {}),
+            **({"memory": memory} if memory else {})}
 
 
 def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
@@ -242,6 +253,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=400, help="seconds per row")
     parser.add_argument("--profile", action="store_true",
                         help="also profile a few steps of every row after its timed ones; prints where GPU time goes")
+    parser.add_argument("--memory", action="store_true",
+                        help="after the timed steps, one more step with the allocator's history recorded: what held "
+                             "its peak memory, by the code that allocated it (bench/memory_peak.py)")
     parser.add_argument("--unsloth-path", default="/tmp/peer", help="where the carried unsloth wheels are installed")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -254,6 +268,8 @@ def main() -> None:
         return
     if args.profile:
         os.environ["BENCH_PROFILE"] = "1"  # read by the rows' processes
+    if args.memory:
+        os.environ["BENCH_MEMORY"] = "1"
     work = Path(tempfile.mkdtemp(prefix="bench-llm-"))
     model_dir, data = work / "model", work / "data.jsonl"
     write_model(model_dir, args.shape, args.layers)
@@ -283,6 +299,9 @@ def main() -> None:
     for row, r in results.items():
         if "profile" in r:
             print_summary(row, r["profile"])
+    for row, r in results.items():
+        if "memory" in r:
+            print_breakdown(row, r["memory"])
     if args.out:
         args.out.write_text(json.dumps({"shape": args.shape, "device": torch.cuda.get_device_name(),
                                         "torch": torch.__version__, "rows": results}, indent=1))

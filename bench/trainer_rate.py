@@ -6,6 +6,7 @@ import json
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -13,27 +14,31 @@ PROFILED_STEPS = 3
 
 
 @contextmanager
-def profile_after(launches: int, into: dict | None, peak: dict):
-    """Profile the Trainer's steps after the first `launches` ones into `into` (None: no profile); the peak
-    memory of the steps before the profile goes into peak["gib"]."""
-    if into is None:
+def windows_after(launches: int, windows: list[tuple[int, Callable]], peak: dict):
+    """After the Trainer's first `launches` steps, each window (steps, make_context) in turn: its steps run inside
+    make_context(). The peak memory of the steps before the first window goes into peak["gib"]."""
+    if not windows:
         yield
         return
-    from kernel_profile import profiled
-
     from toolkit.train.step import Stepper
 
-    launch, count, window = Stepper.launch, {"n": 0}, {}
+    spans, first = [], launches + 1
+    for steps, make in windows:
+        spans.append((first, first + steps - 1, make))
+        first += steps
+    launch, count, open_ = Stepper.launch, {"n": 0}, []
 
     def watched(self, stop_requested):
         count["n"] += 1
-        if count["n"] == launches + 1:
+        if count["n"] == launches + 1 and torch.cuda.is_available():
             peak["gib"] = torch.cuda.max_memory_allocated() / 2**30
-            window["cm"] = profiled(PROFILED_STEPS, into)
-            window["cm"].__enter__()
+        for start, _, make in spans:
+            if count["n"] == start:
+                open_.append(make())
+                open_[-1].__enter__()
         sums = launch(self, stop_requested)
-        if count["n"] == launches + PROFILED_STEPS:
-            window.pop("cm").__exit__(None, None, None)
+        if any(count["n"] == end for _, end, _ in spans):
+            open_.pop().__exit__(None, None, None)
         return sums
 
     Stepper.launch = watched
@@ -41,22 +46,34 @@ def profile_after(launches: int, into: dict | None, peak: dict):
         yield
     finally:
         Stepper.launch = launch
-        if "cm" in window:
-            window.pop("cm").__exit__(None, None, None)
+        while open_:
+            open_.pop().__exit__(None, None, None)
 
 
 def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: str, steps: int,
-                 warmup: int, logs: list[str] | None = None, profile: dict | None = None) -> tuple[float, float]:
+                 warmup: int, logs: list[str] | None = None, profile: dict | None = None,
+                 memory: dict | None = None) -> tuple[float, float]:
     """(steps per second after `warmup` steps, peak GiB) of a Trainer run of `config_yaml` + `overrides`.
 
     The rate is the Trainer's own (logs/metrics.jsonl, logged every `warmup` steps); 8-bit optimizers are
     the toolkit's kernels, not bitsandbytes. The run's log lines are appended to `logs` when given. With
     `profile` (a dict), PROFILED_STEPS more steps run after the timed ones under the profiler, and their
-    summary (bench/kernel_profile.py) goes into it; the rate and the peak leave them out."""
+    summary (bench/kernel_profile.py) goes into it; with `memory` (a dict), one more step runs with the
+    allocator's history recorded, and what held its peak (bench/memory_peak.py) goes into it. The rate and the
+    peak leave those steps out."""
     from toolkit.config.run import load_run
     from toolkit.train.trainer import Trainer
 
-    extra = PROFILED_STEPS if profile is not None else 0
+    windows = []
+    if profile is not None:
+        from kernel_profile import profiled
+
+        windows.append((PROFILED_STEPS, lambda: profiled(PROFILED_STEPS, profile)))
+    if memory is not None:
+        from memory_peak import recorded
+
+        windows.append((1, lambda: recorded(memory)))
+    extra = sum(n for n, _ in windows)
     overrides = [*overrides, f"train.steps={steps + warmup + extra}", f"train.optimizer={optimizer}", f"run.output_dir={out}",
                  f"log.every={warmup}"]
     if optimizer.endswith("8bit"):
@@ -67,7 +84,7 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     peak = {}
-    with profile_after(steps + warmup, profile, peak):
+    with windows_after(steps + warmup, windows, peak):
         Trainer(run, fresh=True, log=logs.append if logs is not None else (lambda m: None)).run()
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "steps_per_s" in r and warmup < r["step"] <= steps + warmup]

@@ -1,0 +1,70 @@
+"""bench/memory_peak.py: the allocator trace replayed to what was alive at the step's peak, by allocating code."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+from memory_peak import GiB, label, peak_breakdown  # noqa: E402
+
+LOSS = [{"filename": "/x/torch/nn/functional.py", "line": 3, "name": "cross_entropy"},
+        {"filename": "/site/toolkit/kernels/linear_cross_entropy.py", "line": 40, "name": "chunk_loss_and_grad"}]
+MLP = [{"filename": "/site/transformers/models/llama/modeling_llama.py", "line": 150, "name": "forward"}]
+
+
+def alloc(addr, gib, frames):
+    return {"action": "alloc", "addr": addr, "size": int(gib * GiB), "frames": frames}
+
+
+def free(addr, gib, action="free_completed"):
+    return {"action": action, "addr": addr, "size": int(gib * GiB), "frames": []}
+
+
+def test_the_blocks_alive_at_the_peak_are_summed_by_the_code_that_allocated_them():
+    events = [alloc(1, 1.0, MLP), alloc(2, 0.5, MLP), free(2, 0.5, "free_requested"), free(2, 0.5),
+              alloc(3, 2.0, LOSS), alloc(4, 0.25, LOSS),   # the peak: 1 + 2 + 0.25 = 3.25 GiB in the window
+              free(3, 2.0), alloc(5, 1.5, [])]             # 2.75 later: not the peak
+    result = peak_breakdown(events, before=int(4 * GiB))
+    assert result["peak_gib"] == pytest.approx(7.25) and result["before_gib"] == pytest.approx(4.0)
+    assert result["rows"] == [["toolkit/kernels/linear_cross_entropy.py:40 chunk_loss_and_grad", 2.25, 2],
+                              ["transformers/models/llama/modeling_llama.py:150 forward", 1.0, 1]]
+
+
+def test_a_block_counts_until_its_free_completes_and_frames_name_the_innermost_own_code():
+    # free_requested alone (a block another stream still reads) keeps the block allocated
+    events = [alloc(1, 1.0, MLP), free(1, 1.0, "free_requested"), alloc(2, 1.0, [])]
+    assert peak_breakdown(events)["peak_gib"] == pytest.approx(2.0)
+    assert label([]).startswith("(no Python frame")
+    assert label([{"filename": "/usr/lib/torch/_ops.py", "line": 7, "name": "__call__"}]) == "/usr/lib/torch/_ops.py:7 __call__"
+    assert peak_breakdown([])["rows"] == []
+
+
+def test_measurement_windows_open_after_the_timed_steps_one_after_the_other(monkeypatch):
+    """bench/trainer_rate.py: the profile's steps, then the memory step, each inside its own context, after the
+    timed launches, and every context closed."""
+    from trainer_rate import windows_after
+
+    from toolkit.train.step import Stepper
+
+    calls = []
+    monkeypatch.setattr(Stepper, "launch", lambda self, stop: calls.append("step"))
+
+    class Window:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            calls.append(f"enter {self.name}")
+
+        def __exit__(self, *exc):
+            calls.append(f"exit {self.name}")
+
+    with windows_after(2, [(2, lambda: Window("profile")), (1, lambda: Window("memory"))], {}):
+        for _ in range(6):
+            Stepper.launch(object(), None)
+    assert calls == ["step", "step", "enter profile", "step", "step", "exit profile", "enter memory", "step",
+                     "exit memory", "step"]
