@@ -19,6 +19,7 @@ Rows (--rows, comma-separated; a row whose package is missing is reported as ski
   toolkit-8bit     the same with the toolkit's adamw8bit
   toolkit-nofuse   train.compile on, model.kernels=none (what the fused loss adds)
   toolkit-ckpt     the defaults + train.gradient_checkpointing=true (memory)
+  toolkit-ckpt-offload  toolkit-ckpt + train.checkpoint_offload=true (the layer inputs in pinned CPU memory)
   toolkit-keepall  the defaults + train.compile_recompute=none (PyTorch's default partition of each block; the
                    default, auto, is pointwise for an LLM)
 
@@ -213,6 +214,7 @@ def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
     extra = {"toolkit-eager": ["train.compile=false", "model.kernels=none"], "toolkit": [], "toolkit-8bit": [],
              "toolkit-nofuse": ["train.compile=true", "model.kernels=none"],
              "toolkit-ckpt": ["train.gradient_checkpointing=true"],
+             "toolkit-ckpt-offload": ["train.gradient_checkpointing=true", "train.checkpoint_offload=true"],
              "toolkit-keepall": ["train.compile_recompute=none"]}[row]
     optimizer = "adamw8bit" if row == "toolkit-8bit" else "adamw"
     return toolkit_run(model_dir, data, work / f"run-{row}", optimizer, args.steps, args.warmup, args.batch,

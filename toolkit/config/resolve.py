@@ -78,6 +78,9 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         decisions.append(Decision("train.batch_size", size, why))
     elif not isinstance(cfg.train.batch_size, int) or cfg.train.batch_size < 1:
         problems.append(f"'train.batch_size' must be a positive integer or auto, got {cfg.train.batch_size!r}")
+    if cfg.train.get("checkpoint_offload") and cfg.train.gradient_checkpointing is False:
+        problems.append("'train.checkpoint_offload' moves the inputs of checkpointed layers, and "
+                        "train.gradient_checkpointing is false: set it to true or auto, or remove checkpoint_offload")
     if cfg.train.gradient_checkpointing == "auto":
         cfg.train.gradient_checkpointing = False
         decisions.append(Decision("train.gradient_checkpointing", False, (

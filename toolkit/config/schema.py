@@ -145,6 +145,11 @@ class TrainSection:
         "the start; otherwise, for a diffusion denoiser with the batch size set, N blocks estimated from the peaks "
         "without and with every block checkpointed, when a step with N fits, else all; off on the CPU.",
         resume_safe=True)
+    checkpoint_offload: bool = opt(
+        False, "With gradient checkpointing: each checkpointed layer's input waits in pinned CPU memory between "
+        "forward and backward, copied on a side stream that overlaps the compute (unsloth's offloaded "
+        "checkpointing); frees about layers x batch x sequence x hidden x 2 bytes of GPU memory (0.5 GiB on the "
+        "Llama-3.2-1B shape at 4 x 2048). Not yet measured on a GPU, so off unless asked for.", resume_safe=True)
     compile: Union[bool, str] = opt("auto", "Compile each repeated block of the trained model with torch.compile "
                                     "(regional: one compilation reused by every block); the first steps take longer. "
                                     "auto: on for the families measured faster with it on a GPU (llm), off on the "

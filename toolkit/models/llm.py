@@ -16,6 +16,7 @@ from toolkit.data.samples import IGNORE_INDEX
 from toolkit.data.text import TextData, build_text_data, detect_format, render_chat
 from toolkit.errors import UserError
 from toolkit.models.base import AdapterBase, Runtime, eval_mode
+from toolkit.models.checkpoint_offload import InputOffload, offloading
 from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for, no_packed_sequence_search
 from toolkit.models.lora import lora_config, target_modules
 from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
@@ -97,9 +98,21 @@ def takes_num_items_in_batch(model: torch.nn.Module) -> bool:
     return type(model).__module__.startswith("transformers.models.")
 
 
-def checkpoint_layers(model) -> None:
-    """transformers' gradient checkpointing of every decoder layer, non-reentrant (no inputs need grad)."""
+def checkpoint_layers(model, offload: InputOffload | None = None) -> int:
+    """transformers' gradient checkpointing of every decoder layer, non-reentrant (no inputs need grad); with
+    `offload` (train.checkpoint_offload), each checkpointed call's saved inputs go through it. Returns how many
+    checkpointed layers it wrapped (0 without `offload`)."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if offload is None:
+        return 0
+    from transformers import PreTrainedModel
+
+    layers = 0
+    for module in model.modules():  # the layers' own functions, and the model's (older transformers call that)
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = offloading(module._gradient_checkpointing_func, offload)
+            layers += not isinstance(module, PreTrainedModel)
+    return layers
 
 
 def label_tokens(labels: torch.Tensor) -> int:
@@ -118,6 +131,7 @@ class LLMAdapter(AdapterBase):
         self.data: TextData | None = None
         self.fused_loss = None   # set by load(): the fused output head + cross-entropy, where it applies
         self.drops_padding_mask = False  # set by load()
+        self.offload: InputOffload | None = None  # train.checkpoint_offload, once layers are checkpointed
 
     # -- loading ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -163,7 +177,7 @@ class LLMAdapter(AdapterBase):
             # Move first, then train: on HIP large host-to-device copies of a cast model can fail.
             model.to(self.runtime.device)
         if self.cfg.train.gradient_checkpointing:
-            checkpoint_layers(model)
+            self._checkpoint_layers(model)
         model.config.use_cache = False
         # auto and all-linear adapt every linear layer but the output head; a list names modules.
         targets = target_modules(self.cfg.network.target_modules, "all-linear", "all-linear")
@@ -187,7 +201,20 @@ class LLMAdapter(AdapterBase):
             self.log(why)
 
     def enable_gradient_checkpointing(self) -> None:
-        checkpoint_layers(self.network.get_base_model())
+        self._checkpoint_layers(self.network.get_base_model())
+
+    def _checkpoint_layers(self, model) -> None:
+        if not self.cfg.train.get("checkpoint_offload"):
+            checkpoint_layers(model)
+            return
+        self.offload = InputOffload(self.runtime.device)
+        count = checkpoint_layers(model, self.offload)
+        if self.runtime.device.type == "cuda":
+            self.log(f"train.checkpoint_offload: the inputs of {count} checkpointed layers wait in pinned CPU "
+                     "memory between forward and backward")
+        else:
+            self.log(f"train.checkpoint_offload: on the {self.runtime.device.type} the inputs of {count} "
+                     "checkpointed layers stay where they are (no device memory to free)")
 
     def base_parameters(self) -> int:
         return self._count_parameters({"revision": self.cfg.model.revision,

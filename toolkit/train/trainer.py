@@ -322,6 +322,8 @@ class Trainer:
         self.cfg.train.gradient_checkpointing = setting  # N blocks: the diffusion families read it in _prepare_blocks
         if setting is True:
             self.adapter.enable_gradient_checkpointing()
+        elif setting is False and self.cfg.train.get("checkpoint_offload"):
+            self.log("train.checkpoint_offload: nothing to move, gradient checkpointing stays off (measured)")
         self._auto_decided("train.gradient_checkpointing", setting,
                            f"train.gradient_checkpointing=auto -> {setting}: {why}")
         self._rewrite_config()
