@@ -188,10 +188,11 @@ class AdapterBase:
         needs it). The diffusion families need nothing here: train/blocks.py reads the setting when it wraps the
         denoiser's blocks, which comes later."""
 
-    def block_regions(self) -> dict[str, list[torch.nn.Module]]:
+    def block_regions(self, checkpointed: bool) -> dict[str, list[torch.nn.Module]]:
         """By trainable module, its repeated blocks in forward order, which train/blocks.py compiles, checkpoints
-        and swaps one by one. Empty (the default): the trainer compiles shard_roots' repeated blocks whole and the
-        family checkpoints its own way (llm, through transformers)."""
+        and swaps one by one (`checkpointed`: whether any of them will be checkpointed, which may change what a
+        block is). Empty (the default): the trainer compiles shard_roots' repeated blocks whole and the family
+        checkpoints its own way (llm, through transformers)."""
         return {}
 
     def block_swaps(self) -> dict:

@@ -174,7 +174,7 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
         return dict(self.network.items())
 
-    def block_regions(self) -> dict[str, list[torch.nn.Module]]:
+    def block_regions(self, checkpointed: bool) -> dict[str, list[torch.nn.Module]]:
         """Each LoRA denoiser's outermost repeated blocks (its `_no_split_modules`: DiT blocks)."""
         return {name: repeated_blocks(self.component(name), outermost=True) for name in self.lora_denoiser_names()}
 

@@ -53,12 +53,12 @@ class StableDiffusionAdapter(DiffusionAdapter):
         encoders = {name: factors[name] for name in self.text_encoder_names if name in factors}
         return kohya_keys(factors["unet"], encoders, self.kohya_te_prefixes)
 
-    def block_regions(self) -> dict[str, list[torch.nn.Module]]:
+    def block_regions(self, checkpointed: bool) -> dict[str, list[torch.nn.Module]]:
         """The UNet as one region when it is not checkpointed: compiled whole it trained SD1.5 at 1.82x the eager
         loop where compiling its down, mid and up blocks one by one gave 1.07x (bench/diffusion.py, H100). Checkpointed,
         its down blocks, mid block and up blocks, each recomputed on its own."""
         unet = self.component("unet")
-        if self.cfg.train.gradient_checkpointing is False:
+        if not checkpointed:
             return {"unet": [unet]}
         return {"unet": [*unet.down_blocks, unet.mid_block, *unet.up_blocks]}
 

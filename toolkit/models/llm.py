@@ -131,7 +131,6 @@ class LLMAdapter(AdapterBase):
         self.data: TextData | None = None
         self.fused_loss = None   # set by load(): the fused output head + cross-entropy, where it applies
         self.drops_padding_mask = False  # set by load()
-        self.offload: InputOffload | None = None  # train.checkpoint_offload, once layers are checkpointed
 
     # -- loading ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -207,8 +206,7 @@ class LLMAdapter(AdapterBase):
         if not self.cfg.train.get("checkpoint_offload"):
             checkpoint_layers(model)
             return
-        self.offload = InputOffload(self.runtime.device)
-        count = checkpoint_layers(model, self.offload)
+        count = checkpoint_layers(model, InputOffload(self.runtime.device))
         if self.runtime.device.type == "cuda":
             self.log(f"train.checkpoint_offload: the inputs of {count} checkpointed layers wait in pinned CPU "
                      "memory between forward and backward")

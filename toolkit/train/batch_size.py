@@ -233,16 +233,8 @@ def _micro_step_and_budget(trainer) -> tuple[Callable[[int], None], list, Budget
 
 
 def _regions_for(trainer, setting) -> dict:
-    """The blocks train.gradient_checkpointing=`setting` would checkpoint (the SD UNet is one region unless
-    checkpointed), none for False."""
-    if setting is False:
-        return {}
-    train = trainer.cfg.train
-    saved, train.gradient_checkpointing = train.gradient_checkpointing, setting
-    try:
-        return trainer.adapter.block_regions()
-    finally:
-        train.gradient_checkpointing = saved
+    """The blocks train.gradient_checkpointing=`setting` would checkpoint, none for False."""
+    return trainer.adapter.block_regions(checkpointed=True) if setting is not False else {}
 
 
 def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple[bool | int, str]:

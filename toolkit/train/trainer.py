@@ -264,7 +264,7 @@ class Trainer:
         without block regions (llm) compile their repeated blocks whole and checkpoint their own way.
         Returns the number of compiled blocks."""
         cfg, procs = self.cfg, self.procs
-        regions = self.adapter.block_regions()
+        regions = self.adapter.block_regions(checkpointed=cfg.train.gradient_checkpointing is not False)
         self.cuda_graphs = False
         if cfg.train.compile:
             recompute_elementwise(cfg.train.compile_recompute == "pointwise")
