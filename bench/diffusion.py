@@ -23,6 +23,8 @@ Rows (--rows):
   toolkit-ckpt-N        toolkit + N of the blocks checkpointed
   ROW-pointwise         any toolkit row + train.compile_recompute=pointwise (elementwise results recomputed in
                         backward instead of kept)
+  ROW-attention         any checkpointed toolkit row + train.checkpoint_keeps=attention (each checkpointed block
+                        keeps its attention outputs; backward recomputes the rest); -attention-pointwise: both
   toolkit-swap24        toolkit + checkpointing, in a process capped at 24 GiB of GPU memory, the toolkit told it
                         has 24 GB (device.memory_fraction scaled): model.block_swap=auto decides what to swap
 
@@ -175,9 +177,12 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
 def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int) -> dict:
     from trainer_rate import trainer_rate
 
-    name, pointwise = row, row.endswith("-pointwise")
-    row = row.removesuffix("-pointwise")
-    overrides = ["train.compile_recompute=pointwise"] if pointwise else []
+    name, overrides = row, []
+    for suffix, setting in (("-pointwise", "train.compile_recompute=pointwise"),
+                            ("-attention", "train.checkpoint_keeps=attention")):
+        if row.endswith(suffix):
+            row = row.removesuffix(suffix)
+            overrides.append(setting)
     overrides += [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
                  "train.compile=false" if row == "toolkit-eager" else f"train.compile={device() == 'cuda'}"]
     if row == "toolkit-nographs":

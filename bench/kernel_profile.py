@@ -126,6 +126,9 @@ def idle_gaps(trace: dict, steps: int, least_us: float = 20.0, top: int = 10) ->
 
 
 def print_summary(row: str, summary: dict) -> None:
+    if "failed" in summary:
+        print(f"  {row}: the profiled steps failed ({summary['failed']})")
+        return
     kinds = ", ".join(f"{k} {v}" for k, v in summary["kinds_ms"].items())
     print(f"  {row}: wall {summary['wall_ms']} ms/step, GPU busy {summary['gpu_busy_ms']} ms "
           f"({summary['launches_per_step']} kernels); {kinds}")

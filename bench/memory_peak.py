@@ -68,7 +68,8 @@ def recorded(into: dict, top: int = 12):
 
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    # stacks for allocations only (what the breakdown reads); frees record none
+    torch.cuda.memory._record_memory_history(max_entries=500_000, context="alloc", stacks="python")
     try:
         yield
         torch.cuda.synchronize()
@@ -80,6 +81,9 @@ def recorded(into: dict, top: int = 12):
 
 
 def print_breakdown(row: str, result: dict) -> None:
+    if "failed" in result:
+        print(f"\n{row}: the recorded step failed ({result['failed']})")
+        return
     print(f"\n{row}: {result['peak_gib']:.2f} GiB at the peak of the recorded step; "
           f"{result['before_gib']:.2f} GiB allocated before it began")
     for name, gib, count in result["rows"]:

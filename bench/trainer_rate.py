@@ -16,7 +16,9 @@ PROFILED_STEPS = 3
 @contextmanager
 def windows_after(launches: int, windows: list[tuple[int, Callable]], peak: dict):
     """After the Trainer's first `launches` steps, each window (steps, make_context) in turn: its steps run inside
-    make_context(). The peak memory of the steps before the first window goes into peak["gib"]."""
+    make_context(). The peak memory of the steps before the first window goes into peak["gib"]; peak["steps"]
+    counts the steps launched so far (a failure past `launches` is one inside a window)."""
+    peak["steps"] = launches if not windows else 0
     if not windows:
         yield
         return
@@ -30,6 +32,7 @@ def windows_after(launches: int, windows: list[tuple[int, Callable]], peak: dict
 
     def watched(self, stop_requested):
         count["n"] += 1
+        peak["steps"] = count["n"]
         if count["n"] == launches + 1 and torch.cuda.is_available():
             peak["gib"] = torch.cuda.max_memory_allocated() / 2**30
         for start, _, make in spans:
@@ -60,7 +63,7 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
     `profile` (a dict), PROFILED_STEPS more steps run after the timed ones under the profiler, and their
     summary (bench/kernel_profile.py) goes into it; with `memory` (a dict), one more step runs with the
     allocator's history recorded, and what held its peak (bench/memory_peak.py) goes into it. The rate and the
-    peak leave those steps out."""
+    peak leave those steps out; when one of them fails, its dict says so under "failed" and the rate stands."""
     from toolkit.config.run import load_run
     from toolkit.train.trainer import Trainer
 
@@ -85,7 +88,15 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
         torch.cuda.reset_peak_memory_stats()
     peak = {}
     with windows_after(steps + warmup, windows, peak):
-        Trainer(run, fresh=True, log=logs.append if logs is not None else (lambda m: None)).run()
+        try:
+            Trainer(run, fresh=True, log=logs.append if logs is not None else (lambda m: None)).run()
+        except Exception as error:  # noqa: BLE001
+            if peak["steps"] <= steps + warmup:
+                raise
+            # a window's own step failed (the profiler or the allocator's history): the timed steps stand
+            for summary in (profile, memory):
+                if summary is not None and not summary:
+                    summary["failed"] = f"{type(error).__name__}: {error}"
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "steps_per_s" in r and warmup < r["step"] <= steps + warmup]
     peak = peak.get("gib", torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0)

@@ -78,7 +78,10 @@ def test_on_the_gpu_the_inputs_go_to_pinned_memory_and_come_back_unchanged(monke
 
     monkeypatch.setattr(module, "MIN_BYTES", 0)  # the tiny model's hidden states are small
     offload = InputOffload(torch.device("cuda"))
+    seen, pack = [], offload.pack
+    offload.pack = lambda tensor: seen.append(tensor.device.type) or pack(tensor)
     loss, grads = loss_and_grads("cuda", offload)
     expected_loss, expected = loss_and_grads("cuda", None)
-    assert (offload.saved, offload.moved) == (3, 3)
+    # each layer's hidden states moved; on a GPU the checkpoint also saves one CPU tensor per call, kept as it is
+    assert seen.count("cuda") == offload.moved == 3 and set(seen) <= {"cuda", "cpu"}
     assert loss == expected_loss and all(torch.equal(grads[n], expected[n]) for n in expected)

@@ -20,7 +20,7 @@ from toolkit.config.data_schemas import ImageDataSection, TextDataSection, Video
 LLM_SETTINGS = frozenset({"model.attention", "model.kernels", "model.trust_remote_code", "model.quantize",
                           "model.quantize_backend", "sample.max_new_tokens", "sample.temperature",
                           "train.checkpoint_offload"})
-DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.timestep_sampling", "train.logit_mean",
+DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.checkpoint_keeps", "train.timestep_sampling", "train.logit_mean",
                                 "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",
                                 "sample.width", "sample.height"})
 DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_offset", "train.min_snr_gamma",
@@ -44,6 +44,7 @@ class FamilySpec:
     tiny: dict[str, str] = field(default_factory=dict)  # tiny:<kind> -> "module:function" writing it
     compile_auto: str | None = None     # train.compile=auto on a GPU: why it is on (a measurement); None: off
     recompute_auto: str | None = None   # train.compile_recompute=auto: why pointwise (a measurement); None: none
+    keeps_auto: str | None = None       # train.checkpoint_keeps=auto: why attention (a measurement); None: nothing
     pipeline_class: str = ""            # model_index.json _class_name of a diffusers folder; "": a transformers folder
 
 

@@ -117,6 +117,13 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         if cfg.train.compile is True:
             decisions.append(Decision("train.compile_recompute", cfg.train.compile_recompute,
                                       measured or f"PyTorch's default: pointwise not measured for {family} yet"))
+    if applies_to("train.checkpoint_keeps", family) and cfg.train.checkpoint_keeps == "auto":
+        measured = family_spec(family).keeps_auto
+        cfg.train.checkpoint_keeps = "attention" if measured else "nothing"
+        if cfg.train.gradient_checkpointing is not False:
+            decisions.append(Decision("train.checkpoint_keeps", cfg.train.checkpoint_keeps,
+                                      measured or f"a checkpointed block recomputes everything: keeping attention "
+                                                  f"not measured faster for {family} yet"))
     if not (isinstance(cfg.train.cuda_graphs, bool) or cfg.train.cuda_graphs == "auto"):
         problems.append(f"'train.cuda_graphs' must be true, false or auto, got {cfg.train.cuda_graphs!r}")
     if cfg.train.timestep_sampling == "auto" and applies_to("train.timestep_sampling", family):

@@ -249,7 +249,8 @@ def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple
 
     def peak_with(setting) -> int | None:
         # the measurement draws noise, timesteps, dropout: training starts from the same draws
-        with rng_untouched(), checkpointed_while(_regions_for(trainer, setting), setting):
+        keeps = trainer.cfg.train.get("checkpoint_keeps", "nothing")
+        with rng_untouched(), checkpointed_while(_regions_for(trainer, setting), setting, keeps):
             try:
                 return peak_bytes(lambda: micro_step(size), device)
             finally:

@@ -8,8 +8,16 @@ The wrapper replaces the block's `forward` (the module, its parameter names and 
     run(*args)      ->  swap.enter(index) for a swapped block; then the block's own forward, compiled or not
 
 so the swap fetches the weights both in the forward pass and in the recompute during backward, and the compiled
-code never contains the swap's host logic. Compiling the forward alone (not the module's __call__) keeps
-module hooks (FSDP's, PEFT's) outside the compiled graph.
+code never contains the swap's host logic.
+
+train.checkpoint_keeps=attention: a checkpointed block keeps its attention's outputs (the SDPA kernels' output and
+log-sum-exp) and recomputes the rest in backward: PyTorch's selective activation checkpointing, with a policy that
+must save the attention ops. For a long sequence (a video DiT's tens of thousands of tokens) attention is most of
+the forward, so the recompute shrinks to the cheap part for the memory of one activation per block. A compiled
+block is then compiled with its checkpoint inside (torch.compile(checkpoint(forward))) so that the policy sees
+the traced ops; the recompute becomes part of the compiled backward. A swapped block keeps the order above.
+
+Compiling the forward alone (not the module's __call__) keeps module hooks (FSDP's, PEFT's) outside the compiled graph.
 
 CUDA graphs (train.cuda_graphs): a denoiser compiled whole (the SD/SDXL UNet when not checkpointed) is compiled in
 torch.compile's reduce-overhead mode, which records its kernels once per shape and replays them as one CUDA/HIP
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterator, Mapping
 
 import torch
@@ -35,6 +44,10 @@ from toolkit.models.block_swap import BlockSwap, spread
 from toolkit.train.compile import without_ddp_graph_splitting
 
 STATIC_SHAPES_MAX = 8
+# The SDPA kernels' own ops (what F.scaled_dot_product_attention dispatches to, on every backend and the CPU)
+ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_flash_attention_forward", "_efficient_attention_forward")
 
 
 @dataclass
@@ -46,12 +59,15 @@ class BlockPlan:
     checkpointed: dict[str, list[int]] = field(default_factory=dict)
     swapped: dict[str, list[int]] = field(default_factory=dict)
     totals: dict[str, int] = field(default_factory=dict)
+    keeps: str = "nothing"  # train.checkpoint_keeps
 
     def describe(self) -> list[str]:
         lines = []
         for name, total in self.totals.items():
             ckpt, swap = self.checkpointed.get(name, []), self.swapped.get(name, [])
-            lines.append(f"blocks: {name}: {total} blocks, {len(ckpt)} gradient-checkpointed, {len(swap)} swapped"
+            kept = " (attention kept)" if ckpt and self.keeps == "attention" else ""
+            lines.append(f"blocks: {name}: {total} blocks, {len(ckpt)} gradient-checkpointed{kept}, "
+                         f"{len(swap)} swapped"
                          f"{', compiled' if self.compiled else ''}{', as a CUDA graph' if name in self.graphs else ''}")
         return lines
 
@@ -68,16 +84,36 @@ def checkpointed_indices(setting, total: int, swapped: list[int]) -> list[int]:
     return sorted(chosen | set(swapped))
 
 
-def _checkpointed_call(forward: Callable, *args, **kwargs):
+def attention_ops() -> set:
+    return {getattr(torch.ops.aten, name).default for name in ATTENTION_OPS if hasattr(torch.ops.aten, name)}
+
+
+def _keep_attention(ops: set, ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_context(keeps: str) -> dict:
+    """The checkpoint arguments for train.checkpoint_keeps=`keeps`: a selective policy for attention, else none."""
+    if keeps != "attention":
+        return {}
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return {"context_fn": partial(create_selective_checkpoint_contexts, partial(_keep_attention, attention_ops()))}
+
+
+def _checkpointed_call(forward: Callable, keeps: str, *args, **kwargs):
     if torch.is_grad_enabled():
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **checkpoint_context(keeps), **kwargs)
     return forward(*args, **kwargs)
 
 
 @contextmanager
-def checkpointed_while(regions: Mapping[str, list[torch.nn.Module]], setting) -> Iterator[None]:
-    """The blocks of `regions` checkpointed as train.gradient_checkpointing=`setting` would checkpoint them
-    (eager, nothing swapped) for the span of a measurement, then as they were: train.gradient_checkpointing=auto
+def checkpointed_while(regions: Mapping[str, list[torch.nn.Module]], setting,
+                       keeps: str = "nothing") -> Iterator[None]:
+    """The blocks of `regions` checkpointed as train.gradient_checkpointing=`setting` (keeping `keeps`) would
+    checkpoint them (eager, nothing swapped) for the span of a measurement, then as they were: train.gradient_checkpointing=auto
     measures steps this way before the blocks are wrapped for good (train/batch_size.py)."""
     replaced = []
     for blocks in regions.values():
@@ -85,7 +121,7 @@ def checkpointed_while(regions: Mapping[str, list[torch.nn.Module]], setting) ->
             block = blocks[index]
             replaced.append((block, block.__dict__.get("forward")))
             forward = block.forward
-            block.forward = lambda *args, _forward=forward, **kwargs: _checkpointed_call(_forward, *args, **kwargs)
+            block.forward = partial(_checkpointed_call, forward, keeps)
     try:
         yield
     finally:
@@ -124,13 +160,20 @@ def graph_refusal(setting, *, compiled: bool, static: bool, blocks: int, checkpo
 
 
 def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkpointed: bool,
-               swap: BlockSwap | None) -> None:
+               swap: BlockSwap | None, keeps: str = "nothing") -> None:
     """Replace `block.forward` by the wrapper in the module docstring (`compiled`: torch.compile options, or
-    None)."""
+    None; `keeps`: train.checkpoint_keeps)."""
     forward = block.forward
+    swapped = swap is not None and index in swap.entries
+    if compiled is not None and checkpointed and keeps != "nothing" and not swapped:
+        # the policy must see the traced ops: the checkpoint goes inside the compiled function
+        def selective(*args, **kwargs):
+            return _checkpointed_call(forward, keeps, *args, **kwargs)
+
+        block.forward = torch.compile(selective, **compiled)
+        return
     if compiled is not None:
         forward = torch.compile(forward, **compiled)
-    swapped = swap is not None and index in swap.entries
 
     def run(*args, **kwargs):
         if swapped:
@@ -138,7 +181,7 @@ def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkp
         return forward(*args, **kwargs)
 
     def wrapped(*args, **kwargs):
-        return _checkpointed_call(run, *args, **kwargs) if checkpointed else run(*args, **kwargs)
+        return _checkpointed_call(run, keeps, *args, **kwargs) if checkpointed else run(*args, **kwargs)
 
     block.forward = wrapped
 
@@ -146,9 +189,10 @@ def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkp
 def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bool, checkpointing,
                    swaps: Mapping[str, BlockSwap], shape_count: int, log: Callable[[str], None],
                    cuda_graphs=False, grad_accum: int | None = 1, gpu: bool = False,
-                   processes: int = 1, hip: bool = False) -> BlockPlan:
-    """Wrap every block of every root in `regions` ({root name: its blocks in forward order})."""
-    plan = BlockPlan()
+                   processes: int = 1, hip: bool = False, keeps: str = "nothing") -> BlockPlan:
+    """Wrap every block of every root in `regions` ({root name: its blocks in forward order}); `keeps`:
+    train.checkpoint_keeps."""
+    plan = BlockPlan(keeps=keeps)
     options = None
     if compile_:
         import torch._dynamo
@@ -172,7 +216,7 @@ def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bo
         elif compile_ and (cuda_graphs is True or refusal.startswith("auto: HIP")):  # asked for, or ROCm's only
             log(f"train.cuda_graphs: {name} keeps ordinary kernel launches: {refusal}")
         for index, block in enumerate(blocks):
-            wrap_block(block, index, region_options, index in ckpt, swap)
+            wrap_block(block, index, region_options, index in ckpt, swap, keeps)
         plan.totals[name], plan.checkpointed[name], plan.swapped[name] = len(blocks), ckpt, swapped
         plan.compiled += len(blocks) if compile_ else 0
     for line in plan.describe():

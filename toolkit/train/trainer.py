@@ -285,7 +285,8 @@ class Trainer:
                               swaps=self.adapter.block_swaps(), shape_count=shape_count, log=self.log,
                               cuda_graphs=cfg.train.cuda_graphs, grad_accum=accum,
                               gpu=self.accelerator.device.type == "cuda", processes=procs.world_size,
-                              hip=self.run_cfg.device.backend == "hip")
+                              hip=self.run_cfg.device.backend == "hip",
+                              keeps=cfg.train.get("checkpoint_keeps", "nothing"))
         self.cuda_graphs = bool(plan.graphs)
         return plan.compiled
 

@@ -1,0 +1,132 @@
+"""train.checkpoint_keeps=attention: a checkpointed block keeps its SDPA outputs, so backward recomputes the rest of
+the block but not the attention; gradients unchanged, eager and compiled, and through the entry point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import diffusion_train_args
+from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from toolkit.train.blocks import ATTENTION_OPS, prepare_blocks
+
+
+class AttentionBlock(torch.nn.Module):
+    """A frozen attention + MLP block with trainable low-rank updates on its query and output projections."""
+
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width).requires_grad_(False)
+        self.out = torch.nn.Linear(width, width).requires_grad_(False)
+        self.mlp = torch.nn.Linear(width, width).requires_grad_(False)
+        self.down = torch.nn.Parameter(torch.randn(2, width) * 0.1)
+        self.up = torch.nn.Parameter(torch.randn(3 * width, 2) * 0.1)
+
+    def forward(self, x):
+        b, n, w = x.shape
+        qkv = (self.qkv(x) + x @ self.down.T @ self.up.T).view(b, n, 3, self.heads, w // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, w)
+        x = x + self.out(attended)
+        return x + torch.nn.functional.gelu(self.mlp(x))
+
+
+class AttentionCalls(TorchDispatchMode):
+    """Counts the SDPA kernels' forward calls that actually run (a selective checkpoint's cached result does not
+    reach a mode outside it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket.__name__ in ATTENTION_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def blocks_and_input(n: int = 3, device: str = "cpu"):
+    torch.manual_seed(0)
+    return [AttentionBlock().to(device) for _ in range(n)], torch.randn(2, 12, 16).to(device)
+
+
+def step(blocks, x) -> tuple[list[torch.Tensor], int]:
+    with AttentionCalls() as calls:
+        for block in blocks:
+            x = block(x)
+        x.square().mean().backward()
+    return [p.grad.clone() for b in blocks for p in (b.down, b.up)], calls.calls
+
+
+def prepared(checkpointing, keeps: str, compile_: bool = False, device: str = "cpu"):
+    blocks, x = blocks_and_input(device=device)
+    lines = []
+    prepare_blocks({"t": blocks}, compile_=compile_, checkpointing=checkpointing, swaps={}, shape_count=1,
+                   log=lines.append, keeps=keeps)
+    return blocks, x, lines
+
+
+def test_kept_attention_runs_once_per_block_and_changes_no_gradient():
+    reference, calls = step(*prepared(False, "nothing")[:2])
+    assert calls == 3  # one forward per block, no recompute
+    everything, calls = step(*prepared(True, "nothing")[:2])
+    assert calls == 6  # every block's attention again in backward
+    blocks, x, lines = prepared(True, "attention")
+    kept, calls = step(blocks, x)
+    assert calls == 3  # kept, not recomputed
+    assert "blocks: t: 3 blocks, 3 gradient-checkpointed (attention kept), 0 swapped" in lines
+    assert all(torch.equal(a, b) for a, b in zip(kept, everything))
+    assert all(torch.equal(a, b) for a, b in zip(kept, reference))
+    some, calls = step(*prepared(1, "attention")[:2])  # one block checkpointed keeps; the others never recompute
+    assert calls == 3 and all(torch.equal(a, b) for a, b in zip(some, reference))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")])])
+def test_compiled_blocks_compile_the_selective_checkpoint_without_a_graph_break(device):
+    """The checkpoint goes inside the compiled function so that its policy sees the traced ops: it compiles
+    (dynamo counts no graph break), and the gradients match the eager ones."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    expected, _ = step(*prepared(True, "nothing", device=device)[:2])
+    blocks, x, lines = prepared(True, "attention", compile_=True, device=device)
+    for block in blocks:
+        x = block(x)
+    x.square().mean().backward()
+    grads = [p.grad.clone() for b in blocks for p in (b.down, b.up)]
+    assert "blocks: t: 3 blocks, 3 gradient-checkpointed (attention kept), 0 swapped, compiled" in lines
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] >= 1
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads, expected))
+    torch._dynamo.reset()
+
+
+def test_through_the_entry_point_the_same_lora_and_the_setting_is_the_denoisers(tmp_path, run_cli, capsys,
+                                                                                 own_data_caches):
+    out = {}
+    for name, keeps in (("nothing", "nothing"), ("attention", "attention")):
+        run_dir = tmp_path / name
+        assert run_cli(*diffusion_train_args("quickstart_wan21.yaml", run_dir, "train.gradient_checkpointing=true",
+                                             f"train.checkpoint_keeps={keeps}")) == 0
+        out[name] = load_file(next((run_dir / "final").glob("*.safetensors")))
+    log = capsys.readouterr().err
+    assert "gradient-checkpointed (attention kept)" in log
+    assert out["nothing"].keys() == out["attention"].keys()
+    assert all(torch.equal(out["nothing"][k], out["attention"][k]) for k in out["nothing"])
+    assert run_cli("validate", "configs/examples/quickstart_llm.yaml", "train.checkpoint_keeps=attention") == 2
+    assert "checkpoint_keeps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keeps", ["auto", "nothing"])
+def test_auto_keeps_nothing_where_unmeasured_and_says_so(run_cli, capsys, keeps):
+    from toolkit.config.families import FAMILY_SPECS
+
+    assert run_cli("validate", "configs/examples/quickstart_sd.yaml", "train.gradient_checkpointing=true",
+                   f"train.checkpoint_keeps={keeps}") == 0
+    out = capsys.readouterr()
+    said = "keeping attention not measured faster for sd yet" in out.out + out.err
+    assert said == (keeps == "auto") and FAMILY_SPECS["sd"].keeps_auto is None
