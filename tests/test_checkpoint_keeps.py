@@ -10,7 +10,7 @@ from helpers import diffusion_train_args
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from toolkit.train.blocks import ATTENTION_OPS, prepare_blocks
+from toolkit.train.blocks import ATTENTION_OPS, prepare_blocks, worth_keeping
 
 
 class AttentionBlock(torch.nn.Module):
@@ -49,7 +49,7 @@ class AttentionCalls(TorchDispatchMode):
 
 def blocks_and_input(n: int = 3, device: str = "cpu"):
     torch.manual_seed(0)
-    return [AttentionBlock().to(device) for _ in range(n)], torch.randn(2, 12, 16).to(device)
+    return [AttentionBlock().to(device) for _ in range(n)], torch.randn(2, 24, 16).to(device)
 
 
 def step(blocks, x) -> tuple[list[torch.Tensor], int]:
@@ -81,6 +81,18 @@ def test_kept_attention_runs_once_per_block_and_changes_no_gradient():
     assert all(torch.equal(a, b) for a, b in zip(kept, reference))
     some, calls = step(*prepared(1, "attention")[:2])  # one block checkpointed keeps; the others never recompute
     assert calls == 3 and all(torch.equal(a, b) for a, b in zip(some, reference))
+
+
+def test_only_attention_over_at_least_as_many_keys_as_the_width_is_kept():
+    heads = torch.empty(1, 12, 1, 128)  # a width of 1536 (Wan 2.1 1.3B)
+    assert worth_keeping(heads, torch.empty(1, 12, 32760, 128))  # self-attention over 81 x 480 x 832
+    assert not worth_keeping(heads, torch.empty(1, 12, 512, 128))  # cross-attention to the text
+    blocks, x = blocks_and_input()
+    _, calls = step(blocks, x[:, :12])  # 12 keys, 16 wide: recomputed
+    prepare_blocks({"t": blocks}, compile_=False, checkpointing=True, swaps={}, shape_count=1, log=print,
+                   keeps="attention")
+    _, calls = step(blocks, x[:, :12])
+    assert calls == 6
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

@@ -15,7 +15,9 @@ log-sum-exp) and recomputes the rest in backward: PyTorch's selective activation
 must save the attention ops. For a long sequence (a video DiT's tens of thousands of tokens) attention is most of
 the forward, so the recompute shrinks to the cheap part for the memory of one activation per block. A compiled
 block is then compiled with its checkpoint inside (torch.compile(checkpoint(forward))) so that the policy sees
-the traced ops; the recompute becomes part of the compiled backward. A swapped block keeps the order above.
+the traced ops; the recompute becomes part of the compiled backward. A swapped block keeps the order above, so
+compiled it recomputes everything. Only attention with at least as many keys as the model is wide is kept
+(`worth_keeping`): self-attention over image or video tokens, not cross-attention to the text.
 
 Compiling the forward alone (not the module's __call__) keeps module hooks (FSDP's, PEFT's) outside the compiled graph.
 
@@ -44,10 +46,10 @@ from toolkit.models.block_swap import BlockSwap, spread
 from toolkit.train.compile import without_ddp_graph_splitting
 
 STATIC_SHAPES_MAX = 8
-# The SDPA kernels' own ops (what F.scaled_dot_product_attention dispatches to, on every backend and the CPU)
+# The SDPA kernels' own ops (what F.scaled_dot_product_attention dispatches to, on every backend and the CPU);
+# each takes query, key, value as (batch, heads, tokens, head width)
 ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                 "_flash_attention_forward", "_efficient_attention_forward")
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
 
 
 @dataclass
@@ -59,13 +61,14 @@ class BlockPlan:
     checkpointed: dict[str, list[int]] = field(default_factory=dict)
     swapped: dict[str, list[int]] = field(default_factory=dict)
     totals: dict[str, int] = field(default_factory=dict)
-    keeps: str = "nothing"  # train.checkpoint_keeps
+    keeping: dict[str, int] = field(default_factory=dict)  # checkpointed blocks keeping attention (checkpoint_keeps)
 
     def describe(self) -> list[str]:
         lines = []
         for name, total in self.totals.items():
             ckpt, swap = self.checkpointed.get(name, []), self.swapped.get(name, [])
-            kept = " (attention kept)" if ckpt and self.keeps == "attention" else ""
+            kept = self.keeping.get(name, 0)
+            kept = (" (attention kept)" if kept == len(ckpt) else f" ({kept} keeping attention)") if kept else ""
             lines.append(f"blocks: {name}: {total} blocks, {len(ckpt)} gradient-checkpointed{kept}, "
                          f"{len(swap)} swapped"
                          f"{', compiled' if self.compiled else ''}{', as a CUDA graph' if name in self.graphs else ''}")
@@ -88,10 +91,21 @@ def attention_ops() -> set:
     return {getattr(torch.ops.aten, name).default for name in ATTENTION_OPS if hasattr(torch.ops.aten, name)}
 
 
+def worth_keeping(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether an attention's output is worth keeping rather than recomputing: when it has at least as many keys
+    as the model is wide. Per query token it then costs more than a projection of the same width (4 x keys x
+    width multiply-adds against 2 x width x width), while keeping it costs what keeping a projection's output
+    would. Self-attention over an image or a video qualifies; cross-attention to a few hundred text tokens
+    (recomputed in no time, as large to keep) does not."""
+    return key.shape[-2] >= query.shape[1] * query.shape[-1]
+
+
 def _keep_attention(ops: set, ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in ops and worth_keeping(args[0], args[1]):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpoint_context(keeps: str) -> dict:
@@ -160,18 +174,20 @@ def graph_refusal(setting, *, compiled: bool, static: bool, blocks: int, checkpo
 
 
 def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkpointed: bool,
-               swap: BlockSwap | None, keeps: str = "nothing") -> None:
+               swap: BlockSwap | None, keeps: str = "nothing") -> bool:
     """Replace `block.forward` by the wrapper in the module docstring (`compiled`: torch.compile options, or
-    None; `keeps`: train.checkpoint_keeps)."""
+    None; `keeps`: train.checkpoint_keeps). Returns whether the block is checkpointed keeping its attention."""
     forward = block.forward
     swapped = swap is not None and index in swap.entries
-    if compiled is not None and checkpointed and keeps != "nothing" and not swapped:
+    if swapped and compiled is not None:
+        keeps = "nothing"  # the policy would run around compiled code it cannot see into (docstring above)
+    if compiled is not None and checkpointed and keeps != "nothing":
         # the policy must see the traced ops: the checkpoint goes inside the compiled function
         def selective(*args, **kwargs):
             return _checkpointed_call(forward, keeps, *args, **kwargs)
 
         block.forward = torch.compile(selective, **compiled)
-        return
+        return True
     if compiled is not None:
         forward = torch.compile(forward, **compiled)
 
@@ -184,6 +200,7 @@ def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkp
         return _checkpointed_call(run, keeps, *args, **kwargs) if checkpointed else run(*args, **kwargs)
 
     block.forward = wrapped
+    return checkpointed and keeps != "nothing"
 
 
 def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bool, checkpointing,
@@ -192,7 +209,7 @@ def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bo
                    processes: int = 1, hip: bool = False, keeps: str = "nothing") -> BlockPlan:
     """Wrap every block of every root in `regions` ({root name: its blocks in forward order}); `keeps`:
     train.checkpoint_keeps."""
-    plan = BlockPlan(keeps=keeps)
+    plan = BlockPlan()
     options = None
     if compile_:
         import torch._dynamo
@@ -215,8 +232,8 @@ def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bo
             plan.graphs.append(name)
         elif compile_ and (cuda_graphs is True or refusal.startswith("auto: HIP")):  # asked for, or ROCm's only
             log(f"train.cuda_graphs: {name} keeps ordinary kernel launches: {refusal}")
-        for index, block in enumerate(blocks):
-            wrap_block(block, index, region_options, index in ckpt, swap, keeps)
+        plan.keeping[name] = sum(wrap_block(block, index, region_options, index in ckpt, swap, keeps)
+                                 for index, block in enumerate(blocks))
         plan.totals[name], plan.checkpointed[name], plan.swapped[name] = len(blocks), ckpt, swapped
         plan.compiled += len(blocks) if compile_ else 0
     for line in plan.describe():
