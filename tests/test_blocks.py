@@ -270,11 +270,13 @@ def test_cuda_graphs_apply_only_to_a_whole_denoiser_replayed_unchanged(setting, 
 def test_cuda_graphs_train_the_same_lora_as_ordinary_launches(tmp_path, run_cli, capsys, monkeypatch):
     """The SD quickstart's UNet compiled whole, replayed as a CUDA graph or launched kernel by kernel: the same
     losses step by step and the same LoRA (the graph replays the compiled kernels; only the launching differs).
-    fp32 without TF32 (cuDNN's TF32 convolutions are torch's default), so that only a real difference shows. The
-    first run encodes its data, the second reads the caches: this test found that encoding moved the RNG streams
-    on the GPU (the losses 0.4% apart from the first step; trainer.py now restores them after data preparation)."""
+    fp32 without TF32 (cuDNN's TF32 convolutions are torch's default), so that only a real difference shows. Both
+    runs find the tiny model and the caches a first one-step run wrote, so that only the launching differs (a run
+    that wrote its tiny model once drew other noise: test_sd_train.py)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert run_cli(*diffusion_train_args("quickstart_sd.yaml", tmp_path / "fill", "train.steps=1",
+                                         "train.compile=false", "train.precision=fp32")) == 0
     losses, weights = {}, {}
     for graphs in (True, False):
         out = tmp_path / f"graphs-{graphs}"

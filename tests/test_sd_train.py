@@ -114,6 +114,42 @@ def test_a_run_that_encodes_trains_as_one_that_reads_its_caches(shapes, tmp_path
     assert len(losses[0]) == 3 and losses[0] == losses[1]
 
 
+def test_writing_a_tiny_model_leaves_every_rng_stream_as_it_was(tmp_path, monkeypatch):
+    """Writers call torch.manual_seed, which also reseeds every GPU's generator. On an H200 a run that wrote its
+    tiny SD model drew other timesteps at its first step than one that found it (their sum over the batch 394
+    against 1072; text, LoRA and base weights equal): the writers forked only the CPU stream. Here the GPU reseed is
+    recorded wherever it happens: none may stay in effect after the writer."""
+    from toolkit.tiny import write_tiny
+
+    reseeds = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeds.append(seed))
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["state before"])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    write_tiny("sd", tmp_path / "sd")
+    assert torch.equal(torch.get_rng_state(), before)
+    assert reseeds and restored and restored[-1] == ["state before"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_on_the_gpu_a_run_that_writes_and_encodes_trains_as_one_that_reads(tmp_path, run_cli, monkeypatch):
+    """The first run writes the tiny model and encodes its data into an empty cache, the second finds both: the
+    same loss at the first step, bit for bit (eager, fp32, math attention)."""
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    losses = []
+    for name in ("cold", "warm"):
+        out = tmp_path / name
+        assert run_cli(*diffusion_train_args("quickstart_sd.yaml", out, "train.steps=2", "train.compile=false",
+                                             "train.precision=fp32", "device.sdpa_backend=math")) == 0
+        losses.append([r["loss"] for r in read_metrics(out)])
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+
+
 @pytest.mark.parametrize("model, prediction_type, noise_offset", [("tiny:sd", "epsilon", 0.0),
                                                                   ("tiny:sd-v", "v_prediction", 0.0),
                                                                   ("tiny:sd", "epsilon", 0.1)])

@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-import torch
 
 from toolkit.config.families import TINY_WRITERS
 
@@ -38,8 +37,11 @@ def write_tiny(kind: str, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        # Writers seed torch; a run that writes its tiny model must not have its own RNG streams reset.
-        with torch.random.fork_rng(devices=[]):
+        # Writers seed torch, which reseeds every GPU's generator too: a run that writes its tiny model must find
+        # all its streams (CPU and GPU) as they were, or it trains differently from one that finds the model.
+        from toolkit.train.rng import rng_untouched
+
+        with rng_untouched():
             tiny_writer(kind)(tmp)
         (tmp / "tiny_model.json").write_text(json.dumps({"kind": kind, "version": TINY_VERSION}) + "\n")
         try:

@@ -83,8 +83,10 @@ def _scheduler(prediction_type: str):
 def keeps_global_rng(writer):
     """Run a writer without touching the caller's RNG streams: a tiny model written on first use inside a
     training run must not change that run's noise (or a resumed run would differ from an uninterrupted one)."""
+    from toolkit.train.rng import rng_untouched
+
     def wrapped(*args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
+        with rng_untouched():  # CPU and GPU streams: torch.manual_seed reseeds the GPUs' generators too
             return writer(*args, **kwargs)
     wrapped.__doc__, wrapped.__name__ = writer.__doc__, writer.__name__
     return wrapped

@@ -186,8 +186,8 @@ class Trainer:
             self.adapter.load_lora(init_from.path, partial=True, label=f"network.init_from ({init_from.source.label})")
             self.log(f"network.init_from: the LoRA starts from {init_from.source.label}; steps, optimizer state and "
                      "schedule start fresh")
-        # Encoding on a cold cache may draw from the RNG streams where reading a warm one does not (seen on an
-        # H200: the SD quickstart's losses differed by 0.4% between the two): a run trains the same either way.
+        # Encoding on a cold cache may draw from the RNG streams where reading a warm one does not: a run trains
+        # the same either way.
         with rng_untouched():
             self.dataset = self.adapter.prepare_data()
         if len(self.dataset) == 0:
