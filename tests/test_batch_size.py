@@ -400,6 +400,56 @@ def test_auto_gradient_checkpointing_checkpoints_the_blocks_a_line_between_two_p
     assert measured.keys() == given.keys() and all(torch.equal(measured[k], given[k]) for k in measured)
 
 
+def test_auto_keeps_attention_only_where_every_block_keeping_it_fits(shapes, own_data_caches, tmp_path, run_cli,
+                                                                     capsys, monkeypatch):
+    """train.checkpoint_keeps=auto at attention (a family measured faster with it): when every block checkpointed
+    keeping its attention is over the budget, the blocks keep nothing and are measured again. Modelled as in the
+    test above, kept attention adding 4 GiB: 20 GiB without checkpointing, 9 with every block keeping attention
+    (over 8.10), 5 keeping nothing, so 4 blocks (8 GiB) keeping nothing."""
+    import dataclasses
+
+    import toolkit.config.families as families
+    import toolkit.train.blocks as blocks
+    from toolkit.device.detect import DeviceInfo
+
+    monkeypatch.setitem(families.FAMILY_SPECS, "sd", dataclasses.replace(families.FAMILY_SPECS["sd"],
+                                                                         keeps_auto="modelled"))
+    recomputed, peaks, keeping = [0], [], []
+    checkpoint, checkpointed_while = blocks.checkpoint, bs.checkpointed_while
+
+    def counted(*args, **kwargs):
+        recomputed[0] += 1
+        return checkpoint(*args, **kwargs)
+
+    def recording(regions, setting, keeps="nothing"):
+        keeping.append(keeps)
+        return checkpointed_while(regions, setting, keeps)
+
+    def peak(run, device):
+        before = recomputed[0]
+        run()
+        count = recomputed[0] - before
+        peaks.append(20 - 3 * count + (4 if count and keeping[-1] == "attention" else 0))
+        return int(peaks[-1] * GiB)
+
+    monkeypatch.setattr(blocks, "checkpoint", counted)
+    monkeypatch.setattr(bs, "checkpointed_while", recording)
+    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
+    monkeypatch.setattr(bs, "peak_bytes", peak)
+    monkeypatch.setattr("toolkit.config.run.detect_device",
+                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
+    out = tmp_path / "auto"
+    assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=2", "train.compile=false",
+                   "train.gradient_checkpointing=auto") == 0
+    err = capsys.readouterr().err
+    assert peaks == [20, 9, 5, 8] and keeping == ["attention", "attention", "nothing", "nothing"]
+    assert "with every block checkpointed keeping its attention it peaked at 9.00 GiB" in err
+    assert "train.checkpoint_keeps=auto -> nothing: with every block keeping its attention a step did not fit" in err
+    assert [line for line in err.splitlines() if line.startswith("blocks: unet:")] == [
+        "blocks: unet: 5 blocks, 4 gradient-checkpointed, 0 swapped"]
+    assert saved_train(out)["gradient_checkpointing"] == 4 and saved_train(out)["checkpoint_keeps"] == "nothing"
+
+
 def test_a_failing_measurement_with_blocks_checkpointed_checkpoints_all_of_them(shapes, own_data_caches, tmp_path,
                                                                                run_cli, capsys, monkeypatch):
     """The step is known not to fit without checkpointing: when the measurement with blocks checkpointed fails (a

@@ -92,9 +92,8 @@ def test_sd_trains_saves_a_diffusers_lora_and_reuses_its_caches(shapes, tmp_path
 
 def test_a_run_that_encodes_trains_as_one_that_reads_its_caches(shapes, tmp_path, run_cli, monkeypatch, capsys,
                                                                 own_data_caches):
-    """Encoding may draw from the RNG streams (on an H200 a cold-cache run of the SD quickstart trained losses 0.4%
-    away from a warm-cache one): data preparation leaves every stream as it found it. Here encoding draws from
-    each stream on purpose."""
+    """Encoding may draw from the RNG streams (a VAE that samples its posterior, a text encoder with dropout):
+    data preparation leaves every stream as it found it. Here encoding draws from each stream on purpose."""
     import random
 
     encode_pixels = StableDiffusionAdapter.encode_pixels

@@ -26,6 +26,7 @@ class ResolvedRun:
     layers: list[Layer] = field(default_factory=list)
     batch_size_auto: bool = False   # train.batch_size was auto: the trainer may measure it (train/batch_size.py)
     checkpointing_auto: bool = False  # train.gradient_checkpointing was auto: the trainer may measure it (same file)
+    keeps_auto: bool = False  # train.checkpoint_keeps was auto: the trainer may keep nothing where memory is short
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:
@@ -64,6 +65,7 @@ def load_run(files: list[str | Path], overrides: list[str], device: DeviceInfo |
     loaded: LoadedConfig = merge_layers([preset.layer] + user_layers, problems, check_paths)
     batch_size_auto = loaded.cfg.train.batch_size == "auto"
     checkpointing_auto = loaded.cfg.train.gradient_checkpointing == "auto"
+    keeps_auto = loaded.cfg.train.get("checkpoint_keeps") == "auto"
     decisions = resolve_auto(loaded.cfg, device, preset)
     return ResolvedRun(loaded.cfg, loaded.sources, device, preset, reason, decisions, loaded.layers, batch_size_auto,
-                       checkpointing_auto)
+                       checkpointing_auto, keeps_auto)

@@ -243,13 +243,17 @@ def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple
     with `some_blocks`, for a denoiser with blocks and nothing swapped: a number of blocks N estimated by a straight
     line between the step's peak without checkpointing and its peak with every block checkpointed, kept when a
     step with N checkpointed fits (the blocks differ in size: N is an estimate, not searched further); True when
-    it does not, and for the others (an LLM, a step that runs out of memory without checkpointing)."""
+    it does not, and for the others (an LLM, a step that runs out of memory without checkpointing). With
+    train.checkpoint_keeps=auto at attention, when every block keeping its attention does not fit, the blocks keep
+    nothing (the setting becomes nothing) and are measured again."""
     micro_step, params, budget = _micro_step_and_budget(trainer)
     device = trainer.accelerator.device
 
+    train = trainer.cfg.train
+
     def peak_with(setting) -> int | None:
         # the measurement draws noise, timesteps, dropout: training starts from the same draws
-        keeps = trainer.cfg.train.get("checkpoint_keeps", "nothing")
+        keeps = train.get("checkpoint_keeps", "nothing")
         with rng_untouched(), checkpointed_while(_regions_for(trainer, setting), setting, keeps):
             try:
                 return peak_bytes(lambda: micro_step(size), device)
@@ -271,6 +275,12 @@ def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple
         return True, without
     try:  # the step is known not to fit without it: a failing measurement from here on means all blocks
         every = peak_with(True)
+        if (every is None or every > budget.limit) and train.get("checkpoint_keeps") == "attention" \
+                and trainer.run_cfg.keeps_auto:
+            kept, train.checkpoint_keeps = every, "nothing"  # the blocks recompute their attention too
+            every = peak_with(True)
+            without += (f"; with every block checkpointed keeping its attention it {said(kept)} "
+                        f"(train.checkpoint_keeps=auto -> nothing)")
         if every is None or every > budget.limit:
             return True, f"{without}; with every block checkpointed it {said(every)}"
         total = max(len(blocks) for blocks in regions.values())

@@ -265,6 +265,10 @@ class Trainer:
         Returns the number of compiled blocks."""
         cfg, procs = self.cfg, self.procs
         regions = self.adapter.block_regions(checkpointed=cfg.train.gradient_checkpointing is not False)
+        if cfg.train.get("checkpoint_keeps") == "attention" and self.run_cfg.keeps_auto and self.adapter.block_swaps():
+            cfg.train.checkpoint_keeps = "nothing"
+            self._auto_decided("train.checkpoint_keeps", "nothing", "train.checkpoint_keeps=auto -> nothing: blocks "
+                               "are swapped (memory is short); the checkpointed blocks recompute their attention")
         self.cuda_graphs = False
         if cfg.train.compile:
             recompute_elementwise(cfg.train.compile_recompute == "pointwise")
@@ -318,8 +322,17 @@ class Trainer:
         with `some_blocks`: a probed batch size would otherwise be fitted to the blocks that just hold a batch of
         1), or all, which the probe then fits the batch to (train/batch_size.py). Measured on the main process;
         every process takes the answer."""
-        setting, why = self._measured_on_main(lambda: checkpointing_for_run(self, size, some_blocks),
-                                              lambda failure: (False, f"kept off: the measurement failed ({failure})"))
+        def measure():
+            setting, why = checkpointing_for_run(self, size, some_blocks)
+            return setting, why, self.cfg.train.get("checkpoint_keeps")  # auto may have dropped attention
+
+        before = self.cfg.train.get("checkpoint_keeps")
+        setting, why, keeps = self._measured_on_main(
+            measure, lambda failure: (False, f"kept off: the measurement failed ({failure})", before))
+        if keeps != before:  # every process as the main one decided
+            self.cfg.train.checkpoint_keeps = keeps
+            self._auto_decided("train.checkpoint_keeps", keeps, "train.checkpoint_keeps=auto -> nothing: with every "
+                               "block keeping its attention a step did not fit (train.gradient_checkpointing below)")
         self.cfg.train.gradient_checkpointing = setting  # N blocks: the diffusion families read it in _prepare_blocks
         if setting is True:
             self.adapter.enable_gradient_checkpointing()
@@ -530,6 +543,8 @@ class Trainer:
                          "(same effective batch)")
         if t.gradient_checkpointing is not True:  # off, or N of the blocks
             fixes.append("train.gradient_checkpointing=true")
+        if t.gradient_checkpointing is not False and t.get("checkpoint_keeps") == "attention":
+            fixes.append("train.checkpoint_keeps=nothing (checkpointed blocks recompute their attention too)")
         if not optimizer_spec(t.optimizer).memory_light:
             fixes.append("train.optimizer=adamw8bit")
         fixes += self.adapter.memory_fixes()
