@@ -405,7 +405,8 @@ def test_auto_keeps_attention_only_where_every_block_keeping_it_fits(shapes, own
     """train.checkpoint_keeps=auto at attention (a family measured faster with it): when every block checkpointed
     keeping its attention is over the budget, the blocks keep nothing and are measured again. Modelled as in the
     test above, kept attention adding 4 GiB: 20 GiB without checkpointing, 9 with every block keeping attention
-    (over 8.10), 5 keeping nothing, so 4 blocks (8 GiB) keeping nothing."""
+    (over 8.10), 5 keeping nothing, so 4 blocks (8 GiB) keeping nothing. train.compile is on (auto keeps
+    attention in compiled blocks only), torch.compile a no-op here."""
     import dataclasses
 
     import toolkit.config.families as families
@@ -434,19 +435,20 @@ def test_auto_keeps_attention_only_where_every_block_keeping_it_fits(shapes, own
 
     monkeypatch.setattr(blocks, "checkpoint", counted)
     monkeypatch.setattr(bs, "checkpointed_while", recording)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # the decision is the subject, not inductor
     monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
     monkeypatch.setattr(bs, "peak_bytes", peak)
     monkeypatch.setattr("toolkit.config.run.detect_device",
                         lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
     out = tmp_path / "auto"
-    assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=2", "train.compile=false",
-                   "train.gradient_checkpointing=auto") == 0
+    assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=2", "train.compile=true",
+                   "train.gradient_checkpointing=auto") == 0  # auto keeps attention compiled only
     err = capsys.readouterr().err
     assert peaks == [20, 9, 5, 8] and keeping == ["attention", "attention", "nothing", "nothing"]
     assert "with every block checkpointed keeping its attention it peaked at 9.00 GiB" in err
     assert "train.checkpoint_keeps=auto -> nothing: with every block keeping its attention a step did not fit" in err
     assert [line for line in err.splitlines() if line.startswith("blocks: unet:")] == [
-        "blocks: unet: 5 blocks, 4 gradient-checkpointed, 0 swapped"]
+        "blocks: unet: 5 blocks, 4 gradient-checkpointed, 0 swapped, compiled"]
     assert saved_train(out)["gradient_checkpointing"] == 4 and saved_train(out)["checkpoint_keeps"] == "nothing"
 
 

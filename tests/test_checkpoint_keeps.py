@@ -142,3 +142,20 @@ def test_auto_keeps_nothing_where_unmeasured_and_says_so(run_cli, capsys, keeps)
     out = capsys.readouterr()
     said = "keeping attention not measured faster for sd yet" in out.out + out.err
     assert said == (keeps == "auto") and FAMILY_SPECS["sd"].keeps_auto is None
+
+
+def test_auto_on_flux_keeps_attention_compiled_and_nothing_eager_or_swapped(tmp_path, run_cli, capsys, monkeypatch,
+                                                                             own_data_caches):
+    """flux was measured faster keeping attention, compiled: auto keeps it there, not with train.compile off, and
+    not where blocks are swapped (memory is short; a swapped compiled block recomputes everything anyway)."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # the decisions are the subject, not inductor
+    common = ["train.gradient_checkpointing=true", "train.steps=1"]
+    assert run_cli("validate", "configs/examples/quickstart_flux.yaml", *common, "train.compile=false") == 0
+    assert "keeping attention was measured compiled, and train.compile is off" in capsys.readouterr().out
+    for name, more in (("kept", []), ("swapped", ["model.block_swap=1"])):
+        assert run_cli(*diffusion_train_args("quickstart_flux.yaml", tmp_path / name, *common, "train.compile=true",
+                                             *more)) == 0
+        log = capsys.readouterr().err
+        assert ("blocks: transformer: 2 blocks, 2 gradient-checkpointed (attention kept)" in log) is (name == "kept")
+        assert ("train.checkpoint_keeps=auto -> nothing: blocks are swapped (memory is short)" in log) is (
+            name == "swapped")

@@ -119,11 +119,14 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
                                       measured or f"PyTorch's default: pointwise not measured for {family} yet"))
     if applies_to("train.checkpoint_keeps", family) and cfg.train.checkpoint_keeps == "auto":
         measured = family_spec(family).keeps_auto
-        cfg.train.checkpoint_keeps = "attention" if measured else "nothing"
+        keep = bool(measured) and cfg.train.compile is True  # measured compiled: eager it runs a Python policy per op
+        cfg.train.checkpoint_keeps = "attention" if keep else "nothing"
+        why = (measured if keep else
+               f"a checkpointed block recomputes everything: keeping attention was measured compiled, and "
+               f"train.compile is off" if measured else
+               f"a checkpointed block recomputes everything: keeping attention not measured faster for {family} yet")
         if cfg.train.gradient_checkpointing is not False:
-            decisions.append(Decision("train.checkpoint_keeps", cfg.train.checkpoint_keeps,
-                                      measured or f"a checkpointed block recomputes everything: keeping attention "
-                                                  f"not measured faster for {family} yet"))
+            decisions.append(Decision("train.checkpoint_keeps", cfg.train.checkpoint_keeps, why))
     if not (isinstance(cfg.train.cuda_graphs, bool) or cfg.train.cuda_graphs == "auto"):
         problems.append(f"'train.cuda_graphs' must be true, false or auto, got {cfg.train.cuda_graphs!r}")
     if cfg.train.timestep_sampling == "auto" and applies_to("train.timestep_sampling", family):
