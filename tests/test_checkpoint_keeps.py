@@ -99,7 +99,7 @@ def test_only_attention_over_at_least_as_many_keys_as_the_width_is_kept():
     not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")])])
 def test_compiled_blocks_compile_the_selective_checkpoint_without_a_graph_break(device):
     """The checkpoint goes inside the compiled function so that its policy sees the traced ops: it compiles
-    (dynamo counts no graph break), and the gradients match the eager ones."""
+    (dynamo counts no graph break), the gradients match the eager ones, and later steps compile nothing again."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -114,6 +114,13 @@ def test_compiled_blocks_compile_the_selective_checkpoint_without_a_graph_break(
     assert "blocks: t: 3 blocks, 3 gradient-checkpointed (attention kept), 0 swapped, compiled" in lines
     assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] >= 1
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads, expected))
+    compiled = counters["stats"]["unique_graphs"]
+    for _ in range(2):  # later steps reuse the compiled blocks: nothing is compiled again
+        y = x.detach()
+        for block in blocks:
+            y = block(y)
+        y.square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == compiled
     torch._dynamo.reset()
 
 

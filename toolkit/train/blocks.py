@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable, Iterator, Mapping
 
 import torch
@@ -108,8 +108,11 @@ def _keep_attention(ops: set, ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@lru_cache(maxsize=None)
 def checkpoint_context(keeps: str) -> dict:
-    """The checkpoint arguments for train.checkpoint_keeps=`keeps`: a selective policy for attention, else none."""
+    """The checkpoint arguments for train.checkpoint_keeps=`keeps`: a selective policy for attention, else none.
+    One object per setting for the whole run (a compiled block's guards see the same function every step); the
+    caller never changes it."""
     if keeps != "attention":
         return {}
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
