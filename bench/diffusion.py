@@ -30,7 +30,9 @@ Rows (--rows):
 
 Images/s (or s/step for flux and wan) over the timed steps: CUDA events for the plain loops, the Trainer's own
 step rate for the toolkit (it includes data loading and the host side of the step). --tiny runs tiny shapes on
-the CPU (or the GPU) to check the bench itself.
+the CPU (or the GPU) to check the bench itself. Each row records how many CPUs other processes kept busy while it
+ran ("other_cpus"; a note when above 1): SD1.5 and SDXL steps are host-bound, so run them with the machine to
+themselves.
 """
 
 from __future__ import annotations
@@ -226,6 +228,7 @@ def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
     command = [sys.executable, __file__, "--worker", f"{kind}:{row}", "--folder", str(folder), "--data", str(data),
                "--work", str(work), "--json", str(result), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--tiny"] if args.tiny else []
+    busy = cpus_busy_elsewhere()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ))
     except subprocess.TimeoutExpired:
@@ -233,7 +236,41 @@ def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
     if done.returncode != 0 or not result.exists():
         tail = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()][-3:]
         return {"skipped": f"exit {done.returncode}: " + " | ".join(tail)}
-    return json.loads(result.read_text())
+    measured = json.loads(result.read_text())
+    others = busy[1]()
+    measured["other_cpus"] = round(others, 2)
+    if others > 1.0:
+        measured.setdefault("notes", []).append(
+            f"other processes kept {others:.1f} CPUs busy during this row: a host-bound row (SD1.5, SDXL) runs "
+            "slower than on an idle machine")
+    return measured
+
+
+def cpus_busy_elsewhere():
+    """(start, stop): stop() gives how many CPUs other processes than this one's children kept busy on average
+    since start (the machine's busy CPU time from /proc/stat less the children's own). Host-bound rows slow down
+    when another process loads the CPUs: a bench compiling on the machine's other GPU once halved SD1.5's rate."""
+    import resource
+    import time
+
+    def machine() -> float:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return float("nan")
+        return (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
+
+    def children() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    began = (time.perf_counter(), machine(), children())
+
+    def stop() -> float:
+        wall = max(time.perf_counter() - began[0], 1e-9)
+        return max(0.0, (machine() - began[1]) - (children() - began[2])) / wall
+
+    return began, stop
 
 
 def main() -> None:
