@@ -258,6 +258,7 @@ def cpus_busy_elsewhere():
             fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         except (OSError, ValueError):
             return float("nan")
+        fields = fields[:8]  # user nice system idle iowait irq softirq steal (guest time is inside user already)
         return (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
 
     def children() -> float:

@@ -35,8 +35,9 @@ def windows_after(launches: int, windows: list[tuple[int, Callable]], peak: dict
         peak["steps"] = count["n"]
         if count["n"] == launches + 1 and torch.cuda.is_available():
             peak["gib"] = torch.cuda.max_memory_allocated() / 2**30
-        for start, _, make in spans:
+        for index, (start, _, make) in enumerate(spans):
             if count["n"] == start:
+                peak["window"] = index  # the window a failure from here on belongs to
                 open_.append(make())
                 open_[-1].__enter__()
         sums = launch(self, stop_requested)
@@ -94,10 +95,12 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
             if peak["steps"] <= steps + warmup:
                 raise
             # a window's own step failed (the profiler or the allocator's history): the timed steps stand
-            for summary in (profile, memory):
-                if summary is not None and not summary:
-                    summary["failed"] = f"{type(error).__name__}: {error}"
+            summaries = [summary for summary in (profile, memory) if summary is not None]  # windows' order
+            summaries[peak.get("window", 0)]["failed"] = f"{type(error).__name__}: {error}"
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "steps_per_s" in r and warmup < r["step"] <= steps + warmup]
+    if not timed:  # the step rate is logged every `warmup` steps, and a step's line one launch late
+        raise RuntimeError(f"no step rate logged between steps {warmup} and {steps + warmup}: give more --steps "
+                           f"than --warmup")
     peak = peak.get("gib", torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0)
     return sum(r["steps_per_s"] for r in timed) / len(timed), peak

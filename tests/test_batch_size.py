@@ -452,6 +452,34 @@ def test_auto_keeps_attention_only_where_every_block_keeping_it_fits(shapes, own
     assert saved_train(out)["gradient_checkpointing"] == 4 and saved_train(out)["checkpoint_keeps"] == "nothing"
 
 
+def test_auto_keeps_nothing_when_the_step_runs_out_of_memory_without_checkpointing_and_keeping_attention(
+        shapes, own_data_caches, tmp_path, run_cli, capsys, monkeypatch):
+    """The same fallback where a step runs out of memory without checkpointing: every block keeping its attention
+    is measured too (9 GiB, over 8.10), so the blocks keep nothing; all of them are checkpointed."""
+    import dataclasses
+
+    import toolkit.config.families as families
+    from toolkit.device.detect import DeviceInfo
+
+    monkeypatch.setitem(families.FAMILY_SPECS, "sd", dataclasses.replace(families.FAMILY_SPECS["sd"],
+                                                                         keeps_auto="modelled"))
+    peaks = iter([None, 9 * GiB])
+    monkeypatch.setattr(bs, "peak_bytes", lambda run, device: next(peaks))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
+    monkeypatch.setattr("toolkit.config.run.detect_device",
+                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
+    out = tmp_path / "run"
+    assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=2", "train.compile=true",
+                   "train.gradient_checkpointing=auto") == 0
+    err = capsys.readouterr().err
+    assert ("train.gradient_checkpointing=auto -> True: a step of batch 2 ran out of memory without it (limit 8.10 "
+            "GiB") in err
+    assert ("; with every block checkpointed keeping its attention it peaked at 9.00 GiB "
+            "(train.checkpoint_keeps=auto -> nothing)") in err
+    assert saved_train(out)["gradient_checkpointing"] is True and saved_train(out)["checkpoint_keeps"] == "nothing"
+
+
 def test_a_failing_measurement_with_blocks_checkpointed_checkpoints_all_of_them(shapes, own_data_caches, tmp_path,
                                                                                run_cli, capsys, monkeypatch):
     """The step is known not to fit without checkpointing: when the measurement with blocks checkpointed fails (a

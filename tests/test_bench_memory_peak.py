@@ -68,3 +68,25 @@ def test_measurement_windows_open_after_the_timed_steps_one_after_the_other(monk
             Stepper.launch(object(), None)
     assert calls == ["step", "step", "enter profile", "step", "step", "exit profile", "enter memory", "step",
                      "exit memory", "step"]
+
+
+def test_a_failing_window_keeps_the_rows_rate(tmp_path, monkeypatch):
+    """A window's own step failing (the allocator's history once did) marks that window failed; the timed steps'
+    rate stands, and the other window is left alone."""
+    import memory_peak
+    import trainer_rate
+    from contextlib import contextmanager
+
+    from conftest import REPO
+
+    @contextmanager
+    def failing(into, top=12):
+        raise RuntimeError("recording broke")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(memory_peak, "recorded", failing)
+    memory = {}
+    config = (REPO / "configs/examples/quickstart_llm.yaml").read_text()
+    rate, _ = trainer_rate.trainer_rate(config, ["sample.every=0", "save.every=0", "log.tensorboard=false"],
+                                        tmp_path / "run", "adamw", steps=4, warmup=2, memory=memory)
+    assert rate > 0 and memory == {"failed": "RuntimeError: recording broke"}

@@ -88,11 +88,12 @@ def test_only_attention_over_at_least_as_many_keys_as_the_width_is_kept():
     assert worth_keeping(heads, torch.empty(1, 12, 32760, 128))  # self-attention over 81 x 480 x 832
     assert not worth_keeping(heads, torch.empty(1, 12, 512, 128))  # cross-attention to the text
     blocks, x = blocks_and_input()
-    _, calls = step(blocks, x[:, :12])  # 12 keys, 16 wide: recomputed
     prepare_blocks({"t": blocks}, compile_=False, checkpointing=True, swaps={}, shape_count=1, log=print,
                    keeps="attention")
-    _, calls = step(blocks, x[:, :12])
+    _, calls = step(blocks, x[:, :12])  # 12 keys, 16 wide: recomputed
     assert calls == 6
+    _, calls = step(blocks, x)  # 24 keys: kept
+    assert calls == 3
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -166,3 +167,27 @@ def test_auto_on_flux_keeps_attention_compiled_and_nothing_eager_or_swapped(tmp_
         assert ("blocks: transformer: 2 blocks, 2 gradient-checkpointed (attention kept)" in log) is (name == "kept")
         assert ("train.checkpoint_keeps=auto -> nothing: blocks are swapped (memory is short)" in log) is (
             name == "swapped")
+
+
+def test_blocks_of_several_classes_share_the_selective_function_within_a_raised_recompile_limit():
+    """Compiled blocks keeping attention all run one function's code (the checkpoint inside torch.compile), so
+    dynamo counts every block class's versions against one recompile limit: it is raised to classes x (shapes +
+    2). An unresolved 'auto' keeps nothing."""
+    import torch._dynamo
+
+    class Other(AttentionBlock):
+        pass
+
+    saved = torch._dynamo.config.recompile_limit  # a config module: monkeypatch would delete it on undo
+    torch._dynamo.config.recompile_limit = 8
+    try:
+        blocks = [AttentionBlock(), Other(), AttentionBlock()]
+        prepare_blocks({"t": blocks}, compile_=True, checkpointing=True, swaps={}, shape_count=5, log=print,
+                       keeps="attention")
+        assert torch._dynamo.config.recompile_limit == 2 * (5 + 2)
+    finally:
+        torch._dynamo.config.recompile_limit = saved
+    lines = []
+    prepare_blocks({"t": [AttentionBlock()]}, compile_=False, checkpointing=True, swaps={}, shape_count=1,
+                   log=lines.append, keeps="auto")
+    assert lines == ["blocks: t: 1 blocks, 1 gradient-checkpointed, 0 swapped"]

@@ -267,20 +267,37 @@ def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple
     none = peak_with(False)
     if none is not None and none <= budget.limit:
         return False, f"{step} peaked at {none / GiB:.2f} GiB without it, within the {budget.why}"
-    if none is None:
-        return True, f"{step} ran out of memory without it ({budget.why})"
-    without = f"{step} peaked at {none / GiB:.2f} GiB without it, over the {budget.why}"
     regions = _regions_for(trainer, True)
-    if not some_blocks or not regions or trainer.adapter.block_swaps():
-        return True, without
+    swapped = bool(trainer.adapter.block_swaps())
+
+    def attention_fitting(why: str) -> tuple[str, int | None]:
+        """train.checkpoint_keeps=auto at attention: every block checkpointed keeping its attention, measured;
+        when that does not fit (or the measurement fails), the blocks keep nothing. Returns the reason so far
+        and the peak keeping attention when it fit (None otherwise, or when nothing was measured)."""
+        if not (train.get("checkpoint_keeps") == "attention" and trainer.run_cfg.keeps_auto and regions
+                and not swapped):
+            return why, None
+        try:
+            kept = peak_with(True)
+        except Exception as error:  # noqa: BLE001 (a driver or library fault: the smaller setting)
+            kept, fault = None, f"failed ({type(error).__name__}: {error})"
+        else:
+            fault = said(kept)
+            if kept is not None and kept <= budget.limit:
+                return why, kept
+        train.checkpoint_keeps = "nothing"  # the blocks recompute their attention too
+        return (f"{why}; with every block checkpointed keeping its attention it {fault} "
+                "(train.checkpoint_keeps=auto -> nothing)"), None
+
+    if none is None:
+        return True, attention_fitting(f"{step} ran out of memory without it ({budget.why})")[0]
+    without = f"{step} peaked at {none / GiB:.2f} GiB without it, over the {budget.why}"
+    if not some_blocks or not regions or swapped:
+        return True, attention_fitting(without)[0]
+    without, every = attention_fitting(without)
     try:  # the step is known not to fit without it: a failing measurement from here on means all blocks
-        every = peak_with(True)
-        if (every is None or every > budget.limit) and train.get("checkpoint_keeps") == "attention" \
-                and trainer.run_cfg.keeps_auto:
-            kept, train.checkpoint_keeps = every, "nothing"  # the blocks recompute their attention too
+        if every is None:
             every = peak_with(True)
-            without += (f"; with every block checkpointed keeping its attention it {said(kept)} "
-                        f"(train.checkpoint_keeps=auto -> nothing)")
         if every is None or every > budget.limit:
             return True, f"{without}; with every block checkpointed it {said(every)}"
         total = max(len(blocks) for blocks in regions.values())

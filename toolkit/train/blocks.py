@@ -17,7 +17,9 @@ the forward, so the recompute shrinks to the cheap part for the memory of one ac
 block is then compiled with its checkpoint inside (torch.compile(checkpoint(forward))) so that the policy sees
 the traced ops; the recompute becomes part of the compiled backward. A swapped block keeps the order above, so
 compiled it recomputes everything. Only attention with at least as many keys as the model is wide is kept
-(`worth_keeping`): self-attention over image or video tokens, not cross-attention to the text.
+(`worth_keeping`): self-attention over image or video tokens, not cross-attention to the text. A graph break
+inside such a block leaves the whole checkpointed block uncompiled (dynamo cannot split a checkpoint region);
+diffusers' DiT blocks compiled without one in every measured run.
 
 Compiling the forward alone (not the module's __call__) keeps module hooks (FSDP's, PEFT's) outside the compiled graph.
 
@@ -111,8 +113,7 @@ def _keep_attention(ops: set, ctx, op, *args, **kwargs):
 @lru_cache(maxsize=None)
 def checkpoint_context(keeps: str) -> dict:
     """The checkpoint arguments for train.checkpoint_keeps=`keeps`: a selective policy for attention, else none.
-    One object per setting for the whole run (a compiled block's guards see the same function every step); the
-    caller never changes it."""
+    One object per setting for the whole run; callers never change it."""
     if keeps != "attention":
         return {}
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -120,9 +121,11 @@ def checkpoint_context(keeps: str) -> dict:
     return {"context_fn": partial(create_selective_checkpoint_contexts, partial(_keep_attention, attention_ops()))}
 
 
-def _checkpointed_call(forward: Callable, keeps: str, *args, **kwargs):
+def _checkpointed_call(forward: Callable, context: dict, *args, **kwargs):
+    """`forward` checkpointed when grad is on; `context`: checkpoint_context's answer, taken once at wrapping (a
+    compiled block then traces no lookup of it)."""
     if torch.is_grad_enabled():
-        return checkpoint(forward, *args, use_reentrant=False, **checkpoint_context(keeps), **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **context, **kwargs)
     return forward(*args, **kwargs)
 
 
@@ -138,7 +141,7 @@ def checkpointed_while(regions: Mapping[str, list[torch.nn.Module]], setting,
             block = blocks[index]
             replaced.append((block, block.__dict__.get("forward")))
             forward = block.forward
-            block.forward = partial(_checkpointed_call, forward, keeps)
+            block.forward = partial(_checkpointed_call, forward, checkpoint_context(keeps))
     try:
         yield
     finally:
@@ -182,12 +185,15 @@ def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkp
     None; `keeps`: train.checkpoint_keeps). Returns whether the block is checkpointed keeping its attention."""
     forward = block.forward
     swapped = swap is not None and index in swap.entries
-    if swapped and compiled is not None:
-        keeps = "nothing"  # the policy would run around compiled code it cannot see into (docstring above)
-    if compiled is not None and checkpointed and keeps != "nothing":
-        # the policy must see the traced ops: the checkpoint goes inside the compiled function
+    if keeps != "attention" or (swapped and compiled is not None):
+        keeps = "nothing"  # a swapped compiled block: the policy would run around code it cannot see into
+    context = checkpoint_context(keeps)
+    if compiled is not None and checkpointed and keeps == "attention":
+        # The policy must see the traced ops: the checkpoint goes inside the compiled function. Every block shares
+        # this function's code, so its compiled versions count against one recompile limit (prepare_blocks
+        # raises it by the number of block classes).
         def selective(*args, **kwargs):
-            return _checkpointed_call(forward, keeps, *args, **kwargs)
+            return _checkpointed_call(forward, context, *args, **kwargs)
 
         block.forward = torch.compile(selective, **compiled)
         return True
@@ -200,10 +206,10 @@ def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkp
         return forward(*args, **kwargs)
 
     def wrapped(*args, **kwargs):
-        return _checkpointed_call(run, keeps, *args, **kwargs) if checkpointed else run(*args, **kwargs)
+        return _checkpointed_call(run, context, *args, **kwargs) if checkpointed else run(*args, **kwargs)
 
     block.forward = wrapped
-    return checkpointed and keeps != "nothing"
+    return checkpointed and keeps == "attention"
 
 
 def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bool, checkpointing,
@@ -220,6 +226,10 @@ def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bo
         torch._dynamo.config.suppress_errors = True  # a block dynamo cannot compile runs eagerly, with its reason
         options, why = compile_options(shape_count)
         log(f"train.compile: {why}")
+        if keeps == "attention" and checkpointing is not False:  # the selective blocks share one code object
+            classes = len({type(block) for blocks in regions.values() for block in blocks})
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                       classes * (min(shape_count, STATIC_SHAPES_MAX) + 2))
         if all(len(blocks) > 1 for blocks in regions.values()):  # a denoiser compiled whole keeps DDP's splitting
             without_ddp_graph_splitting()
     for name, blocks in regions.items():

@@ -269,6 +269,7 @@ class Trainer:
             cfg.train.checkpoint_keeps = "nothing"
             self._auto_decided("train.checkpoint_keeps", "nothing", "train.checkpoint_keeps=auto -> nothing: blocks "
                                "are swapped (memory is short); the checkpointed blocks recompute their attention")
+            self._rewrite_config()
         self.cuda_graphs = False
         if cfg.train.compile:
             recompute_elementwise(cfg.train.compile_recompute == "pointwise")
@@ -329,8 +330,9 @@ class Trainer:
         before = self.cfg.train.get("checkpoint_keeps")
         setting, why, keeps = self._measured_on_main(
             measure, lambda failure: (False, f"kept off: the measurement failed ({failure})", before))
-        if keeps != before:  # every process as the main one decided
+        if before is not None:  # every process as the main one decided
             self.cfg.train.checkpoint_keeps = keeps
+        if keeps != before:
             self._auto_decided("train.checkpoint_keeps", keeps, "train.checkpoint_keeps=auto -> nothing: with every "
                                "block keeping its attention a step did not fit (train.gradient_checkpointing below)")
         self.cfg.train.gradient_checkpointing = setting  # N blocks: the diffusion families read it in _prepare_blocks
