@@ -25,6 +25,8 @@ Rows (--rows):
                         backward instead of kept)
   ROW-attention         any checkpointed toolkit row + train.checkpoint_keeps=attention (each checkpointed block
                         keeps its attention outputs; backward recomputes the rest); -attention-pointwise: both
+  ROW-eager             any toolkit row with train.compile=false (toolkit-ckpt-eager, toolkit-swap24-eager): the
+                        compiled row's eager twin, which train.compile=auto's decision for a family needs
   toolkit-swap24        toolkit + checkpointing, in a process capped at 24 GiB of GPU memory, the toolkit told it
                         has 24 GB (device.memory_fraction scaled): model.block_swap=auto decides what to swap
 
@@ -179,14 +181,15 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
 def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int) -> dict:
     from trainer_rate import trainer_rate
 
-    name, overrides = row, []
-    for suffix, setting in (("-pointwise", "train.compile_recompute=pointwise"),
+    name, overrides, eager = row, [], row == "toolkit-eager"
+    for suffix, setting in (("-eager", "train.compile=false"), ("-pointwise", "train.compile_recompute=pointwise"),
                             ("-attention", "train.checkpoint_keeps=attention")):
-        if row.endswith(suffix):
+        if row.endswith(suffix) and row != "toolkit-eager":
             row = row.removesuffix(suffix)
             overrides.append(setting)
+            eager = eager or suffix == "-eager"
     overrides += [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
-                 "train.compile=false" if row == "toolkit-eager" else f"train.compile={device() == 'cuda'}"]
+                 "train.compile=false" if eager else f"train.compile={device() == 'cuda'}"]
     if row == "toolkit-nographs":
         overrides.append("train.cuda_graphs=false")
     if kind == "wan":
