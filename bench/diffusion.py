@@ -62,6 +62,7 @@ WORKLOADS = {  # family, batch, resolution (or frames x height x width), images 
 }
 TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "wan": dict(frames=5, height=64, width=64)}
 ROWS = ("plain", "plain-compiled", "toolkit-eager", "toolkit")
+TOOLKIT_ROWS = ("toolkit", "toolkit-eager", "toolkit-nographs", "toolkit-ckpt", "toolkit-swap24")
 CAP_GIB = 24
 
 
@@ -181,13 +182,19 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
 def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int) -> dict:
     from trainer_rate import trainer_rate
 
-    name, overrides, eager = row, [], row == "toolkit-eager"
-    for suffix, setting in (("-eager", "train.compile=false"), ("-pointwise", "train.compile_recompute=pointwise"),
-                            ("-attention", "train.checkpoint_keeps=attention")):
-        if row.endswith(suffix) and row != "toolkit-eager":
-            row = row.removesuffix(suffix)
+    name, overrides, eager = row, [], False
+    suffixes = {"-eager": None, "-pointwise": "train.compile_recompute=pointwise",
+                "-attention": "train.checkpoint_keeps=attention"}
+    while row != "toolkit-eager" and (suffix := next((x for x in suffixes if row.endswith(x)), None)):
+        row, setting = row.removesuffix(suffix), suffixes.pop(suffix)  # in any order, each once
+        if setting is None:
+            eager = True
+        else:
             overrides.append(setting)
-            eager = eager or suffix == "-eager"
+    eager = eager or row == "toolkit-eager"
+    if row not in TOOLKIT_ROWS and not (row.startswith("toolkit-ckpt-") and row.rsplit("-", 1)[1].isdigit()):
+        raise SystemExit(f"unknown toolkit row {name!r}: {', '.join(TOOLKIT_ROWS)} or toolkit-ckpt-N, each with any "
+                         "of the suffixes -eager, -pointwise, -attention")
     overrides += [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
                  "train.compile=false" if eager else f"train.compile={device() == 'cuda'}"]
     if row == "toolkit-nographs":

@@ -446,7 +446,7 @@ def test_auto_keeps_attention_only_where_every_block_keeping_it_fits(shapes, own
     err = capsys.readouterr().err
     assert peaks == [20, 9, 5, 8] and keeping == ["attention", "attention", "nothing", "nothing"]
     assert "with every block checkpointed keeping its attention it peaked at 9.00 GiB" in err
-    assert "train.checkpoint_keeps=auto -> nothing: with every block keeping its attention a step did not fit" in err
+    assert "train.checkpoint_keeps=auto -> nothing: a step with every block keeping its attention did not fit" in err
     assert [line for line in err.splitlines() if line.startswith("blocks: unet:")] == [
         "blocks: unet: 5 blocks, 4 gradient-checkpointed, 0 swapped, compiled"]
     assert saved_train(out)["gradient_checkpointing"] == 4 and saved_train(out)["checkpoint_keeps"] == "nothing"

@@ -70,9 +70,11 @@ def test_measurement_windows_open_after_the_timed_steps_one_after_the_other(monk
                      "exit memory", "step"]
 
 
-def test_a_failing_window_keeps_the_rows_rate(tmp_path, monkeypatch):
+@pytest.mark.parametrize("breaks", ["profile", "memory"])
+def test_a_failing_window_keeps_the_rows_rate(tmp_path, monkeypatch, breaks):
     """A window's own step failing (the allocator's history once did) marks that window failed; the timed steps'
-    rate stands, and the other window is left alone."""
+    rate stands, and the other window is left alone (never opened after a failing profile)."""
+    import kernel_profile
     import memory_peak
     import trainer_rate
     from contextlib import contextmanager
@@ -80,13 +82,23 @@ def test_a_failing_window_keeps_the_rows_rate(tmp_path, monkeypatch):
     from conftest import REPO
 
     @contextmanager
-    def failing(into, top=12):
-        raise RuntimeError("recording broke")
+    def failing(*args, **kwargs):
+        raise RuntimeError(f"{breaks} broke")
         yield  # pragma: no cover
 
+    @contextmanager
+    def fine(steps, into):
+        yield
+        into["ran"] = steps
+
+    monkeypatch.setattr(kernel_profile, "profiled", failing if breaks == "profile" else fine)
     monkeypatch.setattr(memory_peak, "recorded", failing)
-    memory = {}
+    profile, memory = {}, {}
     config = (REPO / "configs/examples/quickstart_llm.yaml").read_text()
     rate, _ = trainer_rate.trainer_rate(config, ["sample.every=0", "save.every=0", "log.tensorboard=false"],
-                                        tmp_path / "run", "adamw", steps=4, warmup=2, memory=memory)
-    assert rate > 0 and memory == {"failed": "RuntimeError: recording broke"}
+                                        tmp_path / "run", "adamw", steps=4, warmup=2, profile=profile, memory=memory)
+    assert rate > 0
+    if breaks == "profile":
+        assert profile == {"failed": "RuntimeError: profile broke"} and memory == {}
+    else:
+        assert profile == {"ran": trainer_rate.PROFILED_STEPS} and memory == {"failed": "RuntimeError: memory broke"}

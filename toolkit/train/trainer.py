@@ -333,8 +333,9 @@ class Trainer:
         if before is not None:  # every process as the main one decided
             self.cfg.train.checkpoint_keeps = keeps
         if keeps != before:
-            self._auto_decided("train.checkpoint_keeps", keeps, "train.checkpoint_keeps=auto -> nothing: with every "
-                               "block keeping its attention a step did not fit (train.gradient_checkpointing below)")
+            self._auto_decided("train.checkpoint_keeps", keeps, "train.checkpoint_keeps=auto -> nothing: a step with "
+                               "every block keeping its attention did not fit, or could not be measured (the "
+                               "train.gradient_checkpointing line says which)")
         self.cfg.train.gradient_checkpointing = setting  # N blocks: the diffusion families read it in _prepare_blocks
         if setting is True:
             self.adapter.enable_gradient_checkpointing()
