@@ -105,13 +105,35 @@ def test_text_probe_batches_are_the_widest():
 
 # -- runs through the entry point -----------------------------------------------------------------------------
 @pytest.fixture
-def probe(monkeypatch):
+def measuring_device(monkeypatch):
+    """The trainer measures on the CPU as it would on a GPU, of a 10 GiB 'device' (limit 8.10 GiB)."""
+    from toolkit.device.detect import DeviceInfo
+
+    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
+    monkeypatch.setattr("toolkit.config.run.detect_device",
+                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
+
+
+@pytest.fixture
+def keeps_measured(monkeypatch):
+    """sd as if measured faster keeping attention (FamilySpec.keeps_auto), and torch.compile a no-op: auto keeps
+    attention in compiled blocks only, and the decision is the subject here, not inductor."""
+    import dataclasses
+
+    import toolkit.config.families as families
+
+    monkeypatch.setitem(families.FAMILY_SPECS, "sd", dataclasses.replace(families.FAMILY_SPECS["sd"],
+                                                                         keeps_auto="modelled"))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+
+
+@pytest.fixture
+def probe(monkeypatch, measuring_device):
     """The probe on the CPU of a 10 GiB 'device' (limit 8.10 GiB): each try runs the real forward + backward on
     the data's largest batch, its peak modelled as 0.5 GiB x size + 0.5 GiB; from size 3 on, the adapter's loss
     runs out of memory (raises torch.OutOfMemoryError) before it computes anything. `probe.sizes` lists the batch
     sizes the loss was called with, probe and training alike; `probe.items` the items the probe's batches held."""
     from toolkit.data.images import DiffusionDataset
-    from toolkit.device.detect import DeviceInfo
     from toolkit.models.diffusion_base import DiffusionAdapter
 
     class Probe:
@@ -146,10 +168,7 @@ def probe(monkeypatch):
 
     monkeypatch.setattr(DiffusionDataset, "largest_batch", largest_batch)
     monkeypatch.setattr(DiffusionAdapter, "loss", loss_of)
-    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
     monkeypatch.setattr(bs, "peak_bytes", peak)
-    monkeypatch.setattr("toolkit.config.run.detect_device",
-                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
     Probe.sizes = []
     return Probe
 
@@ -318,14 +337,13 @@ def test_a_probe_that_breaks_leaves_the_run_on_the_presets_table(probe, shapes, 
 
 @pytest.mark.parametrize("peak_gib, needed", [(20.0, True), (1.0, False)])
 def test_auto_gradient_checkpointing_is_measured_at_the_batch_size(peak_gib, needed, shapes, own_data_caches,
-                                                                   tmp_path, run_cli, capsys, monkeypatch):
+                                                                   tmp_path, run_cli, capsys, monkeypatch,
+                                                                   measuring_device):
     """train.gradient_checkpointing=auto with a batch size set, on a 10 GiB 'device' (limit 8.10 GiB): one real
     forward + backward at the run's batch without checkpointing, its peak modelled; within the limit leaves it
     off. Over it, a second step with every block checkpointed (the same modelled peak: still over) turns it on
     for every block. The measurement leaves no trace: the LoRA equals the one trained with the same setting given
     by hand."""
-    from toolkit.device.detect import DeviceInfo
-
     calls = []
 
     def peak(run, device):
@@ -333,10 +351,7 @@ def test_auto_gradient_checkpointing_is_measured_at_the_batch_size(peak_gib, nee
         calls.append(device)
         return int(peak_gib * GiB)
 
-    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
     monkeypatch.setattr(bs, "peak_bytes", peak)
-    monkeypatch.setattr("toolkit.config.run.detect_device",
-                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
     auto = tmp_path / "auto"
     common = (shapes, *SHORT, "train.batch_size=2", "train.compile=false")  # the cpu preset sets it false: auto here
     assert run_cli("train", SD, f"run.output_dir={auto}", *common, "train.gradient_checkpointing=auto") == 0
@@ -357,13 +372,12 @@ def test_auto_gradient_checkpointing_is_measured_at_the_batch_size(peak_gib, nee
 
 
 def test_auto_gradient_checkpointing_checkpoints_the_blocks_a_line_between_two_peaks_gives(
-        shapes, own_data_caches, tmp_path, run_cli, capsys, monkeypatch):
+        shapes, own_data_caches, tmp_path, run_cli, capsys, monkeypatch, measuring_device):
     """Over the budget without checkpointing, within it with every block checkpointed: N blocks from a straight
     line between the two peaks, kept because a step measured at N fits. Modelled: 20 GiB less 3 GiB a
     checkpointed block, limit 8.10 GiB; the tiny UNet checkpoints its down, mid and up blocks one by one (5), all
     of them peak at 5 GiB, so the line gives 4 (8 GiB), which fits. The LoRA equals train.gradient_checkpointing=4
     given by hand."""
-    from toolkit.device.detect import DeviceInfo
     import toolkit.train.blocks as blocks
 
     recomputed, peaks = [0], []
@@ -380,10 +394,7 @@ def test_auto_gradient_checkpointing_checkpoints_the_blocks_a_line_between_two_p
         return int(peaks[-1] * GiB)
 
     monkeypatch.setattr(blocks, "checkpoint", counted)
-    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
     monkeypatch.setattr(bs, "peak_bytes", peak)
-    monkeypatch.setattr("toolkit.config.run.detect_device",
-                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
     auto, by_hand = tmp_path / "auto", tmp_path / "by_hand"
     common = (shapes, *SHORT, "train.batch_size=2", "train.compile=false")
     assert run_cli("train", SD, f"run.output_dir={auto}", *common, "train.gradient_checkpointing=auto") == 0
@@ -401,20 +412,15 @@ def test_auto_gradient_checkpointing_checkpoints_the_blocks_a_line_between_two_p
 
 
 def test_auto_keeps_attention_only_where_every_block_keeping_it_fits(shapes, own_data_caches, tmp_path, run_cli,
-                                                                     capsys, monkeypatch):
+                                                                     capsys, monkeypatch, measuring_device,
+                                                                     keeps_measured):
     """train.checkpoint_keeps=auto at attention (a family measured faster with it): when every block checkpointed
     keeping its attention is over the budget, the blocks keep nothing and are measured again. Modelled as in the
     test above, kept attention adding 4 GiB: 20 GiB without checkpointing, 9 with every block keeping attention
     (over 8.10), 5 keeping nothing, so 4 blocks (8 GiB) keeping nothing. train.compile is on (auto keeps
     attention in compiled blocks only), torch.compile a no-op here."""
-    import dataclasses
-
-    import toolkit.config.families as families
     import toolkit.train.blocks as blocks
-    from toolkit.device.detect import DeviceInfo
 
-    monkeypatch.setitem(families.FAMILY_SPECS, "sd", dataclasses.replace(families.FAMILY_SPECS["sd"],
-                                                                         keeps_auto="modelled"))
     recomputed, peaks, keeping = [0], [], []
     checkpoint, checkpointed_while = blocks.checkpoint, bs.checkpointed_while
 
@@ -435,11 +441,7 @@ def test_auto_keeps_attention_only_where_every_block_keeping_it_fits(shapes, own
 
     monkeypatch.setattr(blocks, "checkpoint", counted)
     monkeypatch.setattr(bs, "checkpointed_while", recording)
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # the decision is the subject, not inductor
-    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
     monkeypatch.setattr(bs, "peak_bytes", peak)
-    monkeypatch.setattr("toolkit.config.run.detect_device",
-                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
     out = tmp_path / "auto"
     assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=2", "train.compile=true",
                    "train.gradient_checkpointing=auto") == 0  # auto keeps attention compiled only
@@ -453,22 +455,11 @@ def test_auto_keeps_attention_only_where_every_block_keeping_it_fits(shapes, own
 
 
 def test_auto_keeps_nothing_when_the_step_runs_out_of_memory_without_checkpointing_and_keeping_attention(
-        shapes, own_data_caches, tmp_path, run_cli, capsys, monkeypatch):
+        shapes, own_data_caches, tmp_path, run_cli, capsys, monkeypatch, measuring_device, keeps_measured):
     """The same fallback where a step runs out of memory without checkpointing: every block keeping its attention
     is measured too (9 GiB, over 8.10), so the blocks keep nothing; all of them are checkpointed."""
-    import dataclasses
-
-    import toolkit.config.families as families
-    from toolkit.device.detect import DeviceInfo
-
-    monkeypatch.setitem(families.FAMILY_SPECS, "sd", dataclasses.replace(families.FAMILY_SPECS["sd"],
-                                                                         keeps_auto="modelled"))
     peaks = iter([None, 9 * GiB])
     monkeypatch.setattr(bs, "peak_bytes", lambda run, device: next(peaks))
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
-    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
-    monkeypatch.setattr("toolkit.config.run.detect_device",
-                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
     out = tmp_path / "run"
     assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=2", "train.compile=true",
                    "train.gradient_checkpointing=auto") == 0
@@ -481,11 +472,10 @@ def test_auto_keeps_nothing_when_the_step_runs_out_of_memory_without_checkpointi
 
 
 def test_a_failing_measurement_with_blocks_checkpointed_checkpoints_all_of_them(shapes, own_data_caches, tmp_path,
-                                                                               run_cli, capsys, monkeypatch):
+                                                                               run_cli, capsys, monkeypatch,
+                                                                               measuring_device):
     """The step is known not to fit without checkpointing: when the measurement with blocks checkpointed fails (a
     driver fault, not running out of memory), every block is checkpointed and the line says why."""
-    from toolkit.device.detect import DeviceInfo
-
     calls = []
 
     def peak(run, device):
@@ -495,10 +485,7 @@ def test_a_failing_measurement_with_blocks_checkpointed_checkpoints_all_of_them(
         run()
         return 20 * GiB
 
-    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
     monkeypatch.setattr(bs, "peak_bytes", peak)
-    monkeypatch.setattr("toolkit.config.run.detect_device",
-                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
     out = tmp_path / "run"
     assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=2", "train.compile=false",
                    "train.gradient_checkpointing=auto") == 0
@@ -509,10 +496,9 @@ def test_a_failing_measurement_with_blocks_checkpointed_checkpoints_all_of_them(
 
 
 def test_auto_gradient_checkpointing_on_an_llm_turns_on_transformers_checkpointing(tmp_path, run_cli, capsys,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, measuring_device):
     """The llm family checkpoints through transformers: a measured need turns it on for the loaded model, and
     the run trains the same losses as with train.gradient_checkpointing=true given by hand."""
-    from toolkit.device.detect import DeviceInfo
     from toolkit.models.llm import LLMAdapter
 
     enabled, enable = [], LLMAdapter.enable_gradient_checkpointing
@@ -522,10 +508,7 @@ def test_auto_gradient_checkpointing_on_an_llm_turns_on_transformers_checkpointi
         enabled.append(adapter.network.get_base_model().is_gradient_checkpointing)
 
     monkeypatch.setattr(LLMAdapter, "enable_gradient_checkpointing", recorded)
-    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
     monkeypatch.setattr(bs, "peak_bytes", lambda run, device: (run(), None)[1])  # out of memory without it
-    monkeypatch.setattr("toolkit.config.run.detect_device",
-                        lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
     common = ("train.steps=2", "save.every=0", "sample.every=0", "log.every=1", "log.tensorboard=false",
               "train.batch_size=2", "train.compile=false")
     losses = {}
