@@ -78,8 +78,8 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
 
         windows.append((1, lambda: recorded(memory)))
     extra = sum(n for n, _ in windows)
-    overrides = [*overrides, f"train.steps={steps + warmup + extra}", f"train.optimizer={optimizer}", f"run.output_dir={out}",
-                 f"log.every={warmup}"]
+    overrides = [*overrides, f"train.steps={steps + warmup + extra}", f"train.optimizer={optimizer}",
+                 f"run.output_dir={out}", f"log.every={warmup}"]
     if optimizer.endswith("8bit"):
         overrides.append("train.optimizer_backend=toolkit")
     cfg = Path(tempfile.mkdtemp()) / "bench.yaml"

@@ -20,8 +20,8 @@ from toolkit.config.data_schemas import ImageDataSection, TextDataSection, Video
 LLM_SETTINGS = frozenset({"model.attention", "model.kernels", "model.trust_remote_code", "model.quantize",
                           "model.quantize_backend", "sample.max_new_tokens", "sample.temperature",
                           "train.checkpoint_offload"})
-DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.checkpoint_keeps", "train.timestep_sampling", "train.logit_mean",
-                                "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",
+DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.checkpoint_keeps", "train.timestep_sampling",
+                                "train.logit_mean", "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",
                                 "sample.width", "sample.height"})
 DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_offset", "train.min_snr_gamma",
                                       "sample.negative_prompt"}

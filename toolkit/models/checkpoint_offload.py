@@ -4,9 +4,9 @@ forward and their backward, as unsloth's offloaded checkpointing does.
 With every layer checkpointed, what a step keeps on the GPU between forward and backward is mostly each layer's
 input (on the Llama-3.2-1B shape at 4 x 2048: 16 x 32 MiB). A non-reentrant torch.utils.checkpoint saves exactly
 those inputs, and saves them through the saved-tensor hooks active around its call (it enters its own hooks only
-after), so hooks around each checkpointed call see the layer's input and nothing else (checked on the CPU:
-tests/test_checkpoint_offload.py). Here they copy it to pinned memory on a side stream in forward, and in backward bring it
-back on that stream, the next layer's input (the one before it in forward) fetched while the current one
+after), so hooks around each checkpointed call see the layer's input and, on a GPU, one small CPU tensor of the
+checkpoint's own, which stays where it is (tests/test_checkpoint_offload.py, CPU and GPU). Here they copy the
+input to pinned memory on a side stream in forward, and in backward bring it back on that stream, the next layer's input (the one before it in forward) fetched while the current one
 recomputes, so that the copies overlap the compute.
 
 On the CPU (and for tensors not on a CUDA/HIP device) the hooks keep tensors as they are. Measured on an H200

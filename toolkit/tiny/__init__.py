@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-
 from toolkit.config.families import TINY_WRITERS
+from toolkit.train.rng import rng_untouched
 
 # Bump when a writer changes, so caches of older tiny models are not reused.
 TINY_VERSION = "1"
@@ -39,8 +39,6 @@ def write_tiny(kind: str, out: Path) -> Path:
     try:
         # Writers seed torch, which reseeds every GPU's generator too: a run that writes its tiny model must find
         # all its streams (CPU and GPU) as they were, or it trains differently from one that finds the model.
-        from toolkit.train.rng import rng_untouched
-
         with rng_untouched():
             tiny_writer(kind)(tmp)
         (tmp / "tiny_model.json").write_text(json.dumps({"kind": kind, "version": TINY_VERSION}) + "\n")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from toolkit.train.rng import rng_untouched
+
 # Words the shapes data set and the tests use; each becomes one BPE token.
 _WORDS = ("a an the on of and with in photo picture drawing image background white black red green blue "
           "yellow purple orange circle square triangle star small large big tiny shape shapes colour color "
@@ -83,8 +85,6 @@ def _scheduler(prediction_type: str):
 def keeps_global_rng(writer):
     """Run a writer without touching the caller's RNG streams: a tiny model written on first use inside a
     training run must not change that run's noise (or a resumed run would differ from an uninterrupted one)."""
-    from toolkit.train.rng import rng_untouched
-
     def wrapped(*args, **kwargs):
         with rng_untouched():  # CPU and GPU streams: torch.manual_seed reseeds the GPUs' generators too
             return writer(*args, **kwargs)

@@ -133,8 +133,9 @@ def _checkpointed_call(forward: Callable, context: dict, *args, **kwargs):
 def checkpointed_while(regions: Mapping[str, list[torch.nn.Module]], setting,
                        keeps: str = "nothing") -> Iterator[None]:
     """The blocks of `regions` checkpointed as train.gradient_checkpointing=`setting` (keeping `keeps`) would
-    checkpoint them (eager, nothing swapped) for the span of a measurement, then as they were: train.gradient_checkpointing=auto
-    measures steps this way before the blocks are wrapped for good (train/batch_size.py)."""
+    checkpoint them (eager, nothing swapped) for the span of a measurement, then as they were:
+    train.gradient_checkpointing=auto measures steps this way before the blocks are wrapped for good
+    (train/batch_size.py)."""
     replaced = []
     for blocks in regions.values():
         for index in checkpointed_indices(setting, len(blocks), []):
