@@ -2,7 +2,7 @@
 torch.compile, in one run on one GPU, every row in a fresh process of its own.
 
     python bench/diffusion.py [--models sd15,sdxl,flux,wan] [--rows plain,plain-compiled,toolkit] [--steps 6]
-                              [--warmup 4] [--out result.json] [--tiny]
+                              [--warmup 4] [--out result.json] [--tiny] [--profile]
 
 Workloads (random weights in the real shapes, bench/diffusion_models.py; nothing downloaded), LoRA r=16 alpha 16
 on the toolkit's default targets (attention for the UNets, attention + feed-forward for the DiTs), bf16 weights
@@ -34,7 +34,8 @@ Images/s (or s/step for flux and wan) over the timed steps: CUDA events for the 
 step rate for the toolkit (it includes data loading and the host side of the step). --tiny runs tiny shapes on
 the CPU (or the GPU) to check the bench itself. Each row records how many CPUs other processes kept busy while it
 ran ("other_cpus"; a note when above 1): SD1.5 and SDXL steps are host-bound, so run them with the machine to
-themselves.
+themselves. --profile (GPU) runs a few more steps of every row under the profiler, after the timed ones, and prints
+where the GPU's time went and its idle gaps (bench/kernel_profile.py).
 """
 
 from __future__ import annotations
@@ -154,10 +155,7 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     import time
 
-    for step in range(steps + warmup):
-        if step == warmup:
-            start.record() if cuda else None
-            began = time.perf_counter()
+    def one_step():
         noise = torch.randn_like(latents)
         sigma = torch.sigmoid(torch.randn(latents.shape[0], device=latents.device))
         noisy = (1 - sigma.view(view)) * latents + sigma.view(view) * noise
@@ -168,6 +166,12 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    for step in range(steps + warmup):
+        if step == warmup:
+            start.record() if cuda else None
+            began = time.perf_counter()
+        one_step()
     if cuda:
         end.record()
         torch.cuda.synchronize()
@@ -175,7 +179,16 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:
         seconds, peak = (time.perf_counter() - began) / steps, 0.0
-    return {"s_per_step": seconds, "peak_gib": peak}
+    result = {"s_per_step": seconds, "peak_gib": peak}
+    if os.environ.get("BENCH_PROFILE"):
+        from kernel_profile import profiled
+        from trainer_rate import PROFILED_STEPS
+
+        result["profile"] = {}
+        with profiled(PROFILED_STEPS, result["profile"]):
+            for _ in range(PROFILED_STEPS):
+                one_step()
+    return result
 
 
 # -- the toolkit ---------------------------------------------------------------------------------------------------
@@ -219,10 +232,12 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
               "train: {lr: 1.0e-4, precision: bf16}\nsave: {every: 0}\nsample: {prompts: []}\n"
               "log: {tensorboard: false}\n")
     logs: list[str] = []
-    rate, peak = trainer_rate(config, overrides, work / f"run-{kind}-{name}", "adamw", steps, warmup, logs)
+    profile = {} if os.environ.get("BENCH_PROFILE") else None
+    rate, peak = trainer_rate(config, overrides, work / f"run-{kind}-{name}", "adamw", steps, warmup, logs,
+                              profile=profile)
     shown = ("attention:", "blocks:", "train.compile", "train.cuda_graphs", "model.quantize")
     notes = [line for line in logs if line.startswith(shown)]
-    return {"s_per_step": 1 / rate, "peak_gib": peak, "notes": notes}
+    return {"s_per_step": 1 / rate, "peak_gib": peak, "notes": notes, **({"profile": profile} if profile else {})}
 
 
 def run_row(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> dict:
@@ -293,6 +308,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=400, help="seconds per row")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the bench on the CPU")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile a few steps of every row after its timed ones; prints where GPU time goes")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
@@ -304,7 +321,10 @@ def main() -> None:
         args.json.write_text(json.dumps(run_row(kind, row, args, args.folder, args.data, args.work)))
         return
     from diffusion_models import write_clip, write_images, write_pipeline
+    from kernel_profile import print_summary
 
+    if args.profile:
+        os.environ["BENCH_PROFILE"] = "1"  # read by the rows' processes
     work = Path(tempfile.mkdtemp(prefix="bench-diffusion-"))
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"device: {name}; torch {torch.__version__}; {args.steps} timed steps after {args.warmup}", flush=True)
@@ -334,6 +354,9 @@ def main() -> None:
             for note in r.get("notes", []):
                 print(f"    {note}", flush=True)
         shutil.rmtree(folder, ignore_errors=True)
+    for key, r in results.items():
+        if "profile" in r:
+            print_summary(key, r["profile"])
     if args.out:
         args.out.write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": results}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
