@@ -138,7 +138,10 @@ def test_writing_a_tiny_model_leaves_every_rng_stream_as_it_was(tmp_path, monkey
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_on_the_gpu_a_run_that_writes_and_encodes_trains_as_one_that_reads(tmp_path, run_cli, monkeypatch):
     """The first run writes the tiny model and encodes its data into an empty cache, the second finds both: the
-    same loss at the first step, bit for bit (eager, fp32, math attention)."""
+    same loss at the first step, bit for bit (eager, fp32, math attention). The second step's loss follows the first
+    step's gradients, whose GPU kernels add in no fixed order (convolution and norm backward): equal to within
+    float32 rounding, 3e-6 apart on an H100. Before the tiny writers left the CUDA generator alone, the noise drawn
+    differed and the first losses did too."""
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
     losses = []
     for name in ("cold", "warm"):
@@ -146,7 +149,8 @@ def test_on_the_gpu_a_run_that_writes_and_encodes_trains_as_one_that_reads(tmp_p
         assert run_cli(*diffusion_train_args("quickstart_sd.yaml", out, "train.steps=2", "train.compile=false",
                                              "train.precision=fp32", "device.sdpa_backend=math")) == 0
         losses.append([r["loss"] for r in read_metrics(out)])
-    assert len(losses[0]) == 2 and losses[0] == losses[1]
+    assert len(losses[0]) == 2 and losses[0][0] == losses[1][0]
+    assert losses[0][1] == pytest.approx(losses[1][1], rel=2e-5)
 
 
 @pytest.mark.parametrize("model, prediction_type, noise_offset", [("tiny:sd", "epsilon", 0.0),
