@@ -2,7 +2,7 @@
 torch.compile, in one run on one GPU, every row in a fresh process of its own.
 
     python bench/diffusion.py [--models sd15,sdxl,flux,wan] [--rows plain,plain-compiled,toolkit] [--steps 6]
-                              [--warmup 4] [--out result.json] [--tiny] [--profile]
+                              [--warmup 4] [--out result.json] [--tiny] [--profile] [--set KEY=VALUE ...]
 
 Workloads (random weights in the real shapes, bench/diffusion_models.py; nothing downloaded), LoRA r=16 alpha 16
 on the toolkit's default targets (attention for the UNets, attention + feed-forward for the DiTs), bf16 weights
@@ -35,7 +35,8 @@ step rate for the toolkit (it includes data loading and the host side of the ste
 the CPU (or the GPU) to check the bench itself. Each row records how many CPUs other processes kept busy while it
 ran ("other_cpus"; a note when above 1): SD1.5 and SDXL steps are host-bound, so run them with the machine to
 themselves. --profile (GPU) runs a few more steps of every row under the profiler, after the timed ones, and prints
-where the GPU's time went and its idle gaps (bench/kernel_profile.py).
+where the GPU's time went and its idle gaps (bench/kernel_profile.py). --set adds a config override to every toolkit
+row. A row that fails leaves its whole output beside --out (RESULT-KIND-ROW.log).
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
 
 
 # -- the toolkit ---------------------------------------------------------------------------------------------------
-def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int) -> dict:
+def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int,
+                settings: list[str]) -> dict:
     from trainer_rate import trainer_rate
 
     name, overrides, eager = row, [], False
@@ -228,6 +230,7 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
                       f"device.memory_fraction={0.9 * CAP_GIB * 2**30 / total:.4f}"]
     else:
         overrides.append("train.gradient_checkpointing=false")
+    overrides += settings  # --set: last, so they win
     config = (f"model: {{family: {w['family']}}}\nnetwork: {{rank: 16, alpha: 16}}\n"
               "train: {lr: 1.0e-4, precision: bf16}\nsave: {every: 0}\nsample: {prompts: []}\n"
               "log: {tensorboard: false}\n")
@@ -244,7 +247,7 @@ def run_row(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
     w = workload(kind, args.tiny)
     if row.startswith("plain"):
         return plain_loop(kind, folder, w, args.steps, args.warmup, ckpt="ckpt" in row, compiled="compiled" in row)
-    return toolkit_row(kind, row, folder, data, work, w, args.steps, args.warmup)
+    return toolkit_row(kind, row, folder, data, work, w, args.steps, args.warmup, args.set)
 
 
 def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> dict:
@@ -253,6 +256,7 @@ def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
     command = [sys.executable, __file__, "--worker", f"{kind}:{row}", "--folder", str(folder), "--data", str(data),
                "--work", str(work), "--json", str(result), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--tiny"] if args.tiny else []
+    command += [f"--set={setting}" for setting in args.set]
     busy = cpus_busy_elsewhere()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ))
@@ -260,7 +264,12 @@ def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
         return {"skipped": f"over {args.timeout} s"}
     if done.returncode != 0 or not result.exists():
         tail = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()][-3:]
-        return {"skipped": f"exit {done.returncode}: " + " | ".join(tail)}
+        skipped = {"skipped": f"exit {done.returncode}: " + " | ".join(tail)}
+        if args.out:  # the whole output of the failed row, beside the results
+            log = args.out.with_name(f"{args.out.stem}-{kind}-{row}.log")
+            log.write_text(f"{' '.join(command)}\n\n{done.stdout}\n{done.stderr}")
+            skipped["log"] = str(log)
+        return skipped
     measured = json.loads(result.read_text())
     others = busy[1]()
     measured["other_cpus"] = round(others, 2)
@@ -308,6 +317,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=400, help="seconds per row")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the bench on the CPU")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every toolkit row (device.sdpa_backend=flash, say); repeatable")
     parser.add_argument("--profile", action="store_true",
                         help="also profile a few steps of every row after its timed ones; prints where GPU time goes")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
