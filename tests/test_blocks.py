@@ -197,6 +197,83 @@ def test_attention_measured_in_a_child_process_on_the_cpu(tmp_path):
     assert again[0] == "flash" and "measured before" in again[1]
 
 
+class _RecordingAttention(torch.autograd.Function):
+    """An attention stand-in whose output is laid out as cuDNN's is (batch, sequence, heads, dims in memory) and
+    whose backward records the layout its gradient arrives in."""
+
+    strides: list[tuple[int, ...]] = []
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        weights = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        ctx.save_for_backward(q, k, v, weights)
+        return (weights @ v).transpose(1, 2).contiguous().transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _RecordingAttention.strides.append(grad.stride())
+        q, k, v, weights = ctx.saved_tensors
+        grad_weights = grad @ v.transpose(-1, -2)
+        grad_scores = weights * (grad_weights - (grad_weights * weights).sum(-1, keepdim=True))
+        return grad_scores @ k, grad_scores.transpose(-1, -2) @ q, weights.transpose(-1, -2) @ grad
+
+
+def _single_block_like(q, k, v, mlp):
+    """Flux's single block: the attention output concatenated with the MLP's, so its gradient is a slice."""
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return torch.cat([out.transpose(1, 2).flatten(2), mlp], dim=2)
+
+
+def test_attention_gradients_reach_cudnn_in_the_output_layout(monkeypatch):
+    """Inside gradient_in_output_layout, an attention output's gradient arrives in the output's own layout even
+    when the model slices it out of a concatenation; the gradients are the same numbers; leaving restores SDPA."""
+    from toolkit.train.attention import gradient_in_output_layout
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _RecordingAttention.apply)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 5, 2, 4).transpose(1, 2).requires_grad_() for _ in range(3))
+    mlp, weight = torch.randn(1, 5, 16), torch.randn(1, 5, 24)
+    grads = {}
+    for guarded in (False, True):
+        _RecordingAttention.strides.clear()
+        for t in (q, k, v):
+            t.grad = None
+        if guarded:
+            with gradient_in_output_layout():
+                (_single_block_like(q, k, v, mlp) * weight).sum().backward()
+        else:
+            (_single_block_like(q, k, v, mlp) * weight).sum().backward()
+        grads[guarded] = [t.grad.clone() for t in (q, k, v)]
+        strides = list(_RecordingAttention.strides)
+        assert (strides == [(40, 4, 8, 1)]) is guarded, strides  # the output's layout; unguarded: the slice's
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+    assert torch.nn.functional.scaled_dot_product_attention == _RecordingAttention.apply
+
+
+def test_attention_layout_guard_compiles_without_a_graph_break():
+    """Compiled code keeps PyTorch's own SDPA: the guard steps aside inside a compiled graph (fullgraph holds)."""
+    from toolkit.train.attention import gradient_in_output_layout
+
+    q, k, v = (torch.randn(1, 5, 2, 4).transpose(1, 2).requires_grad_() for _ in range(3))
+    mlp = torch.randn(1, 5, 16)
+    with gradient_in_output_layout():
+        compiled = torch.compile(_single_block_like, backend="aot_eager", fullgraph=True)
+        out = compiled(q, k, v, mlp)
+        out.square().sum().backward()
+        assert torch.allclose(out, _single_block_like(q, k, v, mlp))
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("make, dense", [(lambda: torch.randn(2, 3, 4), True),
+                                         (lambda: torch.randn(2, 4, 3).transpose(1, 2), True),
+                                         (lambda: torch.randn(2, 3, 8)[..., :4], False),
+                                         (lambda: torch.randn(3, 1).expand(3, 4), False)])
+def test_dense_layouts(make, dense):
+    from toolkit.train.attention import _dense
+
+    assert _dense(make()) is dense
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_block_swap_on_the_gpu_streams_and_gives_the_same_gradients():

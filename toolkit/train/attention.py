@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -234,4 +235,60 @@ def choose_for_run(setting: str, device: torch.device, forward: Callable[[], obj
     from torch.nn.attention import sdpa_kernel
 
     log(f"attention: SDPA {best} first, the others as fallback (device.sdpa_backend={setting}: {why})")
-    return sdpa_kernel(priority(best), set_priority=True)
+    context = ExitStack()
+    context.enter_context(sdpa_kernel(priority(best), set_priority=True))
+    if best == "cudnn" and device.type == "cuda":
+        context.enter_context(gradient_in_output_layout())
+    return context
+
+
+# -- cuDNN's backward and the gradient's memory layout ----------------------------------------------------------
+class _GradInOutputLayout(torch.autograd.Function):
+    """The identity forward; backward hands the gradient on in the output's own memory layout."""
+
+    @staticmethod
+    def forward(ctx, out):
+        ctx.stride = out.stride()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.stride() == ctx.stride:
+            return grad
+        return torch.empty_strided(grad.shape, ctx.stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
+@contextmanager
+def gradient_in_output_layout():
+    """While inside, every eager scaled_dot_product_attention output that needs a gradient gets it in the output's
+    own layout. cuDNN's SDPA backward (cuDNN 9.19, torch 2.11) failed with an illegal memory access when calls of
+    one shape got their gradients in different layouts: Flux's double blocks pass a dense gradient, its single
+    blocks a slice of their attention + MLP concatenation. A double and a single block in sequence crashed on an
+    H100, each alone ran, and flash ran both (.dev diagnosis, session note 2026-11-26c). A copy costs one
+    gradient's worth of memory traffic, and only where the layouts differ. Compiled graphs are left alone: the
+    compiler lays out the gradients itself, and compiled Flux trained with cuDNN first."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if torch.compiler.is_compiling() or not (out.requires_grad and _dense(out)):
+            return out
+        return _GradInOutputLayout.apply(out)
+
+    functional.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t` covers its storage without gaps or overlaps (some order of its dimensions is contiguous)."""
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]))
+    expected = 1
+    for d in order:
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
