@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 import torch.nn.functional as F
 from helpers import diffusion_train_args
 from safetensors.torch import load_file
@@ -167,6 +168,40 @@ def test_auto_on_flux_keeps_attention_compiled_and_nothing_eager_or_swapped(tmp_
         assert ("blocks: transformer: 2 blocks, 2 gradient-checkpointed (attention kept)" in log) is (name == "kept")
         assert ("train.checkpoint_keeps=auto -> nothing: blocks are swapped (memory is short)" in log) is (
             name == "swapped")
+
+
+def test_compile_auto_leaves_a_quantized_denoiser_eager(tmp_path, run_cli, capsys, monkeypatch, own_data_caches):
+    """train.compile=auto was measured with 16-bit weights: where the denoiser is quantized, the trainer turns it
+    off and says so, and checkpoint_keeps auto follows (nothing, as for eager blocks). compile=auto resolves as on a
+    GPU here (the CPU turns it off before anything loads)."""
+    import toolkit.config.run as run_module
+    from toolkit.config.resolve import Decision
+
+    resolve = run_module.resolve_auto
+
+    def as_on_a_gpu(cfg, device, preset):
+        decided = []
+        if cfg.train.compile == "auto":
+            cfg.train.compile = True
+            decided.append(Decision("train.compile", True, "measured faster (test)"))
+        return decided + resolve(cfg, device, preset)
+
+    monkeypatch.setattr(run_module, "resolve_auto", as_on_a_gpu)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # the decisions are the subject, not inductor
+    common = ["train.gradient_checkpointing=true", "train.steps=1", "train.compile=auto"]
+    for quantize in ("none", "8bit"):
+        run_dir = tmp_path / quantize
+        assert run_cli(*diffusion_train_args("quickstart_flux.yaml", run_dir, *common,
+                                             f"model.quantize={quantize}")) == 0
+        log = capsys.readouterr().err
+        quantized = quantize == "8bit"
+        assert ("train.compile=auto -> false: the denoiser is quantized (8bit)" in log) is quantized
+        assert ("gradient-checkpointed (attention kept)" in log) is not quantized
+        blocks = next(line for line in log.splitlines() if line.startswith("blocks: transformer:"))
+        assert blocks.endswith(", compiled") is not quantized, blocks
+        saved = OmegaConf.load(run_dir / "config.yaml")
+        assert saved.train.compile is not quantized
+        assert saved.train.checkpoint_keeps == ("nothing" if quantized else "attention")
 
 
 def test_blocks_of_several_classes_share_the_selective_function_within_a_raised_recompile_limit():

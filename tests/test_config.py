@@ -341,3 +341,28 @@ def test_every_example_config_validates_under_every_preset(config, presets, run_
     cfg = OmegaConf.load(config)
     if cfg.model.family == "llm":
         assert (REPO / cfg.data.path).is_file()
+
+
+@pytest.mark.parametrize("family, steps, compiled", [("llm", 10, True), ("sd", 10, True), ("flux", 10, True),
+                                                     ("wan21", 10, True), ("sdxl", 999, False), ("sdxl", 1000, True),
+                                                     ("sd3", 5000, False)])
+def test_compile_auto_follows_the_measurements_and_the_run_length(family, steps, compiled, presets):
+    """train.compile=auto on a GPU: on for the families measured faster compiled; SDXL's 5-minute compile only
+    for runs long enough to repay it; a family not measured stays eager, and the reason is said either way."""
+    from toolkit.config.layers import Layer
+    from toolkit.config.load import merge_layers
+    from toolkit.config.resolve import resolve_auto
+
+    preset = presets["sm_90"]
+    user = Layer("test.yaml", {"model": {"family": family, "name_or_path": "m"}, "data": {"path": "d"},
+                               "train": {"steps": steps, "compile": "auto"}})
+    cfg = merge_layers([preset.layer, user]).cfg
+    decisions = {d.key: d for d in resolve_auto(cfg, preset_device(preset), preset)}
+    assert cfg.train.compile is compiled and decisions["train.compile"].value is compiled
+    reason = decisions["train.compile"].reason
+    if family == "sdxl" and not compiled:
+        assert "train.steps=999 is too short" in reason and "from 1000 steps" in reason
+    elif compiled:
+        assert "trained" in reason and ("H100" in reason or "H200" in reason)
+    else:
+        assert reason == "not measured faster for sd3 yet"

@@ -104,9 +104,14 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
     if cfg.device.distributed == "fsdp":
         _check_fsdp(cfg, problems)
     if cfg.train.compile == "auto":
-        measured = family_spec(family).compile_auto
+        spec = family_spec(family)
+        short = cfg.train.steps < spec.compile_auto_steps
         value, why = ((False, "off on the CPU") if device.backend == "cpu" else
-                      (True, measured) if measured else (False, f"not measured faster for {family} yet"))
+                      (False, f"train.steps={cfg.train.steps} is too short to repay the first step's compile: "
+                              f"{spec.compile_auto}; auto compiles {family} from {spec.compile_auto_steps} steps, "
+                              "train.compile=true compiles any run") if spec.compile_auto and short else
+                      (True, spec.compile_auto) if spec.compile_auto else
+                      (False, f"not measured faster for {family} yet"))
         cfg.train.compile = value
         decisions.append(Decision("train.compile", value, why))
     elif not isinstance(cfg.train.compile, bool):

@@ -27,6 +27,7 @@ class ResolvedRun:
     batch_size_auto: bool = False   # train.batch_size was auto: the trainer may measure it (train/batch_size.py)
     checkpointing_auto: bool = False  # train.gradient_checkpointing was auto: the trainer may measure it (same file)
     keeps_auto: bool = False  # train.checkpoint_keeps was auto: the trainer may keep nothing where memory is short
+    compile_auto: bool = False  # train.compile was auto: the trainer turns it off for a quantized base (not measured)
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:
@@ -66,6 +67,7 @@ def load_run(files: list[str | Path], overrides: list[str], device: DeviceInfo |
     batch_size_auto = loaded.cfg.train.batch_size == "auto"
     checkpointing_auto = loaded.cfg.train.gradient_checkpointing == "auto"
     keeps_auto = loaded.cfg.train.get("checkpoint_keeps") == "auto"
+    compile_auto = loaded.cfg.train.compile == "auto"
     decisions = resolve_auto(loaded.cfg, device, preset)
     return ResolvedRun(loaded.cfg, loaded.sources, device, preset, reason, decisions, loaded.layers, batch_size_auto,
-                       checkpointing_auto, keeps_auto)
+                       checkpointing_auto, keeps_auto, compile_auto)

@@ -161,9 +161,11 @@ class TrainSection:
         "blocks are swapped or, with train.gradient_checkpointing=auto, when a step keeping it does not fit.",
         choices=("auto", "attention", "nothing"), resume_safe=True)
     compile: Union[bool, str] = opt("auto", "Compile each repeated block of the trained model with torch.compile "
-                                    "(regional: one compilation reused by every block); the first steps take longer. "
-                                    "auto: on for the families measured faster with it on a GPU (llm), off on the "
-                                    "CPU. A block that fails to compile runs uncompiled, with a warning.",
+                                    "(regional: one compilation reused by every block; the SD/SDXL UNet whole); the "
+                                    "first step takes longer. auto: on for the families measured faster with it on a "
+                                    "GPU (llm, sd, flux, wan21; sdxl from 1000 steps, which repay its 5-minute "
+                                    "compile), off on the CPU. A block that fails to compile runs uncompiled, with a "
+                                    "warning.",
                                     resume_safe=True)
     compile_recompute: str = opt(
         "auto", "What a compiled block keeps for its backward. pointwise: what matmuls and attention produced; the "

@@ -199,6 +199,10 @@ class AdapterBase:
         """By trainable module, its BlockSwap (models/block_swap.py) when model.block_swap moves blocks."""
         return {}
 
+    def quantized(self) -> str:
+        """How the frozen denoiser is quantized for training (none, 8bit, 4bit), once loaded."""
+        return "none"
+
     def quantize_setting(self) -> str:
         """model.quantize as this run applies it: auto means none when the base is sharded (sharding is then
         the memory plan); the trainer refuses 4bit/8bit with fsdp before anything loads."""

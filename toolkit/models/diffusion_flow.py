@@ -119,6 +119,9 @@ class FlowMatchingAdapter(DiffusionAdapter):
     def block_swaps(self) -> dict:
         return self.swaps
 
+    def quantized(self) -> str:
+        return self.quantize
+
     def place_for_training(self) -> None:
         if self.runtime.shard_base:
             return

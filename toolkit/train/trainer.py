@@ -265,6 +265,8 @@ class Trainer:
         Returns the number of compiled blocks."""
         cfg, procs = self.cfg, self.procs
         regions = self.adapter.block_regions(checkpointed=cfg.train.gradient_checkpointing is not False)
+        if regions and cfg.train.compile is True and self.run_cfg.compile_auto and self.adapter.quantized() != "none":
+            self._compile_off_for_quantized()
         if cfg.train.get("checkpoint_keeps") == "attention" and self.run_cfg.keeps_auto and self.adapter.block_swaps():
             cfg.train.checkpoint_keeps = "nothing"
             self._auto_decided("train.checkpoint_keeps", "nothing", "train.checkpoint_keeps=auto -> nothing: blocks "
@@ -294,6 +296,20 @@ class Trainer:
                               keeps=cfg.train.get("checkpoint_keeps", "nothing"))
         self.cuda_graphs = bool(plan.graphs)
         return plan.compiled
+
+    def _compile_off_for_quantized(self) -> None:
+        """train.compile=auto was measured faster with 16-bit weights: a quantized denoiser stays eager (and its
+        checkpointed blocks, with checkpoint_keeps auto, keep nothing, as eager blocks do)."""
+        cfg = self.cfg
+        cfg.train.compile = False
+        self._auto_decided("train.compile", False, f"train.compile=auto -> false: the denoiser is quantized "
+                           f"({self.adapter.quantized()}); compiling was measured faster with 16-bit weights only "
+                           "(train.compile=true compiles it anyway)")
+        if cfg.train.get("checkpoint_keeps") == "attention" and self.run_cfg.keeps_auto:
+            cfg.train.checkpoint_keeps = "nothing"
+            self._auto_decided("train.checkpoint_keeps", "nothing", "train.checkpoint_keeps=auto -> nothing: "
+                               "keeping attention was measured compiled, and the quantized denoiser runs eagerly")
+        self._rewrite_config()
 
     def _probes_batch_size(self) -> bool:
         """Whether train.batch_size=auto is measured now: on a GPU, for a run that does not resume (the CPU keeps
