@@ -250,17 +250,34 @@ def test_attention_gradients_reach_cudnn_in_the_output_layout(monkeypatch):
     assert torch.nn.functional.scaled_dot_product_attention == _RecordingAttention.apply
 
 
-def test_attention_layout_guard_compiles_without_a_graph_break():
-    """Compiled code keeps PyTorch's own SDPA: the guard steps aside inside a compiled graph (fullgraph holds)."""
-    from toolkit.train.attention import gradient_in_output_layout
+def test_attention_layout_guard_steps_aside_when_compiled_and_allows_in_place_ops(monkeypatch):
+    """Compiled code keeps PyTorch's own SDPA: the guard hooks nothing inside a compiled graph (fullgraph holds);
+    eager, it hooks each output that needs a gradient, and an in-place op on that output stays legal. The attention
+    recorder still sees the calls while the guard's wrapper is installed."""
+    import toolkit.train.attention as attention
 
+    hooked = []
+    hand = attention._hand_gradient_in_layout
+    monkeypatch.setattr(attention, "_hand_gradient_in_layout", lambda out: (hooked.append(out.shape), hand(out)))
     q, k, v = (torch.randn(1, 5, 2, 4).transpose(1, 2).requires_grad_() for _ in range(3))
     mlp = torch.randn(1, 5, 16)
-    with gradient_in_output_layout():
+    with attention.gradient_in_output_layout():
         compiled = torch.compile(_single_block_like, backend="aot_eager", fullgraph=True)
         out = compiled(q, k, v, mlp)
         out.square().sum().backward()
-        assert torch.allclose(out, _single_block_like(q, k, v, mlp))
+        assert hooked == []
+        eager = _single_block_like(q, k, v, mlp)
+        assert hooked == [(1, 2, 5, 4)] and torch.allclose(out, eager)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):  # its backward does not need its output, so in place is legal
+            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            attended.mul_(2).sum().backward()  # in place on a hooked output
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        assert len(hooked) == 2  # nothing to hook without gradients
+        calls = attention.record_attention_calls(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        assert [c.q for c in calls] == [(1, 2, 5, 4)]
     assert q.grad is not None and q.grad.shape == q.shape
 
 

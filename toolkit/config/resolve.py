@@ -107,7 +107,8 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         spec = family_spec(family)
         short = cfg.train.steps < spec.compile_auto_steps
         value, why = ((False, "off on the CPU") if device.backend == "cpu" else
-                      (False, f"train.steps={cfg.train.steps} is too short to repay the first step's compile: "
+                      (False, f"a run of train.steps={cfg.train.steps} (in all, a resumed run's steps counted) is "
+                              f"too short to repay the first step's compile: "
                               f"{spec.compile_auto}; auto compiles {family} from {spec.compile_auto_steps} steps, "
                               "train.compile=true compiles any run") if spec.compile_auto and short else
                       (True, spec.compile_auto) if spec.compile_auto else

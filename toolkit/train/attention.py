@@ -30,6 +30,7 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
 PROBED = ("cudnn", "flash", "efficient")   # math is the fallback, never the fastest
 MAX_SHAPES = 3                              # the most expensive call shapes timed
 PROBE_TIMEOUT_S = 180
+_SDPA = torch.nn.functional.scaled_dot_product_attention  # PyTorch's own, also while gradient_in_output_layout wraps it
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class _Recorder(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
+        if func is _SDPA or func is torch.nn.functional.scaled_dot_product_attention:
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
             bound = {**dict(zip(names, args)), **kwargs}
             q, k, v, mask = bound["query"], bound["key"], bound["value"], bound.get("attn_mask")
@@ -243,19 +244,17 @@ def choose_for_run(setting: str, device: torch.device, forward: Callable[[], obj
 
 
 # -- cuDNN's backward and the gradient's memory layout ----------------------------------------------------------
-class _GradInOutputLayout(torch.autograd.Function):
-    """The identity forward; backward hands the gradient on in the output's own memory layout."""
+def _hand_gradient_in_layout(out: torch.Tensor) -> None:
+    """Hook `out` so that its gradient reaches the attention's backward in `out`'s own memory layout (a copy only
+    where the layouts differ). A tensor hook, not an autograd function, so later in-place ops on `out` stay legal."""
+    strides = out.stride()
 
-    @staticmethod
-    def forward(ctx, out):
-        ctx.stride = out.stride()
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad.stride() == ctx.stride:
+    def same_layout(grad: torch.Tensor) -> torch.Tensor:
+        if grad.stride() == strides:
             return grad
-        return torch.empty_strided(grad.shape, ctx.stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+        return torch.empty_strided(grad.shape, strides, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+    out.register_hook(same_layout)
 
 
 @contextmanager
@@ -264,7 +263,7 @@ def gradient_in_output_layout():
     own layout. cuDNN's SDPA backward (cuDNN 9.19, torch 2.11) failed with an illegal memory access when calls of
     one shape got their gradients in different layouts: Flux's double blocks pass a dense gradient, its single
     blocks a slice of their attention + MLP concatenation. A double and a single block in sequence crashed on an
-    H100, each alone ran, and flash ran both (.dev diagnosis, session note 2026-11-26c). A copy costs one
+    H100, each alone ran, and flash ran both (bench/cudnn_layouts.py). A copy costs one
     gradient's worth of memory traffic, and only where the layouts differ. Compiled graphs are left alone: the
     compiler lays out the gradients itself, and compiled Flux trained with cuDNN first."""
     functional = torch.nn.functional
@@ -272,9 +271,9 @@ def gradient_in_output_layout():
 
     def scaled_dot_product_attention(*args, **kwargs):
         out = original(*args, **kwargs)
-        if torch.compiler.is_compiling() or not (out.requires_grad and _dense(out)):
-            return out
-        return _GradInOutputLayout.apply(out)
+        if not torch.compiler.is_compiling() and out.requires_grad and _dense(out):
+            _hand_gradient_in_layout(out)
+        return out
 
     functional.scaled_dot_product_attention = scaled_dot_product_attention
     try:

@@ -196,6 +196,8 @@ class Trainer:
         if self.sharded:  # before the optimizer and EMA see the LoRA weights: sharding moves them to the device
             for line in procs.shard(self.adapter.shard_roots()):
                 self.log(f"device.distributed=fsdp: sharded {line}")
+        if cfg.train.compile is True and self.run_cfg.compile_auto and self.adapter.quantized() != "none":
+            self._compile_off_for_quantized()  # before checkpointing is measured: it measures as the blocks will run
         probing = self._probes_batch_size()
         self.compiled = 0  # the blocks are wrapped below; a measurement before runs them as they load
         if self._measures_checkpointing():
@@ -265,8 +267,6 @@ class Trainer:
         Returns the number of compiled blocks."""
         cfg, procs = self.cfg, self.procs
         regions = self.adapter.block_regions(checkpointed=cfg.train.gradient_checkpointing is not False)
-        if regions and cfg.train.compile is True and self.run_cfg.compile_auto and self.adapter.quantized() != "none":
-            self._compile_off_for_quantized()
         if cfg.train.get("checkpoint_keeps") == "attention" and self.run_cfg.keeps_auto and self.adapter.block_swaps():
             cfg.train.checkpoint_keeps = "nothing"
             self._auto_decided("train.checkpoint_keeps", "nothing", "train.checkpoint_keeps=auto -> nothing: blocks "
