@@ -281,6 +281,23 @@ def test_attention_layout_guard_steps_aside_when_compiled_and_allows_in_place_op
     assert q.grad is not None and q.grad.shape == q.shape
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_flux_blocks_on_cudnn_attention_train_with_the_layout_guard():
+    """A Flux double block then a single block at 1024 px, eager, cuDNN SDPA only, plain and checkpointed, inside
+    the guard: both run (without it, cuDNN 9.19 crashed the process on an H100: bench/cudnn_layouts.py)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "cudnn_layouts.py"), "both-guard", "both-ckpt-guard"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("both")]
+    assert len(lines) == 2 and all("rc=0 ['ok']" in line for line in lines), done.stdout
+
+
 @pytest.mark.parametrize("make, dense", [(lambda: torch.randn(2, 3, 4), True),
                                          (lambda: torch.randn(2, 4, 3).transpose(1, 2), True),
                                          (lambda: torch.randn(2, 3, 8)[..., :4], False),
