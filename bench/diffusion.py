@@ -257,7 +257,7 @@ def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
                "--work", str(work), "--json", str(result), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--tiny"] if args.tiny else []
     command += [f"--set={setting}" for setting in args.set]
-    busy = cpus_busy_elsewhere()
+    others_busy = cpus_busy_elsewhere()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ))
     except subprocess.TimeoutExpired:
@@ -271,7 +271,7 @@ def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
             skipped["log"] = str(log)
         return skipped
     measured = json.loads(result.read_text())
-    others = busy[1]()
+    others = others_busy()
     measured["other_cpus"] = round(others, 2)
     if others > 1.0:
         measured.setdefault("notes", []).append(
@@ -281,8 +281,8 @@ def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
 
 
 def cpus_busy_elsewhere():
-    """(start, stop): stop() gives how many CPUs other processes than this one's children kept busy on average
-    since start (the machine's busy CPU time from /proc/stat less the children's own). Host-bound rows slow down
+    """A function that gives how many CPUs other processes than this one's children kept busy on average since
+    this call (the machine's busy CPU time from /proc/stat less the children's own). Host-bound rows slow down
     when another process loads the CPUs: a bench compiling on the machine's other GPU once halved SD1.5's rate."""
     import resource
     import time
@@ -305,7 +305,7 @@ def cpus_busy_elsewhere():
         wall = max(time.perf_counter() - began[0], 1e-9)
         return max(0.0, (machine() - began[1]) - (children() - began[2])) / wall
 
-    return began, stop
+    return stop
 
 
 def main() -> None:

@@ -58,6 +58,21 @@ def _check_fsdp(cfg: DictConfig, problems: list[str]) -> None:
                         "device.distributed=ddp")
 
 
+def _compile_auto(family: str, steps: int, device: DeviceInfo) -> tuple[bool, str]:
+    """train.compile=auto: on where the family was measured faster compiled and the run is long enough to repay
+    the first step's compile (FamilySpec.compile_auto, compile_auto_steps); off on the CPU."""
+    spec = family_spec(family)
+    if device.backend == "cpu":
+        return False, "off on the CPU"
+    if not spec.compile_auto:
+        return False, f"not measured faster for {family} yet"
+    if steps < spec.compile_auto_steps:
+        return False, (f"a run of train.steps={steps} (in all, a resumed run's steps counted) is too short to repay "
+                       f"the first step's compile: {spec.compile_auto}; auto compiles {family} from "
+                       f"{spec.compile_auto_steps} steps, train.compile=true compiles any run")
+    return True, spec.compile_auto
+
+
 def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[Decision]:
     """Replace auto values in place; raise ConfigError for settings this device cannot run."""
     problems: list[str] = []
@@ -104,15 +119,7 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
     if cfg.device.distributed == "fsdp":
         _check_fsdp(cfg, problems)
     if cfg.train.compile == "auto":
-        spec = family_spec(family)
-        short = cfg.train.steps < spec.compile_auto_steps
-        value, why = ((False, "off on the CPU") if device.backend == "cpu" else
-                      (False, f"a run of train.steps={cfg.train.steps} (in all, a resumed run's steps counted) is "
-                              f"too short to repay the first step's compile: "
-                              f"{spec.compile_auto}; auto compiles {family} from {spec.compile_auto_steps} steps, "
-                              "train.compile=true compiles any run") if spec.compile_auto and short else
-                      (True, spec.compile_auto) if spec.compile_auto else
-                      (False, f"not measured faster for {family} yet"))
+        value, why = _compile_auto(family, cfg.train.steps, device)
         cfg.train.compile = value
         decisions.append(Decision("train.compile", value, why))
     elif not isinstance(cfg.train.compile, bool):

@@ -267,10 +267,8 @@ class Trainer:
         Returns the number of compiled blocks."""
         cfg, procs = self.cfg, self.procs
         regions = self.adapter.block_regions(checkpointed=cfg.train.gradient_checkpointing is not False)
-        if cfg.train.get("checkpoint_keeps") == "attention" and self.run_cfg.keeps_auto and self.adapter.block_swaps():
-            cfg.train.checkpoint_keeps = "nothing"
-            self._auto_decided("train.checkpoint_keeps", "nothing", "train.checkpoint_keeps=auto -> nothing: blocks "
-                               "are swapped (memory is short); the checkpointed blocks recompute their attention")
+        if self.adapter.block_swaps() and self._keeps_nothing_after_all(
+                "blocks are swapped (memory is short); the checkpointed blocks recompute their attention"):
             self._rewrite_config()
         self.cuda_graphs = False
         if cfg.train.compile:
@@ -305,11 +303,18 @@ class Trainer:
         self._auto_decided("train.compile", False, f"train.compile=auto -> false: the denoiser is quantized "
                            f"({self.adapter.quantized()}); compiling was measured faster with 16-bit weights only "
                            "(train.compile=true compiles it anyway)")
-        if cfg.train.get("checkpoint_keeps") == "attention" and self.run_cfg.keeps_auto:
-            cfg.train.checkpoint_keeps = "nothing"
-            self._auto_decided("train.checkpoint_keeps", "nothing", "train.checkpoint_keeps=auto -> nothing: "
-                               "keeping attention was measured compiled, and the quantized denoiser runs eagerly")
+        self._keeps_nothing_after_all("keeping attention was measured compiled, and the quantized denoiser runs "
+                                      "eagerly")
         self._rewrite_config()
+
+    def _keeps_nothing_after_all(self, why: str) -> bool:
+        """train.checkpoint_keeps=auto resolved to attention, and the run turns out not to be the one that was
+        measured (`why`): the checkpointed blocks keep nothing. Returns whether the setting changed."""
+        if not (self.cfg.train.get("checkpoint_keeps") == "attention" and self.run_cfg.keeps_auto):
+            return False
+        self.cfg.train.checkpoint_keeps = "nothing"
+        self._auto_decided("train.checkpoint_keeps", "nothing", f"train.checkpoint_keeps=auto -> nothing: {why}")
+        return True
 
     def _probes_batch_size(self) -> bool:
         """Whether train.batch_size=auto is measured now: on a GPU, for a run that does not resume (the CPU keeps
