@@ -1,7 +1,7 @@
 """Diffusion and video LoRA step time: the toolkit beside the plain diffusers loop a user writes, eager and with
 torch.compile, in one run on one GPU, every row in a fresh process of its own.
 
-    python bench/diffusion.py [--models sd15,sdxl,flux,wan] [--rows plain,plain-compiled,toolkit] [--steps 6]
+    python bench/diffusion.py [--models sd15,sdxl,flux,wan,wan22] [--rows plain,plain-compiled,toolkit] [--steps 6]
                               [--warmup 4] [--out result.json] [--tiny] [--profile] [--set KEY=VALUE ...]
 
 Workloads (random weights in the real shapes, bench/diffusion_models.py; nothing downloaded), LoRA r=16 alpha 16
@@ -9,6 +9,11 @@ on the toolkit's default targets (attention for the UNets, attention + feed-forw
 under bf16 autocast, fused AdamW, gradient norm clipped to 1.0:
   sd15  SD1.5 UNet, 512 px, batch 4          sdxl  SDXL UNet, 1024 px, batch 2
   flux  Flux.1-dev transformer, 1024 px, 1   wan   Wan 2.1 1.3B transformer, 81 x 480 x 832, 1 clip
+  wan22 Wan 2.2 T2V A14B (two 14B experts), 17 x 480 x 832, 1 clip: the toolkit trains the high-noise expert
+        alone (train.experts=high_noise, as A14B LoRAs are trained on 24 GB cards; model.expert_offload=auto),
+        the plain loop the high-noise `transformer` at sigmas >= the boundary, 0.875. 17 frames, not 81: at 81
+        the activations alone (~27 GiB) exceed toolkit-swap24's cap. Not in the default --models: it writes
+        ~29 GB to the temporary folder (the two experts share their files)
 
 Rows (--rows):
   plain                 diffusers + PEFT + torch.optim.AdamW(fused=True), a hand-written loop, eager
@@ -29,14 +34,18 @@ Rows (--rows):
                         compiled row's eager twin, which train.compile=auto's decision for a family needs
   toolkit-swap24        toolkit + checkpointing, in a process capped at 24 GiB of GPU memory, the toolkit told it
                         has 24 GB (device.memory_fraction scaled): model.block_swap=auto decides what to swap
+  toolkit-cap25         toolkit in a process capped at 25 GiB, the toolkit told so (device.memory_fraction), with
+                        train.gradient_checkpointing and model.block_swap auto: what the toolkit chooses to fit
+  ROW-fp8               any toolkit row + model.quantize=fp8 (the frozen blocks' linear layers in e4m3 with fp8
+                        matmuls: another precision than the plain loop's; its losses are printed to compare)
 
-Images/s (or s/step for flux and wan) over the timed steps: CUDA events for the plain loops, the Trainer's own
-step rate for the toolkit (it includes data loading and the host side of the step). --tiny runs tiny shapes on
-the CPU (or the GPU) to check the bench itself. Each row records how many CPUs other processes kept busy while it
-ran ("other_cpus"; a note when above 1): SD1.5 and SDXL steps are host-bound, so run them with the machine to
-themselves. --profile (GPU) runs a few more steps of every row under the profiler, after the timed ones, and prints
-where the GPU's time went and its idle gaps (bench/kernel_profile.py). --set adds a config override to every toolkit
-row. A row that fails leaves its whole output beside --out (RESULT-KIND-ROW.log).
+Images/s (or s/step for flux and the Wan models) over the timed steps: CUDA events for the plain loops, the
+Trainer's own step rate for the toolkit (it includes data loading and the host side of the step). --tiny runs tiny
+shapes on the CPU (or the GPU) to check the bench itself. Each row records how many CPUs other processes kept busy
+while it ran ("other_cpus"; a note when above 1): SD1.5 and SDXL steps are host-bound, so run them with the machine
+to themselves. --profile (GPU) runs a few more steps of every row under the profiler, after the timed ones, and
+prints where the GPU's time went and its idle gaps (bench/kernel_profile.py). --set adds a config override to every
+toolkit row. A row that fails leaves its whole output beside --out (RESULT-KIND-ROW.log).
 """
 
 from __future__ import annotations
@@ -61,11 +70,17 @@ WORKLOADS = {  # family, batch, resolution (or frames x height x width), images 
     "sdxl": dict(family="sdxl", batch=2, size=1024),
     "flux": dict(family="flux", batch=1, size=1024),
     "wan": dict(family="wan21", batch=1, frames=81, height=480, width=832),
+    # 81 x 480 x 832 is 32760 tokens: every block's checkpointed input (12.5 GiB) and one block's backward (~14 GiB)
+    # do not fit 24 GiB whatever block swap does; 17 frames (7800 tokens, ~6.5 GiB) leave room for the ~13 GiB of
+    # weights block_swap=auto keeps resident under toolkit-swap24
+    "wan22": dict(family="wan22", batch=1, frames=17, height=480, width=832),
 }
-TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "wan": dict(frames=5, height=64, width=64)}
+TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "wan": dict(frames=5, height=64, width=64),
+        "wan22": dict(frames=5, height=64, width=64)}
 ROWS = ("plain", "plain-compiled", "toolkit-eager", "toolkit")
-TOOLKIT_ROWS = ("toolkit", "toolkit-eager", "toolkit-nographs", "toolkit-ckpt", "toolkit-swap24")
+TOOLKIT_ROWS = ("toolkit", "toolkit-eager", "toolkit-nographs", "toolkit-ckpt", "toolkit-swap24", "toolkit-cap25")
 CAP_GIB = 24
+FIT_GIB = 25  # toolkit-cap25: the issue's Flux.1 memory target
 
 
 def workload(kind: str, tiny: bool) -> dict:
@@ -89,7 +104,8 @@ def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
     cls, sub, targets = {"sd15": (UNet2DConditionModel, "unet", UNET_TARGETS),
                          "sdxl": (UNet2DConditionModel, "unet", UNET_TARGETS),
                          "flux": (FluxTransformer2DModel, "transformer", FLUX_TARGETS),
-                         "wan": (WanTransformer3DModel, "transformer", WAN_TARGETS)}[kind]
+                         "wan": (WanTransformer3DModel, "transformer", WAN_TARGETS),
+                         "wan22": (WanTransformer3DModel, "transformer", WAN_TARGETS)}[kind]  # the high-noise expert
     torch.manual_seed(0)
     model = cls.from_pretrained(folder / sub, torch_dtype=torch.bfloat16).to(device())
     model.requires_grad_(False)
@@ -143,6 +159,8 @@ def plain_inputs(kind: str, model, w: dict):
 
 
 def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: bool, compiled: bool) -> dict:
+    from toolkit.tiny.flow import WAN22_BOUNDARY_RATIO
+
     if kind == "flux":  # PyTorch's cuDNN SDPA backend crashes on Flux shapes (FINDINGS.md): a user turns it off
         torch.backends.cuda.enable_cudnn_sdp(False)
     model = plain_model(kind, folder, ckpt, compiled)
@@ -150,6 +168,7 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device() == "cuda")
     latents, forward = plain_inputs(kind, model, w)
     view = (-1,) + (1,) * (latents.dim() - 1)
+    low = WAN22_BOUNDARY_RATIO if kind == "wan22" else 0.0  # the high-noise expert's sigmas: [boundary, 1)
     cuda = device() == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -158,7 +177,7 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
 
     def one_step():
         noise = torch.randn_like(latents)
-        sigma = torch.sigmoid(torch.randn(latents.shape[0], device=latents.device))
+        sigma = low + (1 - low) * torch.sigmoid(torch.randn(latents.shape[0], device=latents.device))
         noisy = (1 - sigma.view(view)) * latents + sigma.view(view) * noise
         with torch.autocast(device(), dtype=torch.bfloat16):
             pred = forward(noisy, sigma)
@@ -199,7 +218,7 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
 
     name, overrides, eager = row, [], False
     suffixes = {"-eager": None, "-pointwise": "train.compile_recompute=pointwise",
-                "-attention": "train.checkpoint_keeps=attention"}
+                "-attention": "train.checkpoint_keeps=attention", "-fp8": "model.quantize=fp8"}
     while row != "toolkit-eager" and (suffix := next((x for x in suffixes if row.endswith(x)), None)):
         row, setting = row.removesuffix(suffix), suffixes.pop(suffix)  # in any order, each once
         if setting is None:
@@ -209,16 +228,18 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
     eager = eager or row == "toolkit-eager"
     if row not in TOOLKIT_ROWS and not (row.startswith("toolkit-ckpt-") and row.rsplit("-", 1)[1].isdigit()):
         raise SystemExit(f"unknown toolkit row {name!r}: {', '.join(TOOLKIT_ROWS)} or toolkit-ckpt-N, each with any "
-                         "of the suffixes -eager, -pointwise, -attention")
+                         "of the suffixes -eager, -pointwise, -attention, -fp8")
     overrides += [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
                  "train.compile=false" if eager else f"train.compile={device() == 'cuda'}"]
     if row == "toolkit-nographs":
         overrides.append("train.cuda_graphs=false")
-    if kind == "wan":
+    if "frames" in w:
         overrides += [f"data.num_frames={w['frames']}", f"data.resolution={math.ceil(math.sqrt(w['height'] * w['width']))}",
                       "data.bucket_step=32"]
     else:
         overrides += [f"data.resolution={w['size']}"]
+    if kind == "wan22":
+        overrides.append("train.experts=high_noise")
     if row == "toolkit-ckpt":
         overrides.append("train.gradient_checkpointing=true")
     elif row.startswith("toolkit-ckpt-"):
@@ -228,6 +249,11 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
         torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_GIB * 2**30 / total))
         overrides += ["train.gradient_checkpointing=true", "model.block_swap=auto",
                       f"device.memory_fraction={0.9 * CAP_GIB * 2**30 / total:.4f}"]
+    elif row == "toolkit-cap25":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, FIT_GIB * 2**30 / total))
+        overrides += ["train.gradient_checkpointing=auto", "model.block_swap=auto",
+                      f"device.memory_fraction={FIT_GIB * 2**30 / total:.4f}"]
     else:
         overrides.append("train.gradient_checkpointing=false")
     overrides += settings  # --set: last, so they win
@@ -235,12 +261,15 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
               "train: {lr: 1.0e-4, precision: bf16}\nsave: {every: 0}\nsample: {prompts: []}\n"
               "log: {tensorboard: false}\n")
     logs: list[str] = []
+    losses: list[float] = []
     profile = {} if os.environ.get("BENCH_PROFILE") else None
     rate, peak = trainer_rate(config, overrides, work / f"run-{kind}-{name}", "adamw", steps, warmup, logs,
-                              profile=profile)
-    shown = ("attention:", "blocks:", "train.compile", "train.cuda_graphs", "model.quantize")
+                              profile=profile, losses=losses)
+    shown = ("attention:", "blocks:", "train.compile", "train.cuda_graphs", "model.quantize", "wan22 experts:",
+             "train.gradient_checkpointing=auto", "model: quantized")
     notes = [line for line in logs if line.startswith(shown)]
-    return {"s_per_step": 1 / rate, "peak_gib": peak, "notes": notes, **({"profile": profile} if profile else {})}
+    return {"s_per_step": 1 / rate, "peak_gib": peak, "notes": notes, "losses": [round(x, 4) for x in losses],
+            **({"profile": profile} if profile else {})}
 
 
 def run_row(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> dict:
@@ -344,7 +373,7 @@ def main() -> None:
         w = workload(kind, args.tiny)
         folder, data = work / kind, work / f"{kind}-data"
         write_pipeline(kind, folder, device(), tiny=args.tiny)
-        if kind == "wan":
+        if "frames" in w:
             write_clip(data, w["frames"], w["height"], w["width"])
             what = f"{w['frames']} x {w['height']} x {w['width']}, batch 1"
         else:
@@ -361,7 +390,8 @@ def main() -> None:
             plain = plain or (r["s_per_step"] if row == "plain" else None)
             ratio = f"{plain / r['s_per_step']:>9.2f}" if plain else f"{'':>9}"
             rate = f"{w['batch'] / r['s_per_step']:>7.2f}" if per_image else f"{'':>7}"
-            print(f"{row:<22} {r['s_per_step']:>8.3f} {rate} {r['peak_gib']:>9.1f} {ratio}", flush=True)
+            loss = f"  losses {' '.join(f'{x:.4f}' for x in r['losses'])}" if r.get("losses") else ""
+            print(f"{row:<22} {r['s_per_step']:>8.3f} {rate} {r['peak_gib']:>9.1f} {ratio}{loss}", flush=True)
             for note in r.get("notes", []):
                 print(f"    {note}", flush=True)
         shutil.rmtree(folder, ignore_errors=True)

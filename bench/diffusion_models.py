@@ -1,10 +1,17 @@
 """Real-shaped diffusion pipelines with random weights for bench/diffusion.py (nothing downloaded): the denoiser at
-its real size (SD1.5 and SDXL UNets, the Flux.1-dev transformer, the Wan 2.1 1.3B transformer); text encoders of
-the real widths but two layers, and a VAE with the real x8 downsampling but few channels (the toolkit caches
-their outputs, so their size does not change a training step). Also the image folders the toolkit trains on."""
+its real size (SD1.5 and SDXL UNets, the Flux.1-dev transformer, the Wan 2.1 1.3B transformer, the Wan 2.2 T2V
+A14B experts); text encoders of the real widths but two layers, and a VAE with the real x8 downsampling but few
+channels (the toolkit caches their outputs, so their size does not change a training step). Also the image
+folders and the clip the toolkit trains on.
+
+Wan 2.2 A14B has two experts of 14.3B parameters (28.6 GB in bf16 each): the bench writes the high-noise
+`transformer` once and `transformer_2` is a symlink to its folder, so the pipeline takes ~29 GB of disk, not 57.
+Both load as separate modules, so the step time is the real one; only the weights are the same."""
 
 from __future__ import annotations
 
+import gc
+import json
 from pathlib import Path
 
 import torch
@@ -20,6 +27,7 @@ FLUX_DEV = dict(guidance_embeds=True)   # FluxTransformer2DModel's defaults are 
 WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+WAN22_A14B = dict(WAN_1P3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)  # each expert: 5120 wide
 SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on the CPU (--tiny)
     "sd15": dict(block_out_channels=(32, 64), layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=768, attention_head_dim=4,
@@ -32,6 +40,7 @@ SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on
     "flux": dict(num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
                  axes_dims_rope=(4, 6, 6), guidance_embeds=True),
     "wan": dict(WAN_1P3B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
+    "wan22": dict(WAN22_A14B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
 }
 
 
@@ -60,7 +69,15 @@ def _build(cls, config: dict, device: str):
 
 
 def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> None:
-    """The pipeline folder of `kind` (sd15, sdxl, flux, wan) with its denoiser built on `device`."""
+    """The pipeline folder of `kind` (sd15, sdxl, flux, wan, wan22) with its denoiser built on `device`, which
+    gives the GPU memory back afterwards: each row runs in a process of its own and needs all of it."""
+    _write_pipeline(kind, folder, device, tiny)
+    if device == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
     from diffusers import (DDPMScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
                            StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel)
     from transformers import CLIPTokenizer, T5EncoderModel
@@ -68,18 +85,26 @@ def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> 
     from toolkit.tiny.diffusion import write_clip_tokenizer
     from toolkit.tiny.flow import t5_config, write_t5_tokenizer
 
-    config = SHAPES[kind] if tiny else {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "wan": WAN_1P3B}[kind]
-    if kind == "wan":
+    config = SHAPES[kind] if tiny else {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "wan": WAN_1P3B,
+                                        "wan22": WAN22_A14B}[kind]
+    if kind in ("wan", "wan22"):
         from diffusers import WanPipeline, WanTransformer3DModel
         from transformers import UMT5EncoderModel
 
-        from toolkit.tiny.flow import wan21_vae, wan_scheduler
+        from toolkit.tiny.flow import WAN22_BOUNDARY_RATIO, wan21_vae, wan_scheduler
 
         tokenizer = write_t5_tokenizer(folder / "tokenizer")
         transformer = _build(WanTransformer3DModel, config, device)
         encoder = UMT5EncoderModel(t5_config(len(tokenizer), d_model=4096, umt5=True))
+        # A14B has the Wan 2.1 VAE and flow_shift 3.0 too (toolkit/tiny/flow.py's write_tiny_wan22)
+        boundary = {"boundary_ratio": WAN22_BOUNDARY_RATIO} if kind == "wan22" else {}
         WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=wan21_vae(), scheduler=wan_scheduler(3.0),
-                    transformer=transformer).save_pretrained(folder, safe_serialization=True)
+                    transformer=transformer, **boundary).save_pretrained(folder, safe_serialization=True)
+        if kind == "wan22":  # the low-noise expert: the same files (saved as None, then named in model_index.json)
+            index = json.loads((folder / "model_index.json").read_text())
+            index["transformer_2"] = index["transformer"]
+            (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+            (folder / "transformer_2").symlink_to("transformer", target_is_directory=True)
         return
     write_clip_tokenizer(folder / "tokenizer")
     tokenizer = CLIPTokenizer.from_pretrained(folder / "tokenizer")
@@ -109,8 +134,6 @@ def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> 
                                                    use_post_quant_conv=False),
                      text_encoder=clip, tokenizer=tokenizer, text_encoder_2=t5, tokenizer_2=tokenizer_2,
                      transformer=transformer, image_encoder=None, feature_extractor=None).save_pretrained(folder)
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def write_images(folder: Path, count: int, size: int) -> None:

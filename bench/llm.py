@@ -22,6 +22,9 @@ Rows (--rows, comma-separated; a row whose package is missing is reported as ski
   toolkit-ckpt-offload  toolkit-ckpt + train.checkpoint_offload=true (the layer inputs in pinned CPU memory)
   toolkit-keepall  the defaults + train.compile_recompute=none (PyTorch's default partition of each block; the
                    default, auto, is pointwise for an LLM)
+  toolkit-fp8      the defaults + model.quantize=fp8 (the frozen linear layers in e4m3, fp8 matmuls: another
+                   precision than every other row, so compare its loss too)
+  toolkit-fp8-ckpt toolkit-fp8 + train.gradient_checkpointing=true
 
     python bench/llm.py [--shape llama-1b] [--steps 30 --warmup 5] [--rows plain,toolkit] [--out result.json]
                         [--profile] [--memory]
@@ -194,8 +197,11 @@ def toolkit_run(model_dir: Path, data: Path, out: Path, optimizer: str, steps: i
               " gradient_checkpointing: false}\nsave: {every: 0}\nlog: {tensorboard: false}\n")
     profile = {} if os.environ.get("BENCH_PROFILE") else None
     memory = {} if os.environ.get("BENCH_MEMORY") else None
-    rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup, profile=profile, memory=memory)
-    return {"tokens_per_s": rate * batch * seq, "peak_gib": peak, **({"profile": profile} if profile else {}),
+    losses = []
+    rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup, profile=profile, memory=memory,
+                              losses=losses)
+    return {"tokens_per_s": rate * batch * seq, "peak_gib": peak, "losses": [round(x, 4) for x in losses],
+            **({"profile": profile} if profile else {}),
             **({"memory": memory} if memory else {})}
 
 
@@ -215,7 +221,9 @@ def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
              "toolkit-nofuse": ["train.compile=true", "model.kernels=none"],
              "toolkit-ckpt": ["train.gradient_checkpointing=true"],
              "toolkit-ckpt-offload": ["train.gradient_checkpointing=true", "train.checkpoint_offload=true"],
-             "toolkit-keepall": ["train.compile_recompute=none"]}[row]
+             "toolkit-keepall": ["train.compile_recompute=none"],
+             "toolkit-fp8": ["model.quantize=fp8"],
+             "toolkit-fp8-ckpt": ["model.quantize=fp8", "train.gradient_checkpointing=true"]}[row]
     optimizer = "adamw8bit" if row == "toolkit-8bit" else "adamw"
     return toolkit_run(model_dir, data, work / f"run-{row}", optimizer, args.steps, args.warmup, args.batch,
                        args.seq, extra)
@@ -290,7 +298,8 @@ def main() -> None:
         r["mfu"] = r["tokens_per_s"] / (args.batch * args.seq) * flops / H100_H200_BF16_FLOPS
         plain = plain or (r["tokens_per_s"] if row == "plain" else None)
         ratio = f"{r['tokens_per_s'] / plain:>9.2f}" if plain else f"{'':>9}"
-        print(f"{row:<16} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {r['peak_gib']:>9.1f} {ratio}", flush=True)
+        loss = f"  losses {r['losses'][0]:.4f} .. {r['losses'][-1]:.4f}" if r.get("losses") else ""
+        print(f"{row:<16} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.3f} {r['peak_gib']:>9.1f} {ratio}{loss}", flush=True)
     peers = {row: r["tokens_per_s"] for row, r in results.items() if "skipped" not in r and not row.startswith("toolkit")}
     if peers:
         fastest = max(peers, key=peers.get)

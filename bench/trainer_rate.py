@@ -56,7 +56,7 @@ def windows_after(launches: int, windows: list[tuple[int, Callable]], peak: dict
 
 def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: str, steps: int,
                  warmup: int, logs: list[str] | None = None, profile: dict | None = None,
-                 memory: dict | None = None) -> tuple[float, float]:
+                 memory: dict | None = None, losses: list | None = None) -> tuple[float, float]:
     """(steps per second after `warmup` steps, peak GiB) of a Trainer run of `config_yaml` + `overrides`.
 
     The rate is the Trainer's own (logs/metrics.jsonl, logged every `warmup` steps); 8-bit optimizers are
@@ -64,7 +64,8 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
     `profile` (a dict), PROFILED_STEPS more steps run after the timed ones under the profiler, and their
     summary (bench/kernel_profile.py) goes into it; with `memory` (a dict), one more step runs with the
     allocator's history recorded, and what held its peak (bench/memory_peak.py) goes into it. The rate and the
-    peak leave those steps out; when one of them fails, its dict says so under "failed" and the rate stands."""
+    peak leave those steps out; when one of them fails, its dict says so under "failed" and the rate stands.
+    `losses` (a list) receives the logged losses, to compare rows that train in another precision."""
     from toolkit.config.run import load_run
     from toolkit.train.trainer import Trainer
 
@@ -99,6 +100,8 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
             summaries[peak.get("window", 0)]["failed"] = f"{type(error).__name__}: {error}"
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "steps_per_s" in r and warmup < r["step"] <= steps + warmup]
+    if losses is not None:
+        losses += [r["loss"] for r in records if "loss" in r]
     if not timed:  # the step rate is logged every `warmup` steps, and a step's line one launch late
         raise RuntimeError(f"no step rate logged between steps {warmup} and {steps + warmup}: give more --steps "
                            f"than --warmup")

@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 from toolkit.config.families import applies_to, family_spec
 from toolkit.device.detect import DeviceInfo
 from toolkit.config.presets import Preset
+from toolkit.config.schema import QUANTIZED
 from toolkit.errors import ConfigError
 
 
@@ -44,7 +45,7 @@ def _precision(cfg: DictConfig, device: DeviceInfo, problems: list[str]) -> Deci
 def _check_fsdp(cfg: DictConfig, problems: list[str]) -> None:
     """What device.distributed=fsdp cannot shard: quantized layers, whole-expert offload, text encoders."""
     refused = "device.distributed=fsdp cannot run this config: "
-    if cfg.model.quantize in ("4bit", "8bit"):
+    if cfg.model.quantize in QUANTIZED:
         problems.append(refused + f"model.quantize={cfg.model.quantize}: quantized weights are not sharded; use "
                         "model.quantize=none (or auto) with fsdp, or device.distributed=ddp")
     if cfg.model.expert_offload is True:
@@ -113,9 +114,12 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
     if block_swap != "auto" and (isinstance(block_swap, bool) or not isinstance(block_swap, int) or block_swap < 0):
         problems.append(f"'model.block_swap' must be a number of blocks (0: none) or auto, got {block_swap!r}")
     elif isinstance(block_swap, int) and block_swap > 0:
-        if cfg.model.quantize in ("8bit", "4bit"):
+        if cfg.model.quantize in QUANTIZED:
             problems.append(f"'model.block_swap'={block_swap} swaps 16-bit weights; it is not combined with "
                             f"model.quantize={cfg.model.quantize}: set one of them to none / 0")
+    if cfg.model.get("quantize") == "fp8" and cfg.network.type == "dora":
+        problems.append("'network.type'=dora needs the base weights in 16 bits (DoRA normalises them), and "
+                        "model.quantize=fp8 stores them in 8: use network.type=lora, or model.quantize=none")
     if cfg.device.distributed == "fsdp":
         _check_fsdp(cfg, problems)
     if cfg.train.compile == "auto":

@@ -26,6 +26,9 @@ _OPTIMIZER_ARGS = "; ".join(f"{name}: {', '.join(sorted(optimizer_spec(name).acc
                             for name in OPTIMIZER_NAMES if optimizer_spec(name).accepts)
 
 
+QUANTIZED = ("8bit", "4bit", "fp8")  # model.quantize values that replace the base's 16-bit weights
+
+
 @dataclass
 class RunSection:
     name: str = opt("lora", "Run name; the run folder is named after it by default.", resume_safe=True)
@@ -74,9 +77,11 @@ class ModelSection:
                        "is on), none (the model's own loss), or auto (fused on a GPU, none on the CPU). Models "
                        "whose output head the fused pass does not cover fall back to their own loss, with a note.",
                        choices=("auto", "fused", "none"), resume_safe=True)
-    quantize: str = opt("auto", "Quantize the frozen base (QLoRA): none, 8bit, 4bit, or auto (8bit/4bit only when the "
-                        "16-bit weights do not fit the device memory budget; never on the CPU).",
-                        choices=("auto", "none", "8bit", "4bit"))
+    quantize: str = opt("auto", "Quantize the frozen base (QLoRA): none, 8bit, 4bit, fp8, or auto (8bit/4bit only when "
+                        "the 16-bit weights do not fit the device memory budget; never on the CPU). fp8: the toolkit's "
+                        "own e4m3 weights with a scale per row, half of bf16's memory, and fp8 matmuls where the GPU has "
+                        "them (NVIDIA sm_89+, AMD gfx942/gfx950; elsewhere upcast to bf16 for each matmul).",
+                        choices=("auto", "none", "8bit", "4bit", "fp8"))
     quantize_backend: str = opt("auto", "Library that quantizes the base: auto (bitsandbytes; torchao for 8bit on ROCm), "
                                 "bitsandbytes or torchao (8bit only).", choices=("auto", "bitsandbytes", "torchao"))
     expert_offload: Union[bool, str] = opt("auto", "Wan 2.2 A14B: keep only the expert being trained on the device, the "

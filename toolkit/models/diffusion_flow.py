@@ -85,7 +85,7 @@ class FlowMatchingAdapter(DiffusionAdapter):
         for name in self.denoiser_names:
             count = quantize_linear_layers(self.component(name), self.quantize, self.runtime.compute_dtype,
                                            self.runtime.device, skip=(), backend=self.quantize_library,
-                                           include=self.quantized_layer)
+                                           include=self.quantized_layer, info=self.runtime.info)
             self.log(f"model: quantized {count} linear layers of the {name} to {self.quantize} "
                      f"({self.quantize_library})")
 

@@ -26,7 +26,7 @@ from toolkit.paths import resolve_model_path
 
 @dataclass
 class QuantPlan:
-    """How the frozen base is quantized: mode none/4bit/8bit/prequantized, and when."""
+    """How the frozen base is quantized: mode none/4bit/8bit/fp8/prequantized, and when."""
 
     mode: str
     after_load: bool = False   # load 16-bit weights, then replace the linear layers (HIP, torchao)
@@ -55,6 +55,9 @@ def plan_quantization(quantize: str, backend: str, checkpoint_quantization: dict
     if quantize in ("none", "auto"):
         return QuantPlan("none")
     library, why = choose_backend(library, quantize, backend)
+    if library == "toolkit":
+        return QuantPlan(quantize, after_load=True, library=library,
+                         note=f"model.quantize={quantize}: the linear layers quantized after loading ({why})")
     if library == "torchao":
         return QuantPlan(quantize, after_load=True, library=library,
                          note=f"model.quantize={quantize}: torchao int8 weights after loading ({why})")
@@ -165,7 +168,7 @@ class LLMAdapter(AdapterBase):
         model.requires_grad_(False)
         if plan.after_load:
             count = quantize_linear_layers(model, plan.mode, self.runtime.compute_dtype, self.runtime.device,
-                                           backend=plan.library)
+                                           backend=plan.library, info=self.runtime.info)
             self.log(f"model: quantized {count} linear layers to {plan.mode} after loading")
             model.to(self.runtime.device)
         if plan.mode in ("4bit", "8bit") and plan.library == "bitsandbytes":

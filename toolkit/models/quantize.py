@@ -5,7 +5,8 @@
 activations, latents and the LoRA's optimizer). The libraries: bitsandbytes (CUDA, CPU; 8-bit and NF4
 4-bit layers), and torchao's int8 weight-only tensors, plain PyTorch ops that run wherever PyTorch does,
 which is why `quantize_backend: auto` picks torchao for 8-bit on ROCm, where bitsandbytes installs often
-break. PEFT trains LoRA over both kinds of layer.
+break. `fp8` is the toolkit's own (kernels/fp8_linear.py): e4m3 weights with fp8 matmuls where the GPU has them,
+the same source on CUDA, ROCm and the CPU. PEFT trains LoRA over every kind of layer.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 
 from toolkit.device.detect import DeviceInfo
 from toolkit.errors import UserError
+from toolkit.kernels.fp8_linear import float8_linear
 
 WEIGHT_SHARE = 0.6  # of the memory budget, for the frozen weights resident on the device
-BYTES_PER_PARAM = {"none": 2.0, "8bit": 1.0, "4bit": 0.5}
+BYTES_PER_PARAM = {"none": 2.0, "8bit": 1.0, "4bit": 0.5, "fp8": 1.0}
 
 
 def weights_gb(num_params: int, mode: str) -> float:
@@ -90,6 +92,11 @@ def plan_weights(quantize: str, offload: bool | str, counts: dict[str, int], dev
 
 def choose_backend(requested: str, mode: str, backend: str) -> tuple[str, str]:
     """The quantization library for `mode` on this device backend, and why."""
+    if mode == "fp8":
+        if requested != "auto":
+            raise UserError(f"model.quantize_backend={requested}: model.quantize=fp8 is the toolkit's own layer, not "
+                            f"{requested}'s\n  fix: leave model.quantize_backend=auto")
+        return "toolkit", "fp8 is the toolkit's own layer (kernels/fp8_linear.py)"
     if requested == "torchao" and mode == "4bit":
         raise UserError("model.quantize_backend=torchao supports 8bit only (PEFT trains LoRA over torchao int8 "
                         "weights, not int4)\n  fix: model.quantize=8bit, or model.quantize_backend=bitsandbytes")
@@ -108,16 +115,19 @@ def choose_backend(requested: str, mode: str, backend: str) -> tuple[str, str]:
 
 def quantize_linear_layers(model: torch.nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.device,
                            skip: tuple[str, ...] = ("lm_head",), backend: str = "bitsandbytes",
-                           include: Callable[[str], bool] | None = None) -> int:
+                           include: Callable[[str], bool] | None = None, info: DeviceInfo | None = None) -> int:
     """Replace every nn.Linear (but children named in `skip`, and where `include(qualified name)` is false)
-    by its quantized twin on `device`; returns how many. Run before adding the LoRA."""
+    by its quantized twin on `device`; returns how many. Run before adding the LoRA. fp8 needs `info`, the
+    device whose fp8 format and kernels it uses."""
     count = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if type(child) is not torch.nn.Linear or child_name in skip or (include and not include(name)):
                 continue
-            if backend == "torchao":
+            if mode == "fp8":
+                new = float8_linear(child, device, info, compute_dtype)
+            elif backend == "torchao":
                 new = _torchao_int8(child, device)
             else:
                 new = _bnb_linear(child, mode, compute_dtype, device)

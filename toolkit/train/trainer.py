@@ -30,6 +30,7 @@ from toolkit.disk import format_bytes, free_bytes, is_disk_full
 from toolkit.errors import UserError
 from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, Runtime, trainable_parameters
+from toolkit.config.schema import QUANTIZED
 from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
 from toolkit.paths import cache_root
@@ -104,7 +105,7 @@ class Trainer:
             if cfg.device.distributed == "fsdp":
                 self.log("device.distributed=fsdp: one process, nothing to shard; training as one process")
             return False
-        unshardable = (cfg.model.quantize in ("4bit", "8bit") or cfg.model.expert_offload is True
+        unshardable = (cfg.model.quantize in QUANTIZED or cfg.model.expert_offload is True
                        or cfg.train.train_text_encoder)  # what fsdp refuses (config/resolve.py)
         if cfg.device.distributed == "auto" and unshardable:
             mode, why = "ddp", "auto: the config quantizes, offloads experts or trains text encoders"
