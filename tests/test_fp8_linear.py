@@ -168,24 +168,42 @@ def test_what_fp8_is_not_combined_with(run_cli, tmp_path, capsys, extra, message
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_on_the_gpu_the_fp8_kernels_match_the_cpu_and_compile():
-    """torch._scaled_mm on the GPU computes what the CPU reference computes; compiled (fullgraph) the same."""
+def test_on_the_gpu_the_fp8_kernels_follow_the_formula_eager_and_compiled():
+    """torch._scaled_mm on the GPU computes the formula (the same as the CPU test's); compiled (fullgraph) too."""
     from toolkit.device.detect import detect_device
 
     device = detect_device()
     if not fp8_matmul_supported(device):
         pytest.skip(f"{device.arch} has no fp8 matmuls")
-    base = layer(inputs=256, outputs=512)
-    cpu = Float8Linear(base, fp8_format(device), matmul=True, compute_dtype=torch.bfloat16)
-    gpu = Float8Linear(base.cuda(), fp8_format(device), matmul=True, compute_dtype=torch.bfloat16)
-    x = torch.randn(64, 256, dtype=torch.bfloat16)
-    grad = torch.randn(64, 512, dtype=torch.bfloat16)
-    results = []
-    for module, xs, compiled in ((cpu, x, False), (gpu, x.cuda(), False), (gpu, x.cuda(), True)):
-        xs = xs.clone().requires_grad_()
-        run = torch.compile(module, fullgraph=True) if compiled else module
-        y = run(xs)
-        y.backward(grad.to(y.device))
-        results.append((y.float().cpu(), xs.grad.float().cpu()))
-    for y, gx in results[1:]:
-        assert rel(y, results[0][0]) < 0.01 and rel(gx, results[0][1]) < 0.01
+    fmt = fp8_format(device)
+    module = Float8Linear(layer(inputs=256, outputs=512).cuda(), fmt, matmul=True, compute_dtype=torch.bfloat16)
+    x = torch.randn(64, 256, dtype=torch.bfloat16, device="cuda")
+    grad = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    w8, scale = module.weight.view(fmt).float(), module.weight_scale
+    qx, sx = quantized_rows(x)
+    qg, sg = quantized_rows(grad.float() * scale[None, :])
+    expect_y, expect_gx = (qx * sx) @ (w8 * scale[:, None]).t() + module.bias.float(), (qg * sg) @ w8
+    for run in (module, torch.compile(module, fullgraph=True)):
+        leaf = x.clone().requires_grad_()
+        y = run(leaf)
+        y.backward(grad)
+        assert rel(y, expect_y) < 0.01 and rel(leaf.grad, expect_gx) < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_quantizing_never_holds_the_16_bit_model():
+    """quantize_linear_layers brings each layer's 16-bit weight over alone: the peak stays well under the
+    16-bit model's size (the first version held every moved layer until the loop ended)."""
+    from toolkit.device.detect import detect_device
+    from toolkit.models.quantize import quantize_linear_layers
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 512, bias=False) for _ in range(64))).to(torch.bfloat16)
+    sixteen = sum(p.numel() * 2 for p in model.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    assert quantize_linear_layers(model, "fp8", torch.bfloat16, torch.device("cuda"), backend="toolkit",
+                                  info=detect_device()) == 64
+    assert torch.cuda.max_memory_allocated() - before < 0.75 * sixteen
+    assert all(p.device.type == "cuda" for p in model.parameters())

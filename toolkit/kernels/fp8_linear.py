@@ -16,6 +16,8 @@ dtype for a bf16 matmul, in forward and again in backward, so no 16-bit copy out
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from toolkit.device.detect import DeviceInfo
@@ -29,13 +31,24 @@ def fp8_format(device: DeviceInfo) -> torch.dtype:
 
 
 def fp8_matmul_supported(device: DeviceInfo) -> bool:
-    """Whether torch._scaled_mm runs on this device: NVIDIA Ada/Hopper/Blackwell, MI300/MI350, and the CPU
-    (a reference kernel, which is what lets the CPU tests check the GPU path's arithmetic)."""
+    """Whether torch._scaled_mm with row scales runs on this device: NVIDIA Ada/Hopper/Blackwell, MI300/MI350,
+    and the CPU where this PyTorch has it (2.13 does, 2.11 takes one scale a tensor only): a reference kernel,
+    which lets the CPU tests check the GPU path's arithmetic."""
     if device.backend == "cuda":
         digits = device.arch.removeprefix("sm_").rstrip("a")
         return digits.isdigit() and int(digits) >= 89
     if device.backend == "hip":
         return device.arch in FP8_MATMUL_HIP
+    return _cpu_has_row_scales()
+
+
+@functools.cache
+def _cpu_has_row_scales() -> bool:
+    q = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
     return True
 
 
@@ -85,14 +98,15 @@ class Float8Linear(torch.nn.Linear):
     one fp32 scale per output row. A subclass of nn.Linear, so PEFT wraps it with its LoRA Linear as it would
     the original; `compute_dtype` tells PEFT the dtype of the LoRA weights, as for bitsandbytes layers."""
 
-    def __init__(self, linear: torch.nn.Linear, fmt: torch.dtype, matmul: bool, compute_dtype: torch.dtype):
+    def __init__(self, linear: torch.nn.Linear, fmt: torch.dtype, matmul: bool, compute_dtype: torch.dtype,
+                 device: torch.device | None = None):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scale = _quantize_rows(linear.weight.detach(), fmt)
+        q, scale = _quantize_rows(linear.weight.detach().to(device), fmt)
         self.weight = torch.nn.Parameter(q.view(torch.uint8), requires_grad=False)
         self.weight_scale = torch.nn.Parameter(scale.view(-1), requires_grad=False)
         bias = linear.bias
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(device), requires_grad=False)
         self.fmt, self.compute_dtype = fmt, compute_dtype
         # _scaled_mm needs both matrix sides in multiples of 16; other shapes upcast instead
         self.matmul = matmul and self.in_features % 16 == 0 and self.out_features % 16 == 0
@@ -116,5 +130,6 @@ class Float8Linear(torch.nn.Linear):
 
 def float8_linear(linear: torch.nn.Linear, device: torch.device, info: DeviceInfo,
                   compute_dtype: torch.dtype) -> Float8Linear:
-    """`linear` quantized on `device` (moved first: the 16-bit copy never has to sit beside the others)."""
-    return Float8Linear(linear.to(device), fp8_format(info), fp8_matmul_supported(info), compute_dtype)
+    """`linear` quantized on `device`: its 16-bit weight goes there as a temporary copy, one layer at a time,
+    and `linear` itself stays where it is (the caller may hold every original layer until all are replaced)."""
+    return Float8Linear(linear, fp8_format(info), fp8_matmul_supported(info), compute_dtype, device)

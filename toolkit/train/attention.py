@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -236,11 +236,8 @@ def choose_for_run(setting: str, device: torch.device, forward: Callable[[], obj
     from torch.nn.attention import sdpa_kernel
 
     log(f"attention: SDPA {best} first, the others as fallback (device.sdpa_backend={setting}: {why})")
-    context = ExitStack()
-    context.enter_context(sdpa_kernel(priority(best), set_priority=True))
-    if best == "cudnn" and device.type == "cuda":
-        context.enter_context(gradient_in_output_layout())
-    return context
+    # (the trainer holds gradient_in_output_layout() for the whole run on a GPU, whichever backend goes first)
+    return sdpa_kernel(priority(best), set_priority=True)
 
 
 # -- cuDNN's backward and the gradient's memory layout ----------------------------------------------------------

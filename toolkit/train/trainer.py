@@ -34,7 +34,7 @@ from toolkit.config.schema import QUANTIZED
 from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
 from toolkit.paths import cache_root
-from toolkit.train.attention import choose_for_run
+from toolkit.train.attention import choose_for_run, gradient_in_output_layout
 from toolkit.train.batch_size import (accumulate_to, checkpoint_batch, checkpointing_for_run, measures_on,
                                       probe_cap, probe_for_run, release_probe)
 from toolkit.train.blocks import prepare_blocks
@@ -194,6 +194,10 @@ class Trainer:
         if len(self.dataset) == 0:
             raise UserError(f"data.path: {cfg.data.path} gave no training samples")
         self.adapter.place_for_training()
+        if self.accelerator.device.type == "cuda":
+            # Before anything runs a backward (the batch-size and checkpointing measurements too): until the SDPA
+            # probe has chosen, PyTorch's own order may pick cuDNN, whose backward needs it (train/attention.py).
+            self.exits.enter_context(gradient_in_output_layout())
         if self.sharded:  # before the optimizer and EMA see the LoRA weights: sharding moves them to the device
             for line in procs.shard(self.adapter.shard_roots()):
                 self.log(f"device.distributed=fsdp: sharded {line}")
