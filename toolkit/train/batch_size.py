@@ -243,7 +243,8 @@ def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple
     with `some_blocks`, for a denoiser with blocks and nothing swapped: a number of blocks N estimated by a straight
     line between the step's peak without checkpointing and its peak with every block checkpointed, kept when a
     step with N checkpointed fits (the blocks differ in size: N is an estimate, not searched further); True when
-    it does not, and for the others (an LLM, a step that runs out of memory without checkpointing). With
+    it does not, and for the others (an LLM). When the step runs out of memory without checkpointing, the line
+    goes through every block checkpointed and half of them instead (_count_from_above). With
     train.checkpoint_keeps=auto at attention, when every block keeping its attention does not fit, the blocks keep
     nothing (the setting becomes nothing) and are measured again."""
     micro_step, params, budget = _micro_step_and_budget(trainer)
@@ -290,8 +291,9 @@ def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple
                 "(train.checkpoint_keeps=auto -> nothing)"), None
 
     if none is None:
-        return True, attention_fitting(f"{step} ran out of memory without it ({budget.why})")[0]
-    without = f"{step} peaked at {none / GiB:.2f} GiB without it, over the {budget.why}"
+        without = f"{step} ran out of memory without it ({budget.why})"
+    else:
+        without = f"{step} peaked at {none / GiB:.2f} GiB without it, over the {budget.why}"
     if not some_blocks or not regions or swapped:
         return True, attention_fitting(without)[0]
     without, every = attention_fitting(without)
@@ -301,6 +303,8 @@ def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple
         if every is None or every > budget.limit:
             return True, f"{without}; with every block checkpointed it {said(every)}"
         total = max(len(blocks) for blocks in regions.values())
+        if none is None:
+            return _count_from_above(peak_with, total, every, budget.limit, without)
         count = min(total, math.ceil(total * (none - budget.limit) / max(none - every, 1)))
         if count == total:
             return True, f"{without}; with every block checkpointed it peaked at {every / GiB:.2f} GiB"
@@ -312,6 +316,25 @@ def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple
                        f"{some / GiB:.2f} GiB (every block: {every / GiB:.2f} GiB)")
     return True, (f"{without}; with {count} of its {total} blocks checkpointed it {said(some)}, with every "
                   f"block {every / GiB:.2f} GiB")
+
+
+def _count_from_above(peak_with: Callable, total: int, every: int, limit: int, without: str) -> tuple[bool | int, str]:
+    """Blocks to checkpoint when a step without checkpointing ran out of memory, so its peak is unknown: the peak
+    with half of them checkpointed (then three quarters, when half does not fit) and with all of them give the
+    straight line; N is the fewest on it under the limit, kept when a step with N fits (else that fraction)."""
+    for part in sorted({total // 2, (3 * total) // 4} - {0, total}):
+        peak = peak_with(part)
+        if peak is None or peak > limit:
+            continue
+        per_block = max(peak - every, 1) / (total - part)
+        count = max(1, math.ceil(total - (limit - every) / per_block))
+        some = peak_with(count) if count < part else None
+        if some is None or some > limit:
+            count, some = part, peak
+        return count, (f"{without}; with {count} of its {total} blocks checkpointed it peaked at {some / GiB:.2f} "
+                       f"GiB (every block: {every / GiB:.2f} GiB, {part}: {peak / GiB:.2f} GiB)")
+    return True, (f"{without}; with {(3 * total) // 4} of its {total} blocks checkpointed it did not fit either; every "
+                  f"block: {every / GiB:.2f} GiB")
 
 
 def probe_for_run(trainer) -> tuple[int, str]:
