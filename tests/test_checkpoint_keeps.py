@@ -3,6 +3,8 @@ the block but not the attention; gradients unchanged, eager and compiled, and th
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -172,8 +174,8 @@ def test_auto_on_flux_keeps_attention_compiled_and_nothing_eager_or_swapped(tmp_
 
 def test_compile_auto_leaves_a_quantized_denoiser_eager(tmp_path, run_cli, capsys, monkeypatch, own_data_caches):
     """train.compile=auto was measured with 16-bit weights: where the denoiser is quantized, the trainer turns it
-    off and says so, and checkpoint_keeps auto follows (nothing, as for eager blocks). compile=auto resolves as on a
-    GPU here (the CPU turns it off before anything loads)."""
+    off and says so, and checkpoint_keeps auto follows (nothing, as for eager blocks); fp8 stays compiled.
+    compile=auto resolves as on a GPU here (the CPU turns it off before anything loads)."""
     import toolkit.config.run as run_module
     from toolkit.config.resolve import Decision
 
@@ -189,7 +191,9 @@ def test_compile_auto_leaves_a_quantized_denoiser_eager(tmp_path, run_cli, capsy
     monkeypatch.setattr(run_module, "resolve_auto", as_on_a_gpu)
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # the decisions are the subject, not inductor
     common = ["train.gradient_checkpointing=true", "train.steps=1", "train.compile=auto"]
-    for quantize in ("none", "8bit"):
+    for quantize in ("none", "8bit", "fp8"):  # fp8 stays compiled (its quantization is fused there)
+        if quantize == "8bit" and importlib.util.find_spec("bitsandbytes") is None:
+            continue
         run_dir = tmp_path / quantize
         assert run_cli(*diffusion_train_args("quickstart_flux.yaml", run_dir, *common,
                                              f"model.quantize={quantize}")) == 0

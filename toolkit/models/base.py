@@ -200,7 +200,7 @@ class AdapterBase:
         return {}
 
     def quantized(self) -> str:
-        """How the frozen denoiser is quantized for training (none, 8bit, 4bit), once loaded."""
+        """How the frozen denoiser is quantized for training (none, 8bit, 4bit, fp8), once loaded."""
         return "none"
 
     def quantize_setting(self) -> str:

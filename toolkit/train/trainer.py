@@ -201,7 +201,9 @@ class Trainer:
         if self.sharded:  # before the optimizer and EMA see the LoRA weights: sharding moves them to the device
             for line in procs.shard(self.adapter.shard_roots()):
                 self.log(f"device.distributed=fsdp: sharded {line}")
-        if cfg.train.compile is True and self.run_cfg.compile_auto and self.adapter.quantized() != "none":
+        # fp8 stays compiled: its row quantization is fused there, and eager each layer ran 2-3x slower
+        # (bench/fp8_linear.py); compiled fp8 Flux ran as fast as compiled bf16 (docs/performance.md)
+        if cfg.train.compile is True and self.run_cfg.compile_auto and self.adapter.quantized() not in ("none", "fp8"):
             self._compile_off_for_quantized()  # before checkpointing is measured: it measures as the blocks will run
         probing = self._probes_batch_size()
         self.compiled = 0  # the blocks are wrapped below; a measurement before runs them as they load
