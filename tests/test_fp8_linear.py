@@ -33,15 +33,16 @@ def quantized_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_the_stored_weight_is_each_row_scaled_to_e4m3():
     base = layer()
     fp8 = Float8Linear(base, E4M3, matmul=True, compute_dtype=torch.bfloat16)
-    assert fp8.weight.dtype == torch.uint8 and fp8.weight_scale.dtype == torch.float32
+    assert fp8.weight.dtype == torch.uint8 and fp8.weight_scale.dtype == torch.int32  # fp32 scales' bits
     assert not fp8.weight.requires_grad and fp8.bias is not None and not fp8.bias.requires_grad
     q, scale = quantized_rows(base.weight)
     assert torch.equal(fp8.weight.view(E4M3).float(), q)
-    assert torch.allclose(fp8.weight_scale, scale.view(-1))
+    assert fp8.scale.dtype == torch.float32 and torch.allclose(fp8.scale, scale.view(-1))
     assert fp8.weight.view(E4M3).float().abs().amax(dim=1).eq(448).all()  # every row uses the whole range
     assert rel(fp8.dequantized(), base.weight) < 0.03  # e4m3: 3 mantissa bits
-    fp8.to(torch.float16)  # a whole-model dtype cast leaves the 8-bit weight alone
-    assert fp8.weight.dtype == torch.uint8
+    kept = fp8.scale.clone()
+    fp8.to(torch.float16)  # a whole-model dtype cast leaves the 8-bit weight and its fp32 scales alone
+    assert fp8.weight.dtype == torch.uint8 and torch.equal(fp8.scale, kept)
 
 
 @pytest.mark.parametrize("matmul", [True, False], ids=["fp8-matmul", "upcast"])
@@ -53,11 +54,11 @@ def test_forward_and_input_gradient_follow_the_formula(matmul):
     y = fp8(x)
     grad = torch.randn_like(y)
     y.backward(grad)
-    w = fp8.weight.view(E4M3).float() * fp8.weight_scale[:, None]
+    w = fp8.weight.view(E4M3).float() * fp8.scale[:, None]
     if matmul:  # the input quantized row by row; backward folds the weight's scale into the gradient first
         qx, sx = quantized_rows(x.detach().reshape(-1, 64))
         expect_y = (qx * sx) @ w.t() + base.bias.float()
-        g = grad.reshape(-1, 96).float() * fp8.weight_scale[None, :]
+        g = grad.reshape(-1, 96).float() * fp8.scale[None, :]
         qg, sg = quantized_rows(g)
         expect_gx = (qg * sg) @ fp8.weight.view(E4M3).float()
     else:
@@ -73,6 +74,21 @@ def test_forward_and_input_gradient_follow_the_formula(matmul):
     assert rel(y, y16) < 0.06 and rel(x.grad, x16.grad) < 0.06
 
 
+def test_transposed_inputs_and_gradients_give_the_same_numbers():
+    """A column-major input (or gradient) reshapes to a column-major view, which cuBLASLt refuses as the first
+    operand: the quantized rows are made contiguous. The same values either way give the same numbers."""
+    fp8 = Float8Linear(layer(), E4M3, matmul=True, compute_dtype=torch.bfloat16)
+    x, grad = torch.randn(5, 64, dtype=torch.bfloat16), torch.randn(5, 96, dtype=torch.bfloat16)
+    rows = x.clone().requires_grad_()
+    y_rows = fp8(rows)
+    y_rows.backward(grad)
+    columns = x.t().contiguous().requires_grad_()  # columns.t(): the same values, column-major
+    y_columns = fp8(columns.t())
+    y_columns.backward(grad.t().contiguous().t())
+    assert not columns.t().is_contiguous()
+    assert torch.equal(y_rows, y_columns) and torch.equal(rows.grad, columns.grad.t())
+
+
 def test_backward_keeps_only_the_8_bit_weight():
     """Nothing of the input is saved for backward (the base is frozen): the weight's bits and its scales."""
     fp8 = Float8Linear(layer(), E4M3, matmul=True, compute_dtype=torch.bfloat16)
@@ -80,7 +96,7 @@ def test_backward_keeps_only_the_8_bit_weight():
     x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         fp8(x)
-    assert {(t.dtype, tuple(t.shape)) for t in saved} == {(torch.uint8, (96, 64)), (torch.float32, (96,))}
+    assert {(t.dtype, tuple(t.shape)) for t in saved} == {(torch.uint8, (96, 64)), (torch.int32, (96,))}
 
 
 def test_autocast_and_shapes_the_fp8_kernels_do_not_take():
@@ -119,9 +135,13 @@ def test_peft_wraps_it_and_keeps_the_lora_in_16_or_32_bits():
         def forward(self, x):
             return self.proj(x)
 
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=["proj"])
+    # PEFT gives the LoRA the base layer's dtype: compute_dtype's, not the uint8 bits'
+    plain = get_peft_model(Net(), config, autocast_adapter_dtype=False)
+    assert plain.base_model.model.proj.lora_A["default"].weight.dtype == torch.bfloat16
     net = get_peft_model(Net(), LoraConfig(r=4, lora_alpha=4, target_modules=["proj"]), autocast_adapter_dtype=True)
     a = net.base_model.model.proj.lora_A["default"].weight
-    assert a.dtype in (torch.float32, torch.bfloat16) and a.requires_grad
+    assert a.dtype == torch.float32 and a.requires_grad  # as the toolkit trains it
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         net(x).float().square().sum().backward()
@@ -155,6 +175,17 @@ def test_llm_trains_with_fp8_weights_through_the_cli(run_cli, tmp_path, capsys):
     assert (tmp_path / "final" / "adapter_model.safetensors").is_file()
 
 
+def test_wan22_experts_train_with_fp8_weights_and_offload(run_cli, tmp_path, capsys):
+    """Both experts quantized (the idle one where it waits), trained in turn across an expert switch."""
+    assert run_cli(*diffusion_train_args("quickstart_wan22.yaml", tmp_path, "model.quantize=fp8",
+                                         "model.expert_offload=true", "train.expert_switch_every=1")) == 0
+    err = capsys.readouterr().err
+    assert "quantized" in err and "of the transformer to fp8 (toolkit)" in err
+    assert "of the transformer_2 to fp8 (toolkit)" in err
+    losses = [r["loss"] for r in read_metrics(tmp_path)]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["network.type=dora", "save.format=auto"], "'network.type'=dora needs the base weights in 16 bits"),
     (["model.block_swap=1"], "not combined with model.quantize=fp8"),
@@ -179,7 +210,7 @@ def test_on_the_gpu_the_fp8_kernels_follow_the_formula_eager_and_compiled():
     module = Float8Linear(layer(inputs=256, outputs=512).cuda(), fmt, matmul=True, compute_dtype=torch.bfloat16)
     x = torch.randn(64, 256, dtype=torch.bfloat16, device="cuda")
     grad = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
-    w8, scale = module.weight.view(fmt).float(), module.weight_scale
+    w8, scale = module.weight.view(fmt).float(), module.scale
     qx, sx = quantized_rows(x)
     qg, sg = quantized_rows(grad.float() * scale[None, :])
     expect_y, expect_gx = (qx * sx) @ (w8 * scale[:, None]).t() + module.bias.float(), (qg * sg) @ w8
@@ -188,6 +219,10 @@ def test_on_the_gpu_the_fp8_kernels_follow_the_formula_eager_and_compiled():
         y = run(leaf)
         y.backward(grad)
         assert rel(y, expect_y) < 0.01 and rel(leaf.grad, expect_gx) < 0.01
+    columns = x.t().contiguous().requires_grad_()  # column-major input and gradient: cuBLASLt takes them too
+    y = module(columns.t())
+    y.backward(grad.t().contiguous().t())
+    assert rel(y, expect_y) < 0.01 and rel(columns.grad.t(), expect_gx) < 0.01
 
 
 @pytest.mark.gpu

@@ -31,22 +31,27 @@ def fp8_format(device: DeviceInfo) -> torch.dtype:
 
 
 def fp8_matmul_supported(device: DeviceInfo) -> bool:
-    """Whether torch._scaled_mm with row scales runs on this device: NVIDIA Ada/Hopper/Blackwell, MI300/MI350,
-    and the CPU where this PyTorch has it (2.13 does, 2.11 takes one scale a tensor only): a reference kernel,
-    which lets the CPU tests check the GPU path's arithmetic."""
+    """Whether torch._scaled_mm with row scales runs on this device: NVIDIA Ada/Hopper/Blackwell and MI300/MI350
+    by architecture, confirmed by one tiny call where a GPU is present (a PyTorch or hipBLASLt build without row
+    scales then takes the upcast path instead of failing at the first step); the CPU where this PyTorch has them
+    (2.13 does, 2.11 takes one scale a tensor only): a reference kernel, which lets the CPU tests check the GPU
+    path's arithmetic."""
     if device.backend == "cuda":
         digits = device.arch.removeprefix("sm_").rstrip("a")
-        return digits.isdigit() and int(digits) >= 89
-    if device.backend == "hip":
-        return device.arch in FP8_MATMUL_HIP
-    return _cpu_has_row_scales()
+        by_arch = digits.isdigit() and int(digits) >= 89
+    elif device.backend == "hip":
+        by_arch = device.arch in FP8_MATMUL_HIP
+    else:
+        return _has_row_scales("cpu", torch.float8_e4m3fn)
+    return by_arch and (not torch.cuda.is_available() or _has_row_scales("cuda", fp8_format(device)))
 
 
 @functools.cache
-def _cpu_has_row_scales() -> bool:
-    q = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+def _has_row_scales(kind: str, fmt: torch.dtype) -> bool:
+    q = torch.zeros(16, 16, dtype=fmt, device=kind)
+    ones = torch.ones(16, 1, device=kind)
     try:
-        torch._scaled_mm(q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+        torch._scaled_mm(q, q.t(), scale_a=ones, scale_b=ones.t(), out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError):
         return False
     return True
@@ -56,12 +61,19 @@ def _quantize_rows(t: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, tor
     """`t` (rows x columns) as fp8 with one fp32 scale a row: t ~= q * scale."""
     top = torch.finfo(fmt).max
     t = t.float()
-    scale = (t.abs().amax(dim=1, keepdim=True) / top).clamp(min=1e-12)
-    return (t / scale).clamp(-top, top).to(fmt), scale
+    scale = (t.abs().amax(dim=1, keepdim=True) / top).clamp(min=torch.finfo(torch.float32).tiny)
+    # contiguous: cuBLASLt takes the first operand row-major only (a transposed input reshapes to a column-major view)
+    return (t / scale).clamp(-top, top).to(fmt).contiguous(), scale
+
+
+def _dequantized(bits: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in `dtype`, scaled in fp32 first (an fp16 scale of a small row would be subnormal)."""
+    return (bits.view(fmt).float() * scale.view(torch.float32)[:, None]).to(dtype)
 
 
 class _Float8Matmul(torch.autograd.Function):
-    """x @ W^T for a frozen fp8 W (stored as uint8 bits) with row scales `scale`; gradient for x only."""
+    """x @ W^T for a frozen fp8 W (stored as uint8 bits) with row scales `scale` (fp32 stored as int32 bits);
+    gradient for x only."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype, scaled: bool):
@@ -70,10 +82,10 @@ class _Float8Matmul(torch.autograd.Function):
         weight, rows = bits.view(fmt), x.reshape(-1, x.shape[-1])
         if scaled:
             q, row_scale = _quantize_rows(rows, fmt)
-            out = torch._scaled_mm(q, weight.t(), scale_a=row_scale, scale_b=scale.float().view(1, -1),
+            out = torch._scaled_mm(q, weight.t(), scale_a=row_scale, scale_b=scale.view(torch.float32).view(1, -1),
                                    out_dtype=x.dtype)
         else:
-            out = rows @ (weight.to(x.dtype) * scale.to(x.dtype)[:, None]).t()
+            out = rows @ _dequantized(bits, scale, fmt, x.dtype).t()
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -83,19 +95,19 @@ class _Float8Matmul(torch.autograd.Function):
             return None, None, None, None, None
         weight, rows = bits.view(ctx.fmt), grad.reshape(-1, grad.shape[-1])
         if ctx.scaled:
-            q, row_scale = _quantize_rows(rows.float() * scale.float()[None, :], ctx.fmt)
+            q, row_scale = _quantize_rows(rows.float() * scale.view(torch.float32)[None, :], ctx.fmt)
             columns = torch.ones(1, weight.shape[1], dtype=torch.float32, device=grad.device)
             # _scaled_mm takes its second operand column-major: W (out x in) laid out as its transpose
             out = torch._scaled_mm(q, weight.t().contiguous().t(), scale_a=row_scale, scale_b=columns,
                                    out_dtype=grad.dtype)
         else:
-            out = rows @ (weight.to(grad.dtype) * scale.to(grad.dtype)[:, None])
+            out = rows @ _dequantized(bits, scale, ctx.fmt, grad.dtype)
         return out.view(*grad.shape[:-1], out.shape[-1]), None, None, None, None
 
 
 class Float8Linear(torch.nn.Linear):
-    """A frozen nn.Linear with its weight in fp8 (uint8 bits: a whole-model `.to(dtype)` leaves them alone) and
-    one fp32 scale per output row. A subclass of nn.Linear, so PEFT wraps it with its LoRA Linear as it would
+    """A frozen nn.Linear with its weight in fp8 and one fp32 scale per output row, both stored as integer bits
+    (uint8, int32), so that a whole-model `.to(dtype)` leaves them alone. A subclass of nn.Linear, so PEFT wraps it with its LoRA Linear as it would
     the original; `compute_dtype` tells PEFT the dtype of the LoRA weights, as for bitsandbytes layers."""
 
     def __init__(self, linear: torch.nn.Linear, fmt: torch.dtype, matmul: bool, compute_dtype: torch.dtype,
@@ -104,7 +116,7 @@ class Float8Linear(torch.nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scale = _quantize_rows(linear.weight.detach().to(device), fmt)
         self.weight = torch.nn.Parameter(q.view(torch.uint8), requires_grad=False)
-        self.weight_scale = torch.nn.Parameter(scale.view(-1), requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(scale.view(-1).view(torch.int32), requires_grad=False)
         bias = linear.bias
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(device), requires_grad=False)
         self.fmt, self.compute_dtype = fmt, compute_dtype
@@ -121,7 +133,12 @@ class Float8Linear(torch.nn.Linear):
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the compute dtype sees it (for tests and merges)."""
-        return self.weight.view(self.fmt).to(self.compute_dtype) * self.weight_scale.to(self.compute_dtype)[:, None]
+        return _dequantized(self.weight, self.weight_scale, self.fmt, self.compute_dtype)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The fp32 row scales."""
+        return self.weight_scale.view(torch.float32)
 
     def extra_repr(self) -> str:
         how = "fp8 matmul" if self.matmul else "upcast to " + str(self.compute_dtype).removeprefix("torch.")

@@ -84,10 +84,14 @@ class FlowMatchingAdapter(DiffusionAdapter):
             return
         for name in self.denoiser_names:
             count = quantize_linear_layers(self.component(name), self.quantize, self.runtime.compute_dtype,
-                                           self.runtime.device, skip=(), backend=self.quantize_library,
+                                           self.quantize_device(name), skip=(), backend=self.quantize_library,
                                            include=self.quantized_layer, info=self.runtime.info)
             self.log(f"model: quantized {count} linear layers of the {name} to {self.quantize} "
                      f"({self.quantize_library})")
+
+    def quantize_device(self, name: str) -> torch.device:
+        """Where denoiser `name` is quantized: the device (bitsandbytes quantizes on the move there)."""
+        return self.runtime.device
 
     def plan_block_swap(self, counts: dict[str, int], offload, why: str) -> tuple[dict, str]:
         """model.block_swap: which blocks stay in CPU memory (models/block_swap.py). Under auto, with

@@ -203,6 +203,13 @@ class Wan22Adapter(WanAdapter):
             self.build_swaps()
             self.place_experts(self.active)
 
+    def quantize_device(self, name: str) -> torch.device:
+        """With expert offload, an fp8 expert that starts idle is quantized in CPU memory (the toolkit's own layer
+        quantizes anywhere): both experts never share the device, not even while they are quantized."""
+        if self.offload and self.quantize == "fp8" and name != self.active:
+            return torch.device("cpu")
+        return super().quantize_device(name)
+
     def place_experts(self, resident: str) -> None:
         """Every expert on the device, or with offload only `resident`; LoRA weights always on the device. An
         expert with swapped blocks keeps those in pinned CPU memory either way; going idle, it gives its GPU

@@ -322,7 +322,10 @@ def _count_from_above(peak_with: Callable, total: int, every: int, limit: int, w
     """Blocks to checkpoint when a step without checkpointing ran out of memory, so its peak is unknown: the peak
     with half of them checkpointed (then three quarters, when half does not fit) and with all of them give the
     straight line; N is the fewest on it under the limit, kept when a step with N fits (else that fraction)."""
-    for part in sorted({total // 2, (3 * total) // 4} - {0, total}):
+    parts = sorted({total // 2, (3 * total) // 4} - {0, total})
+    if not parts:  # one block: all of it is the only measured setting
+        return True, f"{without}; with every block checkpointed it peaked at {every / GiB:.2f} GiB"
+    for part in parts:
         peak = peak_with(part)
         if peak is None or peak > limit:
             continue
@@ -333,7 +336,7 @@ def _count_from_above(peak_with: Callable, total: int, every: int, limit: int, w
             count, some = part, peak
         return count, (f"{without}; with {count} of its {total} blocks checkpointed it peaked at {some / GiB:.2f} "
                        f"GiB (every block: {every / GiB:.2f} GiB, {part}: {peak / GiB:.2f} GiB)")
-    return True, (f"{without}; with {(3 * total) // 4} of its {total} blocks checkpointed it did not fit either; every "
+    return True, (f"{without}; with {parts[-1]} of its {total} blocks checkpointed it did not fit either; every "
                   f"block: {every / GiB:.2f} GiB")
 
 

@@ -194,7 +194,7 @@ class Trainer:
         if len(self.dataset) == 0:
             raise UserError(f"data.path: {cfg.data.path} gave no training samples")
         self.adapter.place_for_training()
-        if self.accelerator.device.type == "cuda":
+        if self.accelerator.device.type == "cuda" and torch.version.hip is None:  # cuDNN: NVIDIA only
             # Before anything runs a backward (the batch-size and checkpointing measurements too): until the SDPA
             # probe has chosen, PyTorch's own order may pick cuDNN, whose backward needs it (train/attention.py).
             self.exits.enter_context(gradient_in_output_layout())
