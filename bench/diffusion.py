@@ -212,6 +212,13 @@ def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: 
 
 
 # -- the toolkit ---------------------------------------------------------------------------------------------------
+def capped(gib: float) -> float:
+    """Cap this process at `gib` GiB of GPU memory; returns that cap as a share of the GPU's memory."""
+    share = gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, share))
+    return share
+
+
 def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int,
                 settings: list[str]) -> dict:
     from trainer_rate import trainer_rate
@@ -245,15 +252,12 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
     elif row.startswith("toolkit-ckpt-"):
         overrides.append(f"train.gradient_checkpointing={int(row.rsplit('-', 1)[1])}")
     elif row == "toolkit-swap24":
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_GIB * 2**30 / total))
+        share = capped(CAP_GIB)
         overrides += ["train.gradient_checkpointing=true", "model.block_swap=auto",
-                      f"device.memory_fraction={0.9 * CAP_GIB * 2**30 / total:.4f}"]
+                      f"device.memory_fraction={0.9 * share:.4f}"]
     elif row == "toolkit-cap25":
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, FIT_GIB * 2**30 / total))
         overrides += ["train.gradient_checkpointing=auto", "model.block_swap=auto",
-                      f"device.memory_fraction={FIT_GIB * 2**30 / total:.4f}"]
+                      f"device.memory_fraction={capped(FIT_GIB):.4f}"]
     else:
         overrides.append("train.gradient_checkpointing=false")
     overrides += settings  # --set: last, so they win

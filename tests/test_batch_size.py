@@ -371,17 +371,12 @@ def test_auto_gradient_checkpointing_is_measured_at_the_batch_size(peak_gib, nee
     assert measured.keys() == given.keys() and all(torch.equal(measured[k], given[k]) for k in measured)
 
 
-def test_auto_gradient_checkpointing_checkpoints_the_blocks_a_line_between_two_peaks_gives(
-        shapes, own_data_caches, tmp_path, run_cli, capsys, monkeypatch, measuring_device):
-    """Over the budget without checkpointing, within it with every block checkpointed: N blocks from a straight
-    line between the two peaks, kept because a step measured at N fits. Modelled: 20 GiB less 3 GiB a
-    checkpointed block, limit 8.10 GiB; the tiny UNet checkpoints its down, mid and up blocks one by one (5), all
-    of them peak at 5 GiB, so the line gives 4 (8 GiB), which fits. The LoRA equals train.gradient_checkpointing=4
-    given by hand."""
+def modelled_peaks(monkeypatch, peak_of) -> list:
+    """Each measured step's peak becomes peak_of(blocks recomputed in its backward) GiB (None: out of memory);
+    returns the list the peaks are appended to, in the order measured."""
     import toolkit.train.blocks as blocks
 
-    recomputed, peaks = [0], []
-    checkpoint = blocks.checkpoint
+    recomputed, peaks, checkpoint = [0], [], blocks.checkpoint
 
     def counted(*args, **kwargs):
         recomputed[0] += 1
@@ -390,11 +385,22 @@ def test_auto_gradient_checkpointing_checkpoints_the_blocks_a_line_between_two_p
     def peak(run, device):
         before = recomputed[0]
         run()
-        peaks.append(20 - 3 * (recomputed[0] - before))
-        return int(peaks[-1] * GiB)
+        peaks.append(peak_of(recomputed[0] - before))
+        return None if peaks[-1] is None else int(peaks[-1] * GiB)
 
     monkeypatch.setattr(blocks, "checkpoint", counted)
     monkeypatch.setattr(bs, "peak_bytes", peak)
+    return peaks
+
+
+def test_auto_gradient_checkpointing_checkpoints_the_blocks_a_line_between_two_peaks_gives(
+        shapes, own_data_caches, tmp_path, run_cli, capsys, monkeypatch, measuring_device):
+    """Over the budget without checkpointing, within it with every block checkpointed: N blocks from a straight
+    line between the two peaks, kept because a step measured at N fits. Modelled: 20 GiB less 3 GiB a
+    checkpointed block, limit 8.10 GiB; the tiny UNet checkpoints its down, mid and up blocks one by one (5), all
+    of them peak at 5 GiB, so the line gives 4 (8 GiB), which fits. The LoRA equals train.gradient_checkpointing=4
+    given by hand."""
+    peaks = modelled_peaks(monkeypatch, lambda count: 20 - 3 * count)
     auto, by_hand = tmp_path / "auto", tmp_path / "by_hand"
     common = (shapes, *SHORT, "train.batch_size=2", "train.compile=false")
     assert run_cli("train", SD, f"run.output_dir={auto}", *common, "train.gradient_checkpointing=auto") == 0
@@ -419,29 +425,15 @@ def test_auto_keeps_attention_only_where_every_block_keeping_it_fits(shapes, own
     test above, kept attention adding 4 GiB: 20 GiB without checkpointing, 9 with every block keeping attention
     (over 8.10), 5 keeping nothing, so 4 blocks (8 GiB) keeping nothing. train.compile is on (auto keeps
     attention in compiled blocks only), torch.compile a no-op here."""
-    import toolkit.train.blocks as blocks
-
-    recomputed, peaks, keeping = [0], [], []
-    checkpoint, checkpointed_while = blocks.checkpoint, bs.checkpointed_while
-
-    def counted(*args, **kwargs):
-        recomputed[0] += 1
-        return checkpoint(*args, **kwargs)
+    keeping, checkpointed_while = [], bs.checkpointed_while
 
     def recording(regions, setting, keeps="nothing"):
         keeping.append(keeps)
         return checkpointed_while(regions, setting, keeps)
 
-    def peak(run, device):
-        before = recomputed[0]
-        run()
-        count = recomputed[0] - before
-        peaks.append(20 - 3 * count + (4 if count and keeping[-1] == "attention" else 0))
-        return int(peaks[-1] * GiB)
-
-    monkeypatch.setattr(blocks, "checkpoint", counted)
     monkeypatch.setattr(bs, "checkpointed_while", recording)
-    monkeypatch.setattr(bs, "peak_bytes", peak)
+    peaks = modelled_peaks(monkeypatch, lambda count: 20 - 3 * count + (4 if count and keeping[-1] == "attention"
+                                                                        else 0))
     out = tmp_path / "auto"
     assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=2", "train.compile=true",
                    "train.gradient_checkpointing=auto") == 0  # auto keeps attention compiled only
@@ -480,24 +472,7 @@ def test_auto_checkpoints_some_blocks_when_the_step_runs_out_of_memory_without(s
     every block checkpointed (5 GiB) and half of them (2 of 5: 6.5 GiB), 0.5 GiB a block left out; the fewest on
     it under 8.10 GiB is 1 block (a step without any ran out), measured at 7 GiB, and kept. Peaks are modelled
     from the blocks recomputed in backward, as above."""
-    import toolkit.train.blocks as blocks
-
-    recomputed, peaks = [0], []
-    checkpoint = blocks.checkpoint
-
-    def counted(*args, **kwargs):
-        recomputed[0] += 1
-        return checkpoint(*args, **kwargs)
-
-    def peak(run, device):
-        before = recomputed[0]
-        run()
-        count = recomputed[0] - before
-        peaks.append(None if count == 0 else 5 + 0.5 * (5 - count))
-        return None if peaks[-1] is None else int(peaks[-1] * GiB)
-
-    monkeypatch.setattr(blocks, "checkpoint", counted)
-    monkeypatch.setattr(bs, "peak_bytes", peak)
+    peaks = modelled_peaks(monkeypatch, lambda count: None if count == 0 else 5 + 0.5 * (5 - count))
     out = tmp_path / "run"
     assert run_cli("train", SD, f"run.output_dir={out}", shapes, *SHORT, "train.batch_size=2", "train.compile=false",
                    "train.gradient_checkpointing=auto") == 0

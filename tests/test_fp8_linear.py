@@ -189,12 +189,14 @@ def test_wan22_experts_train_with_fp8_weights_and_offload(run_cli, tmp_path, cap
 @pytest.mark.parametrize("extra, message", [
     (["network.type=dora", "save.format=auto"], "'network.type'=dora needs the base weights in 16 bits"),
     (["model.block_swap=1"], "not combined with model.quantize=fp8"),
-    (["model.quantize_backend=torchao"], "model.quantize=fp8 is the toolkit's own layer, not torchao's"),
+    (["model.quantize_backend=torchao"], "'model.quantize_backend'=torchao: model.quantize=fp8 is the toolkit's own"),
 ])
 def test_what_fp8_is_not_combined_with(run_cli, tmp_path, capsys, extra, message):
-    assert run_cli(*diffusion_train_args("quickstart_flux.yaml", tmp_path, "model.quantize=fp8", *extra)) == 2
+    """Refused while the config is checked: exit 2, a line naming the key, and no run folder made."""
+    assert run_cli(*diffusion_train_args("quickstart_flux.yaml", tmp_path / "run", "model.quantize=fp8", *extra)) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.gpu

@@ -117,9 +117,13 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
         if cfg.model.quantize in QUANTIZED:
             problems.append(f"'model.block_swap'={block_swap} swaps 16-bit weights; it is not combined with "
                             f"model.quantize={cfg.model.quantize}: set one of them to none / 0")
-    if cfg.model.get("quantize") == "fp8" and cfg.network.type == "dora":
-        problems.append("'network.type'=dora needs the base weights in 16 bits (DoRA normalises them), and "
-                        "model.quantize=fp8 stores them in 8: use network.type=lora, or model.quantize=none")
+    if cfg.model.get("quantize") == "fp8":
+        if cfg.network.type == "dora":
+            problems.append("'network.type'=dora needs the base weights in 16 bits (DoRA normalises them), and "
+                            "model.quantize=fp8 stores them in 8: use network.type=lora, or model.quantize=none")
+        if cfg.model.get("quantize_backend", "auto") != "auto":
+            problems.append(f"'model.quantize_backend'={cfg.model.quantize_backend}: model.quantize=fp8 is the "
+                            "toolkit's own layer, not that library's; leave model.quantize_backend=auto")
     if cfg.device.distributed == "fsdp":
         _check_fsdp(cfg, problems)
     if cfg.train.compile == "auto":

@@ -92,10 +92,7 @@ def plan_weights(quantize: str, offload: bool | str, counts: dict[str, int], dev
 
 def choose_backend(requested: str, mode: str, backend: str) -> tuple[str, str]:
     """The quantization library for `mode` on this device backend, and why."""
-    if mode == "fp8":
-        if requested != "auto":
-            raise UserError(f"model.quantize_backend={requested}: model.quantize=fp8 is the toolkit's own layer, not "
-                            f"{requested}'s\n  fix: leave model.quantize_backend=auto")
+    if mode == "fp8":  # config/resolve.py refuses any other model.quantize_backend with it
         return "toolkit", "fp8 is the toolkit's own layer (kernels/fp8_linear.py)"
     if requested == "torchao" and mode == "4bit":
         raise UserError("model.quantize_backend=torchao supports 8bit only (PEFT trains LoRA over torchao int8 "

@@ -25,12 +25,12 @@ from omegaconf import OmegaConf
 
 from toolkit.config.load import resolved_container
 from toolkit.config.run import ResolvedRun
+from toolkit.config.schema import QUANTIZED
 from toolkit.data.order import BatchOrder
 from toolkit.disk import format_bytes, free_bytes, is_disk_full
 from toolkit.errors import UserError
 from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, Runtime, trainable_parameters
-from toolkit.config.schema import QUANTIZED
 from toolkit.models.quantize import choose_distributed
 from toolkit.optim import build_optimizer, optimizer_spec
 from toolkit.paths import cache_root
@@ -201,7 +201,7 @@ class Trainer:
         if self.sharded:  # before the optimizer and EMA see the LoRA weights: sharding moves them to the device
             for line in procs.shard(self.adapter.shard_roots()):
                 self.log(f"device.distributed=fsdp: sharded {line}")
-        # fp8 stays compiled: its row quantization is fused there, and eager each layer ran 2-3x slower
+        # fp8 stays compiled: its row quantization is fused there, and eager each layer ran 2-4x slower
         # (bench/fp8_linear.py); compiled fp8 Flux ran as fast as compiled bf16 (docs/performance.md)
         if cfg.train.compile is True and self.run_cfg.compile_auto and self.adapter.quantized() not in ("none", "fp8"):
             self._compile_off_for_quantized()  # before checkpointing is measured: it measures as the blocks will run
