@@ -22,6 +22,7 @@ Rows (--rows, comma-separated; a row whose package is missing is reported as ski
   toolkit-ckpt-offload  toolkit-ckpt + train.checkpoint_offload=true (the layer inputs in pinned CPU memory)
   toolkit-keepall  the defaults + train.compile_recompute=none (PyTorch's default partition of each block; the
                    default, auto, is pointwise for an LLM)
+  toolkit-nofuseproj  the defaults + model.fuse_projections=false (q/k/v and gate/up as separate LoRA layers)
   toolkit-fp8      the defaults + model.quantize=fp8 (the frozen linear layers in e4m3, fp8 matmuls: another
                    precision than every other row, so compare its loss too)
   toolkit-fp8-ckpt toolkit-fp8 + train.gradient_checkpointing=true
@@ -222,6 +223,7 @@ def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
              "toolkit-ckpt": ["train.gradient_checkpointing=true"],
              "toolkit-ckpt-offload": ["train.gradient_checkpointing=true", "train.checkpoint_offload=true"],
              "toolkit-keepall": ["train.compile_recompute=none"],
+             "toolkit-nofuseproj": ["model.fuse_projections=false"],
              "toolkit-fp8": ["model.quantize=fp8"],
              "toolkit-fp8-ckpt": ["model.quantize=fp8", "train.gradient_checkpointing=true"]}[row]
     optimizer = "adamw8bit" if row == "toolkit-8bit" else "adamw"

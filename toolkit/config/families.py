@@ -17,8 +17,8 @@ from toolkit.config.data_schemas import ImageDataSection, TextDataSection, Video
 
 # Settings that only some families read. A family's spec lists the ones it reads (`settings`); a value set for
 # a family that does not read it is a config error, and the resolved config of a run shows only its own.
-LLM_SETTINGS = frozenset({"model.attention", "model.kernels", "model.trust_remote_code", "model.quantize",
-                          "model.quantize_backend", "sample.max_new_tokens", "sample.temperature",
+LLM_SETTINGS = frozenset({"model.attention", "model.kernels", "model.fuse_projections", "model.trust_remote_code",
+                          "model.quantize", "model.quantize_backend", "sample.max_new_tokens", "sample.temperature",
                           "train.checkpoint_offload"})
 DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.checkpoint_keeps", "train.timestep_sampling",
                                 "train.logit_mean", "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",

@@ -59,6 +59,9 @@ def _check_fsdp(cfg: DictConfig, problems: list[str]) -> None:
                         "device.distributed=ddp")
 
 
+FUSE_PROJECTIONS_MEASURED = "on a GPU with train.compile on: not yet measured"
+
+
 def _compile_auto(family: str, steps: int, device: DeviceInfo) -> tuple[bool, str]:
     """train.compile=auto: on where the family was measured faster compiled and the run is long enough to repay
     the first step's compile (FamilySpec.compile_auto, compile_auto_steps); off on the CPU."""
@@ -72,6 +75,36 @@ def _compile_auto(family: str, steps: int, device: DeviceInfo) -> tuple[bool, st
                        f"the first step's compile: {spec.compile_auto}; auto compiles {family} from "
                        f"{spec.compile_auto_steps} steps, train.compile=true compiles any run")
     return True, spec.compile_auto
+
+
+def _fuse_projections(cfg: DictConfig, device: DeviceInfo, problems: list[str], decisions: list[Decision]) -> None:
+    """model.fuse_projections (llm): auto turns it on with train.compile on a GPU; true where it cannot apply is
+    refused, naming what stands in the way."""
+    value = cfg.model.fuse_projections
+    if not (isinstance(value, bool) or value == "auto"):
+        problems.append(f"'model.fuse_projections' must be true, false or auto, got {value!r}")
+        return
+    blockers = [why for why, blocks in (
+        ("network.type=dora (each layer normalises its own weight)", cfg.network.type == "dora"),
+        (f"network.dropout={cfg.network.dropout} (each layer drops its own input)", cfg.network.dropout > 0),
+        (f"model.quantize={cfg.model.quantize} (the frozen weights are not 16-bit)", cfg.model.quantize in QUANTIZED),
+        ("device.distributed=fsdp (the frozen weights are sharded per layer)", cfg.device.distributed == "fsdp"),
+    ) if blocks]
+    if value is True and blockers:
+        problems.append(f"'model.fuse_projections'=true cannot apply with {'; '.join(blockers)}: set "
+                        "model.fuse_projections=auto or false")
+    if value != "auto":
+        return
+    if blockers:
+        on, why = False, "off with " + "; ".join(blockers)
+    elif device.backend == "cpu":
+        on, why = False, "off on the CPU (measured on GPUs only)"
+    elif cfg.train.compile is not True:
+        on, why = False, "off with train.compile off (measured compiled only)"
+    else:
+        on, why = True, FUSE_PROJECTIONS_MEASURED
+    cfg.model.fuse_projections = on
+    decisions.append(Decision("model.fuse_projections", on, why))
 
 
 def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[Decision]:
@@ -160,6 +193,8 @@ def resolve_auto(cfg: DictConfig, device: DeviceInfo, preset: Preset) -> list[De
                                 "12.9 GiB instead of 24.1 and 1.11x the tokens/s, both compiled)"))
         cfg.model.kernels = value
         decisions.append(Decision("model.kernels", value, why))
+    if applies_to("model.fuse_projections", family):
+        _fuse_projections(cfg, device, problems, decisions)
     if cfg.model.attention == "auto" and applies_to("model.attention", family):
         cfg.model.attention = "sdpa"
         decisions.append(Decision("model.attention", "sdpa", "PyTorch scaled_dot_product_attention, the default"))

@@ -77,6 +77,12 @@ class ModelSection:
                        "is on), none (the model's own loss), or auto (fused on a GPU, none on the CPU). Models "
                        "whose output head the fused pass does not cover fall back to their own loss, with a note.",
                        choices=("auto", "fused", "none"), resume_safe=True)
+    fuse_projections: Union[bool, str] = opt(
+        "auto", "LLM: LoRA layers that read the same input (a decoder layer's q/k/v projections, its gate/up "
+        "projections) run their frozen weights as one matrix product and their LoRA down-projections as another, "
+        "PEFT's arithmetic otherwise (toolkit/models/shared_input.py); the saved adapter is unchanged. Applies to "
+        "plain LoRA without dropout over 16-bit weights, without fsdp. auto: on where measured faster (a GPU with "
+        "train.compile on), off on the CPU.", resume_safe=True)
     quantize: str = opt("auto", "Quantize the frozen base (QLoRA): none, 8bit, 4bit, fp8, or auto (8bit/4bit only when "
                         "the 16-bit weights do not fit the device memory budget; never on the CPU). fp8: the toolkit's "
                         "own e4m3 weights with a scale per row, half of bf16's memory, and fp8 matmuls where the GPU has "

@@ -21,6 +21,7 @@ from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_
 from toolkit.models.lora import lora_config, target_modules
 from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
 from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
+from toolkit.models.shared_input import group_shared_inputs
 from toolkit.paths import resolve_model_path
 
 
@@ -193,6 +194,11 @@ class LLMAdapter(AdapterBase):
         self.drops_padding_mask = self.sums_loss and getattr(model.config, "model_type", "") in CAUSAL_DECODERS
         if not self.runtime.shard_base:
             self.network.to(self.runtime.device)
+        if cfg.fuse_projections is True:
+            groups = group_shared_inputs(self.network)
+            self.log(f"model.fuse_projections: {groups} groups of LoRA layers that read one input (q/k/v, gate/up) "
+                     "run as one matrix product each" if groups else
+                     "model.fuse_projections: no q/k/v or gate/up LoRA layers of 16-bit weights to group")
         self.fused_loss, why = fused_loss_for(self.network, cfg.kernels, bool(self.cfg.train.compile),
                                               self.sums_loss)
         # With the fused loss the trainer runs the decoder alone (hidden states, no logits); with fsdp, the whole

@@ -1,0 +1,125 @@
+"""LoRA layers that read the same input run as one matrix product: a decoder layer's q, k and v projections,
+its gate and up projections.
+
+For each such group the frozen weights are laid side by side in one buffer (each layer's own `weight` becomes a
+view into it, so nothing is held twice) and the LoRA down-projections are concatenated at each call (r rows
+each, a few hundred KiB). Forward then reads the input twice (one product for the frozen weights, one for every
+LoRA A) instead of twice per layer; backward computes the input's gradient in one product per group instead of
+one per layer plus the additions between them. The LoRA up-projections stay separate. The arithmetic is
+PEFT's (`result + lora_B(lora_A(x)) * scaling`), so saved adapters, merges and loaders are unchanged.
+
+The first member a module calls with an input computes every member's output; the others take theirs from the
+group. A member called on another input, with extra arguments, or in a state PEFT handles differently (adapters
+disabled or merged, several active) runs its own forward.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Pending:
+    """Outputs computed for the members that have not asked for theirs yet (a plain object: torch.compile
+    records its changes as side effects of the graph)."""
+
+    def __init__(self) -> None:
+        self.source = None
+        self.outputs: dict[str, torch.Tensor] = {}
+
+
+class SharedInputGroup(torch.nn.Module):
+    def __init__(self, members: dict[str, torch.nn.Module], adapter: str):
+        super().__init__()
+        self.names = tuple(members)
+        self.adapter = adapter
+        bases = [m.base_layer for m in members.values()]
+        self.out_sizes = [b.out_features for b in bases]
+        self.ranks = [m.lora_A[adapter].out_features for m in members.values()]
+        # not persistent: the model's state dict keeps each layer's own weight
+        self.register_buffer("weight", torch.cat([b.weight.detach() for b in bases]), persistent=False)
+        has_bias = [b.bias is not None for b in bases]
+        bias = (torch.cat([b.bias.detach() if b.bias is not None else b.weight.new_zeros(b.out_features)
+                           for b in bases]) if any(has_bias) else None)
+        self.register_buffer("bias", bias, persistent=False)
+        first = 0
+        for base, size in zip(bases, self.out_sizes):
+            base.weight = torch.nn.Parameter(self.weight[first:first + size], requires_grad=False)
+            if base.bias is not None:
+                base.bias = torch.nn.Parameter(self.bias[first:first + size], requires_grad=False)
+            first += size
+        self._members = list(members.values())  # a list, not submodules: they stay where the model has them
+        self._pending = _Pending()
+
+    def output(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        pending = self._pending
+        if pending.source is not x or name not in pending.outputs:
+            pending.outputs = self._compute(x)
+            pending.source = x
+        out = pending.outputs.pop(name)
+        if not pending.outputs:
+            pending.source = None
+        return out
+
+    def _compute(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        members, adapter = self._members, self.adapter
+        base = F.linear(x, self.weight, self.bias)
+        lora_a = torch.cat([m.lora_A[adapter].weight for m in members])
+        down = F.linear(members[0]._cast_input_dtype(x, lora_a.dtype), lora_a)
+        outputs = {}
+        for name, m, part, low in zip(self.names, members, base.split(self.out_sizes, dim=-1),
+                                      down.split(self.ranks, dim=-1)):
+            outputs[name] = (part + m.lora_B[adapter](low) * m.scaling[adapter]).to(base.dtype)
+        return outputs
+
+
+def _plain_lora(module: torch.nn.Module) -> str | None:
+    """The adapter name when `module` is a PEFT LoRA Linear with one vanilla adapter and no dropout, else None."""
+    from peft.tuners.lora import Linear
+
+    if not isinstance(module, Linear) or type(module.base_layer) is not torch.nn.Linear:
+        return None
+    adapters = list(module.lora_A)
+    if len(adapters) != 1 or module.lora_variant or module.merged:
+        return None
+    adapter = adapters[0]
+    if not isinstance(module.lora_dropout[adapter], torch.nn.Identity):
+        return None
+    return adapter
+
+
+def _grouped_forward(member: torch.nn.Module, name: str, group: SharedInputGroup, own):
+    def forward(x, *args, **kwargs):
+        if (args or kwargs or member.disable_adapters or member.merged
+                or list(member.active_adapters) != [group.adapter]):
+            return own(x, *args, **kwargs)
+        return group.output(name, x)
+    return forward
+
+
+def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ...]] = SIBLINGS) -> int:
+    """Group the LoRA layers of `model` named in `siblings` under one parent (see the module's docstring);
+    returns how many groups. Layers that are not plain LoRA Linears of one dtype and device are left alone."""
+    count = 0
+    for parent in list(model.modules()):
+        for names in siblings:
+            members = {n: getattr(parent, n, None) for n in names}
+            if any(m is None for m in members.values()):
+                continue
+            adapters = {_plain_lora(m) for m in members.values()}
+            if None in adapters or len(adapters) != 1:
+                continue
+            weights = [m.base_layer.weight for m in members.values()]
+            if (len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1
+                    or len({m.lora_A[a].weight.dtype for m in members.values() for a in m.lora_A}) != 1):
+                continue
+            group = SharedInputGroup(members, adapters.pop())
+            parent.add_module("shared_input_" + "_".join(n.removesuffix("_proj") for n in names), group)
+            for name, member in members.items():
+                member.forward = _grouped_forward(member, name, group, member.forward)
+            count += 1
+    return count
