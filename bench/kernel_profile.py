@@ -50,7 +50,7 @@ def profiled(steps: int, into: dict):
         into["idle"] = idle_gaps(json.loads(trace.read_text()), steps)
 
 
-def summarize(prof, steps: int, wall_s: float, top: int = 12) -> dict:
+def summarize(prof, steps: int, wall_s: float, top: int = 30) -> dict:
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     per_step = lambda us: round(us / steps / 1e3, 2)  # noqa: E731  (microseconds in total -> ms per step)
     kinds: dict[str, float] = {}

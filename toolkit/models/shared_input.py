@@ -2,11 +2,13 @@
 its gate and up projections.
 
 For each such group the frozen weights are laid side by side in one buffer (each layer's own `weight` becomes a
-view into it, so nothing is held twice) and the LoRA down-projections are concatenated at each call (r rows
-each, a few hundred KiB). Forward then reads the input twice (one product for the frozen weights, one for every
-LoRA A) instead of twice per layer; backward computes the input's gradient in one product per group instead of
-one per layer plus the additions between them. The LoRA up-projections stay separate. The arithmetic is
-PEFT's (`result + lora_B(lora_A(x)) * scaling`), so saved adapters, merges and loaders are unchanged.
+view into it, so nothing is held twice); at each call the LoRA down-projections are concatenated (r rows each)
+and the scaled up-projections laid on the diagonal of one matrix (a few hundred KiB). Forward then reads the
+input twice (one product for the frozen weights, one for every LoRA A) instead of twice per layer, and writes
+one output; backward has one gradient for the group's output, which feeds the input's gradient (one product
+per group instead of one per layer plus the additions between them) and the LoRA gradients alike. The
+arithmetic is PEFT's (`result + lora_B(lora_A(x)) * scaling`), so saved adapters, merges and loaders are
+unchanged. Each member's output is a slice of the group's output along its last dimension.
 
 The first member a module calls with an input computes every member's output; the others take theirs from the
 group. A member called on another input, with extra arguments, or in a state PEFT handles differently (adapters
@@ -39,7 +41,6 @@ class SharedInputGroup(torch.nn.Module):
         self.adapter = adapter
         bases = [m.base_layer for m in members.values()]
         self.out_sizes = [b.out_features for b in bases]
-        self.ranks = [m.lora_A[adapter].out_features for m in members.values()]
         # not persistent: the model's state dict keeps each layer's own weight
         self.register_buffer("weight", torch.cat([b.weight.detach() for b in bases]), persistent=False)
         has_bias = [b.bias is not None for b in bases]
@@ -69,12 +70,12 @@ class SharedInputGroup(torch.nn.Module):
         members, adapter = self._members, self.adapter
         base = F.linear(x, self.weight, self.bias)
         lora_a = torch.cat([m.lora_A[adapter].weight for m in members])
-        down = F.linear(members[0]._cast_input_dtype(x, lora_a.dtype), lora_a)
-        outputs = {}
-        for name, m, part, low in zip(self.names, members, base.split(self.out_sizes, dim=-1),
-                                      down.split(self.ranks, dim=-1)):
-            outputs[name] = (part + m.lora_B[adapter](low) * m.scaling[adapter]).to(base.dtype)
-        return outputs
+        # the up-projections as one block-diagonal matrix (r columns per member, scaled): one product, one
+        # output beside the frozen weights' output, so that backward has one gradient to feed both
+        lora_b = torch.block_diag(*[m.lora_B[adapter].weight * m.scaling[adapter] for m in members])
+        low = F.linear(members[0]._cast_input_dtype(x, lora_a.dtype), lora_a)
+        out = (base + F.linear(low, lora_b)).to(base.dtype)
+        return dict(zip(self.names, out.split(self.out_sizes, dim=-1)))
 
 
 def _plain_lora(module: torch.nn.Module) -> str | None:
@@ -87,7 +88,7 @@ def _plain_lora(module: torch.nn.Module) -> str | None:
     if len(adapters) != 1 or module.lora_variant or module.merged:
         return None
     adapter = adapters[0]
-    if not isinstance(module.lora_dropout[adapter], torch.nn.Identity):
+    if not isinstance(module.lora_dropout[adapter], torch.nn.Identity) or module.lora_B[adapter].bias is not None:
         return None
     return adapter
 

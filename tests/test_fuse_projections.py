@@ -1,0 +1,195 @@
+"""model.fuse_projections (toolkit/models/shared_input.py): q/k/v and gate/up LoRA layers run as one matmul
+each, with PEFT's numbers, PEFT's state dict and PEFT's saved adapter."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import read_metrics
+from safetensors.torch import load_file
+
+from conftest import REPO
+from toolkit.config.run import load_run
+from toolkit.device.detect import DeviceInfo, cpu_device_info
+from toolkit.models.shared_input import SharedInputGroup, group_shared_inputs
+
+H100 = DeviceInfo("cuda", "sm_90", "test H100", 80.0, bf16=True)
+
+
+def lora_llama(device="cpu", dtype=torch.float32, layers=2, **lora):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).to(device, dtype).requires_grad_(False)
+    model.config.use_cache = False
+    settings = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0) | lora
+    net = get_peft_model(model, LoraConfig(**settings), autocast_adapter_dtype=True)
+    for name, param in net.named_parameters():  # B is zero at init: give the update something to carry
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return net
+
+
+def loss_and_grads(net, ids, device="cpu", dtype=torch.float32):
+    net.zero_grad(set_to_none=True)
+    with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        loss = net(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.float().clone() for n, p in net.named_parameters() if p.requires_grad}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_grouped_layers_train_like_peft(compiled):
+    """fp32 on the CPU: the same loss and the same gradient for every LoRA weight as PEFT's own layers,
+    eager and with each decoder layer compiled whole (fullgraph: the group adds no graph break)."""
+    torch._dynamo.reset()
+    reference, grouped = lora_llama(), None
+    grouped = copy.deepcopy(reference)
+    assert group_shared_inputs(grouped) == 4  # q/k/v and gate/up in each of 2 layers
+    if compiled:
+        for layer in grouped.base_model.model.model.layers:
+            layer.compile(fullgraph=True)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    want_loss, want = loss_and_grads(reference, ids)
+    for _ in range(2):  # the second call runs what the first compiled, and finds nothing left over
+        loss, got = loss_and_grads(grouped, ids)
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+        assert got.keys() == want.keys() and len(got) == 2 * 7 * 2
+        for name in want:
+            assert relative(got[name], want[name]) < 1e-5, name
+    for group in (m for m in grouped.modules() if isinstance(m, SharedInputGroup)):
+        assert group._pending.outputs == {} and group._pending.source is None
+
+
+ARCHITECTURES = {  # q/k/v biases (qwen2), norms on q and k (qwen3), soft-capping and head_dim (gemma2)
+    "qwen2": dict(), "qwen3": dict(head_dim=16), "gemma2": dict(head_dim=16, query_pre_attn_scalar=16),
+    "mistral": dict()}
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_other_decoders_train_like_peft(model_type):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=96, hidden_size=64, intermediate_size=160,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64, **ARCHITECTURES[model_type])
+    reference = get_peft_model(AutoModelForCausalLM.from_config(config).requires_grad_(False),
+                               LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, param in reference.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    grouped = copy.deepcopy(reference)
+    assert group_shared_inputs(grouped) == 4
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    want_loss, want = loss_and_grads(reference, ids)
+    loss, got = loss_and_grads(grouped, ids)
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    for name in want:
+        assert relative(got[name], want[name]) < 1e-5, name
+
+
+def test_the_frozen_weights_are_held_once_and_the_state_dict_is_peft_s(tmp_path):
+    reference = lora_llama(layers=1)
+    grouped = copy.deepcopy(reference)
+    group_shared_inputs(grouped)
+    attention = grouped.base_model.model.model.layers[0].self_attn
+    group = attention.shared_input_q_k_v
+    for offset, name in zip((0, 64, 96), ("q_proj", "k_proj", "v_proj")):
+        weight = getattr(attention, name).base_layer.weight
+        assert weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+        assert weight.storage_offset() == offset * 64 and not weight.requires_grad
+    want, got = reference.state_dict(), grouped.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    reference.save_pretrained(tmp_path / "a")
+    grouped.save_pretrained(tmp_path / "b")
+    a, b = (load_file(tmp_path / x / "adapter_model.safetensors") for x in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_member_called_on_its_own_input_runs_its_own_forward():
+    """Only calls with one input share work: k on another tensor, or q twice, gives PEFT's output."""
+    reference = lora_llama(layers=1)
+    grouped = copy.deepcopy(reference)
+    group_shared_inputs(grouped)
+    ref, new = (m.base_model.model.model.layers[0].self_attn for m in (reference, grouped))
+    x, y = torch.randn(3, 64), torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.allclose(new.q_proj(x), ref.q_proj(x), atol=1e-6)
+        assert torch.allclose(new.k_proj(y), ref.k_proj(y), atol=1e-6)   # another input: computed anew
+        assert torch.allclose(new.q_proj(x), ref.q_proj(x), atol=1e-6)   # q again before v: computed anew
+        assert torch.allclose(new.v_proj(x), ref.v_proj(x), atol=1e-6)
+        new.k_proj.enable_adapters(False)  # PEFT's own path for a state the group does not handle
+        assert torch.allclose(new.k_proj(x), ref.k_proj.base_layer(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("lora", [dict(lora_dropout=0.1), dict(use_dora=True)], ids=["dropout", "dora"])
+def test_layers_that_do_not_share_their_input_s_work_are_left_alone(lora):
+    assert group_shared_inputs(lora_llama(layers=1, **lora)) == 0
+
+
+def _resolved(*overrides, device=H100):
+    return load_run([REPO / "configs/examples/quickstart_llm.yaml"], list(overrides), device=device).cfg
+
+
+def test_auto_is_on_for_a_compiled_gpu_run_and_off_where_unmeasured():
+    assert _resolved("device.preset=auto", "train.compile=true").model.fuse_projections is True
+    assert _resolved("device.preset=auto", "train.compile=false").model.fuse_projections is False
+    assert _resolved("device.preset=auto", "train.compile=true", "network.dropout=0.1").model.fuse_projections is False
+    assert _resolved(device=cpu_device_info("test")).model.fuse_projections is False  # the quickstart on a CPU
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("network.type=dora", "network.type=dora (each layer normalises its own weight)"),
+    ("network.dropout=0.05", "network.dropout=0.05 (each layer drops its own input)"),
+    ("model.quantize=8bit", "model.quantize=8bit (the frozen weights are not 16-bit)"),
+])
+def test_true_where_it_cannot_apply_is_refused(run_cli, tmp_path, capsys, extra, message):
+    """Exit 2, a line naming the key and what stands in the way, no run folder made."""
+    assert run_cli("train", str(REPO / "configs/examples/quickstart_llm.yaml"), f"run.output_dir={tmp_path / 'run'}",
+                   "model.fuse_projections=true", extra) == 2
+    err = capsys.readouterr().err
+    assert "'model.fuse_projections'=true cannot apply with " + message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_through_the_entry_point_the_losses_are_peft_s(run_cli, tmp_path, capsys):
+    """The quickstart, 6 steps, true against false: equal losses (fp32 on the CPU), and the log says so."""
+    losses = {}
+    for value in ("true", "false"):
+        out = tmp_path / value
+        assert run_cli("train", str(REPO / "configs/examples/quickstart_llm.yaml"), f"run.output_dir={out}",
+                       "train.steps=6", "save.every=0", "sample.every=0", "log.every=1",
+                       f"model.fuse_projections={value}") == 0
+        losses[value] = [r["loss"] for r in read_metrics(out)]
+    assert "model.fuse_projections: 4 groups of LoRA layers" in capsys.readouterr().err
+    assert len(losses["true"]) == 6 and losses["true"] == pytest.approx(losses["false"], rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_compiled_in_bf16_on_the_gpu():
+    """bf16 autocast, each layer compiled: the loss and the LoRA gradients within bf16 rounding of PEFT's."""
+    torch._dynamo.reset()
+    reference = lora_llama("cuda", torch.bfloat16, layers=2)
+    grouped = copy.deepcopy(reference)
+    assert group_shared_inputs(grouped) == 4
+    for net in (reference, grouped):
+        for layer in net.base_model.model.model.layers:
+            layer.compile(fullgraph=True)
+    ids = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    want_loss, want = loss_and_grads(reference, ids, "cuda", torch.bfloat16)
+    loss, got = loss_and_grads(grouped, ids, "cuda", torch.bfloat16)
+    assert loss == pytest.approx(want_loss, rel=1e-2)
+    for name in want:
+        assert relative(got[name], want[name]) < 2e-2, name
