@@ -4,11 +4,12 @@ its gate and up projections.
 For each such group the frozen weights are laid side by side in one buffer (each layer's own `weight` becomes a
 view into it, so nothing is held twice); at each call the LoRA down-projections are concatenated (r rows each)
 and the scaled up-projections laid on the diagonal of one matrix (a few hundred KiB). Forward then reads the
-input twice (one product for the frozen weights, one for every LoRA A) instead of twice per layer, and writes
-one output; backward has one gradient for the group's output, which feeds the input's gradient (one product
-per group instead of one per layer plus the additions between them) and the LoRA gradients alike. The
+input twice (one product for the frozen weights, one for every LoRA A) instead of twice per layer, and runs
+three products per group instead of three per layer. Backward has one gradient for the group (the members'
+side by side), which feeds the input's gradient (one product per group instead of one per layer, plus the
+additions between them) and the LoRA gradients alike. The
 arithmetic is PEFT's (`result + lora_B(lora_A(x)) * scaling`), so saved adapters, merges and loaders are
-unchanged. Each member's output is a slice of the group's output along its last dimension.
+unchanged.
 
 The first member a module calls with an input computes every member's output; the others take theirs from the
 group. A member called on another input, with extra arguments, or in a state PEFT handles differently (adapters
@@ -74,6 +75,12 @@ class SharedInputGroup(torch.nn.Module):
         # output beside the frozen weights' output, so that backward has one gradient to feed both
         lora_b = torch.block_diag(*[m.lora_B[adapter].weight * m.scaling[adapter] for m in members])
         low = F.linear(members[0]._cast_input_dtype(x, lora_a.dtype), lora_a)
+        # Each output is its own sum of two slices, so that it fuses into what reads it (RoPE, SwiGLU) and the
+        # backward's one gradient (the members' gradients side by side) feeds both products. One sum over the
+        # whole group was written out by a kernel of its own: 1.4% slower (bench/llm.py, one H100, one command).
+        lora = F.linear(low, lora_b)
+        return {name: (b + l).to(base.dtype) for name, b, l in
+                zip(self.names, base.split(self.out_sizes, dim=-1), lora.split(self.out_sizes, dim=-1))}
         out = (base + F.linear(low, lora_b)).to(base.dtype)
         return dict(zip(self.names, out.split(self.out_sizes, dim=-1)))
 
