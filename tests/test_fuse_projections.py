@@ -147,6 +147,14 @@ def test_auto_is_on_for_a_compiled_gpu_run_and_off_where_unmeasured():
     assert _resolved("device.preset=auto", "train.compile=false").model.fuse_projections is False
     assert _resolved("device.preset=auto", "train.compile=true", "network.dropout=0.1").model.fuse_projections is False
     assert _resolved(device=cpu_device_info("test")).model.fuse_projections is False  # the quickstart on a CPU
+    mi300 = DeviceInfo("hip", "gfx942", "test MI300X", 192.0, bf16=True)
+    assert _resolved("device.preset=auto", "train.compile=true", device=mi300).model.fuse_projections is False
+
+
+@pytest.mark.parametrize("example", ["llm_llama32_1b.yaml", "llm_qwen25_1p5b.yaml"])
+def test_the_example_configs_get_it_on_a_gpu(example):
+    cfg = load_run([REPO / "configs/examples" / example], ["device.preset=auto"], device=H100).cfg
+    assert cfg.train.compile is True and cfg.model.fuse_projections is True
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -98,8 +98,9 @@ def _fuse_projections(cfg: DictConfig, device: DeviceInfo, problems: list[str], 
         return
     if blockers:
         on, why = False, "off with " + "; ".join(blockers)
-    elif device.backend == "cpu":
-        on, why = False, "off on the CPU (measured on GPUs only)"
+    elif device.backend != "cuda":
+        on, why = False, (f"off on {'the CPU' if device.backend == 'cpu' else 'ROCm'}: measured on NVIDIA GPUs only "
+                          "(true turns it on)")
     elif cfg.train.compile is not True:
         on, why = False, "off with train.compile off (measured compiled only)"
     else:

@@ -81,8 +81,8 @@ class ModelSection:
         "auto", "LLM: LoRA layers that read the same input (a decoder layer's q/k/v projections, its gate/up "
         "projections) run their frozen weights as one matrix product and their LoRA down-projections as another, "
         "PEFT's arithmetic otherwise (toolkit/models/shared_input.py); the saved adapter is unchanged. Applies to "
-        "plain LoRA without dropout over 16-bit weights, without fsdp. auto: on where measured faster (a GPU with "
-        "train.compile on), off on the CPU.", resume_safe=True)
+        "plain LoRA without dropout over 16-bit weights, without fsdp. auto: on where measured faster (an NVIDIA GPU "
+        "with train.compile on), off on the CPU and, unmeasured, on ROCm.", resume_safe=True)
     quantize: str = opt("auto", "Quantize the frozen base (QLoRA): none, 8bit, 4bit, fp8, or auto (8bit/4bit only when "
                         "the 16-bit weights do not fit the device memory budget; never on the CPU). fp8: the toolkit's "
                         "own e4m3 weights with a scale per row, half of bf16's memory, and fp8 matmuls where the GPU has "
