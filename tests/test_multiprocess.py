@@ -73,7 +73,8 @@ def adapter(out: Path) -> dict[str, torch.Tensor]:
 
 def test_two_processes_train_what_one_process_trains_with_twice_the_batch(tmp_path):
     one = train(1, LLM, tmp_path / "one", "train.steps=8", "train.batch_size=8")
-    two = train(2, LLM, tmp_path / "two", "train.steps=8", "train.batch_size=4")
+    # the ddp run also groups q/k/v and gate/up (model.fuse_projections): the same numbers as PEFT's own layers
+    two = train(2, LLM, tmp_path / "two", "train.steps=8", "train.batch_size=4", "model.fuse_projections=true")
     sharded = train(2, LLM, tmp_path / "sharded", "train.steps=8", "train.batch_size=4", "device.distributed=fsdp",
                     "model.kernels=fused")
     assert one.returncode == 0 and two.returncode == 0 and sharded.returncode == 0
@@ -97,6 +98,7 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(tmp_pa
     assert err.count("processes: LoRA weights identical on all 2") == 1
     assert err.count("model: llm tiny:llm") == 1 and err.count("device: ") == 1
     assert "batch: 4 per process x 2 processes x 1 accumulation = 8 per optimizer step" in err
+    assert err.count("model.fuse_projections: 4 groups of LoRA layers") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "sharded", "two"]
     assert [r["step"] for r in read_metrics(tmp_path / "two")] == list(range(1, 9))
 
