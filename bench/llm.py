@@ -136,6 +136,9 @@ def plain_stack(model_dir: Path, steps: int, warmup: int, batch: int, seq: int, 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
     model.config.use_cache = False  # with a KV cache built in training, per-layer compile recompiles (FINDINGS.md)
+    # from_pretrained returns the model in eval mode; liger's fused loss runs in training mode only (it computes
+    # the logits otherwise), as a user's loop or transformers' Trainer puts it
+    model.train()
     if compile_layers:
         for layer in model.base_model.model.model.layers:
             layer.compile()
