@@ -54,7 +54,7 @@ def test_grouped_layers_train_like_peft(compiled):
     torch._dynamo.reset()
     reference, grouped = lora_llama(), None
     grouped = copy.deepcopy(reference)
-    assert group_shared_inputs(grouped) == 4  # q/k/v and gate/up in each of 2 layers
+    assert len(group_shared_inputs(grouped).groups) == 4  # q/k/v and gate/up in each of 2 layers
     if compiled:
         for layer in grouped.base_model.model.model.layers:
             layer.compile(fullgraph=True)
@@ -90,7 +90,7 @@ def test_other_decoders_train_like_peft(model_type):
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.1)
     grouped = copy.deepcopy(reference)
-    assert group_shared_inputs(grouped) == 4
+    assert len(group_shared_inputs(grouped).groups) == 4
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     want_loss, want = loss_and_grads(reference, ids)
     loss, got = loss_and_grads(grouped, ids)
@@ -135,7 +135,56 @@ def test_a_member_called_on_its_own_input_runs_its_own_forward():
 
 @pytest.mark.parametrize("lora", [dict(lora_dropout=0.1), dict(use_dora=True)], ids=["dropout", "dora"])
 def test_layers_that_do_not_share_their_input_s_work_are_left_alone(lora):
-    assert group_shared_inputs(lora_llama(layers=1, **lora)) == 0
+    grouping = group_shared_inputs(lora_llama(layers=1, **lora))
+    assert grouping.groups == [] and grouping.left == 2
+
+
+def test_a_set_not_every_layer_of_which_is_adapted_is_left_alone_and_counted():
+    grouping = group_shared_inputs(lora_llama(layers=1, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj"]))
+    assert len(grouping.groups) == 1 and grouping.left == 1  # gate/up grouped; k_proj is no LoRA layer
+
+
+def test_checkpointed_and_compiled_layers_compile_whole_and_train_like_peft():
+    """transformers' gradient checkpointing around each compiled layer (as the toolkit runs it): fullgraph
+    compiles the checkpointed layer with the group inside, and the numbers are PEFT's."""
+    from toolkit.models.llm import checkpoint_layers
+
+    torch._dynamo.reset()
+    reference = lora_llama()
+    grouped = copy.deepcopy(reference)
+    group_shared_inputs(grouped)
+    for net in (reference, grouped):
+        checkpoint_layers(net.get_base_model())
+        net.train()
+    for layer in grouped.base_model.model.model.layers:
+        layer.compile(fullgraph=True)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    want_loss, want = loss_and_grads(reference, ids)
+    loss, got = loss_and_grads(grouped, ids)
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    for name in want:
+        assert relative(got[name], want[name]) < 1e-5, name
+
+
+def test_a_forward_that_raised_between_members_is_forgotten_at_the_next_forward():
+    """What a failed forward left in a group (with its autograd graph) is dropped when the decoder runs again,
+    before any layer: the batch-size probe retries after running out of memory."""
+    import gc
+    import weakref
+
+    net = lora_llama(layers=1)
+    decoder = net.get_base_model().get_decoder()
+    group = group_shared_inputs(net, reset_before=decoder).groups[0]
+    attention = decoder.layers[0].self_attn
+    hook = attention.k_proj.register_forward_hook(lambda *_: (_ for _ in ()).throw(torch.OutOfMemoryError("probe")))
+    ids = torch.randint(0, 96, (2, 24))
+    with pytest.raises(torch.OutOfMemoryError):
+        net(input_ids=ids)
+    hook.remove()
+    left = weakref.ref(group._pending.outputs["v_proj"])
+    decoder(input_ids=ids)
+    gc.collect()
+    assert left() is None and group._pending.outputs == {}
 
 
 def _resolved(*overrides, device=H100):
@@ -191,7 +240,7 @@ def test_compiled_in_bf16_on_the_gpu():
     torch._dynamo.reset()
     reference = lora_llama("cuda", torch.bfloat16, layers=2)
     grouped = copy.deepcopy(reference)
-    assert group_shared_inputs(grouped) == 4
+    assert len(group_shared_inputs(grouped).groups) == 4
     for net in (reference, grouped):
         for layer in net.base_model.model.model.layers:
             layer.compile(fullgraph=True)

@@ -195,10 +195,7 @@ class LLMAdapter(AdapterBase):
         if not self.runtime.shard_base:
             self.network.to(self.runtime.device)
         if cfg.fuse_projections is True:
-            groups = group_shared_inputs(self.network)
-            self.log(f"model.fuse_projections: {groups} groups of LoRA layers that read one input (q/k/v, gate/up) "
-                     "run as one matrix product each" if groups else
-                     "model.fuse_projections: no q/k/v or gate/up LoRA layers of 16-bit weights to group")
+            self._group_projections(plan.mode)
         self.fused_loss, why = fused_loss_for(self.network, cfg.kernels, bool(self.cfg.train.compile),
                                               self.sums_loss)
         # With the fused loss the trainer runs the decoder alone (hidden states, no logits); with fsdp, the whole
@@ -207,6 +204,23 @@ class LLMAdapter(AdapterBase):
                                if self.fused_loss else self.network)
         if why:
             self.log(why)
+
+    def _group_projections(self, quantized: str) -> None:
+        """model.fuse_projections: q/k/v and gate/up LoRA layers as groups (models/shared_input.py), where the base
+        is whole on this device and in 16 bits (fsdp and the quantize mode are only known here when auto)."""
+        if self.runtime.shard_base:
+            self.log("model.fuse_projections: not applied: the frozen base is sharded (device.distributed=fsdp), "
+                     "and a group holds its layers' weights whole")
+            return
+        if quantized != "none":
+            self.log(f"model.fuse_projections: not applied: the base is {quantized} (model.quantize); groups need "
+                     "16-bit weights")
+            return
+        grouping = group_shared_inputs(self.network, reset_before=self.network.get_base_model().get_decoder())
+        left = (f"; {grouping.left} sets left as PEFT's layers (not every layer of the set adapted, or not a plain "
+                "LoRA over 16-bit weights)" if grouping.left else "")
+        self.log(f"model.fuse_projections: {len(grouping.groups)} groups of LoRA layers that read one input "
+                 f"(q/k/v, gate/up) run as one matrix product each{left}")
 
     def enable_gradient_checkpointing(self) -> None:
         self._checkpoint_layers(self.network.get_base_model())

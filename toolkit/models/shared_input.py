@@ -18,6 +18,7 @@ disabled or merged, several active) runs its own forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -57,6 +58,10 @@ class SharedInputGroup(torch.nn.Module):
         self._members = list(members.values())  # a list, not submodules: they stay where the model has them
         self._pending = _Pending()
 
+    def reset(self) -> None:
+        """Forget outputs not taken yet (a forward that raised between members holds its whole graph there)."""
+        self._pending.source, self._pending.outputs = None, {}
+
     def output(self, name: str, x: torch.Tensor) -> torch.Tensor:
         pending = self._pending
         if pending.source is not x or name not in pending.outputs:
@@ -81,8 +86,6 @@ class SharedInputGroup(torch.nn.Module):
         lora = F.linear(low, lora_b)
         return {name: (b + l).to(base.dtype) for name, b, l in
                 zip(self.names, base.split(self.out_sizes, dim=-1), lora.split(self.out_sizes, dim=-1))}
-        out = (base + F.linear(low, lora_b)).to(base.dtype)
-        return dict(zip(self.names, out.split(self.out_sizes, dim=-1)))
 
 
 def _plain_lora(module: torch.nn.Module) -> str | None:
@@ -109,25 +112,53 @@ def _grouped_forward(member: torch.nn.Module, name: str, group: SharedInputGroup
     return forward
 
 
-def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ...]] = SIBLINGS) -> int:
-    """Group the LoRA layers of `model` named in `siblings` under one parent (see the module's docstring);
-    returns how many groups. Layers that are not plain LoRA Linears of one dtype and device are left alone."""
-    count = 0
+@dataclass
+class Grouping:
+    groups: list[SharedInputGroup]
+    left: int   # sibling sets (2 or more present) not grouped: some layer not a plain 16-bit LoRA Linear
+
+
+def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ...]] = SIBLINGS,
+                        reset_before: torch.nn.Module | None = None) -> Grouping:
+    """Group the LoRA layers of `model` named in `siblings` under one parent (see the module's docstring).
+    Sets where some layer is not a plain LoRA Linear over a 16-bit nn.Linear (quantized, dropout, DoRA, not
+    adapted), or where dtypes or devices differ, are left alone and counted.
+
+    `reset_before`: a module every forward goes through (the decoder stack); before each of its calls every
+    group forgets what an earlier forward left (one that raised between members, e.g. out of memory in the
+    batch-size probe). The weights are views of the group's buffer until something replaces them (`model.to`
+    of another dtype); the numbers stay right, the weights are then held twice: group after moving."""
+    groups, left = [], 0
     for parent in list(model.modules()):
         for names in siblings:
-            members = {n: getattr(parent, n, None) for n in names}
-            if any(m is None for m in members.values()):
+            present = [n for n in names if isinstance(getattr(parent, n, None), torch.nn.Module)]
+            if not present:
                 continue
+            members = {n: getattr(parent, n) for n in present}
             adapters = {_plain_lora(m) for m in members.values()}
-            if None in adapters or len(adapters) != 1:
-                continue
-            weights = [m.base_layer.weight for m in members.values()]
-            if (len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1
+            weights = [m.base_layer.weight for m in members.values()] if None not in adapters else []
+            if (len(present) != len(names) or None in adapters or len(adapters) != 1
+                    or len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1
                     or len({m.lora_A[a].weight.dtype for m in members.values() for a in m.lora_A}) != 1):
+                left += len(present) > 1
                 continue
             group = SharedInputGroup(members, adapters.pop())
             parent.add_module("shared_input_" + "_".join(n.removesuffix("_proj") for n in names), group)
             for name, member in members.items():
                 member.forward = _grouped_forward(member, name, group, member.forward)
-            count += 1
-    return count
+            groups.append(group)
+    if groups:
+        # A checkpointed layer (transformers' gradient checkpointing) is traced by torch.compile as one
+        # higher-order op, which refuses side effects unless they may be skipped when backward recomputes the
+        # layer: the group's are (a layer leaves no output pending), so the layer compiles whole instead of
+        # running eagerly (dynamo's errors are suppressed in training).
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        if reset_before is not None:
+            def reset(module, args) -> None:  # a pre-hook that returns something replaces the arguments
+                for group in groups:
+                    group.reset()
+
+            reset_before.register_forward_pre_hook(reset)
+    return Grouping(groups, left)
