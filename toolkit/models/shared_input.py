@@ -1,14 +1,13 @@
-"""LoRA layers that read the same input run as one matrix product: a decoder layer's q, k and v projections,
-its gate and up projections.
+"""LoRA layers that read the same input run as one group: a decoder layer's q, k and v projections, its gate
+and up projections (model.fuse_projections).
 
-For each such group the frozen weights are laid side by side in one buffer (each layer's own `weight` becomes a
-view into it, so nothing is held twice); at each call the LoRA down-projections are concatenated (r rows each)
-and the scaled up-projections laid on the diagonal of one matrix (a few hundred KiB). Forward then reads the
-input twice (one product for the frozen weights, one for every LoRA A) instead of twice per layer, and runs
-three products per group instead of three per layer. Backward has one gradient for the group (the members'
-side by side), which feeds the input's gradient (one product per group instead of one per layer, plus the
-additions between them) and the LoRA gradients alike. The
-arithmetic is PEFT's (`result + lora_B(lora_A(x)) * scaling`), so saved adapters, merges and loaders are
+For each group the frozen weights are laid side by side in one buffer (each layer's own `weight` becomes a view
+into it, so nothing is held twice); at each call the LoRA down-projections are stacked (r rows each) and the
+scaled up-projections laid on the diagonal of one matrix (a few hundred KiB). Forward then runs three matrix
+products per group instead of three per layer and reads the input twice per group instead of twice per layer.
+Backward has one gradient for the group (the members' side by side), which feeds the input's gradient (one
+product per group instead of one per layer, plus the additions between them) and the LoRA gradients alike.
+The arithmetic is PEFT's (`result + lora_B(lora_A(x)) * scaling`), so saved adapters, merges and loaders are
 unchanged.
 
 The first member a module calls with an input computes every member's output; the others take theirs from the
