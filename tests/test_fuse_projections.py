@@ -18,14 +18,16 @@ from toolkit.models.shared_input import SharedInputGroup, group_shared_inputs
 H100 = DeviceInfo("cuda", "sm_90", "test H100", 80.0, bf16=True)
 
 
-def lora_llama(device="cpu", dtype=torch.float32, layers=2, **lora):
+def lora_model(model_type="llama", device="cpu", dtype=torch.float32, layers=2, extra_config=None, **lora):
+    """A tiny random causal LM of `model_type` under PEFT LoRA on every linear layer, B initialised non-zero."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(config).to(device, dtype).requires_grad_(False)
+    config = AutoConfig.for_model(model_type, vocab_size=96, hidden_size=64, intermediate_size=160,
+                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64, **(extra_config or {}))
+    model = AutoModelForCausalLM.from_config(config).to(device, dtype).requires_grad_(False)
     model.config.use_cache = False
     settings = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0) | lora
     net = get_peft_model(model, LoraConfig(**settings), autocast_adapter_dtype=True)
@@ -33,6 +35,10 @@ def lora_llama(device="cpu", dtype=torch.float32, layers=2, **lora):
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.1)
     return net
+
+
+def lora_llama(device="cpu", dtype=torch.float32, layers=2, **lora):
+    return lora_model("llama", device, dtype, layers, **lora)
 
 
 def loss_and_grads(net, ids, device="cpu", dtype=torch.float32):
@@ -47,25 +53,32 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def assert_trains_like(grouped, reference, ids=None):
+    """fp32: the grouped model's loss within 1e-6 and every LoRA gradient within 1e-5 of the reference's."""
+    if ids is None:
+        ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    want_loss, want = loss_and_grads(reference, ids)
+    loss, got = loss_and_grads(grouped, ids)
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert relative(got[name], want[name]) < 1e-5, name
+    return got
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_grouped_layers_train_like_peft(compiled):
     """fp32 on the CPU: the same loss and the same gradient for every LoRA weight as PEFT's own layers,
     eager and with each decoder layer compiled whole (fullgraph: the group adds no graph break)."""
     torch._dynamo.reset()
-    reference, grouped = lora_llama(), None
+    reference = lora_llama()
     grouped = copy.deepcopy(reference)
     assert len(group_shared_inputs(grouped).groups) == 4  # q/k/v and gate/up in each of 2 layers
     if compiled:
         for layer in grouped.base_model.model.model.layers:
             layer.compile(fullgraph=True)
-    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
-    want_loss, want = loss_and_grads(reference, ids)
     for _ in range(2):  # the second call runs what the first compiled, and finds nothing left over
-        loss, got = loss_and_grads(grouped, ids)
-        assert loss == pytest.approx(want_loss, rel=1e-6)
-        assert got.keys() == want.keys() and len(got) == 2 * 7 * 2
-        for name in want:
-            assert relative(got[name], want[name]) < 1e-5, name
+        assert len(assert_trains_like(grouped, reference)) == 2 * 7 * 2
     for group in (m for m in grouped.modules() if isinstance(m, SharedInputGroup)):
         assert group._pending.outputs == {} and group._pending.source is None
 
@@ -77,26 +90,10 @@ ARCHITECTURES = {  # q/k/v biases (qwen2), norms on q and k (qwen3), soft-cappin
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
 def test_other_decoders_train_like_peft(model_type):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, vocab_size=96, hidden_size=64, intermediate_size=160,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=64, **ARCHITECTURES[model_type])
-    reference = get_peft_model(AutoModelForCausalLM.from_config(config).requires_grad_(False),
-                               LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    for name, param in reference.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.1)
+    reference = lora_model(model_type, extra_config=ARCHITECTURES[model_type])
     grouped = copy.deepcopy(reference)
     assert len(group_shared_inputs(grouped).groups) == 4
-    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
-    want_loss, want = loss_and_grads(reference, ids)
-    loss, got = loss_and_grads(grouped, ids)
-    assert loss == pytest.approx(want_loss, rel=1e-6)
-    for name in want:
-        assert relative(got[name], want[name]) < 1e-5, name
+    assert_trains_like(grouped, reference)
 
 
 def test_the_frozen_weights_are_held_once_and_the_state_dict_is_peft_s(tmp_path):
@@ -158,12 +155,7 @@ def test_checkpointed_and_compiled_layers_compile_whole_and_train_like_peft():
         net.train()
     for layer in grouped.base_model.model.model.layers:
         layer.compile(fullgraph=True)
-    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
-    want_loss, want = loss_and_grads(reference, ids)
-    loss, got = loss_and_grads(grouped, ids)
-    assert loss == pytest.approx(want_loss, rel=1e-6)
-    for name in want:
-        assert relative(got[name], want[name]) < 1e-5, name
+    assert_trains_like(grouped, reference)
 
 
 def test_a_forward_that_raised_between_members_is_forgotten_at_the_next_forward():

@@ -102,6 +102,20 @@ def _plain_lora(module: torch.nn.Module) -> str | None:
     return adapter
 
 
+def _shared_adapter(members: dict[str, torch.nn.Module]) -> str | None:
+    """The adapter name when every member is a plain LoRA Linear (_plain_lora) of that one adapter, over frozen
+    weights of one dtype, device and input width, with LoRA weights of one dtype; else None."""
+    adapters = {_plain_lora(m) for m in members.values()}
+    if None in adapters or len(adapters) != 1:
+        return None
+    adapter = adapters.pop()
+    weights = [m.base_layer.weight for m in members.values()]
+    if (len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1
+            or len({m.lora_A[adapter].weight.dtype for m in members.values()}) != 1):
+        return None
+    return adapter
+
+
 def _grouped_forward(member: torch.nn.Module, name: str, group: SharedInputGroup, own):
     def forward(x, *args, **kwargs):
         if (args or kwargs or member.disable_adapters or member.merged
@@ -134,14 +148,11 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
             if not present:
                 continue
             members = {n: getattr(parent, n) for n in present}
-            adapters = {_plain_lora(m) for m in members.values()}
-            weights = [m.base_layer.weight for m in members.values()] if None not in adapters else []
-            if (len(present) != len(names) or None in adapters or len(adapters) != 1
-                    or len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1
-                    or len({m.lora_A[a].weight.dtype for m in members.values() for a in m.lora_A}) != 1):
+            adapter = _shared_adapter(members) if len(present) == len(names) else None
+            if adapter is None:
                 left += len(present) > 1
                 continue
-            group = SharedInputGroup(members, adapters.pop())
+            group = SharedInputGroup(members, adapter)
             parent.add_module("shared_input_" + "_".join(n.removesuffix("_proj") for n in names), group)
             for name, member in members.items():
                 member.forward = _grouped_forward(member, name, group, member.forward)
