@@ -102,16 +102,67 @@ def test_the_frozen_weights_are_held_once_and_the_state_dict_is_peft_s(tmp_path)
     group_shared_inputs(grouped)
     attention = grouped.base_model.model.model.layers[0].self_attn
     group = attention.shared_input_q_k_v
-    for offset, name in zip((0, 64, 96), ("q_proj", "k_proj", "v_proj")):
+    assert group.weight.shape == (64 + 32 + 32, 64 + 3 * 4)  # [W | block-diagonal B, rank 4 each]
+    for row, name in zip((0, 64, 96), ("q_proj", "k_proj", "v_proj")):
         weight = getattr(attention, name).base_layer.weight
         assert weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
-        assert weight.storage_offset() == offset * 64 and not weight.requires_grad
+        assert weight.storage_offset() == row * (64 + 12) and not weight.requires_grad
     want, got = reference.state_dict(), grouped.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     reference.save_pretrained(tmp_path / "a")
     grouped.save_pretrained(tmp_path / "b")
     a, b = (load_file(tmp_path / x / "adapter_model.safetensors") for x in "ab")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_buffer_holds_each_up_projection_on_the_diagonal_after_a_forward():
+    net = lora_llama(layers=1)
+    group_shared_inputs(net)
+    attention = net.base_model.model.model.layers[0].self_attn
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(attention, name).lora_B["default"].weight.add_(1.0)  # as an optimizer step would
+        net(input_ids=torch.randint(0, 96, (1, 8)))
+    lora_b = attention.shared_input_q_k_v.weight[:, 64:]
+    want = torch.block_diag(*[getattr(attention, n).lora_B["default"].weight for n in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(lora_b, want)
+
+
+def test_compiled_layers_follow_the_optimizer_s_steps_like_peft():
+    """Compiled layers do not copy B themselves; the pre-hook does before each forward: three AdamW steps give
+    PEFT's losses, step for step (fp32)."""
+    torch._dynamo.reset()
+    reference = lora_llama()
+    grouped = copy.deepcopy(reference)
+    group_shared_inputs(grouped, reset_before=grouped.get_base_model().get_decoder())
+    for layer in grouped.base_model.model.model.layers:
+        layer.compile(fullgraph=True)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    losses = {}
+    for key, net in (("peft", reference), ("grouped", grouped)):
+        optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+        losses[key] = []
+        for _ in range(3):
+            loss, _ = loss_and_grads(net, ids)
+            optimizer.step()
+            losses[key].append(loss)
+    assert losses["grouped"] == pytest.approx(losses["peft"], rel=1e-5)
+    assert losses["peft"][2] < losses["peft"][0] - 0.01  # the steps changed B (and the loss)
+
+
+def test_two_forwards_before_one_backward_give_peft_s_gradients():
+    """The copy into the buffer leaves its version alone, so a graph still waiting for backward stays valid."""
+    reference = lora_llama(layers=1)
+    grouped = copy.deepcopy(reference)
+    group_shared_inputs(grouped)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for net in (reference, grouped):
+        loss = net(input_ids=ids, labels=ids).loss + net(input_ids=ids.flip(1), labels=ids.flip(1)).loss
+        loss.backward()
+        grads.append({n: p.grad for n, p in net.named_parameters() if p.requires_grad})
+    for name in grads[0]:
+        assert relative(grads[1][name], grads[0][name]) < 1e-5, name
 
 
 def test_a_member_called_on_its_own_input_runs_its_own_forward():

@@ -1,14 +1,18 @@
 """LoRA layers that read the same input run as one group: a decoder layer's q, k and v projections, its gate
 and up projections (model.fuse_projections).
 
-For each group the frozen weights are laid side by side in one buffer (each layer's own `weight` becomes a view
-into it, so nothing is held twice); at each call the LoRA down-projections are stacked (r rows each) and the
-scaled up-projections laid on the diagonal of one matrix (a few hundred KiB). Forward then runs three matrix
-products per group instead of three per layer and reads the input twice per group instead of twice per layer.
-Backward has one gradient for the group (the members' side by side), which feeds the input's gradient (one
-product per group instead of one per layer, plus the additions between them) and the LoRA gradients alike.
-The arithmetic is PEFT's (`result + lora_B(lora_A(x)) * scaling`), so saved adapters, merges and loaders are
-unchanged.
+For each group one buffer holds the frozen weights side by side (each layer's own `weight` becomes a view into
+it, so nothing is held twice) and, in r extra columns per member, the members' LoRA up-projections B laid
+block-diagonally. At each call the down-projections (scaled) are stacked into one product, `low = x·A^T`, and
+the frozen product and the up-projection run as one matrix product over `[x | low]`:
+
+    [x | low] @ [W | block-diag(B)]^T = x·W^T + low·B^T
+
+so no output of the up-projection is written and read back to be added, and backward's one product with the
+buffer gives the input's gradient and low's at once. The buffer's B columns are copied from the parameters
+before each forward (refresh_lora_b, through `.data`); B's gradients come from `_FrozenWithLoraB`'s backward.
+The arithmetic is PEFT's (`base(x) + lora_B(lora_A(x)) * scaling`, summed inside one product), so saved
+adapters, merges and loaders are unchanged.
 
 The first member a module calls with an input computes every member's output; the others take theirs from the
 group. A member called on another input, with extra arguments, or in a state PEFT handles differently (adapters
@@ -42,20 +46,37 @@ class SharedInputGroup(torch.nn.Module):
         self.adapter = adapter
         bases = [m.base_layer for m in members.values()]
         self.out_sizes = [b.out_features for b in bases]
-        # not persistent: the model's state dict keeps each layer's own weight
-        self.register_buffer("weight", torch.cat([b.weight.detach() for b in bases]), persistent=False)
+        self.ranks = [m.lora_A[adapter].weight.shape[0] for m in members.values()]
+        self.in_features = bases[0].in_features
+        frozen = torch.cat([b.weight.detach() for b in bases])
+        # [W | zeros for block-diag(B)]; not persistent: the model's state dict keeps each layer's own weight
+        self.register_buffer("weight", torch.cat([frozen, frozen.new_zeros(len(frozen), sum(self.ranks))], dim=1),
+                             persistent=False)
         has_bias = [b.bias is not None for b in bases]
         bias = (torch.cat([b.bias.detach() if b.bias is not None else b.weight.new_zeros(b.out_features)
                            for b in bases]) if any(has_bias) else None)
         self.register_buffer("bias", bias, persistent=False)
         first = 0
         for base, size in zip(bases, self.out_sizes):
-            base.weight = torch.nn.Parameter(self.weight[first:first + size], requires_grad=False)
+            base.weight = torch.nn.Parameter(self.weight[first:first + size, :self.in_features],
+                                             requires_grad=False)
             if base.bias is not None:
                 base.bias = torch.nn.Parameter(self.bias[first:first + size], requires_grad=False)
             first += size
         self._members = list(members.values())  # a list, not submodules: they stay where the model has them
         self._pending = _Pending()
+
+    def lora_b_slots(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each member's up-projection and its block of the buffer's last columns, a view of `.data`: written
+        there, the buffer's version stays (a forward whose backward is still to run keeps working; the values
+        only change with an optimizer step, which comes after that backward)."""
+        data, adapter, slots, sources = self.weight.data, self.adapter, [], []
+        row, column = 0, self.in_features
+        for member, size, rank in zip(self._members, self.out_sizes, self.ranks):
+            slots.append(data[row:row + size, column:column + rank])
+            sources.append(member.lora_B[adapter].weight)
+            row, column = row + size, column + rank
+        return slots, sources
 
     def reset(self) -> None:
         """Forget outputs not taken yet (a forward that raised between members holds its whole graph there)."""
@@ -73,18 +94,51 @@ class SharedInputGroup(torch.nn.Module):
 
     def _compute(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         members, adapter = self._members, self.adapter
-        base = F.linear(x, self.weight, self.bias)
-        lora_a = torch.cat([m.lora_A[adapter].weight for m in members])
-        # the up-projections as one block-diagonal matrix (r columns per member, scaled): one product, one
-        # output beside the frozen weights' output, so that backward has one gradient to feed both
-        lora_b = torch.block_diag(*[m.lora_B[adapter].weight * m.scaling[adapter] for m in members])
-        low = F.linear(members[0]._cast_input_dtype(x, lora_a.dtype), lora_a)
-        # Each output is its own sum of two slices, so that it fuses into what reads it (RoPE, SwiGLU) and the
-        # backward's one gradient (the members' gradients side by side) feeds both products. One sum over the
-        # whole group was written out by a kernel of its own: 1.4% slower (bench/llm.py, one H100, one command).
-        lora = F.linear(low, lora_b)
-        return {name: (b + l).to(base.dtype) for name, b, l in
-                zip(self.names, base.split(self.out_sizes, dim=-1), lora.split(self.out_sizes, dim=-1))}
+        if not torch.compiler.is_compiling():
+            refresh_lora_b([self])  # compiled layers get theirs from the pre-hook (group_shared_inputs)
+        # the scaling goes with A, so that the buffer holds B as it is (refresh_lora_b: one copy, no product)
+        lora_a = torch.cat([m.lora_A[adapter].weight * m.scaling[adapter] for m in members])
+        low = F.linear(members[0]._cast_input_dtype(x, lora_a.dtype), lora_a).to(self.weight.dtype)
+        wide = torch.cat([x.to(self.weight.dtype), low], dim=-1)
+        out = _FrozenWithLoraB.apply(wide, low, self.weight, self.bias, tuple(self.out_sizes), tuple(self.ranks),
+                                     *[m.lora_B[adapter].weight for m in members])
+        return dict(zip(self.names, out.split(self.out_sizes, dim=-1)))
+
+
+class _FrozenWithLoraB(torch.autograd.Function):
+    """`wide @ weight^T + bias`, where `wide` is [x | low] and `weight` the group's buffer [W | block-diag(B)]:
+    the frozen product and the LoRA up-projection in one matrix product. The buffer holds B's values (copied in
+    by refresh_lora_b), so autograd does not see B in it: backward returns B's gradients itself."""
+
+    @staticmethod
+    def forward(ctx, wide, low, weight, bias, out_sizes, ranks, *b_weights):
+        ctx.save_for_backward(low, weight)
+        ctx.out_sizes, ctx.ranks = out_sizes, ranks
+        ctx.b_dtypes = [b.dtype for b in b_weights]
+        return F.linear(wide, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        low, weight = ctx.saved_tensors
+        grad_wide = grad @ weight  # the input's gradient and low's, side by side
+        grads_b, column = [], 0
+        for grad_out, rank, dtype in zip(grad.split(ctx.out_sizes, dim=-1), ctx.ranks, ctx.b_dtypes):
+            low_i = low[..., column:column + rank]
+            grads_b.append((grad_out.flatten(0, -2).t() @ low_i.flatten(0, -2)).to(dtype))
+            column += rank
+        return (grad_wide, None, None, None, None, None, *grads_b)
+
+
+@torch.no_grad()
+def refresh_lora_b(groups: Iterable[SharedInputGroup]) -> None:
+    """Copy the up-projections into the groups' buffers (SharedInputGroup.lora_b_slots), one call for all."""
+    slots, sources = [], []
+    for group in groups:
+        group_slots, group_sources = group.lora_b_slots()
+        slots += group_slots
+        sources += group_sources
+    if slots:
+        torch._foreach_copy_(slots, sources)
 
 
 def _plain_lora(module: torch.nn.Module) -> str | None:
@@ -137,9 +191,10 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
     Sets where some layer is not a plain LoRA Linear over a 16-bit nn.Linear (quantized, dropout, DoRA, not
     adapted), or where dtypes or devices differ, are left alone and counted.
 
-    `reset_before`: a module every forward goes through (the decoder stack); before each of its calls every
-    group forgets what an earlier forward left (one that raised between members, e.g. out of memory in the
-    batch-size probe). The weights are views of the group's buffer until something replaces them (`model.to`
+    `reset_before`: a module every forward goes through (the decoder stack; `model` when None). Before each of
+    its calls every group forgets what an earlier forward left (one that raised between members, e.g. out of
+    memory in the batch-size probe) and copies the up-projections into its buffer, which a compiled layer does
+    not do itself (the copy is one `_foreach_copy_`; measured: no cost on an H100). The weights are views of the group's buffer until something replaces them (`model.to`
     of another dtype); the numbers stay right, the weights are then held twice: group after moving."""
     groups, left = [], 0
     for parent in list(model.modules()):
@@ -165,10 +220,11 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
         import torch._dynamo.config as dynamo_config
 
         dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-        if reset_before is not None:
-            def reset(module, args) -> None:  # a pre-hook that returns something replaces the arguments
-                for group in groups:
-                    group.reset()
 
-            reset_before.register_forward_pre_hook(reset)
+        def reset(module, args) -> None:  # a pre-hook that returns something replaces the arguments
+            for group in groups:
+                group.reset()
+            refresh_lora_b(groups)  # a compiled layer does not copy B itself (SharedInputGroup._compute)
+
+        (model if reset_before is None else reset_before).register_forward_pre_hook(reset)
     return Grouping(groups, left)
