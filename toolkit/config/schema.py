@@ -79,8 +79,9 @@ class ModelSection:
                        choices=("auto", "fused", "none"), resume_safe=True)
     fuse_projections: Union[bool, str] = opt(
         "auto", "LLM: LoRA layers that read the same input (a decoder layer's q/k/v projections, its gate/up "
-        "projections) run their frozen weights as one matrix product and their LoRA down-projections as another, "
-        "PEFT's arithmetic otherwise (toolkit/models/shared_input.py); the saved adapter is unchanged. Applies to "
+        "projections) run as one group: their LoRA down-projections as one matrix product, and their frozen weights "
+        "with the LoRA up-projections beside them as another, PEFT's arithmetic otherwise "
+        "(toolkit/models/shared_input.py); the saved adapter is unchanged. Applies to "
         "plain LoRA without dropout over 16-bit weights, without fsdp. auto: on where measured faster (an NVIDIA GPU "
         "with train.compile on), off on the CPU and, unmeasured, on ROCm.", resume_safe=True)
     quantize: str = opt("auto", "Quantize the frozen base (QLoRA): none, 8bit, 4bit, fp8, or auto (8bit/4bit only when "
