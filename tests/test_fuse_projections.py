@@ -165,6 +165,34 @@ def test_two_forwards_before_one_backward_give_peft_s_gradients():
         assert relative(grads[1][name], grads[0][name]) < 1e-5, name
 
 
+def test_an_fp32_base_under_bf16_autocast_trains_like_peft():
+    """Backward runs outside autocast: the group's backward computes in the forward's dtype (bf16 here) over a
+    buffer in fp32, within bf16 rounding of PEFT's layers."""
+    reference = lora_llama()
+    grouped = copy.deepcopy(reference)
+    group_shared_inputs(grouped)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    want_loss, want = loss_and_grads(reference, ids, dtype=torch.bfloat16)
+    loss, got = loss_and_grads(grouped, ids, dtype=torch.bfloat16)
+    assert loss == pytest.approx(want_loss, rel=1e-3)
+    for name in want:
+        assert relative(got[name], want[name]) < 3e-2, name
+
+
+def test_compiled_layers_evaluate_under_no_grad_in_one_graph():
+    """Eval and sampling (no_grad) take the plain product: a compiled layer stays one graph (fullgraph)."""
+    torch._dynamo.reset()
+    reference = lora_llama()
+    grouped = copy.deepcopy(reference)
+    group_shared_inputs(grouped, reset_before=grouped.get_base_model().get_decoder())
+    for layer in grouped.base_model.model.model.layers:
+        layer.compile(fullgraph=True)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = (net(input_ids=ids).logits for net in (reference, grouped))
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_a_member_called_on_its_own_input_runs_its_own_forward():
     """Only calls with one input share work: k on another tensor, or q twice, gives PEFT's output."""
     reference = lora_llama(layers=1)

@@ -12,7 +12,10 @@ so no output of the up-projection is written and read back to be added, and back
 buffer gives the input's gradient and low's at once. The buffer's B columns are copied from the parameters
 before each forward (refresh_lora_b, through `.data`); B's gradients come from `_FrozenWithLoraB`'s backward.
 The arithmetic is PEFT's (`base(x) + lora_B(lora_A(x)) * scaling`, summed inside one product), so saved
-adapters, merges and loaders are unchanged.
+adapters, merges and loaders are unchanged. One difference: each layer's frozen weight is now a view of rows of
+a wider buffer, not contiguous; transformers' `save_pretrained` of the whole model (after `merge_and_unload` in
+the same process) refuses such views, so make them contiguous first (the toolkit saves only the adapter, and
+`toolkit merge` loads a fresh base).
 
 The first member a module calls with an input computes every member's output; the others take theirs from the
 group. A member called on another input, with extra arguments, or in a state PEFT handles differently (adapters
@@ -100,8 +103,11 @@ class SharedInputGroup(torch.nn.Module):
         lora_a = torch.cat([m.lora_A[adapter].weight * m.scaling[adapter] for m in members])
         low = F.linear(members[0]._cast_input_dtype(x, lora_a.dtype), lora_a).to(self.weight.dtype)
         wide = torch.cat([x.to(self.weight.dtype), low], dim=-1)
-        out = _FrozenWithLoraB.apply(wide, low, self.weight, self.bias, tuple(self.out_sizes), tuple(self.ranks),
-                                     *[m.lora_B[adapter].weight for m in members])
+        if torch.is_grad_enabled():
+            out = _FrozenWithLoraB.apply(wide, low, self.weight, self.bias, tuple(self.out_sizes),
+                                         tuple(self.ranks), *[m.lora_B[adapter].weight for m in members])
+        else:  # eval and sampling: the same product (the Function would split a compiled layer under no_grad)
+            out = F.linear(wide, self.weight, self.bias)
         return dict(zip(self.names, out.split(self.out_sizes, dim=-1)))
 
 
@@ -113,14 +119,17 @@ class _FrozenWithLoraB(torch.autograd.Function):
     @staticmethod
     def forward(ctx, wide, low, weight, bias, out_sizes, ranks, *b_weights):
         ctx.save_for_backward(low, weight)
-        ctx.out_sizes, ctx.ranks = out_sizes, ranks
+        ctx.out_sizes, ctx.ranks, ctx.wide_dtype = out_sizes, ranks, wide.dtype
         ctx.b_dtypes = [b.dtype for b in b_weights]
         return F.linear(wide, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
+        # backward runs outside autocast: under it the forward's product ran in grad's dtype, so backward's do too
+        # (a no-op where the buffer is already in that dtype)
         low, weight = ctx.saved_tensors
-        grad_wide = grad @ weight  # the input's gradient and low's, side by side
+        low = low.to(grad.dtype)
+        grad_wide = (grad @ weight.to(grad.dtype)).to(ctx.wide_dtype)  # the input's gradient and low's, side by side
         grads_b, column = [], 0
         for grad_out, rank, dtype in zip(grad.split(ctx.out_sizes, dim=-1), ctx.ranks, ctx.b_dtypes):
             low_i = low[..., column:column + rank]
@@ -182,14 +191,14 @@ def _grouped_forward(member: torch.nn.Module, name: str, group: SharedInputGroup
 @dataclass
 class Grouping:
     groups: list[SharedInputGroup]
-    left: int   # sibling sets (2 or more present) not grouped: some layer not a plain 16-bit LoRA Linear
+    left: int   # sibling sets (2 or more present) not grouped: some layer not a plain LoRA Linear over an nn.Linear
 
 
 def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ...]] = SIBLINGS,
                         reset_before: torch.nn.Module | None = None) -> Grouping:
     """Group the LoRA layers of `model` named in `siblings` under one parent (see the module's docstring).
-    Sets where some layer is not a plain LoRA Linear over a 16-bit nn.Linear (quantized, dropout, DoRA, not
-    adapted), or where dtypes or devices differ, are left alone and counted.
+    Sets where some layer is not a plain LoRA Linear over an nn.Linear (quantized, dropout, DoRA, not adapted),
+    or where dtypes or devices differ, are left alone and counted.
 
     `reset_before`: a module every forward goes through (the decoder stack; `model` when None). Before each of
     its calls every group forgets what an earlier forward left (one that raised between members, e.g. out of
