@@ -203,8 +203,9 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
     `reset_before`: a module every forward goes through (the decoder stack; `model` when None). Before each of
     its calls every group forgets what an earlier forward left (one that raised between members, e.g. out of
     memory in the batch-size probe) and copies the up-projections into its buffer, which a compiled layer does
-    not do itself (the copy is one `_foreach_copy_`; measured: no cost on an H100). The weights are views of the group's buffer until something replaces them (`model.to`
-    of another dtype); the numbers stay right, the weights are then held twice: group after moving."""
+    not do itself (the copy is one `_foreach_copy_`; measured: no cost on an H100). The weights are views of the
+    group's buffer until something replaces them (`model.to` of another dtype); the numbers stay right, the
+    weights are then held twice: group after moving."""
     groups, left = [], 0
     for parent in list(model.modules()):
         for names in siblings:
