@@ -128,15 +128,22 @@ def test_the_buffer_holds_each_up_projection_on_the_diagonal_after_a_forward():
     assert torch.equal(lora_b, want)
 
 
-def test_compiled_layers_follow_the_optimizer_s_steps_like_peft():
-    """Compiled layers do not copy B themselves; the pre-hook does before each forward: three AdamW steps give
-    PEFT's losses, step for step (fp32)."""
+def compiled_grouped_pair():
+    """A tiny model under PEFT, and a copy grouped as the toolkit groups it (the pre-hook on the decoder) with each
+    decoder layer compiled whole (fullgraph)."""
     torch._dynamo.reset()
     reference = lora_llama()
     grouped = copy.deepcopy(reference)
     group_shared_inputs(grouped, reset_before=grouped.get_base_model().get_decoder())
     for layer in grouped.base_model.model.model.layers:
         layer.compile(fullgraph=True)
+    return reference, grouped
+
+
+def test_compiled_layers_follow_the_optimizer_s_steps_like_peft():
+    """Compiled layers do not copy B themselves; the pre-hook does before each forward: three AdamW steps give
+    PEFT's losses, step for step (fp32)."""
+    reference, grouped = compiled_grouped_pair()
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     losses = {}
     for key, net in (("peft", reference), ("grouped", grouped)):
@@ -181,12 +188,7 @@ def test_an_fp32_base_under_bf16_autocast_trains_like_peft():
 
 def test_compiled_layers_evaluate_under_no_grad_in_one_graph():
     """Eval and sampling (no_grad) take the plain product: a compiled layer stays one graph (fullgraph)."""
-    torch._dynamo.reset()
-    reference = lora_llama()
-    grouped = copy.deepcopy(reference)
-    group_shared_inputs(grouped, reset_before=grouped.get_base_model().get_decoder())
-    for layer in grouped.base_model.model.model.layers:
-        layer.compile(fullgraph=True)
+    reference, grouped = compiled_grouped_pair()
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, got = (net(input_ids=ids).logits for net in (reference, grouped))

@@ -82,7 +82,7 @@ class ModelSection:
         "projections) run as one group: their LoRA down-projections as one matrix product, and their frozen weights "
         "with the LoRA up-projections beside them as another, PEFT's arithmetic otherwise "
         "(toolkit/models/shared_input.py); the saved adapter is unchanged. Applies to "
-        "plain LoRA without dropout over 16-bit weights, without fsdp. auto: on where measured faster (an NVIDIA GPU "
+        "plain LoRA without dropout over unquantized weights, without fsdp. auto: on where measured faster (an NVIDIA GPU "
         "with train.compile on), off on the CPU and, unmeasured, on ROCm.", resume_safe=True)
     quantize: str = opt("auto", "Quantize the frozen base (QLoRA): none, 8bit, 4bit, fp8, or auto (8bit/4bit only when "
                         "the 16-bit weights do not fit the device memory budget; never on the CPU). fp8: the toolkit's "

@@ -218,9 +218,9 @@ class LLMAdapter(AdapterBase):
             return
         grouping = group_shared_inputs(self.network, reset_before=self.network.get_base_model().get_decoder())
         left = (f"; {grouping.left} sets left as PEFT's layers (not every layer of the set adapted, or not a plain "
-                "LoRA over 16-bit weights)" if grouping.left else "")
+                "LoRA over an unquantized nn.Linear)" if grouping.left else "")
         self.log(f"model.fuse_projections: {len(grouping.groups)} groups of LoRA layers that read one input "
-                 f"(q/k/v, gate/up) run as one matrix product each{left}")
+                 f"(q/k/v, gate/up) run as one group each (their LoRA B inside the frozen product){left}")
 
     def enable_gradient_checkpointing(self) -> None:
         self._checkpoint_layers(self.network.get_base_model())
