@@ -309,17 +309,25 @@ def test_through_the_entry_point_the_losses_are_peft_s(run_cli, tmp_path, capsys
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_compiled_in_bf16_on_the_gpu():
-    """bf16 autocast, each layer compiled: the loss and the LoRA gradients within bf16 rounding of PEFT's."""
+    """bf16 autocast, each layer compiled: the loss and every LoRA gradient as close to the fp32 truth as PEFT's
+    own under bf16 (two bf16 results each carry their own rounding, so each is measured against fp32)."""
     torch._dynamo.reset()
-    reference = lora_llama("cuda", torch.bfloat16, layers=2)
-    grouped = copy.deepcopy(reference)
-    assert len(group_shared_inputs(grouped).groups) == 4
+    truth = lora_llama("cuda", torch.float32, layers=2)
+    ids = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    true_loss, true_grads = loss_and_grads(truth, ids, "cuda", torch.float32)
+    reference, grouped = copy.deepcopy(truth), copy.deepcopy(truth)
+    for net in (reference, grouped):  # a bf16 base, the LoRA weights in fp32 (autocast_adapter_dtype)
+        for name, param in net.named_parameters():
+            if "lora_" not in name:
+                param.data = param.data.to(torch.bfloat16)
+    grouping = group_shared_inputs(grouped)
+    assert len(grouping.groups) == 4 and len(grouping.rows) == 4
+    results = []
     for net in (reference, grouped):
         for layer in net.base_model.model.model.layers:
             layer.compile(fullgraph=True)
-    ids = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
-    want_loss, want = loss_and_grads(reference, ids, "cuda", torch.bfloat16)
-    loss, got = loss_and_grads(grouped, ids, "cuda", torch.bfloat16)
-    assert loss == pytest.approx(want_loss, rel=1e-2)
-    for name in want:
-        assert relative(got[name], want[name]) < 2e-2, name
+        results.append(loss_and_grads(net, ids, "cuda", torch.bfloat16))
+    (peft_loss, peft), (loss, got) = results
+    assert abs(loss - true_loss) <= 2 * abs(peft_loss - true_loss) + 1e-3 * true_loss
+    for name in true_grads:
+        assert relative(got[name], true_grads[name]) <= 1.5 * relative(peft[name], true_grads[name]) + 2e-3, name

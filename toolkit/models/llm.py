@@ -216,7 +216,9 @@ class LLMAdapter(AdapterBase):
             self.log(f"model.fuse_projections: not applied: the base is {quantized} (model.quantize); groups need "
                      "16-bit weights")
             return
-        grouping = group_shared_inputs(self.network, reset_before=self.network.get_base_model().get_decoder())
+        import os  # TEMPORARY: A/B measurement of the A-inside singles
+        grouping = group_shared_inputs(self.network, reset_before=self.network.get_base_model().get_decoder(),
+                                       **({"singles": ()} if os.environ.get("TOOLKIT_A_ROWS") == "0" else {}))
         left = (f"; {grouping.left} sets left as PEFT's layers (not every layer of the set adapted, or not a plain "
                 "LoRA over an unquantized nn.Linear)" if grouping.left else "")
         self.log(f"model.fuse_projections: {len(grouping.groups)} groups of LoRA layers that read one input "

@@ -10,7 +10,7 @@ the frozen product and the up-projection run as one matrix product over `[x | lo
 
 so no output of the up-projection is written and read back to be added, and backward's one product with the
 buffer gives the input's gradient and low's at once. The buffer's B columns are copied from the parameters
-before each forward (refresh_lora_b, through `.data`); B's gradients come from `_FrozenWithLoraB`'s backward.
+before each forward (refresh_slots, through `.data`); B's gradients come from `_FrozenWithLoraB`'s backward.
 The arithmetic is PEFT's (`base(x) + lora_B(lora_A(x)) * scaling`, summed inside one product), so saved
 adapters, merges and loaders are unchanged. One difference: each layer's frozen weight is now a view of rows of
 a wider buffer, not contiguous; transformers' `save_pretrained` of the whole model (after `merge_and_unload` in
@@ -24,13 +24,17 @@ disabled or merged, several active) runs its own forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 
+from toolkit.models.lora_a_rows import LoraARows
+
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# layers that group with nothing and whose input is at least as wide as the output: A inside (lora_a_rows.py)
+SINGLES = ("o_proj", "down_proj")
 
 
 class _Pending:
@@ -69,7 +73,7 @@ class SharedInputGroup(torch.nn.Module):
         self._members = list(members.values())  # a list, not submodules: they stay where the model has them
         self._pending = _Pending()
 
-    def lora_b_slots(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def lora_slots(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each member's up-projection and its block of the buffer's last columns, a view of `.data`: written
         there, the buffer's version stays (a forward whose backward is still to run keeps working; the values
         only change with an optimizer step, which comes after that backward)."""
@@ -98,8 +102,8 @@ class SharedInputGroup(torch.nn.Module):
     def _compute(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         members, adapter = self._members, self.adapter
         if not torch.compiler.is_compiling():
-            refresh_lora_b([self])  # compiled layers get theirs from the pre-hook (group_shared_inputs)
-        # the scaling goes with A, so that the buffer holds B as it is (refresh_lora_b: one copy, no product)
+            refresh_slots([self])  # compiled layers get theirs from the pre-hook (group_shared_inputs)
+        # the scaling goes with A, so that the buffer holds B as it is (refresh_slots: one copy, no product)
         lora_a = torch.cat([m.lora_A[adapter].weight * m.scaling[adapter] for m in members])
         low = F.linear(members[0]._cast_input_dtype(x, lora_a.dtype), lora_a).to(self.weight.dtype)
         wide = torch.cat([x.to(self.weight.dtype), low], dim=-1)
@@ -114,7 +118,7 @@ class SharedInputGroup(torch.nn.Module):
 class _FrozenWithLoraB(torch.autograd.Function):
     """`wide @ weight^T + bias`, where `wide` is [x | low] and `weight` the group's buffer [W | block-diag(B)]:
     the frozen product and the LoRA up-projection in one matrix product. The buffer holds B's values (copied in
-    by refresh_lora_b), so autograd does not see B in it: backward returns B's gradients itself."""
+    by refresh_slots), so autograd does not see B in it: backward returns B's gradients itself."""
 
     @staticmethod
     def forward(ctx, wide, low, weight, bias, out_sizes, ranks, *b_weights):
@@ -139,13 +143,14 @@ class _FrozenWithLoraB(torch.autograd.Function):
 
 
 @torch.no_grad()
-def refresh_lora_b(groups: Iterable[SharedInputGroup]) -> None:
-    """Copy the up-projections into the groups' buffers (SharedInputGroup.lora_b_slots), one call for all."""
+def refresh_slots(layers: Iterable["SharedInputGroup | LoraARows"]) -> None:
+    """Copy the LoRA weights the layers' buffers hold (B of a group, A of a LoraARows) from their parameters,
+    one call for all (`lora_slots`)."""
     slots, sources = [], []
-    for group in groups:
-        group_slots, group_sources = group.lora_b_slots()
-        slots += group_slots
-        sources += group_sources
+    for layer in layers:
+        layer_slots, layer_sources = layer.lora_slots()
+        slots += layer_slots
+        sources += layer_sources
     if slots:
         torch._foreach_copy_(slots, sources)
 
@@ -188,25 +193,38 @@ def _grouped_forward(member: torch.nn.Module, name: str, group: SharedInputGroup
     return forward
 
 
+def _own_forward(member: torch.nn.Module, layer: LoraARows, own):
+    def forward(x, *args, **kwargs):
+        if (args or kwargs or member.disable_adapters or member.merged
+                or list(member.active_adapters) != [layer.adapter]):
+            return own(x, *args, **kwargs)
+        return layer(x)
+    return forward
+
+
 @dataclass
 class Grouping:
     groups: list[SharedInputGroup]
     left: int   # sibling sets (2 or more present) not grouped: some layer not a plain LoRA Linear over an nn.Linear
+    rows: list[LoraARows] = field(default_factory=list)  # single layers with A inside the frozen product
 
 
 def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ...]] = SIBLINGS,
-                        reset_before: torch.nn.Module | None = None) -> Grouping:
-    """Group the LoRA layers of `model` named in `siblings` under one parent (see the module's docstring).
+                        reset_before: torch.nn.Module | None = None,
+                        singles: Iterable[str] = SINGLES) -> Grouping:
+    """Group the LoRA layers of `model` named in `siblings` under one parent (see the module's docstring), and
+    give those named in `singles` their down-projection inside the frozen product (lora_a_rows.py).
     Sets where some layer is not a plain LoRA Linear over an nn.Linear (quantized, dropout, DoRA, not adapted),
-    or where dtypes or devices differ, are left alone and counted.
+    or where dtypes or devices differ, are left alone and counted; such single layers are left alone.
 
     `reset_before`: a module every forward goes through (the decoder stack; `model` when None). Before each of
     its calls every group forgets what an earlier forward left (one that raised between members, e.g. out of
-    memory in the batch-size probe) and copies the up-projections into its buffer, which a compiled layer does
-    not do itself (the copy is one `_foreach_copy_`; measured: no cost on an H100). The weights are views of the
-    group's buffer until something replaces them (`model.to` of another dtype); the numbers stay right, the
-    weights are then held twice: group after moving."""
-    groups, left = [], 0
+    memory in the batch-size probe), and the LoRA weights the buffers hold are copied in from the parameters,
+    which a compiled layer does not do itself (one `_foreach_copy_` for all; measured: no cost on an H100). The
+    weights are views of the buffers until something replaces them (`model.to` of another dtype); the numbers
+    stay right, the weights are then held twice: group after moving."""
+    groups, rows, left = [], [], 0
+    singles = tuple(singles)
     for parent in list(model.modules()):
         for names in siblings:
             present = [n for n in names if isinstance(getattr(parent, n, None), torch.nn.Module)]
@@ -222,7 +240,16 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
             for name, member in members.items():
                 member.forward = _grouped_forward(member, name, group, member.forward)
             groups.append(group)
-    if groups:
+        for name in singles:
+            member = getattr(parent, name, None)
+            adapter = _shared_adapter({name: member}) if isinstance(member, torch.nn.Module) else None
+            if adapter is None or member.base_layer.in_features < member.base_layer.out_features:
+                continue
+            layer = LoraARows(member, adapter)
+            parent.add_module("lora_a_rows_" + name.removesuffix("_proj"), layer)
+            member.forward = _own_forward(member, layer, member.forward)
+            rows.append(layer)
+    if groups or rows:
         # A checkpointed layer (transformers' gradient checkpointing) is traced by torch.compile as one
         # higher-order op, which refuses side effects unless they may be skipped when backward recomputes the
         # layer: the group's are (a layer leaves no output pending), so the layer compiles whole instead of
@@ -230,11 +257,12 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
         import torch._dynamo.config as dynamo_config
 
         dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        layers = [*groups, *rows]
 
         def reset(module, args) -> None:  # a pre-hook that returns something replaces the arguments
             for group in groups:
                 group.reset()
-            refresh_lora_b(groups)  # a compiled layer does not copy B itself (SharedInputGroup._compute)
+            refresh_slots(layers)  # a compiled layer does not copy them itself
 
         (model if reset_before is None else reset_before).register_forward_pre_hook(reset)
-    return Grouping(groups, left)
+    return Grouping(groups, left, rows)

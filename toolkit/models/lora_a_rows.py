@@ -1,0 +1,85 @@
+"""A LoRA layer with its down-projection A inside the frozen product: for the layers of a decoder that group with
+nothing (o_proj, down_proj; model.fuse_projections), where the input is at least as wide as the output.
+
+One buffer holds the frozen weight with A as r extra output rows, `[W ; A]` (the layer's own `weight` becomes a
+view of its first rows, still contiguous, so nothing is held twice). Then
+
+    x @ [W ; A]^T = [x·W^T | low]            the frozen output and low = x·A^T from one product
+    y = x·W^T + low · (B·scaling)^T            PEFT's arithmetic
+    grad_x = [g | g·B·scaling] @ [W ; A]       the input's gradient with the LoRA term inside, one product
+
+so A's product never reads the input on its own, and the input's gradient, for down_proj the widest tensor of
+the layer, is written once, not written and then added to. A's rows are copied from the parameter before each
+forward (refresh_slots in shared_input.py, through `.data`); A's gradient comes from `_FrozenWithLoraA`.
+
+Shared input groups (shared_input.py) do the mirror image, B inside as extra input columns: that suits layers
+whose output is the wide side (q/k/v, gate/up), this suits those whose input is (down_proj).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class LoraARows(torch.nn.Module):
+    def __init__(self, member: torch.nn.Module, adapter: str):
+        super().__init__()
+        base = member.base_layer
+        self.adapter = adapter
+        self.out_features = base.out_features
+        self.rank = member.lora_A[adapter].weight.shape[0]
+        weight = base.weight.detach()
+        # [W ; zeros for A]; not persistent: the model's state dict keeps the layer's own weight
+        self.register_buffer("weight", torch.cat([weight, weight.new_zeros(self.rank, weight.shape[1])]),
+                             persistent=False)
+        base.weight = torch.nn.Parameter(self.weight[:self.out_features], requires_grad=False)
+        self._held = [member]  # a list, not a submodule: it stays where the model has it
+
+    @property
+    def _member(self) -> torch.nn.Module:
+        return self._held[0]
+
+    def lora_slots(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A and its rows of the buffer (a view of `.data`: the buffer's version stays, see refresh_slots)."""
+        return [self.weight.data[self.out_features:]], [self._member.lora_A[self.adapter].weight]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        member, adapter = self._member, self.adapter
+        if not torch.compiler.is_compiling():  # compiled layers get A from the decoder's pre-hook
+            with torch.no_grad():
+                self.weight.data[self.out_features:].copy_(member.lora_A[adapter].weight)
+        lora_a = member.lora_A[adapter].weight
+        x = x.to(self.weight.dtype)
+        if torch.is_grad_enabled():
+            wide = _FrozenWithLoraA.apply(x, self.weight, lora_a)
+        else:  # eval and sampling: the same product (the Function would split a compiled layer under no_grad)
+            wide = F.linear(x, self.weight)
+        frozen, low = wide.split([self.out_features, self.rank], dim=-1)
+        # low's own copy (r columns): kept for B's gradient, a view would keep the whole product alive until then
+        low = low.contiguous()
+        lora_b = member.lora_B[adapter].weight * member.scaling[adapter]
+        out = frozen + F.linear(low, lora_b.to(low.dtype))
+        bias = member.base_layer.bias
+        return out if bias is None else out + bias
+
+
+class _FrozenWithLoraA(torch.autograd.Function):
+    """`x @ weight^T`, where `weight` is the buffer [W ; A]: the frozen output and A's output side by side. The
+    buffer holds A's values (copied in by refresh_slots), so autograd does not see A in it: backward returns A's
+    gradient itself, and the input's from one product with the whole buffer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, lora_a):
+        ctx.save_for_backward(x, weight)
+        ctx.x_dtype, ctx.a_dtype, ctx.rank = x.dtype, lora_a.dtype, lora_a.shape[0]
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # backward runs outside autocast: under it the forward's product ran in grad's dtype, so backward's do too
+        x, weight = ctx.saved_tensors
+        grad_x = (grad @ weight.to(grad.dtype)).to(ctx.x_dtype)
+        grad_low = grad[..., grad.shape[-1] - ctx.rank:]
+        grad_a = (grad_low.flatten(0, -2).t() @ x.to(grad.dtype).flatten(0, -2)).to(ctx.a_dtype)
+        return grad_x, None, grad_a
