@@ -216,13 +216,12 @@ class LLMAdapter(AdapterBase):
             self.log(f"model.fuse_projections: not applied: the base is {quantized} (model.quantize); groups need "
                      "16-bit weights")
             return
-        import os  # TEMPORARY: A/B measurement of the A-inside singles
-        grouping = group_shared_inputs(self.network, reset_before=self.network.get_base_model().get_decoder(),
-                                       **({"singles": ()} if os.environ.get("TOOLKIT_A_ROWS") == "0" else {}))
+        grouping = group_shared_inputs(self.network, reset_before=self.network.get_base_model().get_decoder())
         left = (f"; {grouping.left} sets left as PEFT's layers (not every layer of the set adapted, or not a plain "
                 "LoRA over an unquantized nn.Linear)" if grouping.left else "")
         self.log(f"model.fuse_projections: {len(grouping.groups)} groups of LoRA layers that read one input "
-                 f"(q/k/v, gate/up) run as one group each (their LoRA B inside the frozen product){left}")
+                 f"(q/k/v, gate/up) run as one group each (their LoRA B inside the frozen product){left}; "
+                 f"{len(grouping.rows)} layers (o_proj, down_proj) run their LoRA A inside the frozen product")
 
     def enable_gradient_checkpointing(self) -> None:
         self._checkpoint_layers(self.network.get_base_model())
