@@ -1,5 +1,6 @@
-"""model.fuse_projections (toolkit/models/shared_input.py): q/k/v and gate/up LoRA layers run as one matmul
-each, with PEFT's numbers, PEFT's state dict and PEFT's saved adapter."""
+"""model.fuse_projections (toolkit/models/shared_input.py, lora_a_rows.py): q/k/v and gate/up LoRA layers run as
+one matmul each with B inside the frozen product, o_proj and down_proj with A inside theirs, with PEFT's numbers,
+PEFT's state dict and PEFT's saved adapter."""
 
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def test_grouped_layers_train_like_peft(compiled):
     torch._dynamo.reset()
     reference = lora_llama()
     grouped = copy.deepcopy(reference)
-    assert len(group_shared_inputs(grouped).groups) == 4  # q/k/v and gate/up in each of 2 layers
+    grouping = group_shared_inputs(grouped)
+    assert len(grouping.groups) == 4  # q/k/v and gate/up in each of 2 layers
+    assert len(grouping.rows) == 4  # o_proj and down_proj in each of 2 layers
     if compiled:
         for layer in grouped.base_model.model.model.layers:
             layer.compile(fullgraph=True)
@@ -92,8 +95,77 @@ ARCHITECTURES = {  # q/k/v biases (qwen2), norms on q and k (qwen3), soft-cappin
 def test_other_decoders_train_like_peft(model_type):
     reference = lora_model(model_type, extra_config=ARCHITECTURES[model_type])
     grouped = copy.deepcopy(reference)
-    assert len(group_shared_inputs(grouped).groups) == 4
+    grouping = group_shared_inputs(grouped)
+    assert len(grouping.groups) == 4 and len(grouping.rows) == 4
     assert_trains_like(grouped, reference)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_single_layers_alone_train_like_peft(compiled):
+    """o_proj and down_proj with A inside the frozen product, nothing grouped: PEFT's loss and gradients."""
+    torch._dynamo.reset()
+    reference = lora_llama()
+    rows_only = copy.deepcopy(reference)
+    grouping = group_shared_inputs(rows_only, siblings=())
+    assert not grouping.groups and len(grouping.rows) == 4
+    if compiled:
+        for layer in rows_only.base_model.model.model.layers:
+            layer.compile(fullgraph=True)
+    for _ in range(2):
+        assert_trains_like(rows_only, reference)
+
+
+def test_a_single_layer_holds_a_in_the_rows_below_its_weight():
+    """[W ; A]: the layer's weight is the buffer's first rows (contiguous, the same storage), A is copied into
+    the last rows before the forward, and the state dict is PEFT's."""
+    reference = lora_llama(layers=1)
+    net = copy.deepcopy(reference)
+    group_shared_inputs(net)
+    mlp = net.base_model.model.model.layers[0].mlp
+    rows, down = mlp.lora_a_rows_down, mlp.down_proj
+    assert rows.weight.shape == (64 + 4, 160)
+    weight = down.base_layer.weight
+    assert weight.is_contiguous() and weight.data_ptr() == rows.weight.data_ptr() and not weight.requires_grad
+    with torch.no_grad():
+        down.lora_A["default"].weight.add_(1.0)  # as an optimizer step would
+        net(input_ids=torch.randint(0, 96, (1, 8)))
+    assert torch.equal(rows.weight[64:], down.lora_A["default"].weight)
+    assert torch.equal(rows.weight[:64], reference.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight)
+    want, got = reference.state_dict(), net.state_dict()
+    assert got.keys() == want.keys()
+
+
+def test_a_single_layer_keeps_low_for_backward_not_the_whole_product():
+    """The product x·[W ; A]^T is tokens x (out + r); B's gradient needs only its last r columns. Kept as a view,
+    they held the whole product until backward (1 GiB more at the peak on the Llama-1B bench)."""
+    net = lora_llama(layers=1)
+    group_shared_inputs(net, siblings=())
+    down = net.base_model.model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, 12, 160, requires_grad=True)
+    with torch.no_grad():
+        down.lora_A["default"].weight.add_(1.0)  # called outside the model's pre-hook: the layer copies A itself
+    kept = []
+
+    def pack(tensor):
+        kept.append(tensor.untyped_storage().nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = down(x)
+    out.sum().backward()
+    product = 2 * 12 * (64 + 4) * 4  # the fp32 product [frozen | low]
+    assert kept and product not in kept
+    assert 2 * 12 * 4 * 4 in kept  # low, its own r columns
+    rows = net.base_model.model.model.layers[0].mlp.lora_a_rows_down
+    assert torch.equal(rows.weight[64:], down.lora_A["default"].weight)
+
+
+def test_a_single_layer_wider_out_than_in_is_left_alone():
+    """A inside suits layers whose input is the wide side; up_proj (64 -> 160) keeps PEFT's layer."""
+    net = lora_llama(layers=1)
+    grouping = group_shared_inputs(net, siblings=(), singles=("up_proj", "down_proj"))
+    mlp = net.base_model.model.model.layers[0].mlp
+    assert [r._member for r in grouping.rows] == [mlp.down_proj]
 
 
 def test_the_frozen_weights_are_held_once_and_the_state_dict_is_peft_s(tmp_path):
