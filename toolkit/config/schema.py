@@ -80,8 +80,9 @@ class ModelSection:
     fuse_projections: Union[bool, str] = opt(
         "auto", "LLM: LoRA layers that read the same input (a decoder layer's q/k/v projections, its gate/up "
         "projections) run as one group: their LoRA down-projections as one matrix product, and their frozen weights "
-        "with the LoRA up-projections beside them as another, PEFT's arithmetic otherwise "
-        "(toolkit/models/shared_input.py); the saved adapter is unchanged. Applies to "
+        "with the LoRA up-projections beside them as another (toolkit/models/shared_input.py); o_proj and down_proj "
+        "run their LoRA down-projection inside the frozen product (toolkit/models/lora_a_rows.py). PEFT's "
+        "arithmetic otherwise; the saved adapter is unchanged. Applies to "
         "plain LoRA without dropout over unquantized weights, without fsdp. auto: on where measured faster (an NVIDIA GPU "
         "with train.compile on), off on the CPU and, unmeasured, on ROCm.", resume_safe=True)
     quantize: str = opt("auto", "Quantize the frozen base (QLoRA): none, 8bit, 4bit, fp8, or auto (8bit/4bit only when "
