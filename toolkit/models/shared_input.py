@@ -17,6 +17,10 @@ a wider buffer, not contiguous; transformers' `save_pretrained` of the whole mod
 the same process) refuses such views, so make them contiguous first (the toolkit saves only the adapter, and
 `toolkit merge` loads a fresh base).
 
+The layers that group with nothing and read the wide side, o_proj and down_proj, get the mirror image (A inside
+the frozen product, lora_a_rows.py); group_shared_inputs sets up both, and one pre-hook copies what every buffer
+holds.
+
 The first member a module calls with an input computes every member's output; the others take theirs from the
 group. A member called on another input, with extra arguments, or in a state PEFT handles differently (adapters
 disabled or merged, several active) runs its own forward.
