@@ -25,7 +25,7 @@ commands (passed to `python -m toolkit COMMAND`):
         [--prompt TEXT ...] [--seed N] with the run's own model and sample settings, into RUN_DIR/samples/cli-*/
   merge RUN_DIR OUT_DIR               fold an LLM LoRA into its base model and save the full model
   import-aitk JOB.yaml > CONFIG.yaml  translate an ai-toolkit job file (what does not translate: on stderr)
-  test [PYTEST ARGS]                  the test suite (python -m pytest -q tests)
+  test [PYTEST ARGS]                  the test suite (python -m pytest -q tests -n CORES, at most 4)
 
 options:
   --debug-hip   serialize HIP kernels and enable device-side assertions (slow, exact error locations)
@@ -152,7 +152,15 @@ case "$command" in
     test)
         shift
         cd "$ROOT"
-        exec "$PY" -m pytest -q tests "$@"
+        # One pytest worker per core, at most 4 (pytest-xdist; TOOLKIT_TEST_WORKERS overrides, 0 runs the tests
+        # in this process; a -n among the arguments wins, being last)
+        cores="$(nproc 2>/dev/null || echo 1)"
+        workers="${TOOLKIT_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
+        if ! "$PY" -c "import xdist" >/dev/null 2>&1; then
+            say "pytest-xdist is not installed in $PY's environment: the tests run in one process"
+            exec "$PY" -m pytest -q tests "$@"
+        fi
+        exec "$PY" -m pytest -q tests -n "$workers" "$@"
         ;;
     __env)
         # Hidden, for tests: the value of each named variable after the ROCm exports.

@@ -11,6 +11,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist's workers share the cores instead of each taking all
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def library_log_handlers():

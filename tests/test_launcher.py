@@ -88,10 +88,15 @@ def test_no_gpu_sets_nothing_and_prints_no_summary():
 
 
 def test_test_subcommand_runs_pytest_from_the_repo_root_and_returns_its_exit_code(tmp_path):
-    # From another directory, selecting nothing: pytest's "no tests collected" (5) must come back unmasked.
-    done = launch("test", "-k", "no_test_has_this_name_xyz", "tests/test_launcher.py", cwd=tmp_path)
-    assert done.returncode == 5, done.stdout + done.stderr
-    assert "deselected" in done.stdout
+    # From another directory, selecting nothing: pytest's "no tests collected" (5) must come back unmasked,
+    # with pytest-xdist's workers (one per core, at most 4) and without them (TOOLKIT_TEST_WORKERS=0).
+    args = ("test", "-k", "no_test_has_this_name_xyz", "tests/test_launcher.py")
+    workers = launch(*args, cwd=tmp_path, env={"TOOLKIT_TEST_WORKERS": "2"})
+    assert workers.returncode == 5, workers.stdout + workers.stderr
+    assert "bringing up nodes" in workers.stdout  # xdist's workers started
+    one = launch(*args, cwd=tmp_path, env={"TOOLKIT_TEST_WORKERS": "0"})
+    assert one.returncode == 5, one.stdout + one.stderr
+    assert "deselected" in one.stdout and "bringing up nodes" not in one.stdout
 
 
 def test_other_subcommands_pass_through_to_the_python_cli():
