@@ -160,6 +160,38 @@ def test_a_single_layer_keeps_low_for_backward_not_the_whole_product():
     assert torch.equal(rows.weight[64:], down.lora_A["default"].weight)
 
 
+def test_layers_with_biases_train_like_peft_and_keep_the_output_dtype():
+    """Biases on every projection (attention_bias, mlp_bias): fp32 parity; under bf16 autocast over an fp32 base
+    the single layers return bf16, as PEFT's do (the bias is added inside the product)."""
+    reference = lora_model("llama", extra_config=dict(attention_bias=True, mlp_bias=True))
+    grouped = copy.deepcopy(reference)
+    grouping = group_shared_inputs(grouped)
+    assert len(grouping.groups) == 4 and len(grouping.rows) == 4
+    assert_trains_like(grouped, reference)
+    down = grouped.base_model.model.model.layers[0].mlp.down_proj
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert down(torch.randn(2, 3, 160)).dtype == torch.bfloat16
+
+
+def test_a_single_vector_and_a_deleted_adapter():
+    """A 1-D input trains (PEFT's layers take one); after delete_adapter the model runs PEFT's own layers."""
+    reference = lora_llama(layers=1)
+    net = copy.deepcopy(reference)
+    group_shared_inputs(net, reset_before=net.get_base_model().get_decoder())  # the hook where the toolkit puts it
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        got, want = (m.base_model.model.model.layers[0].get_submodule(name) for m in (net, reference))
+        x = torch.randn(got.base_layer.in_features)
+        got(x).square().sum().backward()
+        want(x).square().sum().backward()
+        assert relative(got.lora_A["default"].weight.grad, want.lora_A["default"].weight.grad) < 1e-5, name
+    ids = torch.randint(0, 96, (1, 8))
+    for model in (net, reference):
+        model.delete_adapter("default")
+    with torch.no_grad():  # PeftModel itself refuses to run without its active adapter: its model does
+        got, want = (m.base_model.model(input_ids=ids).logits for m in (net, reference))
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_a_single_layer_wider_out_than_in_is_left_alone():
     """A inside suits layers whose input is the wide side; up_proj (64 -> 160) keeps PEFT's layer."""
     net = lora_llama(layers=1)

@@ -34,6 +34,11 @@ class LoraARows(torch.nn.Module):
         self.register_buffer("weight", torch.cat([weight, weight.new_zeros(self.rank, weight.shape[1])]),
                              persistent=False)
         base.weight = torch.nn.Parameter(self.weight[:self.out_features], requires_grad=False)
+        bias = None
+        if base.bias is not None:  # [bias ; zeros]: added inside the product, in the product's dtype
+            bias = torch.cat([base.bias.detach(), base.bias.new_zeros(self.rank)])
+            base.bias = torch.nn.Parameter(bias[:self.out_features], requires_grad=False)
+        self.register_buffer("bias", bias, persistent=False)
         self._held = [member]  # a list, not a submodule: it stays where the model has it
 
     @property
@@ -41,7 +46,10 @@ class LoraARows(torch.nn.Module):
         return self._held[0]
 
     def lora_slots(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """A and its rows of the buffer (a view of `.data`: the buffer's version stays, see refresh_slots)."""
+        """A and its rows of the buffer (a view of `.data`: the buffer's version stays, see refresh_slots); none
+        once the adapter is deleted (the layer then runs PEFT's own forward)."""
+        if self.adapter not in self._member.lora_A:
+            return [], []
         return [self.weight.data[self.out_features:]], [self._member.lora_A[self.adapter].weight]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,28 +60,26 @@ class LoraARows(torch.nn.Module):
         lora_a = member.lora_A[adapter].weight
         x = x.to(self.weight.dtype)
         if torch.is_grad_enabled():
-            wide = _FrozenWithLoraA.apply(x, self.weight, lora_a)
+            wide = _FrozenWithLoraA.apply(x, self.weight, self.bias, lora_a)
         else:  # eval and sampling: the same product (the Function would split a compiled layer under no_grad)
-            wide = F.linear(x, self.weight)
+            wide = F.linear(x, self.weight, self.bias)
         frozen, low = wide.split([self.out_features, self.rank], dim=-1)
         # low's own copy (r columns): kept for B's gradient, a view would keep the whole product alive until then
         low = low.contiguous()
         lora_b = member.lora_B[adapter].weight * member.scaling[adapter]
-        out = frozen + F.linear(low, lora_b.to(low.dtype))
-        bias = member.base_layer.bias
-        return out if bias is None else out + bias
+        return frozen + F.linear(low, lora_b.to(low.dtype))
 
 
 class _FrozenWithLoraA(torch.autograd.Function):
-    """`x @ weight^T`, where `weight` is the buffer [W ; A]: the frozen output and A's output side by side. The
+    """`x @ weight^T + bias`, where `weight` is the buffer [W ; A] (bias: [b ; zeros]): the frozen output and A's output side by side. The
     buffer holds A's values (copied in by refresh_slots), so autograd does not see A in it: backward returns A's
     gradient itself, and the input's from one product with the whole buffer."""
 
     @staticmethod
-    def forward(ctx, x, weight, lora_a):
+    def forward(ctx, x, weight, bias, lora_a):
         ctx.save_for_backward(x, weight)
         ctx.x_dtype, ctx.a_dtype, ctx.rank = x.dtype, lora_a.dtype, lora_a.shape[0]
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -81,5 +87,5 @@ class _FrozenWithLoraA(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = (grad @ weight.to(grad.dtype)).to(ctx.x_dtype)
         grad_low = grad[..., grad.shape[-1] - ctx.rank:]
-        grad_a = (grad_low.flatten(0, -2).t() @ x.to(grad.dtype).flatten(0, -2)).to(ctx.a_dtype)
-        return grad_x, None, grad_a
+        grad_a = (grad_low.reshape(-1, ctx.rank).t() @ x.to(grad.dtype).reshape(-1, x.shape[-1])).to(ctx.a_dtype)
+        return grad_x, None, None, grad_a

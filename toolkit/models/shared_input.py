@@ -82,6 +82,8 @@ class SharedInputGroup(torch.nn.Module):
         there, the buffer's version stays (a forward whose backward is still to run keeps working; the values
         only change with an optimizer step, which comes after that backward)."""
         data, adapter, slots, sources = self.weight.data, self.adapter, [], []
+        if any(adapter not in member.lora_B for member in self._members):
+            return [], []  # the adapter was deleted: the members run PEFT's own forward
         row, column = 0, self.in_features
         for member, size, rank in zip(self._members, self.out_sizes, self.ranks):
             slots.append(data[row:row + size, column:column + rank])
@@ -141,7 +143,7 @@ class _FrozenWithLoraB(torch.autograd.Function):
         grads_b, column = [], 0
         for grad_out, rank, dtype in zip(grad.split(ctx.out_sizes, dim=-1), ctx.ranks, ctx.b_dtypes):
             low_i = low[..., column:column + rank]
-            grads_b.append((grad_out.flatten(0, -2).t() @ low_i.flatten(0, -2)).to(dtype))
+            grads_b.append((grad_out.reshape(-1, grad_out.shape[-1]).t() @ low_i.reshape(-1, rank)).to(dtype))
             column += rank
         return (grad_wide, None, None, None, None, None, *grads_b)
 
