@@ -25,7 +25,7 @@ commands (passed to `python -m toolkit COMMAND`):
         [--prompt TEXT ...] [--seed N] with the run's own model and sample settings, into RUN_DIR/samples/cli-*/
   merge RUN_DIR OUT_DIR               fold an LLM LoRA into its base model and save the full model
   import-aitk JOB.yaml > CONFIG.yaml  translate an ai-toolkit job file (what does not translate: on stderr)
-  test [PYTEST ARGS]                  the test suite (python -m pytest -q tests -n CORES, at most 4)
+  test [PYTEST ARGS]                  the test suite, or the paths given (pytest, one worker per core, at most 4)
 
 options:
   --debug-hip   serialize HIP kernels and enable device-side assertions (slow, exact error locations)
@@ -152,15 +152,32 @@ case "$command" in
     test)
         shift
         cd "$ROOT"
-        # One pytest worker per core, at most 4 (pytest-xdist; TOOLKIT_TEST_WORKERS overrides, 0 runs the tests
-        # in this process; a -n among the arguments wins, being last)
-        cores="$(nproc 2>/dev/null || echo 1)"
-        workers="${TOOLKIT_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
+        # The whole suite unless paths are given (a test file, a folder, tests/x.py::name)
+        where=(tests)
+        for arg in "$@"; do
+            if [[ "$arg" != -* && ( -e "${arg%%::*}" ) ]]; then where=(); break; fi
+        done
+        # One pytest-xdist worker per core this process may use, at most 4 (TOOLKIT_TEST_WORKERS overrides, 0 runs
+        # the tests in this process); none where xdist cannot apply: -n given, debugging (--pdb, --trace), output
+        # not captured (-s), or xdist switched off (-p no:xdist)
+        workers="${TOOLKIT_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+        distribute=1
+        previous=""
+        for arg in "$@"; do
+            case "$arg" in
+                -n|-n*|--numprocesses*|--pdb|--trace|-s|--capture=no|-p*no:xdist) distribute=0 ;;
+                no:xdist) [[ "$previous" == "-p" ]] && distribute=0 ;;
+            esac
+            previous="$arg"
+        done
         if ! "$PY" -c "import xdist" >/dev/null 2>&1; then
-            say "pytest-xdist is not installed in $PY's environment: the tests run in one process"
-            exec "$PY" -m pytest -q tests "$@"
+            [[ "$workers" != 0 ]] && say "pytest-xdist is not installed in $PY's environment: the tests run in one process"
+            distribute=0
         fi
-        exec "$PY" -m pytest -q tests -n "$workers" "$@"
+        if [[ "$distribute" == 1 ]]; then
+            exec "$PY" -m pytest -q "${where[@]}" -n "$workers" "$@"
+        fi
+        exec "$PY" -m pytest -q "${where[@]}" "$@"
         ;;
     __env)
         # Hidden, for tests: the value of each named variable after the ROCm exports.

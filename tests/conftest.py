@@ -11,10 +11,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist's workers share the cores instead of each taking all
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not os.environ.get("OMP_NUM_THREADS"):
+    # pytest-xdist's workers share the cores this process may use instead of each taking all (a thread count the
+    # user set stays)
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,11 @@ def test_test_subcommand_runs_pytest_from_the_repo_root_and_returns_its_exit_cod
     one = launch(*args, cwd=tmp_path, env={"TOOLKIT_TEST_WORKERS": "0"})
     assert one.returncode == 5, one.stdout + one.stderr
     assert "deselected" in one.stdout and "bringing up nodes" not in one.stdout
+    # the path given is what runs (not the whole suite as well), and -s (no capture) runs in one process
+    deselected = int(re.search(r"(\d+) deselected", one.stdout).group(1))
+    assert deselected < 2 * len(re.findall(r"^def test_", Path(__file__).read_text(), flags=re.M))  # suite: 600+
+    uncaptured = launch(*args, "-s", cwd=tmp_path, env={"TOOLKIT_TEST_WORKERS": "2"})
+    assert uncaptured.returncode == 5 and "bringing up nodes" not in uncaptured.stdout
 
 
 def test_other_subcommands_pass_through_to_the_python_cli():
