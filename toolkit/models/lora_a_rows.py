@@ -12,6 +12,10 @@ so A's product never reads the input on its own, and the input's gradient, for d
 the layer, is written once, not written and then added to. A's rows are copied from the parameter before each
 forward (refresh_slots in shared_input.py, through `.data`); A's gradient comes from `_FrozenWithLoraA`.
 
+The weight being a view of the buffer has one visible effect: `torch.save` of that weight alone writes the
+buffer's A rows too (a view saves its whole storage). The toolkit saves only the adapter, and `toolkit merge`
+loads a fresh base. PEFT's merge writes into the view, so the buffer follows it.
+
 Shared input groups (shared_input.py) do the mirror image, B inside as extra input columns: that suits layers
 whose output is the wide side (q/k/v, gate/up), this suits those whose input is (down_proj).
 """

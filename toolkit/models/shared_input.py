@@ -29,6 +29,7 @@ disabled or merged, several active) runs its own forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Iterable
 
 import torch
@@ -190,21 +191,14 @@ def _shared_adapter(members: dict[str, torch.nn.Module]) -> str | None:
     return adapter
 
 
-def _grouped_forward(member: torch.nn.Module, name: str, group: SharedInputGroup, own):
+def _fused_forward(member: torch.nn.Module, adapter: str, run, own):
+    """The member's forward: `run(x)` (its group's output, or its single layer) in the one state the fused forms
+    cover (one active adapter, not merged, no extra arguments); PEFT's own forward `own` otherwise."""
     def forward(x, *args, **kwargs):
         if (args or kwargs or member.disable_adapters or member.merged
-                or list(member.active_adapters) != [group.adapter]):
+                or list(member.active_adapters) != [adapter]):
             return own(x, *args, **kwargs)
-        return group.output(name, x)
-    return forward
-
-
-def _own_forward(member: torch.nn.Module, layer: LoraARows, own):
-    def forward(x, *args, **kwargs):
-        if (args or kwargs or member.disable_adapters or member.merged
-                or list(member.active_adapters) != [layer.adapter]):
-            return own(x, *args, **kwargs)
-        return layer(x)
+        return run(x)
     return forward
 
 
@@ -244,7 +238,7 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
             group = SharedInputGroup(members, adapter)
             parent.add_module("shared_input_" + "_".join(n.removesuffix("_proj") for n in names), group)
             for name, member in members.items():
-                member.forward = _grouped_forward(member, name, group, member.forward)
+                member.forward = _fused_forward(member, adapter, partial(group.output, name), member.forward)
             groups.append(group)
         for name in singles:
             member = getattr(parent, name, None)
@@ -253,7 +247,7 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
                 continue
             layer = LoraARows(member, adapter)
             parent.add_module("lora_a_rows_" + name.removesuffix("_proj"), layer)
-            member.forward = _own_forward(member, layer, member.forward)
+            member.forward = _fused_forward(member, adapter, layer, member.forward)
             rows.append(layer)
     if groups or rows:
         # A checkpointed layer (transformers' gradient checkpointing) is traced by torch.compile as one
