@@ -161,6 +161,10 @@ case "$command" in
         # the tests in this process); none where xdist cannot apply: -n given, debugging (--pdb, --trace), output
         # not captured (-s), or xdist switched off (-p no:xdist)
         workers="${TOOLKIT_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+        if [[ ! "$workers" =~ ^[0-9]+$ ]]; then
+            say "TOOLKIT_TEST_WORKERS=$workers: give a number of pytest workers (0: one process)"
+            exit 2
+        fi
         distribute=1
         previous=""
         for arg in "$@"; do

@@ -386,7 +386,7 @@ def test_the_example_configs_get_it_on_a_gpu(example):
 @pytest.mark.parametrize("extra, message", [
     ("network.type=dora", "network.type=dora (each layer normalises its own weight)"),
     ("network.dropout=0.05", "network.dropout=0.05 (each layer drops its own input)"),
-    ("model.quantize=8bit", "model.quantize=8bit (the frozen weights are not 16-bit)"),
+    ("model.quantize=8bit", "model.quantize=8bit (the frozen weights are quantized)"),
 ])
 def test_true_where_it_cannot_apply_is_refused(run_cli, tmp_path, capsys, extra, message):
     """Exit 2, a line naming the key and what stands in the way, no run folder made."""

@@ -88,7 +88,7 @@ def _fuse_projections(cfg: DictConfig, device: DeviceInfo, problems: list[str], 
     blockers = [why for why, blocks in (
         ("network.type=dora (each layer normalises its own weight)", cfg.network.type == "dora"),
         (f"network.dropout={cfg.network.dropout} (each layer drops its own input)", cfg.network.dropout > 0),
-        (f"model.quantize={cfg.model.quantize} (the frozen weights are not 16-bit)", cfg.model.quantize in QUANTIZED),
+        (f"model.quantize={cfg.model.quantize} (the frozen weights are quantized)", cfg.model.quantize in QUANTIZED),
         ("device.distributed=fsdp (the frozen weights are sharded per layer)", cfg.device.distributed == "fsdp"),
     ) if blocks]
     if value is True and blockers:

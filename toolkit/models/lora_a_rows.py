@@ -60,11 +60,10 @@ class LoraARows(torch.nn.Module):
         member, adapter = self._member, self.adapter
         if not torch.compiler.is_compiling():  # compiled layers get A from the decoder's pre-hook
             with torch.no_grad():
-                self.weight.data[self.out_features:].copy_(member.lora_A[adapter].weight)
-        lora_a = member.lora_A[adapter].weight
+                torch._foreach_copy_(*self.lora_slots())
         x = x.to(self.weight.dtype)
         if torch.is_grad_enabled():
-            wide = _FrozenWithLoraA.apply(x, self.weight, self.bias, lora_a)
+            wide = _FrozenWithLoraA.apply(x, self.weight, self.bias, member.lora_A[adapter].weight)
         else:  # eval and sampling: the same product (the Function would split a compiled layer under no_grad)
             wide = F.linear(x, self.weight, self.bias)
         frozen, low = wide.split([self.out_features, self.rank], dim=-1)
@@ -75,9 +74,9 @@ class LoraARows(torch.nn.Module):
 
 
 class _FrozenWithLoraA(torch.autograd.Function):
-    """`x @ weight^T + bias`, where `weight` is the buffer [W ; A] (bias: [b ; zeros]): the frozen output and A's output side by side. The
-    buffer holds A's values (copied in by refresh_slots), so autograd does not see A in it: backward returns A's
-    gradient itself, and the input's from one product with the whole buffer."""
+    """`x @ weight^T + bias`, where `weight` is the buffer [W ; A] (bias: [b ; zeros]): the frozen output and A's
+    output side by side. The buffer holds A's values (copied in by refresh_slots), so autograd does not see A in
+    it: backward returns A's gradient itself, and the input's from one product with the whole buffer."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a):

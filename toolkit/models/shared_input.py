@@ -28,7 +28,7 @@ disabled or merged, several active) runs its own forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Iterable
 
@@ -206,7 +206,7 @@ def _fused_forward(member: torch.nn.Module, adapter: str, run, own):
 class Grouping:
     groups: list[SharedInputGroup]
     left: int   # sibling sets (2 or more present) not grouped: some layer not a plain LoRA Linear over an nn.Linear
-    rows: list[LoraARows] = field(default_factory=list)  # single layers with A inside the frozen product
+    rows: list[LoraARows]  # single layers with A inside the frozen product
 
 
 def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ...]] = SIBLINGS,
