@@ -77,6 +77,7 @@ def test_grouped_layers_train_like_peft(compiled):
     grouping = group_shared_inputs(grouped)
     assert len(grouping.groups) == 4  # q/k/v and gate/up in each of 2 layers
     assert len(grouping.rows) == 4  # o_proj and down_proj in each of 2 layers
+    assert grouping.mlps == 2  # each layer's MLP as one Function (gated_mlp.py)
     if compiled:
         for layer in grouped.base_model.model.model.layers:
             layer.compile(fullgraph=True)
@@ -96,7 +97,7 @@ def test_other_decoders_train_like_peft(model_type):
     reference = lora_model(model_type, extra_config=ARCHITECTURES[model_type])
     grouped = copy.deepcopy(reference)
     grouping = group_shared_inputs(grouped)
-    assert len(grouping.groups) == 4 and len(grouping.rows) == 4
+    assert len(grouping.groups) == 4 and len(grouping.rows) == 4 and grouping.mlps == 2  # gelu_tanh: gemma2
     assert_trains_like(grouped, reference)
 
 
@@ -166,7 +167,7 @@ def test_layers_with_biases_train_like_peft_and_keep_the_output_dtype():
     reference = lora_model("llama", extra_config=dict(attention_bias=True, mlp_bias=True))
     grouped = copy.deepcopy(reference)
     grouping = group_shared_inputs(grouped)
-    assert len(grouping.groups) == 4 and len(grouping.rows) == 4
+    assert len(grouping.groups) == 4 and len(grouping.rows) == 4 and grouping.mlps == 2
     assert_trains_like(grouped, reference)
     down = grouped.base_model.model.model.layers[0].mlp.down_proj
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -425,7 +426,7 @@ def test_compiled_in_bf16_on_the_gpu():
             if "lora_" not in name:
                 param.data = param.data.to(torch.bfloat16)
     grouping = group_shared_inputs(grouped)
-    assert len(grouping.groups) == 4 and len(grouping.rows) == 4
+    assert len(grouping.groups) == 4 and len(grouping.rows) == 4 and grouping.mlps == 2
     results = []
     for net in (reference, grouped):
         for layer in net.base_model.model.model.layers:

@@ -1,2 +1,20 @@
-"""Compute kernels the toolkit writes itself: plain PyTorch, fused by torch.compile where it runs on a GPU
-(inductor emits Triton for CUDA and ROCm from the same source), run eagerly on the CPU."""
+"""Compute kernels the toolkit writes itself. Most are plain PyTorch, fused by torch.compile where they run on a
+GPU (inductor emits Triton for CUDA and ROCm from the same source) and run eagerly on the CPU; where a fusion is
+beyond the compiler (a reduction over tokens inside an elementwise backward: gated_backward.py), a Triton kernel
+written here, with the same arithmetic in PyTorch for the CPU."""
+
+
+def triton_available() -> bool:
+    """True when triton imports (checked once, lazily: CPU-only installs never need it)."""
+    global _TRITON_AVAILABLE
+    if _TRITON_AVAILABLE is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _TRITON_AVAILABLE = False
+        else:
+            _TRITON_AVAILABLE = True
+    return _TRITON_AVAILABLE
+
+
+_TRITON_AVAILABLE: bool | None = None

@@ -221,7 +221,8 @@ class LLMAdapter(AdapterBase):
                 "LoRA over an unquantized nn.Linear)" if grouping.left else "")
         self.log(f"model.fuse_projections: {len(grouping.groups)} groups of LoRA layers that read one input "
                  f"(q/k/v, gate/up) run as one group each (their LoRA B inside the frozen product){left}; "
-                 f"{len(grouping.rows)} layers (o_proj, down_proj) run their LoRA A inside the frozen product")
+                 f"{len(grouping.rows)} layers (o_proj, down_proj) run their LoRA A inside the frozen product; "
+                 f"{grouping.mlps} gated MLPs compute down_proj's A gradient in their activation's backward")
 
     def enable_gradient_checkpointing(self) -> None:
         self._checkpoint_layers(self.network.get_base_model())

@@ -56,19 +56,27 @@ class LoraARows(torch.nn.Module):
             return [], []
         return [self.weight.data[self.out_features:]], [self._member.lora_A[self.adapter].weight]
 
+    def copy_slots(self) -> None:
+        """Copy A into the buffer (an eager call; compiled layers get it from the decoder's pre-hook)."""
+        with torch.no_grad():
+            torch._foreach_copy_(*self.lora_slots())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        member, adapter = self._member, self.adapter
         if not torch.compiler.is_compiling():  # compiled layers get A from the decoder's pre-hook
-            with torch.no_grad():
-                torch._foreach_copy_(*self.lora_slots())
+            self.copy_slots()
         x = x.to(self.weight.dtype)
         if torch.is_grad_enabled():
-            wide = _FrozenWithLoraA.apply(x, self.weight, self.bias, member.lora_A[adapter].weight)
+            wide = _FrozenWithLoraA.apply(x, self.weight, self.bias, self._member.lora_A[self.adapter].weight)
         else:  # eval and sampling: the same product (the Function would split a compiled layer under no_grad)
             wide = F.linear(x, self.weight, self.bias)
+        return self.finish(wide)
+
+    def finish(self, wide: torch.Tensor) -> torch.Tensor:
+        """The layer's output from `wide` = [frozen output | low]: frozen + low·(B·scaling)^T."""
         frozen, low = wide.split([self.out_features, self.rank], dim=-1)
         # low's own copy (r columns): kept for B's gradient, a view would keep the whole product alive until then
         low = low.contiguous()
+        member, adapter = self._member, self.adapter
         lora_b = member.lora_B[adapter].weight * member.scaling[adapter]
         return frozen + F.linear(low, lora_b.to(low.dtype))
 

@@ -35,6 +35,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
+from toolkit.models.gated_mlp import fuse_gated_mlp, gated_activation
 from toolkit.models.lora_a_rows import LoraARows
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -107,6 +108,10 @@ class SharedInputGroup(torch.nn.Module):
         return out
 
     def _compute(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.product(x).split(self.out_sizes, dim=-1)))
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's output side by side, in the order of `names`."""
         members, adapter = self._members, self.adapter
         if not torch.compiler.is_compiling():
             refresh_slots([self])  # compiled layers get theirs from the pre-hook (group_shared_inputs)
@@ -119,7 +124,7 @@ class SharedInputGroup(torch.nn.Module):
                                          tuple(self.ranks), *[m.lora_B[adapter].weight for m in members])
         else:  # eval and sampling: the same product (the Function would split a compiled layer under no_grad)
             out = F.linear(wide, self.weight, self.bias)
-        return dict(zip(self.names, out.split(self.out_sizes, dim=-1)))
+        return out
 
 
 class _FrozenWithLoraB(torch.autograd.Function):
@@ -191,12 +196,16 @@ def _shared_adapter(members: dict[str, torch.nn.Module]) -> str | None:
     return adapter
 
 
+def in_fused_state(member: torch.nn.Module, adapter: str) -> bool:
+    """Whether a fused LoRA layer is in the one state the fused forms cover: `adapter` alone active, not merged."""
+    return not (member.disable_adapters or member.merged) and list(member.active_adapters) == [adapter]
+
+
 def _fused_forward(member: torch.nn.Module, adapter: str, run, own):
     """The member's forward: `run(x)` (its group's output, or its single layer) in the one state the fused forms
-    cover (one active adapter, not merged, no extra arguments); PEFT's own forward `own` otherwise."""
+    cover (in_fused_state, no extra arguments); PEFT's own forward `own` otherwise."""
     def forward(x, *args, **kwargs):
-        if (args or kwargs or member.disable_adapters or member.merged
-                or list(member.active_adapters) != [adapter]):
+        if args or kwargs or not in_fused_state(member, adapter):
             return own(x, *args, **kwargs)
         return run(x)
     return forward
@@ -207,6 +216,7 @@ class Grouping:
     groups: list[SharedInputGroup]
     left: int   # sibling sets (2 or more present) not grouped: some layer not a plain LoRA Linear over an nn.Linear
     rows: list[LoraARows]  # single layers with A inside the frozen product
+    mlps: int   # gated MLPs run as one Function over their group and down's LoraARows (gated_mlp.py)
 
 
 def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ...]] = SIBLINGS,
@@ -223,9 +233,10 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
     which a compiled layer does not do itself (one `_foreach_copy_` for all; measured: no cost on an H100). The
     weights are views of the buffers until something replaces them (`model.to` of another dtype); the numbers
     stay right, the weights are then held twice: group after moving."""
-    groups, rows, left = [], [], 0
+    groups, rows, left, mlps = [], [], 0, 0
     singles = tuple(singles)
     for parent in list(model.modules()):
+        made = {}
         for names in siblings:
             present = [n for n in names if isinstance(getattr(parent, n, None), torch.nn.Module)]
             if not present:
@@ -240,6 +251,7 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
             for name, member in members.items():
                 member.forward = _fused_forward(member, adapter, partial(group.output, name), member.forward)
             groups.append(group)
+            made[names] = group
         for name in singles:
             member = getattr(parent, name, None)
             adapter = _shared_adapter({name: member}) if isinstance(member, torch.nn.Module) else None
@@ -249,6 +261,10 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
             parent.add_module("lora_a_rows_" + name.removesuffix("_proj"), layer)
             member.forward = _fused_forward(member, adapter, layer, member.forward)
             rows.append(layer)
+            made[name] = layer
+        act = gated_activation(parent)
+        if act and ("gate_proj", "up_proj") in made and "down_proj" in made:
+            mlps += fuse_gated_mlp(parent, made["gate_proj", "up_proj"], made["down_proj"], act, in_fused_state)
     if groups or rows:
         # A checkpointed layer (transformers' gradient checkpointing) is traced by torch.compile as one
         # higher-order op, which refuses side effects unless they may be skipped when backward recomputes the
@@ -265,4 +281,4 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
             refresh_slots(layers)  # a compiled layer does not copy them itself
 
         (model if reset_before is None else reset_before).register_forward_pre_hook(reset)
-    return Grouping(groups, left, rows)
+    return Grouping(groups, left, rows, mlps)

@@ -24,27 +24,12 @@ from typing import Callable, Iterable
 import torch
 
 from toolkit.errors import UserError
+from toolkit.kernels import triton_available
 from toolkit.optim import reference
 from toolkit.optim.bnb_compat import convert_bnb_state_dict, is_bnb_state_dict
 from toolkit.optim.quant import MIN_8BIT_SIZE, num_blocks
 
 IMPLEMENTATIONS = ("auto", "torch", "triton")
-
-
-def triton_available() -> bool:
-    """True when triton imports (checked once, lazily: CPU-only installs never need it)."""
-    global _TRITON_AVAILABLE
-    if _TRITON_AVAILABLE is None:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            _TRITON_AVAILABLE = False
-        else:
-            _TRITON_AVAILABLE = True
-    return _TRITON_AVAILABLE
-
-
-_TRITON_AVAILABLE: bool | None = None
 
 
 def _fusable(p: torch.Tensor, grad: torch.Tensor) -> bool:
