@@ -12,7 +12,7 @@ import torch
 from test_fuse_projections import lora_llama, lora_model, relative
 from transformers.activations import ACT2FN
 
-from toolkit.kernels.gated_backward import gated_backward, reference
+from toolkit.kernels.gated_backward import gated_backward, reference, register
 from toolkit.models.gated_mlp import gated_activation
 from toolkit.models.shared_input import group_shared_inputs
 
@@ -138,14 +138,16 @@ def test_disabled_or_merged_adapters_run_the_model_s_own_mlp():
                                                     (512, 2048, 128)])
 def test_the_triton_kernel_is_the_reference_on_the_gpu(act, tokens, features, rank):
     """bf16: gate's and up's gradients within one bf16 rounding of the reference's (the same fp32 math, another
-    order of operations), A's within fp32 summation order."""
+    order of operations); A's within 1e-3 (h rounded to bf16 on both sides: where the fp32 values differ in the
+    last bits, a rounding flips)."""
+    assert register()
     gate_up, grad_h, grad_low = inputs(tokens, features, rank, torch.bfloat16, "cuda")
     got_gate_up, got_a = gated_backward(gate_up, grad_h, grad_low, act)
     want_gate_up, want_a = reference(gate_up, grad_h, grad_low, act)
     assert got_gate_up.shape == gate_up.shape and got_gate_up.dtype == torch.bfloat16
     difference = (got_gate_up.float() - want_gate_up.float()).abs()
     assert (difference <= want_gate_up.float().abs() * 2 ** -7 + 1e-6).all()
-    assert got_a.dtype == torch.float32 and relative(got_a, want_a) < 1e-4
+    assert got_a.dtype == torch.float32 and relative(got_a, want_a) < 1e-3
 
 
 @pytest.mark.gpu
@@ -154,6 +156,7 @@ def test_the_kernel_runs_inside_a_compiled_layer():
     """The custom op in a compiled graph (fullgraph): the same gradients as the eager Function."""
     from toolkit.models.gated_mlp import _GatedDown
 
+    assert register()
     torch._dynamo.reset()
     gate_up = torch.randn(4, 64, 2 * 320, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(64 + 16, 320, device="cuda", dtype=torch.bfloat16) / 20

@@ -16,8 +16,6 @@ imports, and the same arithmetic in PyTorch otherwise (the CPU, and the tests' r
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -36,10 +34,24 @@ def activation(gate: torch.Tensor, act: str) -> torch.Tensor:
 def gated_backward(gate_up: torch.Tensor, grad_h: torch.Tensor, grad_low: torch.Tensor,
                    act: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(gradient of gate_up = [gate | up], fp32 gradient of A) for h = act(gate) * up, given grad_h and the
-    gradient of low = h @ A^T. gate_up: [..., 2F]; grad_h: [..., F]; grad_low: [..., r] (any row stride)."""
-    if gate_up.is_cuda and triton_available() and gate_up.dtype in (torch.bfloat16, torch.float16):
-        return _triton_op()(gate_up, grad_h, grad_low, act)
+    gradient of low = h @ A^T. gate_up: [..., 2F]; grad_h: [..., F]; grad_low: [..., r] (any row stride).
+    The Triton kernel once `register` has made it (a compiled graph cannot import triton while it traces)."""
+    if gate_up.is_cuda and _REGISTERED and gate_up.dtype in (torch.bfloat16, torch.float16):
+        return torch.ops.toolkit.gated_backward(gate_up, grad_h, grad_low, act)
     return reference(gate_up, grad_h, grad_low, act)
+
+
+def register() -> bool:
+    """Make the Triton kernel's custom op, once; False where triton does not import (then the PyTorch arithmetic
+    runs). Called where a model's MLPs are taken over, before anything is compiled."""
+    global _REGISTERED
+    if not _REGISTERED and triton_available():
+        _define_op()
+        _REGISTERED = True
+    return _REGISTERED
+
+
+_REGISTERED = False
 
 
 def reference(gate_up: torch.Tensor, grad_h: torch.Tensor, grad_low: torch.Tensor,
@@ -69,10 +81,9 @@ def _activation_and_slope(gate: torch.Tensor, act: str) -> tuple[torch.Tensor, t
     return 0.5 * gate * (1 + tanh), slope
 
 
-@functools.cache
-def _triton_op():
-    """The kernel as a PyTorch custom op (torch.library.triton_op): torch.compile sees it as one node, with
-    output shapes it can infer, and calls the kernel from its generated code."""
+def _define_op() -> None:
+    """The kernel as the custom op toolkit::gated_backward (torch.library.triton_op): torch.compile sees it as
+    one node, with output shapes it can infer, and calls the kernel from its generated code."""
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
@@ -120,7 +131,7 @@ def _triton_op():
         tl.store(at, acc, mask=rank_ok[:, None] & column_ok[None, :])
 
     @triton_op("toolkit::gated_backward", mutates_args=())
-    def gated_backward_op(gate_up: torch.Tensor, grad_h: torch.Tensor, grad_low: torch.Tensor,
+    def _op(gate_up: torch.Tensor, grad_h: torch.Tensor, grad_low: torch.Tensor,
                           act: str) -> tuple[torch.Tensor, torch.Tensor]:
         features = grad_h.shape[-1]
         rank = grad_low.shape[-1]
@@ -130,7 +141,7 @@ def _triton_op():
             grad_low2 = grad_low2.contiguous()
         tokens = gate_up2.shape[0]
         grad_gate_up = torch.empty_like(gate_up2)
-        partial_a = torch.zeros((SPLITS, rank, features), dtype=torch.float32, device=gate_up.device)
+        partial_a = torch.empty((SPLITS, rank, features), dtype=torch.float32, device=gate_up.device)
         tokens_per_split = triton.cdiv(triton.cdiv(tokens, SPLITS), BLOCK_T) * BLOCK_T
         block_r = max(16, triton.next_power_of_2(rank))  # tl.dot takes 16 rows at least
         block_f = BLOCK_F if block_r <= 64 else BLOCK_F // 2  # the accumulator stays in registers
@@ -140,5 +151,3 @@ def _triton_op():
                                    tokens_per_split, GELU=act == "gelu_tanh", BLOCK_T=BLOCK_T, BLOCK_F=block_f,
                                    BLOCK_R=block_r, num_warps=8, num_stages=3)
         return grad_gate_up.reshape(gate_up.shape), partial_a.sum(0)
-
-    return gated_backward_op

@@ -22,7 +22,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from toolkit.kernels.gated_backward import activation, gated_backward
+from toolkit.kernels.gated_backward import activation, gated_backward, register
 
 # transformers' gated MLP forward, whitespace removed (127 MLP classes of transformers 5.23 read this way)
 GATED_FORWARDS = frozenset({
@@ -55,6 +55,8 @@ def fuse_gated_mlp(mlp: torch.nn.Module, group, rows, act: str, in_fused_state) 
             or rows.weight.shape[1] != group.out_sizes[0] or rows.weight.dtype != group.weight.dtype
             or rows.adapter != group.adapter):
         return False
+    if rows.weight.is_cuda:
+        register()  # the Triton kernel, before anything is compiled
     own = mlp.forward
     members = [*group._members, rows._member]
 
