@@ -81,7 +81,9 @@ class ModelSection:
         "auto", "LLM: LoRA layers that read the same input (a decoder layer's q/k/v projections, its gate/up "
         "projections) run as one group: their LoRA down-projections as one matrix product, and their frozen weights "
         "with the LoRA up-projections beside them as another (toolkit/models/shared_input.py); o_proj and down_proj "
-        "run their LoRA down-projection inside the frozen product (toolkit/models/lora_a_rows.py). PEFT's "
+        "run their LoRA down-projection inside the frozen product (toolkit/models/lora_a_rows.py); a gated MLP (SiLU or "
+        "tanh GELU) computes down_proj's LoRA A gradient in its activation's backward (toolkit/models/gated_mlp.py, "
+        "a Triton kernel on GPUs). PEFT's "
         "arithmetic otherwise; the saved adapter is unchanged. Applies to "
         "plain LoRA without dropout over unquantized weights, without fsdp. auto: on where measured faster (an NVIDIA GPU "
         "with train.compile on), off on the CPU and, unmeasured, on ROCm.", resume_safe=True)
