@@ -398,8 +398,14 @@ def test_true_where_it_cannot_apply_is_refused(run_cli, tmp_path, capsys, extra,
     assert not (tmp_path / "run").exists()
 
 
-def test_through_the_entry_point_the_losses_are_peft_s(run_cli, tmp_path, capsys):
-    """The quickstart, 6 steps, true against false: equal losses (fp32 on the CPU), and the log says so."""
+def test_through_the_entry_point_the_losses_are_peft_s(run_cli, tmp_path, capsys, monkeypatch):
+    """The quickstart, 6 steps, true against false: equal losses (fp32 on the CPU), and the log says so; the
+    training steps run the gated MLPs (no hook or state of the trainer's turns them off)."""
+    from toolkit.models import gated_mlp
+
+    calls = []
+    apply = gated_mlp._GatedDown.apply
+    monkeypatch.setattr(gated_mlp._GatedDown, "apply", lambda *args: calls.append(1) or apply(*args))
     losses = {}
     for value in ("true", "false"):
         out = tmp_path / value
@@ -407,7 +413,9 @@ def test_through_the_entry_point_the_losses_are_peft_s(run_cli, tmp_path, capsys
                        "train.steps=6", "save.every=0", "sample.every=0", "log.every=1",
                        f"model.fuse_projections={value}") == 0
         losses[value] = [r["loss"] for r in read_metrics(out)]
-    assert "model.fuse_projections: 4 groups of LoRA layers" in capsys.readouterr().err
+    log = capsys.readouterr().err
+    assert "model.fuse_projections: 4 groups of LoRA layers" in log and "; 2 gated MLPs compute" in log
+    assert len(calls) >= 6 * 2  # two MLPs a forward, one forward or more a step
     assert len(losses["true"]) == 6 and losses["true"] == pytest.approx(losses["false"], rel=1e-5)
 
 

@@ -1,7 +1,7 @@
 """A gated MLP as one Function over its gate/up group and down's LoraARows (toolkit/models/gated_mlp.py), and the
 backward that computes down's A gradient with the activation's (toolkit/kernels/gated_backward.py). The model-level
 parity with PEFT (eager, compiled, checkpointed, Llama to Gemma 2, the entry point) is in test_fuse_projections.py,
-which runs every model there with these MLPs."""
+whose tests that group gate/up and single out down_proj run these MLPs."""
 
 from __future__ import annotations
 
@@ -129,6 +129,44 @@ def test_disabled_or_merged_adapters_run_the_model_s_own_mlp():
         assert torch.allclose(got, want, atol=1e-5)
         got, want = (m(input_ids=ids).logits for m in (net, reference_net))
         assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_unload_hooks_and_mixed_adapter_batches_run_the_layers_themselves():
+    """States the MLP cannot see in its layers' flags: PEFT's unload() (the base layers put back), a forward hook
+    on a layer (it must fire), PEFT's mixed-batch adapter_names (passed to the layers by pre-hooks)."""
+    reference_net = lora_llama(layers=1)
+    net = copy.deepcopy(reference_net)
+    assert group_shared_inputs(net, reset_before=net.get_base_model().get_decoder()).mlps == 1
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for model in (net, reference_net):
+            model.eval()
+        names = ["__base__", "default"]
+        got, want = (m(input_ids=ids, adapter_names=names).logits for m in (net, reference_net))
+        assert relative(got, want) < 1e-6
+        fired = []
+        mlp = net.base_model.model.model.layers[0].mlp
+        handles = [getattr(mlp, name).register_forward_hook(lambda *_, name=name: fired.append(name))
+                   for name in ("gate_proj", "up_proj", "down_proj")]
+        got, want = (m(input_ids=ids).logits for m in (net, reference_net))
+        assert fired == ["gate_proj", "up_proj", "down_proj"] and relative(got, want) < 1e-6
+        for handle in handles:
+            handle.remove()
+        got, want = (m.unload()(input_ids=ids).logits for m in (net, reference_net))
+        assert torch.equal(got, want)
+
+
+def test_an_fp64_model_keeps_fp64():
+    reference_net = lora_llama(layers=1, dtype=torch.float64)
+    net = copy.deepcopy(reference_net)
+    assert group_shared_inputs(net).mlps == 1
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for model in (net, reference_net):
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    for name, want in grads[1].items():
+        assert grads[0][name].dtype == torch.float64 and relative(grads[0][name], want) < 1e-12, name
 
 
 @pytest.mark.gpu

@@ -10,8 +10,9 @@ h recomputed in registers. The group receives its gradient as one tensor, not ga
 
 The arithmetic is PEFT's, as for the layers one by one. An MLP is taken over when its forward is transformers'
 gated form (that source, checked), its activation is SiLU or tanh-approximated GELU (Llama, Mistral, Qwen,
-Gemma and most decoders), and its three layers are fused forms of one dtype; any other state (adapters disabled
-or merged, another adapter active) runs the model's own forward, which calls the layers one by one.
+Gemma and most decoders), and its three layers are fused forms of one dtype and adapter. Any other state runs the
+model's own forward, which calls the layers one by one: adapters disabled or merged, another adapter active,
+layers replaced (PEFT's unload), forward hooks on a layer or global ones (PEFT's mixed-batch adapter_names).
 """
 
 from __future__ import annotations
@@ -55,13 +56,12 @@ def fuse_gated_mlp(mlp: torch.nn.Module, group, rows, act: str, in_fused_state) 
             or rows.weight.shape[1] != group.out_sizes[0] or rows.weight.dtype != group.weight.dtype
             or rows.adapter != group.adapter):
         return False
-    if rows.weight.is_cuda:
-        register()  # the Triton kernel, before anything is compiled
+    register()  # the Triton kernel where triton imports, before anything is compiled
     own = mlp.forward
-    members = [*group._members, rows._member]
+    members = dict(zip(("gate_proj", "up_proj", "down_proj"), [*group._members, rows._member]))
 
     def forward(x, *args, **kwargs):
-        if args or kwargs or not all(in_fused_state(member, group.adapter) for member in members):
+        if args or kwargs or not _still_fused(mlp, members, group.adapter, in_fused_state):
             return own(x, *args, **kwargs)
         gate_up = group.product(x)
         if not torch.compiler.is_compiling():  # compiled layers get A from the decoder's pre-hook
@@ -75,6 +75,21 @@ def fuse_gated_mlp(mlp: torch.nn.Module, group, rows, act: str, in_fused_state) 
         return rows.finish(wide)
 
     mlp.forward = forward
+    return True
+
+
+def _still_fused(mlp: torch.nn.Module, members: dict[str, torch.nn.Module], adapter: str, in_fused_state) -> bool:
+    """Whether the MLP may skip calling its layers: each is still the fused member (PEFT's unload() puts the base
+    layers back), in the fused state, and without forward hooks, its own or global (PEFT's mixed-batch
+    `adapter_names` reaches the layers through pre-hooks; a user's hooks expect the layers called)."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return False
+    for name, member in members.items():
+        if (getattr(mlp, name, None) is not member or member._forward_hooks or member._forward_pre_hooks
+                or not in_fused_state(member, adapter)):
+            return False
     return True
 
 
