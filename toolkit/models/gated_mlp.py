@@ -17,6 +17,7 @@ layers replaced (PEFT's unload), forward hooks on a layer or global ones (PEFT's
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -34,11 +35,7 @@ GATED_FORWARDS = frozenset({
 
 def gated_activation(mlp: torch.nn.Module) -> str | None:
     """'silu' or 'gelu_tanh' when `mlp` computes `down(act(gate(x)) * up(x))` with that activation, else None."""
-    try:
-        source = re.sub(r"\s+", "", inspect.getsource(type(mlp).forward))
-    except (OSError, TypeError):
-        return None
-    if source not in GATED_FORWARDS:
+    if not _gated_form(type(mlp)):
         return None
     act = getattr(mlp, "act_fn", None)
     name = type(act).__name__
@@ -47,6 +44,15 @@ def gated_activation(mlp: torch.nn.Module) -> str | None:
     if (isinstance(act, torch.nn.GELU) and act.approximate == "tanh") or name in ("GELUTanh", "PytorchGELUTanh"):
         return "gelu_tanh"
     return None
+
+
+@functools.cache
+def _gated_form(cls: type) -> bool:
+    """Whether the class's forward is transformers' gated MLP (its source, whitespace removed; read once a class)."""
+    try:
+        return re.sub(r"\s+", "", inspect.getsource(cls.forward)) in GATED_FORWARDS
+    except (OSError, TypeError, AttributeError):
+        return False
 
 
 def fuse_gated_mlp(mlp: torch.nn.Module, group, rows, act: str, in_fused_state) -> bool:

@@ -19,7 +19,8 @@ the same process) refuses such views, so make them contiguous first (the toolkit
 
 The layers that group with nothing and read the wide side, o_proj and down_proj, get the mirror image (A inside
 the frozen product, lora_a_rows.py); group_shared_inputs sets up both, and one pre-hook copies what every buffer
-holds.
+holds. A gated MLP whose gate/up group and down layer are both made runs as one Function over them
+(gated_mlp.py), so that down's A gradient comes from the activation's backward.
 
 The first member a module calls with an input computes every member's output; the others take theirs from the
 group. A member called on another input, with extra arguments, or in a state PEFT handles differently (adapters
@@ -262,8 +263,7 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
             member.forward = _fused_forward(member, adapter, layer, member.forward)
             rows.append(layer)
             made[name] = layer
-        act = gated_activation(parent)
-        if act and ("gate_proj", "up_proj") in made and "down_proj" in made:
+        if ("gate_proj", "up_proj") in made and "down_proj" in made and (act := gated_activation(parent)):
             mlps += fuse_gated_mlp(parent, made["gate_proj", "up_proj"], made["down_proj"], act, in_fused_state)
     if groups or rows:
         # A checkpointed layer (transformers' gradient checkpointing) is traced by torch.compile as one
