@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 from toolkit.kernels import triton_available
 
-ACTIVATIONS = ("silu", "gelu_tanh")
 SPLITS = 16     # slices of the token axis, each summing its part of grad_A (more programs than the GPU has SMs)
 BLOCK_T, BLOCK_F = 32, 128
 NUM_WARPS, NUM_STAGES = 4, 3  # the fastest of 72 configurations at 8192 x 8192, r=16 (H100: 0.257 ms, 3.1 TB/s)

@@ -23,8 +23,10 @@ import re
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as nn_module
 
 from toolkit.kernels.gated_backward import activation, gated_backward, register
+from toolkit.models.lora_a_rows import in_fused_state
 
 # transformers' gated MLP forward, whitespace removed (127 MLP classes of transformers 5.23 read this way)
 GATED_FORWARDS = frozenset({
@@ -55,7 +57,7 @@ def _gated_form(cls: type) -> bool:
         return False
 
 
-def fuse_gated_mlp(mlp: torch.nn.Module, group, rows, act: str, in_fused_state) -> bool:
+def fuse_gated_mlp(mlp: torch.nn.Module, group, rows, act: str) -> bool:
     """Run `mlp` as one Function over its gate/up group and its down LoraARows; False (nothing changed) when the
     three do not fit: another order of the group, other widths, or other dtypes."""
     if (group.names != ("gate_proj", "up_proj") or group.out_sizes[0] != group.out_sizes[1]
@@ -67,7 +69,7 @@ def fuse_gated_mlp(mlp: torch.nn.Module, group, rows, act: str, in_fused_state) 
     members = dict(zip(("gate_proj", "up_proj", "down_proj"), [*group._members, rows._member]))
 
     def forward(x, *args, **kwargs):
-        if args or kwargs or not _still_fused(mlp, members, group.adapter, in_fused_state):
+        if args or kwargs or not _still_fused(mlp, members, group.adapter):
             return own(x, *args, **kwargs)
         gate_up = group.product(x)
         if not torch.compiler.is_compiling():  # compiled layers get A from the decoder's pre-hook
@@ -84,12 +86,10 @@ def fuse_gated_mlp(mlp: torch.nn.Module, group, rows, act: str, in_fused_state) 
     return True
 
 
-def _still_fused(mlp: torch.nn.Module, members: dict[str, torch.nn.Module], adapter: str, in_fused_state) -> bool:
+def _still_fused(mlp: torch.nn.Module, members: dict[str, torch.nn.Module], adapter: str) -> bool:
     """Whether the MLP may skip calling its layers: each is still the fused member (PEFT's unload() puts the base
     layers back), in the fused state, and without forward hooks, its own or global (PEFT's mixed-batch
     `adapter_names` reaches the layers through pre-hooks; a user's hooks expect the layers called)."""
-    from torch.nn.modules import module as nn_module
-
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return False
     for name, member in members.items():

@@ -26,6 +26,12 @@ import torch
 import torch.nn.functional as F
 
 
+def in_fused_state(member: torch.nn.Module, adapter: str) -> bool:
+    """Whether a fused LoRA layer (a group member, a single layer, a gated MLP's) is in the one state the fused
+    forms cover: `adapter` alone active, not merged."""
+    return not (member.disable_adapters or member.merged) and list(member.active_adapters) == [adapter]
+
+
 class LoraARows(torch.nn.Module):
     def __init__(self, member: torch.nn.Module, adapter: str):
         super().__init__()

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.models.gated_mlp import fuse_gated_mlp, gated_activation
-from toolkit.models.lora_a_rows import LoraARows
+from toolkit.models.lora_a_rows import LoraARows, in_fused_state
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # layers that group with nothing and whose input is at least as wide as the output: A inside (lora_a_rows.py)
@@ -197,11 +197,6 @@ def _shared_adapter(members: dict[str, torch.nn.Module]) -> str | None:
     return adapter
 
 
-def in_fused_state(member: torch.nn.Module, adapter: str) -> bool:
-    """Whether a fused LoRA layer is in the one state the fused forms cover: `adapter` alone active, not merged."""
-    return not (member.disable_adapters or member.merged) and list(member.active_adapters) == [adapter]
-
-
 def _fused_forward(member: torch.nn.Module, adapter: str, run, own):
     """The member's forward: `run(x)` (its group's output, or its single layer) in the one state the fused forms
     cover (in_fused_state, no extra arguments); PEFT's own forward `own` otherwise."""
@@ -264,7 +259,7 @@ def group_shared_inputs(model: torch.nn.Module, siblings: Iterable[tuple[str, ..
             rows.append(layer)
             made[name] = layer
         if ("gate_proj", "up_proj") in made and "down_proj" in made and (act := gated_activation(parent)):
-            mlps += fuse_gated_mlp(parent, made["gate_proj", "up_proj"], made["down_proj"], act, in_fused_state)
+            mlps += fuse_gated_mlp(parent, made["gate_proj", "up_proj"], made["down_proj"], act)
     if groups or rows:
         # A checkpointed layer (transformers' gradient checkpointing) is traced by torch.compile as one
         # higher-order op, which refuses side effects unless they may be skipped when backward recomputes the
