@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from toolkit.data.samples import IGNORE_INDEX, TokenizedSample
+from toolkit.data.samples import IGNORE_INDEX, TokenizedSample, long_tensor
 
 
 def pack_greedy(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -35,13 +35,12 @@ def pack_greedy(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 def flatten_samples(samples: Sequence[TokenizedSample]) -> dict[str, torch.Tensor]:
     """One row: concatenated input_ids and labels, position_ids restarting at 0 per sample."""
-    input_ids, labels, positions = [], [], []
-    for sample in samples:
-        input_ids += sample.input_ids
-        labels += [IGNORE_INDEX] + sample.labels[1:]
-        positions += range(len(sample.input_ids))
-    return {"input_ids": torch.tensor([input_ids]), "labels": torch.tensor([labels]),
-            "position_ids": torch.tensor([positions])}
+    labels = [long_tensor(sample.labels) for sample in samples]
+    for row in labels:
+        row[:1] = IGNORE_INDEX
+    return {"input_ids": torch.cat([long_tensor(sample.input_ids) for sample in samples]).unsqueeze(0),
+            "labels": torch.cat(labels).unsqueeze(0),
+            "position_ids": torch.cat([torch.arange(len(sample.input_ids)) for sample in samples]).unsqueeze(0)}
 
 
 class PackedTextDataset:

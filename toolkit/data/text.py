@@ -17,7 +17,7 @@ import torch
 
 from toolkit.data.packing import PackedTextDataset
 from toolkit.data.records import read_records, where
-from toolkit.data.samples import IGNORE_INDEX, TokenizedSample
+from toolkit.data.samples import IGNORE_INDEX, TokenizedSample, long_tensor
 from toolkit.errors import UserError
 
 FORMATS = ("text", "alpaca", "chat")
@@ -186,8 +186,8 @@ def pad_samples(batch: list[TokenizedSample], pad_token_id: int) -> dict[str, to
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, sample in enumerate(batch):
         n = len(sample.input_ids)
-        input_ids[row, :n] = torch.tensor(sample.input_ids)
-        labels[row, :n] = torch.tensor(sample.labels)
+        input_ids[row, :n] = long_tensor(sample.input_ids)
+        labels[row, :n] = long_tensor(sample.labels)
         attention_mask[row, :n] = 1
     if all(len(s.input_ids) == width for s in batch):
         # No padding: without a mask, SDPA takes its is_causal fast path (flash attention on GPUs).

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from toolkit.kernels.linear_cross_entropy import IGNORE_INDEX, HeadMath, chunk_loss_and_grad, compiled_step, linear_cross_entropy
+from toolkit.kernels.linear_cross_entropy import (COMPILED_CHUNK_ELEMENTS, IGNORE_INDEX, HeadMath, chunk_loss_and_grad,
+                                                  chunk_rows, compiled_step, linear_cross_entropy)
 from toolkit.models.base import is_sharded
 
 # model_type -> what its CausalLM forward does to lm_head's output (read from the config)
@@ -99,6 +100,7 @@ class FusedCausalLMLoss:
     def __init__(self, head: torch.nn.Linear, math_: HeadMath, compiled: bool):
         self.head, self.math = head, math_
         self.step = compiled_step() if compiled else chunk_loss_and_grad
+        self.chunk = chunk_rows(head.weight.shape[0], COMPILED_CHUNK_ELEMENTS) if compiled else None
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`labels` as the batch has them on the host: which tokens count is found there, so the step never
@@ -111,7 +113,7 @@ class FusedCausalLMLoss:
         with gathered(self.head):
             return linear_cross_entropy(hidden[:, :-1].reshape(-1, hidden.shape[-1]), self.head.weight,
                                         to_device(shifted), bias=self.head.bias, math_=self.math, step=self.step,
-                                        rows=to_device(rows))
+                                        chunk=self.chunk, rows=to_device(rows))
 
 
 def fused_loss_for(network: torch.nn.Module, setting: str, compiled: bool,
