@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import REPO
 from helpers import read_metrics
 from toolkit.cli import main
-from toolkit.kernels.linear_cross_entropy import HeadMath, compiled_step, linear_cross_entropy
+from toolkit.kernels.linear_cross_entropy import HeadMath, chunk_rows, compiled_step, linear_cross_entropy
+from toolkit.models.llm_loss import FusedCausalLMLoss
 
 CASES = {"plain": (HeadMath(), False, False),
          "softcap+scale+bias, trained head": (HeadMath(scale=0.5, softcap=3.0), True, True)}
@@ -60,6 +61,19 @@ def test_no_labelled_token_gives_zero_loss_and_zero_gradient():
     loss = linear_cross_entropy(hidden, weight, torch.full_like(labels, -100))
     (grad,) = torch.autograd.grad(loss, [hidden])
     assert float(loss) == 0.0 and not grad.any()
+
+
+def test_compiled_chunks_are_longer_unless_memory_is_saved():
+    """At a 128k vocabulary: 512 tokens a chunk eager, 1,024 compiled; gradient checkpointing (asked for, or
+    turned on later by the trainer through save_memory) keeps 512, for the lower peak."""
+    head = torch.nn.Linear(16, 128256, bias=False, device="meta")
+    assert chunk_rows(128256) == 512
+    assert FusedCausalLMLoss(head, HeadMath(), compiled=False).chunk is None
+    assert FusedCausalLMLoss(head, HeadMath(), compiled=True).chunk == 1024
+    assert FusedCausalLMLoss(head, HeadMath(), compiled=True, checkpointing=True).chunk is None
+    loss = FusedCausalLMLoss(head, HeadMath(), compiled=True)
+    loss.save_memory()
+    assert loss.chunk is None
 
 
 def _train(monkeypatch, out, *extra):

@@ -197,7 +197,7 @@ class LLMAdapter(AdapterBase):
         if cfg.fuse_projections is True:
             self._group_projections(plan.mode)
         self.fused_loss, why = fused_loss_for(self.network, cfg.kernels, bool(self.cfg.train.compile),
-                                              self.sums_loss)
+                                              self.sums_loss, bool(self.cfg.train.gradient_checkpointing))
         # With the fused loss the trainer runs the decoder alone (hidden states, no logits); with fsdp, the whole
         # model, so that its sharded weights are gathered (DecoderHiddenStates).
         self.forward_module = (DecoderHiddenStates(self.network, through_model=self.runtime.shard_base)
@@ -226,6 +226,8 @@ class LLMAdapter(AdapterBase):
 
     def enable_gradient_checkpointing(self) -> None:
         self._checkpoint_layers(self.network.get_base_model())
+        if self.fused_loss is not None:
+            self.fused_loss.save_memory()
 
     def _checkpoint_layers(self, model) -> None:
         if not self.cfg.train.get("checkpoint_offload"):
