@@ -28,7 +28,10 @@ Rows (--rows, comma-separated; a row whose package is missing is reported as ski
   toolkit-fp8-ckpt toolkit-fp8 + train.gradient_checkpointing=true
 
     python bench/llm.py [--shape llama-1b] [--steps 30 --warmup 5] [--rows plain,toolkit] [--out result.json]
-                        [--profile] [--memory]
+                        [--profile] [--memory] [--phases]
+
+--phases (toolkit rows): after the timed steps, 10 more timed per phase on the host and the GPU, then 10 with a
+300 ms GPU sleep queued before each (bench/step_phases.py): how much of the step is the GPU waiting for the host.
 
 Tokens/s are over the timed steps (CUDA events for the hand-written loops, the Trainer's own step rate for the
 toolkit). MFU = (4·N·T + 3·A) / step time / 989e12, with N the base parameters (a tied embedding once), T the
@@ -53,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from kernel_profile import print_summary  # noqa: E402  (bench/ is on the path when a script here runs)
 from memory_peak import print_breakdown  # noqa: E402
+from step_phases import print_phases  # noqa: E402
 
 H100_H200_BF16_FLOPS = 989e12
 ROWS = ("plain", "plain-compiled", "liger", "liger-compiled", "unsloth", "toolkit-eager", "toolkit", "toolkit-8bit")
@@ -201,12 +205,14 @@ def toolkit_run(model_dir: Path, data: Path, out: Path, optimizer: str, steps: i
               " gradient_checkpointing: false}\nsave: {every: 0}\nlog: {tensorboard: false}\n")
     profile = {} if os.environ.get("BENCH_PROFILE") else None
     memory = {} if os.environ.get("BENCH_MEMORY") else None
+    phases = {} if os.environ.get("BENCH_PHASES") else None
     losses = []
     rate, peak = trainer_rate(config, overrides, out, optimizer, steps, warmup, profile=profile, memory=memory,
-                              losses=losses)
+                              losses=losses, phases=phases)
     return {"tokens_per_s": rate * batch * seq, "peak_gib": peak, "losses": [round(x, 4) for x in losses],
             **({"profile": profile} if profile else {}),
-            **({"memory": memory} if memory else {})}
+            **({"memory": memory} if memory else {}),
+            **({"phases": phases} if phases else {})}
 
 
 def run_row(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
@@ -271,6 +277,9 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true",
                         help="after the timed steps, one more step with the allocator's history recorded: what held "
                              "its peak memory, by the code that allocated it (bench/memory_peak.py)")
+    parser.add_argument("--phases", action="store_true",
+                        help="toolkit rows: time each phase of a step on the host and the GPU, and the step with a "
+                             "head start (bench/step_phases.py)")
     parser.add_argument("--unsloth-path", default="/tmp/peer", help="where the carried unsloth wheels are installed")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -285,6 +294,8 @@ def main() -> None:
         os.environ["BENCH_PROFILE"] = "1"  # read by the rows' processes
     if args.memory:
         os.environ["BENCH_MEMORY"] = "1"
+    if args.phases:
+        os.environ["BENCH_PHASES"] = "1"
     work = Path(tempfile.mkdtemp(prefix="bench-llm-"))
     model_dir, data = work / "model", work / "data.jsonl"
     write_model(model_dir, args.shape, args.layers)
@@ -318,6 +329,9 @@ def main() -> None:
     for row, r in results.items():
         if "memory" in r:
             print_breakdown(row, r["memory"])
+    for row, r in results.items():
+        if "phases" in r:
+            print_phases(row, r["phases"])
     if args.out:
         args.out.write_text(json.dumps({"shape": args.shape, "device": torch.cuda.get_device_name(),
                                         "torch": torch.__version__, "rows": results}, indent=1))

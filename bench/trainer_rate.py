@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 PROFILED_STEPS = 3
+PHASED_STEPS = 10
 
 
 @contextmanager
@@ -56,7 +57,8 @@ def windows_after(launches: int, windows: list[tuple[int, Callable]], peak: dict
 
 def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: str, steps: int,
                  warmup: int, logs: list[str] | None = None, profile: dict | None = None,
-                 memory: dict | None = None, losses: list | None = None) -> tuple[float, float]:
+                 memory: dict | None = None, losses: list | None = None,
+                 phases: dict | None = None) -> tuple[float, float]:
     """(steps per second after `warmup` steps, peak GiB) of a Trainer run of `config_yaml` + `overrides`.
 
     The rate is the Trainer's own (logs/metrics.jsonl, logged every `warmup` steps); 8-bit optimizers are
@@ -65,19 +67,30 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
     summary (bench/kernel_profile.py) goes into it; with `memory` (a dict), one more step runs with the
     allocator's history recorded, and what held its peak (bench/memory_peak.py) goes into it. The rate and the
     peak leave those steps out; when one of them fails, its dict says so under "failed" and the rate stands.
-    `losses` (a list) receives the logged losses, to compare rows that train in another precision."""
+    `losses` (a list) receives the logged losses, to compare rows that train in another precision. With `phases`
+    (a dict), PHASED_STEPS more steps are timed per phase on the host and the GPU, then as many with a head start
+    (bench/step_phases.py), under "phases" and "head_start"."""
     from toolkit.config.run import load_run
     from toolkit.train.trainer import Trainer
 
-    windows = []
+    windows, summaries = [], []  # (steps, context), and the dict each window's failure is written to
     if profile is not None:
         from kernel_profile import profiled
 
         windows.append((PROFILED_STEPS, lambda: profiled(PROFILED_STEPS, profile)))
+        summaries.append(profile)
     if memory is not None:
         from memory_peak import recorded
 
         windows.append((1, lambda: recorded(memory)))
+        summaries.append(memory)
+    if phases is not None:
+        from step_phases import HEAD_START_MS, phased
+
+        phases.update(phases={}, head_start={})
+        windows += [(PHASED_STEPS, lambda: phased(phases["phases"])),
+                    (PHASED_STEPS, lambda: phased(phases["head_start"], HEAD_START_MS))]
+        summaries += [phases["phases"], phases["head_start"]]
     extra = sum(n for n, _ in windows)
     overrides = [*overrides, f"train.steps={steps + warmup + extra}", f"train.optimizer={optimizer}",
                  f"run.output_dir={out}", f"log.every={warmup}"]
@@ -96,7 +109,6 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
             if peak["steps"] <= steps + warmup:
                 raise
             # a window's own step failed (the profiler or the allocator's history): the timed steps stand
-            summaries = [summary for summary in (profile, memory) if summary is not None]  # windows' order
             summaries[peak.get("window", 0)]["failed"] = f"{type(error).__name__}: {error}"
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "steps_per_s" in r and warmup < r["step"] <= steps + warmup]

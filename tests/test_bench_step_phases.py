@@ -1,0 +1,71 @@
+"""bench/step_phases.py: a toolkit step timed per phase on the host (and the GPU, where there is one), through
+bench/trainer_rate.py's windows after the timed steps."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+from step_phases import summarize  # noqa: E402
+
+
+class Event:
+    """A stand-in for a CUDA event recorded at GPU time `ms`."""
+
+    def __init__(self, ms):
+        self.ms = ms
+
+    def elapsed_time(self, other):
+        return other.ms - self.ms
+
+
+def test_each_phase_is_the_median_of_its_span_between_consecutive_marks():
+    steps = [[("start", 0.000, Event(0)), ("queued", 0.004, Event(0)), ("forward", 0.005, Event(0)),
+              ("backward", 0.035, Event(48)), ("update", 0.090, Event(97)), ("updated", 0.096, Event(98)),
+              ("end", 0.097, Event(98))],
+             [("start", 1.000, Event(200)), ("queued", 1.002, Event(200)), ("forward", 1.003, Event(200)),
+              ("backward", 1.033, Event(250)), ("update", 1.093, Event(300)), ("updated", 1.097, Event(301)),
+              ("end", 1.098, Event(301))]]
+    result = summarize(steps)
+    phases = {name: (gpu, host) for name, gpu, host in result["phases"]}
+    assert result["steps"] == 2 and result["gpu_step_ms"] == pytest.approx(99.5)
+    assert result["host_step_ms"] == pytest.approx(97.5)
+    assert phases["collate the batch"] == pytest.approx((0.0, 3.0))
+    assert phases["forward (loss included)"] == pytest.approx((49.0, 30.0))
+    assert phases["backward"] == pytest.approx((49.5, 57.5))
+    assert phases["clip, optimizer step, zero_grad"] == pytest.approx((1.0, 5.0))
+    # on the CPU there are no events: the GPU columns are None
+    cpu = summarize([[(name, host, None) for name, host, _ in step] for step in steps])
+    assert cpu["gpu_step_ms"] is None and all(gpu is None for _, gpu, _ in cpu["phases"])
+
+
+def test_phases_are_timed_after_the_timed_steps_of_a_real_run(tmp_path):
+    """The Trainer on the tiny LLM (the CPU in CI): the rate of the timed steps, then 10 steps per phase and 10 with a head
+    start; every phase of the step is there, the hooks are gone after."""
+    from step_phases import NAMES
+    from trainer_rate import PHASED_STEPS, trainer_rate
+
+    from toolkit.train.step import StepEnd, Stepper
+
+    launch, batch, update, now = Stepper.launch, Stepper._next_batch, Stepper._update, StepEnd.__dict__["now"]
+    config = ("model: {family: llm, name_or_path: 'tiny:llm'}\nnetwork: {rank: 4, alpha: 4}\n"
+              "train: {lr: 1.0e-3, precision: fp32}\nsave: {every: 0}\nsample: {every: 0}\n"
+              "log: {tensorboard: false}\n")
+    phases = {}
+    rate, _ = trainer_rate(config, [f"data.path={REPO / 'configs/examples/data/quickstart_text.jsonl'}",
+                                    "data.max_seq_len=32", "train.batch_size=2"],
+                           tmp_path / "run", "adamw", 4, 2, phases=phases)
+    assert rate > 0
+    assert (Stepper.launch, Stepper._next_batch, Stepper._update, StepEnd.__dict__["now"]) == (launch, batch, update, now)
+    for key in ("phases", "head_start"):
+        summary = phases[key]
+        assert summary["steps"] == PHASED_STEPS
+        assert (summary["gpu_step_ms"] is None) is not torch.cuda.is_available()  # events on a GPU only
+        names = [name for name, _, _ in summary["phases"]]
+        assert names == list(NAMES.values())
+        assert all(host >= 0 for _, _, host in summary["phases"]) and summary["host_step_ms"] > 0
