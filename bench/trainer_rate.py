@@ -18,7 +18,8 @@ PHASED_STEPS = 10
 def windows_after(launches: int, windows: list[tuple[int, Callable]], peak: dict):
     """After the Trainer's first `launches` steps, each window (steps, make_context) in turn: its steps run inside
     make_context(). The peak memory of the steps before the first window goes into peak["gib"]; peak["steps"]
-    counts the steps launched so far (a failure past `launches` is one inside a window)."""
+    counts the steps launched so far, peak["window"] the window open (a failure while one is open is that
+    window's; None once it closed)."""
     peak["steps"] = launches if not windows else 0
     if not windows:
         yield
@@ -44,6 +45,7 @@ def windows_after(launches: int, windows: list[tuple[int, Callable]], peak: dict
         sums = launch(self, stop_requested)
         if any(count["n"] == end for _, end, _ in spans):
             open_.pop().__exit__(None, None, None)
+            peak["window"] = None  # closed: a later failure (the final export, say) is the run's own
         return sums
 
     Stepper.launch = watched
@@ -106,7 +108,7 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
         try:
             Trainer(run, fresh=True, log=logs.append if logs is not None else (lambda m: None)).run()
         except Exception as error:  # noqa: BLE001
-            if peak["steps"] <= steps + warmup:
+            if peak["steps"] <= steps + warmup or peak.get("window", 0) is None:
                 raise
             # a window's own step failed (the profiler or the allocator's history): the timed steps stand
             summaries[peak.get("window", 0)]["failed"] = f"{type(error).__name__}: {error}"

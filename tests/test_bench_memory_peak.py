@@ -102,3 +102,30 @@ def test_a_failing_window_keeps_the_rows_rate(tmp_path, monkeypatch, breaks):
         assert profile == {"failed": "RuntimeError: profile broke"} and memory == {}
     else:
         assert profile == {"ran": trainer_rate.PROFILED_STEPS} and memory == {"failed": "RuntimeError: memory broke"}
+
+
+def test_a_failure_after_the_last_window_is_the_runs_own(tmp_path, monkeypatch):
+    """The final export failing once every window closed fails the row: no window is blamed for it."""
+    import kernel_profile
+    import trainer_rate
+    from contextlib import contextmanager
+
+    from conftest import REPO
+    from toolkit.train.trainer import Trainer
+
+    @contextmanager
+    def fine(steps, into):
+        yield
+        into["ran"] = steps
+
+    def export_fails(self):
+        raise RuntimeError("export failed")
+
+    monkeypatch.setattr(kernel_profile, "profiled", fine)
+    monkeypatch.setattr(Trainer, "_export_final", export_fails)
+    profile = {}
+    config = (REPO / "configs/examples/quickstart_llm.yaml").read_text()
+    with pytest.raises(RuntimeError, match="export failed"):
+        trainer_rate.trainer_rate(config, ["sample.every=0", "save.every=0", "log.tensorboard=false"],
+                                  tmp_path / "run", "adamw", steps=4, warmup=2, profile=profile)
+    assert profile == {"ran": trainer_rate.PROFILED_STEPS}

@@ -44,6 +44,23 @@ def test_each_phase_is_the_median_of_its_span_between_consecutive_marks():
     assert cpu["gpu_step_ms"] is None and all(gpu is None for _, gpu, _ in cpu["phases"])
 
 
+def test_micro_batches_add_up_within_a_step_and_a_read_of_the_loss_is_its_own_phase():
+    """train.grad_accum=2: both batches collated first, then forward and backward twice; an optimizer that cannot
+    skip on the device reads the loss before the update (a wait for the GPU)."""
+    marks = [("start", 0.000), ("queued", 0.002), ("queued", 0.004), ("forward", 0.005), ("backward", 0.020),
+             ("forward", 0.045), ("backward", 0.060), ("read", 0.085), ("read done", 0.095), ("update", 0.096),
+             ("updated", 0.100), ("end", 0.101)]
+    result = summarize([[(name, host, None) for name, host in marks]])
+    phases = {name: host for name, _, host in result["phases"]}
+    assert result["waits_for_gpu"] and result["host_step_ms"] == pytest.approx(101.0)
+    assert phases["collate the batch"] == pytest.approx(4.0)
+    assert phases["forward (loss included)"] == pytest.approx(30.0)
+    assert phases["backward"] == pytest.approx(50.0)
+    assert phases["read the loss (waits for the GPU)"] == pytest.approx(10.0)
+    assert sum(phases.values()) == pytest.approx(101.0)
+    assert not summarize([[(name, host, None) for name, host in marks if "read" not in name]])["waits_for_gpu"]
+
+
 def test_phases_are_timed_after_the_timed_steps_of_a_real_run(tmp_path):
     """The Trainer on the tiny LLM (the CPU in CI): the rate of the timed steps, then 10 steps per phase and 10 with a head
     start; every phase of the step is there, the hooks are gone after."""
@@ -67,5 +84,7 @@ def test_phases_are_timed_after_the_timed_steps_of_a_real_run(tmp_path):
         assert summary["steps"] == PHASED_STEPS
         assert (summary["gpu_step_ms"] is None) is not torch.cuda.is_available()  # events on a GPU only
         names = [name for name, _, _ in summary["phases"]]
-        assert names == list(NAMES.values())
+        assert names == ["collate the batch", "batch to the loss", "forward (loss included)", "backward",
+                         "clip, optimizer step, zero_grad", "scheduler, step's numbers"]
+        assert set(names) <= set(NAMES.values()) and not summary["waits_for_gpu"]
         assert all(host >= 0 for _, _, host in summary["phases"]) and summary["host_step_ms"] > 0

@@ -117,6 +117,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 def compiled_step() -> Callable:
     """chunk_loss_and_grad through torch.compile: the softmax, one-hot and capping become one fused kernel
-    around the two matrix products (chunks of COMPILED_CHUNK_ELEMENTS). Shapes: a fixed chunk and the last, smaller one (marked dynamic after
-    the first change, so it compiles twice at most)."""
+    around the two matrix products (chunks of COMPILED_CHUNK_ELEMENTS). Shapes: a fixed chunk and the last,
+    smaller one (marked dynamic after the first change, so it compiles twice at most)."""
     return torch.compile(chunk_loss_and_grad)
