@@ -3,18 +3,14 @@ GPU (inductor emits Triton for CUDA and ROCm from the same source) and run eager
 beyond the compiler (a reduction over tokens inside an elementwise backward: gated_backward.py), a Triton kernel
 written here, with the same arithmetic in PyTorch for the CPU."""
 
+import functools
 
+
+@functools.cache
 def triton_available() -> bool:
     """True when triton imports (checked once, lazily: CPU-only installs never need it)."""
-    global _TRITON_AVAILABLE
-    if _TRITON_AVAILABLE is None:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            _TRITON_AVAILABLE = False
-        else:
-            _TRITON_AVAILABLE = True
-    return _TRITON_AVAILABLE
-
-
-_TRITON_AVAILABLE: bool | None = None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -15,8 +15,9 @@ from typing import Any, Callable
 import torch
 
 from toolkit.errors import UserError
+from toolkit.kernels import triton_available
 from toolkit.optim.bnb_compat import bnb_self_check
-from toolkit.optim.eight_bit import AdamW8bit, Lion8bit, triton_available
+from toolkit.optim.eight_bit import AdamW8bit, Lion8bit
 from toolkit.optim.lion import Lion
 
 BACKENDS = ("auto", "toolkit", "bitsandbytes")
