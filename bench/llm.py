@@ -30,8 +30,9 @@ Rows (--rows, comma-separated; a row whose package is missing is reported as ski
     python bench/llm.py [--shape llama-1b] [--steps 30 --warmup 5] [--rows plain,toolkit] [--out result.json]
                         [--profile] [--memory] [--phases]
 
---phases (toolkit rows): after the timed steps, 10 more timed per phase on the host and the GPU, then 10 with a
-300 ms GPU sleep queued before each (bench/step_phases.py): how much of the step is the GPU waiting for the host.
+--phases (toolkit rows): after the timed steps, 10 more timed per phase on the host and the GPU, with the GPU's
+queue of launched work ahead of the host at the end of each phase and its SM clock and power (bench/step_phases.py):
+whether the GPU waits for the host anywhere in the step, or runs its kernels at a power-limited clock.
 
 Tokens/s are over the timed steps (CUDA events for the hand-written loops, the Trainer's own step rate for the
 toolkit). MFU = (4·N·T + 3·A) / step time / 989e12, with N the base parameters (a tied embedding once), T the
@@ -278,8 +279,8 @@ def main() -> None:
                         help="after the timed steps, one more step with the allocator's history recorded: what held "
                              "its peak memory, by the code that allocated it (bench/memory_peak.py)")
     parser.add_argument("--phases", action="store_true",
-                        help="toolkit rows: time each phase of a step on the host and the GPU, and the step with a "
-                             "head start (bench/step_phases.py)")
+                        help="toolkit rows: time each phase of a step on the host and the GPU, with the GPU's queue "
+                             "ahead of the host and its clock (bench/step_phases.py)")
     parser.add_argument("--unsloth-path", default="/tmp/peer", help="where the carried unsloth wheels are installed")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)

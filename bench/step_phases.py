@@ -3,16 +3,25 @@ launch-bound host hides the answer).
 
 `phased(into)` marks the points of each Trainer step (its first batch asked for, the batch collated, the adapter's
 loss called and returned, the update begun and done, the step's end time taken) with host clocks and, on a GPU,
-CUDA events.
-Per phase, the GPU's time between two events is what the GPU spent there, waits for the host included; the host's
-time is how long the host took to launch it. A phase whose host time is above its GPU time drains what the
-host had queued ahead.
+CUDA events. Per phase:
+- the GPU's time between two events: what the GPU spent there, waits for the host included; the host's time: how
+  long the host took to launch it;
+- the GPU's queue ahead of the host where the phase ends ("ahead"): how much launched work the GPU had still to do
+  when the host got there. The host and GPU clocks are tied once when the window opens (a synchronize, then one
+  event; that first step starts with an empty queue and is left out). Near zero at a mark, the GPU was waiting for
+  the host there; a queue tens of milliseconds deep all through the step means the host is not what the step waits
+  for (launches then block once the queue is full, which is why a host phase can take longer than its GPU work
+  without the GPU ever waiting). The queue is only seen at the marks, not between them.
+- the GPU's SM clock and power draw once a step (NVML through torch.cuda; none where that is missing): a GPU at its
+  power limit runs its kernels at a lower clock, so equal kernels take longer than on a cool GPU.
 
-`head_start_ms`: before each step a GPU sleep of that length is queued first, so the step is launched while the
-GPU is still busy and then runs as fast as its kernels allow. The GPU step time with a head start against without
-is what the host's launching costs a step. That holds for optimizers that skip a non-finite step on the device
-(torch's fused AdamW, the toolkit's 8-bit ones, what the bench rows use); with others the step reads its loss
-before the update, waiting for the GPU inside every step, and the summary says so ("waits_for_gpu").
+The earlier form of this measurement gave the GPU a head start (a sleep queued before each step) and read the
+shorter GPU step as what the host's launching cost. The sleep also let the GPU's clock rise to its maximum
+(1,965 MHz against 1,665-1,830 at 685-695 W of 700 under load, one H100, 2026-11-27), so the difference was the
+clock, not the host: the queue stayed 40-60 ms deep at every mark of the same steps.
+
+With an optimizer that cannot skip a non-finite step on the device the step reads its loss before the update,
+waiting for the GPU inside every step; the summary says so ("waits_for_gpu").
 
 Used by bench/llm.py --phases for the toolkit rows (trainer_rate.py runs its windows after the timed steps).
 """
@@ -25,30 +34,38 @@ from contextlib import contextmanager
 
 import torch
 
-HEAD_START_MS = 300.0
+def gpu_clocks() -> tuple[float, float] | None:
+    """(SM clock in MHz, power draw in W) of the current GPU now, or None where NVML (or ROCm's amdsmi) is missing."""
+    try:
+        return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1000
+    except Exception:  # noqa: BLE001 - pynvml not installed, or a device NVML does not know
+        return None
 
 
-def _sleep_cycles_per_ms() -> float:
-    """GPU clock cycles per millisecond of torch.cuda._sleep, measured once."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
+def _tie_clocks() -> tuple[float, "torch.cuda.Event"]:
+    """(host seconds, event) taken at the same moment on an idle GPU: maps the GPU's event times to host time."""
+    torch.cuda.synchronize()
+    event = torch.cuda.Event(enable_timing=True)
+    before = time.perf_counter()
+    event.record()
+    after = time.perf_counter()
+    event.synchronize()
+    return (before + after) / 2, event
 
 
 @contextmanager
-def phased(into: dict, head_start_ms: float = 0.0):
-    """Time the steps run inside, per phase; medians go into `into` ("phases": [[phase, GPU ms, host ms]],
-    "gpu_step_ms", "host_step_ms"; the GPU figures None without one). A step starts at its first batch and ends
-    where the step takes its end time (StepEnd.now), so the wrapping leaves Stepper.launch to whoever else wraps it
-    (trainer_rate's windows)."""
+def phased(into: dict):
+    """Time the steps run inside, per phase; medians go into `into` ("phases": [[phase, GPU ms, host ms, queue
+    ahead ms (median), queue ahead ms (least)]], "gpu_step_ms", "host_step_ms", "clocks"; the GPU figures None
+    without one). A step starts at its first batch and ends where the step takes its end time (StepEnd.now), so
+    the wrapping leaves Stepper.launch to whoever else wraps it (trainer_rate's windows). On a GPU the first step
+    starts behind a synchronize and is left out."""
     from toolkit.train.step import StepEnd, Stepper, StepSums
 
     gpu = torch.cuda.is_available()
-    cycles = _sleep_cycles_per_ms() * head_start_ms if gpu and head_start_ms > 0 else 0
+    tie = _tie_clocks() if gpu else None
     steps: list[list[tuple]] = []  # per step: (mark, host seconds, event or None)
+    clocks: list[tuple[float, float]] = []
     state = {"in_step": False, "adapter": None}
 
     def mark(name: str) -> None:
@@ -62,8 +79,6 @@ def phased(into: dict, head_start_ms: float = 0.0):
 
     def timed_next_batch(self):
         if not state["in_step"]:
-            if cycles:
-                torch.cuda._sleep(int(cycles))
             steps.append([])
             mark("start")
             state["in_step"] = True
@@ -101,6 +116,9 @@ def phased(into: dict, head_start_ms: float = 0.0):
         if state["in_step"]:
             mark("end")
             state["in_step"] = False
+            sample = gpu_clocks() if gpu else None
+            if sample is not None:
+                clocks.append(sample)
         return ended
 
     Stepper._next_batch, Stepper._update, StepEnd.now = timed_next_batch, timed_update, classmethod(timed_now)
@@ -114,7 +132,8 @@ def phased(into: dict, head_start_ms: float = 0.0):
             del state["adapter"].loss
     if gpu:
         torch.cuda.synchronize()
-    into.update(summarize(steps))
+        steps, clocks = steps[1:], clocks[1:]  # the first started with an empty queue (_tie_clocks)
+    into.update(summarize(steps, tie, clocks))
 
 
 # phase names by (mark, next mark); with train.grad_accum > 1 a step collates every micro-batch first, then runs
@@ -126,40 +145,59 @@ NAMES = {("start", "queued"): "collate the batch", ("queued", "queued"): "collat
          ("update", "updated"): "clip, optimizer step, zero_grad", ("updated", "end"): "scheduler, step's numbers"}
 
 
-def summarize(steps: list[list[tuple]]) -> dict:
+def summarize(steps: list[list[tuple]], tie: tuple | None = None, clocks: list | None = None) -> dict:
     """Medians over the steps of each phase (its spans between consecutive marks added up within a step) and of
-    the whole step. "waits_for_gpu": the step read its loss before the update (an optimizer that cannot skip a
-    step on the device): the GPU then runs dry inside every step, and a head start changes nothing."""
+    the whole step. With `tie` (host seconds, event at that moment), each phase also gets the GPU's queue ahead of
+    the host at its end, in ms (the least over its spans in a step; then the median and the least over steps).
+    "waits_for_gpu": the step read its loss before the update (an optimizer that cannot skip a step on the device),
+    so the GPU runs dry inside every step. `clocks`: (MHz, W) a step."""
+    def ahead(host: float, event) -> float | None:
+        if tie is None or event is None:
+            return None
+        return (tie[0] + tie[1].elapsed_time(event) / 1e3 - host) * 1e3
+
     spans: dict[str, list[tuple]] = {}
     whole, waits = [], False
     for marks in steps:
         step: dict[str, list] = {}
         for (a, host_a, event_a), (b, host_b, event_b) in zip(marks, marks[1:]):
             gpu_ms = event_a.elapsed_time(event_b) if event_a is not None else None
-            total = step.setdefault(NAMES.get((a, b), f"{a} -> {b}"), [0.0, 0.0])
+            total = step.setdefault(NAMES.get((a, b), f"{a} -> {b}"), [0.0, 0.0, None])
             total[0] = None if gpu_ms is None else total[0] + gpu_ms
             total[1] += (host_b - host_a) * 1e3
+            queued = ahead(host_b, event_b)
+            total[2] = queued if total[2] is None else min(total[2], queued)
             waits = waits or a == "read"
-        for name, (gpu_ms, host_ms) in step.items():
-            spans.setdefault(name, []).append((gpu_ms, host_ms))
+        for name, values in step.items():
+            spans.setdefault(name, []).append(values)
         (_, host_a, event_a), (_, host_b, event_b) = marks[0], marks[-1]
         whole.append((event_a.elapsed_time(event_b) if event_a is not None else None, (host_b - host_a) * 1e3))
     median = lambda values: None if None in values else round(statistics.median(values), 2)  # noqa: E731
-    return {"steps": len(steps), "waits_for_gpu": waits,
-            "phases": [[name, median([g for g, _ in v]), median([h for _, h in v])] for name, v in spans.items()],
-            "gpu_step_ms": median([g for g, _ in whole]), "host_step_ms": median([h for _, h in whole])}
+    least = lambda values: None if None in values else round(min(values), 2)  # noqa: E731
+    phases = [[name, median([v[0] for v in vs]), median([v[1] for v in vs]), median([v[2] for v in vs]),
+               least([v[2] for v in vs])] for name, vs in spans.items()]
+    summary = {"steps": len(steps), "waits_for_gpu": waits, "phases": phases,
+               "gpu_step_ms": median([g for g, _ in whole]), "host_step_ms": median([h for _, h in whole])}
+    if clocks:
+        mhz, watts = [c[0] for c in clocks], [c[1] for c in clocks]
+        summary["clocks"] = {"sm_mhz": median(mhz), "sm_mhz_least": min(mhz), "sm_mhz_most": max(mhz),
+                             "power_w": median(watts)}
+    return summary
 
 
 def print_phases(row: str, result: dict) -> None:
-    for label, key in (("", "phases"), (f" with a {HEAD_START_MS:.0f} ms head start", "head_start")):
-        summary = result.get(key)
-        if not summary:
-            continue
-        if "failed" in summary:
-            print(f"  {row}{label}: the timed steps failed ({summary['failed']})")
-            continue
-        waits = " (the step reads its loss before the update: it waits for the GPU)" if summary["waits_for_gpu"] else ""
-        print(f"  {row}{label}: medians of {summary['steps']} steps, GPU {summary['gpu_step_ms']} ms a step, "
-              f"host {summary['host_step_ms']} ms{waits}")
-        for name, gpu_ms, host_ms in summary["phases"]:
-            print(f"    {name:<34} GPU {gpu_ms!s:>8} ms   host {host_ms:>8.2f} ms")
+    summary = result.get("phases")
+    if not summary:
+        return
+    if "failed" in summary:
+        print(f"  {row}: the phased steps failed ({summary['failed']})")
+        return
+    waits = " (the step reads its loss before the update: it waits for the GPU)" if summary["waits_for_gpu"] else ""
+    clocks = summary.get("clocks")
+    clock = (f"; SM clock {clocks['sm_mhz']:.0f} MHz ({clocks['sm_mhz_least']:.0f}-{clocks['sm_mhz_most']:.0f}), "
+             f"{clocks['power_w']:.0f} W") if clocks else ""
+    print(f"  {row}: medians of {summary['steps']} steps, GPU {summary['gpu_step_ms']} ms a step, "
+          f"host {summary['host_step_ms']} ms{clock}{waits}")
+    print(f"    {'phase':<34} {'GPU ms':>8}  {'host ms':>8}  GPU queue ahead at its end, ms (median, least)")
+    for name, gpu_ms, host_ms, ahead_ms, least_ms in summary["phases"]:
+        print(f"    {name:<34} {gpu_ms!s:>8}  {host_ms:>8.2f}  {ahead_ms!s:>8} {least_ms!s:>8}")

@@ -70,8 +70,8 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
     allocator's history recorded, and what held its peak (bench/memory_peak.py) goes into it. The rate and the
     peak leave those steps out; when one of them fails, its dict says so under "failed" and the rate stands.
     `losses` (a list) receives the logged losses, to compare rows that train in another precision. With `phases`
-    (a dict), PHASED_STEPS more steps are timed per phase on the host and the GPU, then as many with a head start
-    (bench/step_phases.py), under "phases" and "head_start"."""
+    (a dict), PHASED_STEPS more steps are timed per phase on the host and the GPU, with the GPU's queue ahead of
+    the host and its clock (bench/step_phases.py), under "phases"."""
     from toolkit.config.run import load_run
     from toolkit.train.trainer import Trainer
 
@@ -87,12 +87,11 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
         windows.append((1, lambda: recorded(memory)))
         summaries.append(memory)
     if phases is not None:
-        from step_phases import HEAD_START_MS, phased
+        from step_phases import phased
 
-        phases.update(phases={}, head_start={})
-        windows += [(PHASED_STEPS, lambda: phased(phases["phases"])),
-                    (PHASED_STEPS, lambda: phased(phases["head_start"], HEAD_START_MS))]
-        summaries += [phases["phases"], phases["head_start"]]
+        phases.update(phases={})
+        windows.append((PHASED_STEPS, lambda: phased(phases["phases"])))
+        summaries.append(phases["phases"])
     extra = sum(n for n, _ in windows)
     overrides = [*overrides, f"train.steps={steps + warmup + extra}", f"train.optimizer={optimizer}",
                  f"run.output_dir={out}", f"log.every={warmup}"]

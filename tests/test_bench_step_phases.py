@@ -31,17 +31,25 @@ def test_each_phase_is_the_median_of_its_span_between_consecutive_marks():
              [("start", 1.000, Event(200)), ("queued", 1.002, Event(200)), ("forward", 1.003, Event(200)),
               ("backward", 1.033, Event(250)), ("update", 1.093, Event(300)), ("updated", 1.097, Event(301)),
               ("end", 1.098, Event(301))]]
-    result = summarize(steps)
-    phases = {name: (gpu, host) for name, gpu, host in result["phases"]}
+    result = summarize(steps, tie=(0.0, Event(0)), clocks=[(1755.0, 690.0), (1830.0, 684.0)])
+    phases = {name: (gpu, host) for name, gpu, host, _, _ in result["phases"]}
+    ahead = {name: (median, least) for name, _, _, median, least in result["phases"]}
     assert result["steps"] == 2 and result["gpu_step_ms"] == pytest.approx(99.5)
     assert result["host_step_ms"] == pytest.approx(97.5)
     assert phases["collate the batch"] == pytest.approx((0.0, 3.0))
     assert phases["forward (loss included)"] == pytest.approx((49.0, 30.0))
     assert phases["backward"] == pytest.approx((49.5, 57.5))
     assert phases["clip, optimizer step, zero_grad"] == pytest.approx((1.0, 5.0))
-    # on the CPU there are no events: the GPU columns are None
+    # the GPU's queue ahead of the host where each phase ends: GPU time of the mark's event less its host time
+    # (step 1: backward's end at host 90 ms, its event at GPU 97 ms: 7 ms queued; step 2: 300 - 1093 = -793, a
+    # GPU clock tied 1 s later than the host's here, so the median of the two and the least differ)
+    assert ahead["backward"] == pytest.approx(((7.0 - 793.0) / 2, -793.0))
+    assert ahead["forward (loss included)"] == pytest.approx(((13.0 - 783.0) / 2, -783.0))
+    assert result["clocks"] == {"sm_mhz": 1792.5, "sm_mhz_least": 1755.0, "sm_mhz_most": 1830.0, "power_w": 687.0}
+    # on the CPU there are no events: the GPU columns are None, and no clocks
     cpu = summarize([[(name, host, None) for name, host, _ in step] for step in steps])
-    assert cpu["gpu_step_ms"] is None and all(gpu is None for _, gpu, _ in cpu["phases"])
+    assert cpu["gpu_step_ms"] is None and "clocks" not in cpu
+    assert all(gpu is None and median is None and least is None for _, gpu, _, median, least in cpu["phases"])
 
 
 def test_micro_batches_add_up_within_a_step_and_a_read_of_the_loss_is_its_own_phase():
@@ -51,7 +59,7 @@ def test_micro_batches_add_up_within_a_step_and_a_read_of_the_loss_is_its_own_ph
              ("forward", 0.045), ("backward", 0.060), ("read", 0.085), ("read done", 0.095), ("update", 0.096),
              ("updated", 0.100), ("end", 0.101)]
     result = summarize([[(name, host, None) for name, host in marks]])
-    phases = {name: host for name, _, host in result["phases"]}
+    phases = {name: host for name, _, host, _, _ in result["phases"]}
     assert result["waits_for_gpu"] and result["host_step_ms"] == pytest.approx(101.0)
     assert phases["collate the batch"] == pytest.approx(4.0)
     assert phases["forward (loss included)"] == pytest.approx(30.0)
@@ -62,8 +70,8 @@ def test_micro_batches_add_up_within_a_step_and_a_read_of_the_loss_is_its_own_ph
 
 
 def test_phases_are_timed_after_the_timed_steps_of_a_real_run(tmp_path):
-    """The Trainer on the tiny LLM (the CPU in CI): the rate of the timed steps, then 10 steps per phase and 10 with a head
-    start; every phase of the step is there, the hooks are gone after."""
+    """The Trainer on the tiny LLM (the CPU in CI): the rate of the timed steps, then 10 steps per phase; every
+    phase of the step is there, the hooks are gone after."""
     from step_phases import NAMES
     from trainer_rate import PHASED_STEPS, trainer_rate
 
@@ -79,12 +87,13 @@ def test_phases_are_timed_after_the_timed_steps_of_a_real_run(tmp_path):
                            tmp_path / "run", "adamw", 4, 2, phases=phases)
     assert rate > 0
     assert (Stepper.launch, Stepper._next_batch, Stepper._update, StepEnd.__dict__["now"]) == (launch, batch, update, now)
-    for key in ("phases", "head_start"):
-        summary = phases[key]
-        assert summary["steps"] == PHASED_STEPS
-        assert (summary["gpu_step_ms"] is None) is not torch.cuda.is_available()  # events on a GPU only
-        names = [name for name, _, _ in summary["phases"]]
-        assert names == ["collate the batch", "batch to the loss", "forward (loss included)", "backward",
-                         "clip, optimizer step, zero_grad", "scheduler, step's numbers"]
-        assert set(names) <= set(NAMES.values()) and not summary["waits_for_gpu"]
-        assert all(host >= 0 for _, _, host in summary["phases"]) and summary["host_step_ms"] > 0
+    assert set(phases) == {"phases"}
+    summary = phases["phases"]
+    gpu = torch.cuda.is_available()
+    assert summary["steps"] == PHASED_STEPS - gpu  # on a GPU the first, behind the clocks' tie, is left out
+    assert (summary["gpu_step_ms"] is None) is not gpu  # events on a GPU only
+    names = [name for name, _, _, _, _ in summary["phases"]]
+    assert names == ["collate the batch", "batch to the loss", "forward (loss included)", "backward",
+                     "clip, optimizer step, zero_grad", "scheduler, step's numbers"]
+    assert set(names) <= set(NAMES.values()) and not summary["waits_for_gpu"]
+    assert all(host >= 0 for _, _, host, _, _ in summary["phases"]) and summary["host_step_ms"] > 0

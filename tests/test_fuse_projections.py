@@ -233,6 +233,39 @@ def test_the_buffer_holds_each_up_projection_on_the_diagonal_after_a_forward():
     assert torch.equal(lora_b, want)
 
 
+def test_an_input_without_gradient_is_not_given_one():
+    """The first decoder layer's q/k/v read frozen embeddings: backward then multiplies the output's gradient by
+    B's columns only (2·tokens·out·r flops), not the whole buffer (2·tokens·out·(in + r)), and A's and B's
+    gradients are the same as with an input that needs its gradient. (Compiled, the same: the first layer's
+    graph is its own, and test_grouped_layers_train_like_peft compares its gradients with PEFT's.)"""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    net = lora_llama(layers=1)
+    group_shared_inputs(net)
+    attention = net.base_model.model.model.layers[0].self_attn
+    group = attention.shared_input_q_k_v
+    lora = [p for n, p in attention.named_parameters() if "lora_" in n and n.split(".")[0] in ("q_proj", "k_proj", "v_proj")]
+    assert len(lora) == 6
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(3))
+    grads, flops = {}, {}
+    for needs in (True, False):
+        source = x.clone().requires_grad_(needs)
+        out = group.product(source)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out.square().sum().backward()
+        flops[needs] = counter.get_total_flops()
+        grads[needs] = [p.grad.clone() for p in lora]
+        assert (source.grad is not None) is needs
+        net.zero_grad(set_to_none=True)
+    tokens, width, ranks = 16, 64, 3 * 4
+    out_cols = group.weight.shape[0]
+    # the buffer's product for x's gradient, and (autograd's own) the x·A^T product's
+    assert flops[True] - flops[False] == 2 * tokens * width * (out_cols + ranks)
+    for with_input, without in zip(grads[True], grads[False]):
+        assert torch.equal(with_input, without)
+
+
 def compiled_grouped_pair():
     """A tiny model under PEFT, and a copy grouped as the toolkit groups it (the pre-hook on the decoder) with each
     decoder layer compiled whole (fullgraph)."""

@@ -119,24 +119,26 @@ class SharedInputGroup(torch.nn.Module):
         # the scaling goes with A, so that the buffer holds B as it is (refresh_slots: one copy, no product)
         lora_a = torch.cat([m.lora_A[adapter].weight * m.scaling[adapter] for m in members])
         low = F.linear(members[0]._cast_input_dtype(x, lora_a.dtype), lora_a).to(self.weight.dtype)
-        wide = torch.cat([x.to(self.weight.dtype), low], dim=-1)
+        x = x.to(self.weight.dtype)
         if torch.is_grad_enabled():
-            out = _FrozenWithLoraB.apply(wide, low, self.weight, self.bias, tuple(self.out_sizes),
+            out = _FrozenWithLoraB.apply(x, low, self.weight, self.bias, tuple(self.out_sizes),
                                          tuple(self.ranks), *[m.lora_B[adapter].weight for m in members])
         else:  # eval and sampling: the same product (the Function would split a compiled layer under no_grad)
-            out = F.linear(wide, self.weight, self.bias)
+            out = F.linear(torch.cat([x, low], dim=-1), self.weight, self.bias)
         return out
 
 
 class _FrozenWithLoraB(torch.autograd.Function):
-    """`wide @ weight^T + bias`, where `wide` is [x | low] and `weight` the group's buffer [W | block-diag(B)]:
-    the frozen product and the LoRA up-projection in one matrix product. The buffer holds B's values (copied in
-    by refresh_slots), so autograd does not see B in it: backward returns B's gradients itself."""
+    """`[x | low] @ weight^T + bias`, where `weight` is the group's buffer [W | block-diag(B)]: the frozen product
+    and the LoRA up-projection in one matrix product. The buffer holds B's values (copied in by refresh_slots), so
+    autograd does not see B in it: backward returns B's gradients itself. Where x needs no gradient (the first
+    decoder layer's q/k/v: its input comes from frozen embeddings), backward multiplies by B's columns only."""
 
     @staticmethod
-    def forward(ctx, wide, low, weight, bias, out_sizes, ranks, *b_weights):
+    def forward(ctx, x, low, weight, bias, out_sizes, ranks, *b_weights):
+        wide = torch.cat([x, low], dim=-1)
         ctx.save_for_backward(low, weight)
-        ctx.out_sizes, ctx.ranks, ctx.wide_dtype = out_sizes, ranks, wide.dtype
+        ctx.out_sizes, ctx.ranks, ctx.wide_dtype, ctx.x_width = out_sizes, ranks, wide.dtype, x.shape[-1]
         ctx.b_dtypes = [b.dtype for b in b_weights]
         return F.linear(wide, weight, bias)
 
@@ -145,14 +147,19 @@ class _FrozenWithLoraB(torch.autograd.Function):
         # backward runs outside autocast: under it the forward's product ran in grad's dtype, so backward's do too
         # (a no-op where the buffer is already in that dtype)
         low, weight = ctx.saved_tensors
-        low = low.to(grad.dtype)
-        grad_wide = (grad @ weight.to(grad.dtype)).to(ctx.wide_dtype)  # the input's gradient and low's, side by side
+        low, weight = low.to(grad.dtype), weight.to(grad.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # the input's gradient and low's, side by side, from one product
+            grad_wide = (grad @ weight).to(ctx.wide_dtype)
+            grad_x, grad_low = grad_wide[..., :ctx.x_width], grad_wide[..., ctx.x_width:]
+        else:
+            grad_low = (grad @ weight[:, ctx.x_width:]).to(ctx.wide_dtype)
         grads_b, column = [], 0
         for grad_out, rank, dtype in zip(grad.split(ctx.out_sizes, dim=-1), ctx.ranks, ctx.b_dtypes):
             low_i = low[..., column:column + rank]
             grads_b.append((grad_out.reshape(-1, grad_out.shape[-1]).t() @ low_i.reshape(-1, rank)).to(dtype))
             column += rank
-        return (grad_wide, None, None, None, None, None, *grads_b)
+        return (grad_x, grad_low, None, None, None, None, *grads_b)
 
 
 @torch.no_grad()
