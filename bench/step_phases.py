@@ -12,13 +12,15 @@ CUDA events. Per phase:
   the host there; a queue tens of milliseconds deep all through the step means the host is not what the step waits
   for (launches then block once the queue is full, which is why a host phase can take longer than its GPU work
   without the GPU ever waiting). The queue is only seen at the marks, not between them.
-- the GPU's SM clock and power draw once a step (NVML through torch.cuda; none where that is missing): a GPU at its
-  power limit runs its kernels at a lower clock, so equal kernels take longer than on a cool GPU.
+- the GPU's SM clock and power draw, read once a step after its end mark (NVML through torch.cuda, amdsmi on ROCm;
+  none where that is missing; the library's own averages over up to a second): a GPU at its power limit runs its
+  kernels at a lower clock, so equal kernels take longer than on a cool GPU.
 
 The earlier form of this measurement gave the GPU a head start (a sleep queued before each step) and read the
 shorter GPU step as what the host's launching cost. The sleep also let the GPU's clock rise to its maximum
-(1,965 MHz against 1,665-1,830 at 685-695 W of 700 under load, one H100, 2026-11-27), so the difference was the
-clock, not the host: the queue stayed 40-60 ms deep at every mark of the same steps.
+(1,965 MHz against 1,500-1,830 at 685-695 W of 700 under load, one H100, 2026-11-27), so the difference was the
+clock, not the host: without the sleep, the queue's median was 39-65 ms at every layer mark of forward and
+backward (in one of 17 steps it ran dry at the start of the forward and refilled within the first layers).
 
 With an optimizer that cannot skip a non-finite step on the device the step reads its loss before the update,
 waiting for the GPU inside every step; the summary says so ("waits_for_gpu").
@@ -35,11 +37,14 @@ from contextlib import contextmanager
 import torch
 
 def gpu_clocks() -> tuple[float, float] | None:
-    """(SM clock in MHz, power draw in W) of the current GPU now, or None where NVML (or ROCm's amdsmi) is missing."""
+    """(SM clock in MHz, power draw in W) of the current GPU, as NVML (ROCm: amdsmi) last sampled them (averages over
+    up to a second, so several steps), or None where the library is missing or reports nothing."""
     try:
-        return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1000
-    except Exception:  # noqa: BLE001 - pynvml not installed, or a device NVML does not know
+        mhz, power = float(torch.cuda.clock_rate()), float(torch.cuda.power_draw())
+    except Exception:  # noqa: BLE001 - pynvml / amdsmi not installed, or a device it does not know
         return None
+    watts = power if torch.version.hip else power / 1000  # amdsmi reports W, NVML mW
+    return (mhz, watts) if mhz > 0 and watts > 0 else None  # amdsmi: 0 for "N/A"
 
 
 def _tie_clocks() -> tuple[float, "torch.cuda.Event"]:
@@ -172,8 +177,9 @@ def summarize(steps: list[list[tuple]], tie: tuple | None = None, clocks: list |
             spans.setdefault(name, []).append(values)
         (_, host_a, event_a), (_, host_b, event_b) = marks[0], marks[-1]
         whole.append((event_a.elapsed_time(event_b) if event_a is not None else None, (host_b - host_a) * 1e3))
-    median = lambda values: None if None in values else round(statistics.median(values), 2)  # noqa: E731
-    least = lambda values: None if None in values else round(min(values), 2)  # noqa: E731
+    # no steps (a window whose only step failed, or left out behind the clocks' tie): None figures
+    median = lambda values: None if None in values or not values else round(statistics.median(values), 2)  # noqa: E731
+    least = lambda values: None if None in values or not values else round(min(values), 2)  # noqa: E731
     phases = [[name, median([v[0] for v in vs]), median([v[1] for v in vs]), median([v[2] for v in vs]),
                least([v[2] for v in vs])] for name, vs in spans.items()]
     summary = {"steps": len(steps), "waits_for_gpu": waits, "phases": phases,

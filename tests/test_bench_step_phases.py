@@ -97,3 +97,44 @@ def test_phases_are_timed_after_the_timed_steps_of_a_real_run(tmp_path):
                      "clip, optimizer step, zero_grad", "scheduler, step's numbers"]
     assert set(names) <= set(NAMES.values()) and not summary["waits_for_gpu"]
     assert all(host >= 0 for _, _, host, _, _ in summary["phases"]) and summary["host_step_ms"] > 0
+
+
+def test_a_window_without_steps_gives_none_figures():
+    """On a GPU the window's first step is left out (it starts behind the clocks' tie): a window whose only step
+    failed, or a one-step window, summarises no step at all, without raising."""
+    result = summarize([], tie=(0.0, Event(0)), clocks=[])
+    assert result == {"steps": 0, "waits_for_gpu": False, "phases": [], "gpu_step_ms": None, "host_step_ms": None}
+
+
+@pytest.mark.parametrize("hip, power, want", [(None, 690_000, (1755.0, 690.0)), ("6.2", 690, (1755.0, 690.0)),
+                                              ("6.2", 0, None)], ids=["nvml-milliwatts", "amdsmi-watts", "amdsmi-na"])
+def test_gpu_clocks_reads_watts_from_either_library(monkeypatch, hip, power, want):
+    from step_phases import gpu_clocks
+
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device=None: 1755)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda device=None: power)
+    assert gpu_clocks() == want
+
+    def missing(device=None):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", missing)
+    assert gpu_clocks() is None
+
+
+def test_print_phases_shows_clocks_the_queue_and_failures(capsys):
+    from step_phases import print_phases
+
+    steps = [[("start", 0.000, Event(40.0)), ("queued", 0.001, Event(40.0)), ("forward", 0.002, Event(40.0)),
+              ("backward", 0.033, Event(88.0)), ("update", 0.090, Event(137.0)), ("updated", 0.096, Event(138.0)),
+              ("end", 0.097, Event(138.0))]]
+    print_phases("toolkit", {"phases": summarize(steps, tie=(0.0, Event(0)), clocks=[(1650.0, 689.0)])})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "  toolkit: medians of 1 steps, GPU 98.0 ms a step, host 97.0 ms; SM clock 1650 MHz (1650-1650), 689 W"
+    backward = next(line for line in out if line.strip().startswith("backward"))
+    assert backward.split()[1:] == ["49.0", "57.00", "47.0", "47.0"]  # GPU, host, queue ahead (median, least)
+    print_phases("toolkit", {"phases": {"failed": "RuntimeError: boom"}})
+    assert capsys.readouterr().out == "  toolkit: the phased steps failed (RuntimeError: boom)\n"
+    print_phases("toolkit", {})
+    assert capsys.readouterr().out == ""

@@ -262,8 +262,8 @@ def test_an_input_without_gradient_is_not_given_one():
     out_cols = group.weight.shape[0]
     # the buffer's product for x's gradient, and (autograd's own) the x·A^T product's
     assert flops[True] - flops[False] == 2 * tokens * width * (out_cols + ranks)
-    for with_input, without in zip(grads[True], grads[False]):
-        assert torch.equal(with_input, without)
+    for with_input, without in zip(grads[True], grads[False]):  # A's from products of another width: rounding
+        torch.testing.assert_close(without, with_input, rtol=1e-6, atol=1e-7)
 
 
 def compiled_grouped_pair():

@@ -147,13 +147,13 @@ class _FrozenWithLoraB(torch.autograd.Function):
         # backward runs outside autocast: under it the forward's product ran in grad's dtype, so backward's do too
         # (a no-op where the buffer is already in that dtype)
         low, weight = ctx.saved_tensors
-        low, weight = low.to(grad.dtype), weight.to(grad.dtype)
+        low = low.to(grad.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:  # the input's gradient and low's, side by side, from one product
-            grad_wide = (grad @ weight).to(ctx.wide_dtype)
+            grad_wide = (grad @ weight.to(grad.dtype)).to(ctx.wide_dtype)
             grad_x, grad_low = grad_wide[..., :ctx.x_width], grad_wide[..., ctx.x_width:]
-        else:
-            grad_low = (grad @ weight[:, ctx.x_width:]).to(ctx.wide_dtype)
+        else:  # B's columns only (cast alone: an fp32 buffer under bf16 autocast is not copied whole)
+            grad_low = (grad @ weight[:, ctx.x_width:].to(grad.dtype)).to(ctx.wide_dtype)
         grads_b, column = [], 0
         for grad_out, rank, dtype in zip(grad.split(ctx.out_sizes, dim=-1), ctx.ranks, ctx.b_dtypes):
             low_i = low[..., column:column + rank]
