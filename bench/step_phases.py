@@ -36,6 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
+
 def gpu_clocks() -> tuple[float, float] | None:
     """(SM clock in MHz, power draw in W) of the current GPU, as NVML (ROCm: amdsmi) last sampled them (averages over
     up to a second, so several steps), or None where the library is missing or reports nothing."""

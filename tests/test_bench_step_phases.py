@@ -131,7 +131,8 @@ def test_print_phases_shows_clocks_the_queue_and_failures(capsys):
               ("end", 0.097, Event(138.0))]]
     print_phases("toolkit", {"phases": summarize(steps, tie=(0.0, Event(0)), clocks=[(1650.0, 689.0)])})
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "  toolkit: medians of 1 steps, GPU 98.0 ms a step, host 97.0 ms; SM clock 1650 MHz (1650-1650), 689 W"
+    assert out[0] == ("  toolkit: medians of 1 steps, GPU 98.0 ms a step, host 97.0 ms; "
+                      "SM clock 1650 MHz (1650-1650), 689 W")
     backward = next(line for line in out if line.strip().startswith("backward"))
     assert backward.split()[1:] == ["49.0", "57.00", "47.0", "47.0"]  # GPU, host, queue ahead (median, least)
     print_phases("toolkit", {"phases": {"failed": "RuntimeError: boom"}})

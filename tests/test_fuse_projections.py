@@ -244,7 +244,8 @@ def test_an_input_without_gradient_is_not_given_one():
     group_shared_inputs(net)
     attention = net.base_model.model.model.layers[0].self_attn
     group = attention.shared_input_q_k_v
-    lora = [p for n, p in attention.named_parameters() if "lora_" in n and n.split(".")[0] in ("q_proj", "k_proj", "v_proj")]
+    lora = [p for n, p in attention.named_parameters()
+            if "lora_" in n and n.split(".")[0] in ("q_proj", "k_proj", "v_proj")]
     assert len(lora) == 6
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(3))
     grads, flops = {}, {}
