@@ -18,7 +18,7 @@ CUDA events. Per phase:
 
 The earlier form of this measurement gave the GPU a head start (a sleep queued before each step) and read the
 shorter GPU step as what the host's launching cost. The sleep also let the GPU's clock rise to its maximum
-(1,965 MHz against 1,500-1,830 at 685-695 W of 700 under load, one H100, 2026-11-27), so the difference was the
+(1,965 MHz against 1,500-1,830 at 681-695 W of 700 under load, one H100, 2026-11-27), so the difference was the
 clock, not the host: without the sleep, the queue's median was 39-65 ms at every layer mark of forward and
 backward (in one of 17 steps it ran dry at the start of the forward and refilled within the first layers).
 
