@@ -59,7 +59,7 @@ EXPERTS = {"transformer": "high_noise", "transformer_2": "low_noise"}
 def train(family: str, out: Path):
     """Train through `python -m toolkit train`; returns the adapter holding step 2's exact tensors."""
     from toolkit.cli import main
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.models import build_adapter
     from toolkit.models.base import Runtime
 

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def smoke(work: Path) -> None:
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.train.trainer import Trainer
 
     cases = [("flux", ["model.quantize=8bit", "model.quantize_backend=bitsandbytes", "train.optimizer=adamw8bit"]),

@@ -31,33 +31,34 @@ def main() -> None:
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
-    from toolkit.config.run import load_run
-    from toolkit.train.step import Stepper
+    from toolkit.plan.run import load_run
+    from toolkit.train.events import StepEvents
     from toolkit.train.trainer import Trainer
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    launch, calls, window = Stepper.launch, {"n": 0}, {}
+    window = {}
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
 
-    def watched(self, stop_requested):
-        calls["n"] += 1
-        if calls["n"] == args.after + 1:
-            sync()
-            prof.start()
-            window["start"] = time.perf_counter()
-        sums = launch(self, stop_requested)
-        if calls["n"] == args.after + args.steps:
-            sync()
-            window["seconds"] = time.perf_counter() - window["start"]
-            prof.stop()
-        return sums
+    class Profiled(StepEvents):
+        """The profiler over launched steps after+1 .. after+steps (the trainer's step events)."""
 
-    Stepper.launch = watched
+        def step_started(self, step: int) -> None:
+            if step == args.after + 1:
+                sync()
+                prof.start()
+                window["start"] = time.perf_counter()
+
+        def step_launched(self, step: int, sums) -> None:
+            if step == args.after + args.steps:
+                sync()
+                window["seconds"] = time.perf_counter() - window["start"]
+                prof.stop()
+
     steps = args.after + args.steps + 1
     run = load_run([args.config], [*args.overrides, f"train.steps={steps}", "save.every=0", "sample.every=0",
                                    "log.every=1000"])
-    Trainer(run, fresh=True, log=print).run()
+    Trainer(run, fresh=True, log=print, events=[Profiled()]).run()
     events = prof.key_averages()
     # kernels only: an operator's row also carries its kernels' time (the table's own total counts it this way)
     device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)

@@ -1,9 +1,9 @@
 """Where a toolkit step's time goes between the host and the GPU, without the profiler (whose own overhead on a
 launch-bound host hides the answer).
 
-`phased(into)` marks the points of each Trainer step (its first batch asked for, the batch collated, the adapter's
-loss called and returned, the update begun and done, the step's end time taken) with host clocks and, on a GPU,
-CUDA events. Per phase:
+`PhaseTimer(into)`, subscribed to the trainer's step events (toolkit/train/events.py), takes host clocks and, on a
+GPU, CUDA events at each phase mark of a step (the step started, each batch collated, the adapter's loss called and
+returned, the update begun and done, the step's end time taken). Per phase:
 - the GPU's time between two events: what the GPU spent there, waits for the host included; the host's time: how
   long the host took to launch it;
 - the GPU's queue ahead of the host where the phase ends ("ahead"): how much launched work the GPU had still to do
@@ -36,6 +36,8 @@ from contextlib import contextmanager
 
 import torch
 
+from toolkit.train.events import StepEvents
+
 
 def gpu_clocks() -> tuple[float, float] | None:
     """(SM clock in MHz, power draw in W) of the current GPU, as NVML (ROCm: amdsmi) last sampled them (averages over
@@ -59,87 +61,52 @@ def _tie_clocks() -> tuple[float, "torch.cuda.Event"]:
     return (before + after) / 2, event
 
 
-@contextmanager
-def phased(into: dict):
-    """Time the steps run inside, per phase; medians go into `into` ("phases": [[phase, GPU ms, host ms, queue
-    ahead ms (median), queue ahead ms (least)]], "gpu_step_ms", "host_step_ms", "clocks"; the GPU figures None
-    without one). A step starts at its first batch and ends where the step takes its end time (StepEnd.now), so
-    the wrapping leaves Stepper.launch to whoever else wraps it (trainer_rate's windows). On a GPU the first step
-    starts behind a synchronize and is left out."""
-    from toolkit.train.step import StepEnd, Stepper, StepSums
+class PhaseTimer(StepEvents):
+    """Times the steps of its window, per phase (the Stepper's marks, toolkit/train/events.py PHASES); medians go
+    into `into` ("phases": [[phase, GPU ms, host ms, queue ahead ms (median), queue ahead ms (least)]],
+    "gpu_step_ms", "host_step_ms", "clocks"; the GPU figures None without one). A step starts at its "start"
+    mark and ends at its "end" mark (where the step takes its end time). On a GPU the first step starts behind a
+    synchronize and is left out. Subscribe it to the trainer's events; `window()` is the context its steps run in
+    (trainer_rate's windows open and close it at the right steps)."""
 
-    gpu = torch.cuda.is_available()
-    tie = _tie_clocks() if gpu else None
-    steps: list[list[tuple]] = []  # per step: (mark, host seconds, event or None)
-    clocks: list[tuple[float, float]] = []
-    state = {"in_step": False, "adapter": None}
+    def __init__(self, into: dict):
+        self.into = into
+        self.active = False
+        self.gpu = torch.cuda.is_available()
+        self.steps: list[list[tuple]] = []  # per step: (mark, host seconds, event or None)
+        self.clocks: list[tuple[float, float]] = []
+        self.tie = None
 
-    def mark(name: str) -> None:
+    def phase(self, name: str) -> None:
+        if not self.active:
+            return
+        if name == "start":
+            self.steps.append([])
+        elif not self.steps:
+            return  # the window opened inside a step: marked from the next one on
         event = None
-        if gpu:
+        if self.gpu:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-        steps[-1].append((name, time.perf_counter(), event))
-
-    next_batch, update, now, read = Stepper._next_batch, Stepper._update, StepEnd.__dict__["now"], StepSums.read
-
-    def timed_next_batch(self):
-        if not state["in_step"]:
-            steps.append([])
-            mark("start")
-            state["in_step"] = True
-            if state["adapter"] is None:
-                state["adapter"] = adapter = self.adapter
-                adapter_loss = adapter.loss
-
-                def loss(batch, modules):
-                    if not state["in_step"]:  # an evaluation between steps
-                        return adapter_loss(batch, modules)
-                    mark("forward")
-                    out = adapter_loss(batch, modules)
-                    mark("backward")
-                    return out
-
-                adapter.loss = loss  # an instance attribute over the method, while the window is open
-        batch = next_batch(self)
-        mark("queued")
-        return batch
-
-    def timed_update(self, sums):
-        mark("update")
-        update(self, sums)
-        mark("updated")
-
-    def timed_read(self):  # inside a step only where the optimizer cannot skip on the device: a wait for the GPU
-        if not state["in_step"]:
-            return read(self)
-        mark("read")
-        read(self)
-        mark("read done")
-
-    def timed_now(cls, device):
-        ended = now.__func__(cls, device)
-        if state["in_step"]:
-            mark("end")
-            state["in_step"] = False
-            sample = gpu_clocks() if gpu else None
+        self.steps[-1].append((name, time.perf_counter(), event))
+        if name == "end" and self.gpu:
+            sample = gpu_clocks()
             if sample is not None:
-                clocks.append(sample)
-        return ended
+                self.clocks.append(sample)
 
-    Stepper._next_batch, Stepper._update, StepEnd.now = timed_next_batch, timed_update, classmethod(timed_now)
-    StepSums.read = timed_read
-    try:
-        yield
-    finally:
-        Stepper._next_batch, Stepper._update, StepEnd.now = next_batch, update, now
-        StepSums.read = read
-        if state["adapter"] is not None:
-            del state["adapter"].loss
-    if gpu:
-        torch.cuda.synchronize()
-        steps, clocks = steps[1:], clocks[1:]  # the first started with an empty queue (_tie_clocks)
-    into.update(summarize(steps, tie, clocks))
+    @contextmanager
+    def window(self):
+        self.tie = _tie_clocks() if self.gpu else None
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+        steps, clocks = [s for s in self.steps if s and s[-1][0] == "end"], self.clocks
+        if self.gpu:
+            torch.cuda.synchronize()
+            steps, clocks = steps[1:], clocks[1:]  # the first started with an empty queue (_tie_clocks)
+        self.into.update(summarize(steps, self.tie, clocks))
 
 
 # phase names by (mark, next mark); with train.grad_accum > 1 a step collates every micro-batch first, then runs

@@ -4,57 +4,52 @@ from __future__ import annotations
 
 import json
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from toolkit.train.events import StepEvents
+
 PROFILED_STEPS = 3
 PHASED_STEPS = 10
 
 
-@contextmanager
-def windows_after(launches: int, windows: list[tuple[int, Callable]], peak: dict):
+class Windows(StepEvents):
     """After the Trainer's first `launches` steps, each window (steps, make_context) in turn: its steps run inside
-    make_context(). The peak memory of the steps before the first window goes into peak["gib"]; peak["steps"]
-    counts the steps launched so far, peak["window"] the window open (a failure while one is open is that
-    window's; None once it closed)."""
-    peak["steps"] = launches if not windows else 0
-    if not windows:
-        yield
-        return
-    from toolkit.train.step import Stepper
+    make_context() (entered as the window's first step starts, left once its last is launched), through the
+    trainer's step events. The peak memory of the steps before the first window goes into peak["gib"];
+    peak["steps"] counts the steps launched so far, peak["window"] the window open (a failure while one is open is
+    that window's; None once it closed)."""
 
-    spans, first = [], launches + 1
-    for steps, make in windows:
-        spans.append((first, first + steps - 1, make))
-        first += steps
-    launch, count, open_ = Stepper.launch, {"n": 0}, []
+    def __init__(self, launches: int, windows: list[tuple[int, Callable]], peak: dict):
+        self.launches, self.peak, self.spans, self.open = launches, peak, [], []
+        peak["steps"] = launches if not windows else 0
+        first = launches + 1
+        for steps, make in windows:
+            self.spans.append((first, first + steps - 1, make))
+            first += steps
+        self.count = 0
 
-    def watched(self, stop_requested):
-        count["n"] += 1
-        peak["steps"] = count["n"]
-        if count["n"] == launches + 1 and torch.cuda.is_available():
-            peak["gib"] = torch.cuda.max_memory_allocated() / 2**30
-        for index, (start, _, make) in enumerate(spans):
-            if count["n"] == start:
-                peak["window"] = index  # the window a failure from here on belongs to
-                open_.append(make())
-                open_[-1].__enter__()
-        sums = launch(self, stop_requested)
-        if any(count["n"] == end for _, end, _ in spans):
-            open_.pop().__exit__(None, None, None)
-            peak["window"] = None  # closed: a later failure (the final export, say) is the run's own
-        return sums
+    def step_started(self, step: int) -> None:
+        self.count += 1
+        self.peak["steps"] = self.count
+        if self.count == self.launches + 1 and torch.cuda.is_available():
+            self.peak["gib"] = torch.cuda.max_memory_allocated() / 2**30
+        for index, (start, _, make) in enumerate(self.spans):
+            if self.count == start:
+                self.peak["window"] = index  # the window a failure from here on belongs to
+                self.open.append(make())
+                self.open[-1].__enter__()
 
-    Stepper.launch = watched
-    try:
-        yield
-    finally:
-        Stepper.launch = launch
-        while open_:
-            open_.pop().__exit__(None, None, None)
+    def step_launched(self, step: int, sums) -> None:
+        if any(self.count == end for _, end, _ in self.spans):
+            self.open.pop().__exit__(None, None, None)
+            self.peak["window"] = None  # closed: a later failure (the final export, say) is the run's own
+
+    def close(self) -> None:
+        while self.open:
+            self.open.pop().__exit__(None, None, None)
 
 
 def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: str, steps: int,
@@ -72,10 +67,11 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
     `losses` (a list) receives the logged losses, to compare rows that train in another precision. With `phases`
     (a dict), PHASED_STEPS more steps are timed per phase on the host and the GPU, with the GPU's queue ahead of
     the host and its clock (bench/step_phases.py), under "phases"."""
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.train.trainer import Trainer
 
     windows, summaries = [], []  # (steps, context), and the dict each window's failure is written to
+    window_subscribers = []  # windows that time the trainer's phases subscribe to its step events
     if profile is not None:
         from kernel_profile import profiled
 
@@ -87,10 +83,12 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
         windows.append((1, lambda: recorded(memory)))
         summaries.append(memory)
     if phases is not None:
-        from step_phases import phased
+        from step_phases import PhaseTimer
 
         phases.update(phases={})
-        windows.append((PHASED_STEPS, lambda: phased(phases["phases"])))
+        timer = PhaseTimer(phases["phases"])
+        window_subscribers.append(timer)
+        windows.append((PHASED_STEPS, timer.window))
         summaries.append(phases["phases"])
     extra = sum(n for n, _ in windows)
     overrides = [*overrides, f"train.steps={steps + warmup + extra}", f"train.optimizer={optimizer}",
@@ -103,14 +101,17 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     peak = {}
-    with windows_after(steps + warmup, windows, peak):
-        try:
-            Trainer(run, fresh=True, log=logs.append if logs is not None else (lambda m: None)).run()
-        except Exception as error:  # noqa: BLE001
-            if peak["steps"] <= steps + warmup or peak.get("window", 0) is None:
-                raise
-            # a window's own step failed (the profiler or the allocator's history): the timed steps stand
-            summaries[peak.get("window", 0)]["failed"] = f"{type(error).__name__}: {error}"
+    watch = Windows(steps + warmup, windows, peak)
+    subscribers = [watch] + [w for w in window_subscribers]
+    try:
+        Trainer(run, fresh=True, log=logs.append if logs is not None else (lambda m: None), events=subscribers).run()
+    except Exception as error:  # noqa: BLE001
+        if peak["steps"] <= steps + warmup or peak.get("window", 0) is None:
+            raise
+        # a window's own step failed (the profiler or the allocator's history): the timed steps stand
+        summaries[peak.get("window", 0)]["failed"] = f"{type(error).__name__}: {error}"
+    finally:
+        watch.close()
     records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "steps_per_s" in r and warmup < r["step"] <= steps + warmup]
     if losses is not None:

@@ -20,20 +20,19 @@ def cpu_runtime(run, tmp_path: Path, **kwargs):
 def adapter_for(config: str, tmp_path: Path, *overrides: str):
     """(adapter, dataset) for an example config, loaded, with its data prepared and placed for training,
     in the order the trainer does it."""
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.models import build_adapter
 
     run = load_run([REPO / "configs/examples" / config], [f"run.output_dir={tmp_path}", *overrides])
     adapter = build_adapter(run.cfg, cpu_runtime(run, tmp_path))
     adapter.load()
-    dataset = adapter.prepare_data()
-    adapter.place_for_training()
+    dataset = adapter.prepare_data()  # placed for training too
     return adapter, dataset
 
 
 def mean_loss(adapter, batch) -> torch.Tensor:
     """The batch's mean loss, through the adapter's own (unwrapped) trainable modules."""
-    return adapter.loss(batch, adapter.trainable_modules()) / adapter.loss_weight(batch)
+    return adapter.loss(batch, adapter.trainable_modules()) / adapter.batch_units(batch)[0]
 
 
 def diffusion_train_args(config: str, out: Path, *extra: str) -> list[str]:

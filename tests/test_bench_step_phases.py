@@ -71,7 +71,7 @@ def test_micro_batches_add_up_within_a_step_and_a_read_of_the_loss_is_its_own_ph
 
 def test_phases_are_timed_after_the_timed_steps_of_a_real_run(tmp_path):
     """The Trainer on the tiny LLM (the CPU in CI): the rate of the timed steps, then 10 steps per phase; every
-    phase of the step is there, the hooks are gone after."""
+    phase of the step is there, timed through the trainer's step events (nothing of the toolkit is patched)."""
     from step_phases import NAMES
     from trainer_rate import PHASED_STEPS, trainer_rate
 

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, run_toolkit
-from toolkit.config.run import load_run
+from toolkit.plan.run import load_run
 from toolkit.device.detect import DeviceInfo, cpu_device_info
 from toolkit.errors import ConfigError, UserError
 

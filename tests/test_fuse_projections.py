@@ -12,7 +12,7 @@ from helpers import read_metrics
 from safetensors.torch import load_file
 
 from conftest import REPO
-from toolkit.config.run import load_run
+from toolkit.plan.run import load_run
 from toolkit.device.detect import DeviceInfo, cpu_device_info
 from toolkit.models.shared_input import SharedInputGroup, group_shared_inputs
 

@@ -72,7 +72,7 @@ def _dotted(config: dict, key: str):
 
 @pytest.mark.parametrize("job", list(CASES))
 def test_job_translates_reports_what_it_cannot_and_validates(job, tmp_path, run_cli, capsys):
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.preflight import path_checks
 
     tiny, data, expected, untranslated = CASES[job]

@@ -99,7 +99,7 @@ def test_flux_comfyui_file_and_llm_adapter_folder(family, config, lora, runs, ru
 
 def sd_adapter(run_dir: Path, *overrides: str):
     """The sd adapter of `run_dir`'s config (with overrides), its model loaded, no data."""
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.models import build_adapter
 
     run = load_run([run_dir / "config.yaml"], list(overrides))

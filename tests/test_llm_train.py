@@ -52,7 +52,7 @@ def chat_prompt_ids(tokenizer) -> torch.Tensor:
 
 def test_chat_prompts_go_through_the_template(chat_run):
     """The adapter renders sample prompts with add_generation_prompt for chat data."""
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.models.llm import LLMAdapter
 
     run = load_run([chat_run / "config.yaml"], [])
@@ -68,7 +68,7 @@ def toolkit_logits(run_dir: Path, input_ids: torch.Tensor, checkpoint: Path | No
     """Logits of the toolkit's own model with a checkpoint's (default: the last one's) exact LoRA tensors."""
     from safetensors.torch import load_file
 
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.models import build_adapter
 
     run = load_run([run_dir / "config.yaml"], [])
@@ -223,7 +223,7 @@ def test_qlora_4bit_trains_on_cpu(tmp_path, monkeypatch):
 # -- HIP decisions, with a fake HIP DeviceInfo on the CPU ----------------------------------------
 
 def hip_adapter(tmp_path, name_or_path: str, quantize: str, notes: list | None = None):
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.device.detect import DeviceInfo
     from toolkit.models.base import Runtime
     from toolkit.models.llm import LLMAdapter

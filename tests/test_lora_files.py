@@ -39,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("own_data_caches")
 
 def trained_adapter(run_dir: Path, step_dir: Path):
     """The run's adapter (model loaded, no data) holding the checkpoint's exact trainable tensors."""
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.models import build_adapter
 
     run = load_run([run_dir / "config.yaml"], [])

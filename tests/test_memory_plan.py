@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO
-from toolkit.config.run import load_run
+from toolkit.plan.run import load_run
 from toolkit.device.detect import DeviceInfo
 from toolkit.errors import UserError
 from toolkit.models.quantize import choose_backend, choose_quantize, plan_weights

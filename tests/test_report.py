@@ -149,7 +149,7 @@ def test_make_grid_tiles_images_row_by_row(tmp_path):
 
 def test_report_shows_image_samples_by_step(tmp_path):
     """Image families: a step's grid.png when there is one, else each image; paths relative to the run folder."""
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.train.report import RunReport
     from toolkit.train.run_dir import RunDir
 

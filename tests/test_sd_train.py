@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO
 from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
-from toolkit.config.run import load_run
+from toolkit.plan.run import load_run
 from toolkit.models.diffusion_sd import StableDiffusionAdapter
 from toolkit.models.objectives import min_snr_weights, sample_timesteps
 from toolkit.paths import resolve_model_path

@@ -40,7 +40,7 @@ def _quiet_libraries() -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from toolkit import launch
-    from toolkit.config.run import load_run, split_args
+    from toolkit.plan.run import load_run, split_args
 
     files, overrides = split_args(args.config)
     # A worker started by --gpus (a parent like this one), torchrun or accelerate launch trains as its rank.
@@ -73,23 +73,24 @@ def _print_decisions(run) -> None:
     for reason in run.device.reasons:
         print(f"  {reason}", file=sys.stderr)
     print(f"  {run.preset_reason}", file=sys.stderr)
-    for decision in run.decisions:
-        print(f"  {decision}", file=sys.stderr)
+    for line in run.plan.lines("static"):
+        print(f"  {line}", file=sys.stderr)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from toolkit.config.load import flatten, resolved_container
-    from toolkit.config.run import load_run, split_args
+    from toolkit.plan.run import load_run, split_args
 
     from toolkit.preflight import path_checks
 
     files, overrides = split_args(args.config)
     run = load_run(files, overrides, check_paths=path_checks())
-    decided = {d.key: d for d in run.decisions}
+    decided = {d.key: d for d in run.plan}
     rows = []
     for key, value in flatten(resolved_container(run.cfg)):
         if key in decided:
-            source = f"auto: {decided[key].reason}"
+            asked = run.asked_value(key)
+            source = f"{'auto' if asked == 'auto' else run.sources.get(key, 'default')}: {decided[key].reason}"
         else:
             source = run.sources.get(key, "default")
         rows.append((key, repr(value) if isinstance(value, str) and not value else str(value), source))
@@ -98,6 +99,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"# device: {run.device.summary()}; {run.preset_reason}")
     for key, value, source in rows:
         print(f"{key:<{width_key}} = {value:<{width_value}}  # {source}")
+    print("\n# the plan's static stage: what each auto setting is before the model loads; the trainer settles the "
+          "rest\n# (the model's size and memory plan, measurements on the GPU) and writes the whole plan to plan.json")
+    for line in run.plan.lines("static"):
+        print(f"#   {line}")
     print(f"\nconfig OK ({len(files)} file{'s' if len(files) != 1 else ''}, {len(overrides)} override"
           f"{'s' if len(overrides) != 1 else ''})", file=sys.stderr)
     return 0

@@ -47,7 +47,7 @@ def new_output_folder(run_dir: Path, tag: str, out: Path | None) -> Path:
 
 def load_sampling_run(run_dir: Path, overrides: list[str], prompts: list[str] | None, seed: int | None):
     """The run's resolved config with the overrides (resume-safe keys only), prompts and seed applied."""
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.train.resume import is_resume_safe
 
     config = run_dir / "config.yaml"
@@ -59,11 +59,12 @@ def load_sampling_run(run_dir: Path, overrides: list[str], prompts: list[str] | 
         raise UserError(f"sample: {', '.join(refused)}: only settings that do not change the trained model may be "
                         "overridden (sample.*, device.*, save.*, log.*, ...)\n  fix: drop them; the run's own "
                         "model and network settings are used")
-    run = load_run([config], overrides)
-    if prompts:
-        run.cfg.sample.prompts = list(prompts)
-    if seed is not None:
-        run.cfg.sample.seed = seed
+    import json
+
+    # --prompt and --seed as the command line's last layer: the config is read-only once loaded
+    extra = [f"sample.prompts={json.dumps(list(prompts))}"] if prompts else []
+    extra += [f"sample.seed={seed}"] if seed is not None else []
+    run = load_run([config], overrides + extra)
     if not list(run.cfg.sample.prompts):
         raise UserError(f"sample: the run has no sample.prompts ({config})\n  fix: give --prompt TEXT")
     return run

@@ -42,10 +42,11 @@ class FamilySpec:
     batch_cap: int | None = None        # train.batch_size=auto never exceeds this (large samples)
     save_formats: tuple[str, ...] = ()  # save.format values besides auto (the first is what auto writes)
     tiny: dict[str, str] = field(default_factory=dict)  # tiny:<kind> -> "module:function" writing it
-    compile_auto: str | None = None     # train.compile=auto on a GPU: why it is on (a measurement); None: off
+    # Measured choices, each an evidence id (bench/results/evidence.json, cited by toolkit/plan/evidence.py):
+    compile_auto: str | None = None     # train.compile=auto on a GPU is on (faster compiled); None: off
     compile_auto_steps: int = 0         # ...for runs of at least this many train.steps (the compile is repaid)
-    recompute_auto: str | None = None   # train.compile_recompute=auto: why pointwise (a measurement); None: none
-    keeps_auto: str | None = None       # train.checkpoint_keeps=auto: why attention (a measurement); None: nothing
+    recompute_auto: str | None = None   # train.compile_recompute=auto is pointwise; None: none
+    keeps_auto: str | None = None       # train.checkpoint_keeps=auto is attention; None: nothing
     pipeline_class: str = ""            # model_index.json _class_name of a diffusers folder; "": a transformers folder
 
 
@@ -53,38 +54,25 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec("llm", "toolkit.models.llm:LLMAdapter", TextDataSection, LLM_SETTINGS,
                "any transformers causal LM", save_formats=("peft",),
                tiny={"llm": "toolkit.tiny.llm:write_tiny_llm"},
-               compile_auto="with its decoder layers compiled and the fused loss the toolkit trained the "
-                            "Llama-3.2-1B shape at 68.0k tokens/s on an H100, against 64.8k for the compiled plain "
-                            "loop and 39.1k eager (bench/llm.py, one run)",
-               recompute_auto="measured no slower and smaller: the Llama-3.2-1B shape at 4 x 2048 trained at 77.9k "
-                              "tokens/s in 9.7 GiB, against 77.7k in 12.9 GiB keeping PyTorch's default (one H200, "
-                              "bench/llm.py, one run)"),
+               compile_auto="llm-compile",
+               recompute_auto="llm-recompute"),
     FamilySpec("sd", "toolkit.models.diffusion_sd:StableDiffusionAdapter", ImageDataSection, DDPM_SETTINGS,
                "Stable Diffusion 1.x/2.x", timestep_sampling="uniform",
                save_formats=("diffusers", "kohya", "comfyui"), pipeline_class="StableDiffusionPipeline",
                tiny={"sd": "toolkit.tiny.diffusion:write_tiny_sd", "sd-v": "toolkit.tiny.diffusion:write_tiny_sd_v"},
-               compile_auto="compiled whole and replayed as a CUDA graph (train.cuda_graphs), the SD1.5 UNet at 512 "
-                            "px, batch 4, trained at 107.2 img/s on an H100 against 53.3 for the compiled plain loop "
-                            "and 26.0 eager (bench/diffusion.py, one run); the first step compiles for about 100 s"),
+               compile_auto="sd-compile"),
     FamilySpec("sdxl", "toolkit.models.diffusion_sd:StableDiffusionXLAdapter", ImageDataSection, DDPM_SETTINGS,
                "Stable Diffusion XL", timestep_sampling="uniform", save_formats=("diffusers", "kohya", "comfyui"),
                pipeline_class="StableDiffusionXLPipeline",
                tiny={"sdxl": "toolkit.tiny.diffusion:write_tiny_sdxl"},
-               compile_auto="compiled whole and replayed as a CUDA graph (train.cuda_graphs), the SDXL UNet at 1024 "
-                            "px, batch 2, trained at 15.85 img/s on an H100 against 3.76 for the eager plain loop "
-                            "(bench/diffusion.py, one run); its first step compiled for 315 s, repaid after about 780 "
-                            "steps",
+               compile_auto="sdxl-compile",
                compile_auto_steps=1000),
     FamilySpec("flux", "toolkit.models.diffusion_flow:FluxAdapter", ImageDataSection,
                FLOW_SETTINGS | {"train.guidance"}, "Flux.1 dev/schnell", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
                tiny={"flux": "toolkit.tiny.flow:write_tiny_flux"}, pipeline_class="FluxPipeline",
-               compile_auto="block by block, every block checkpointed, Flux.1-dev at 1024 px trained at 0.574 s/step "
-                            "(keeping its attention) against 0.924 eager, on an H100 (bench/diffusion.py, one run); "
-                            "the first step compiles for about 35 s",
-               keeps_auto="every block checkpointed, Flux.1-dev at 1024 px trained at 0.472 s/step keeping its "
-                          "attention (26.9 GiB) against 0.637 s recomputing it (25.3 GiB), compiled (one H200, "
-                          "bench/diffusion.py, one run)"),
+               compile_auto="flux-compile",
+               keeps_auto="flux-keeps"),
     FamilySpec("sd3", "toolkit.models.diffusion_flow:SD3Adapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Stable Diffusion 3 / 3.5",
                timestep_sampling="logit_normal", batch_cap=4, save_formats=("diffusers", "comfyui"),
@@ -94,12 +82,8 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                save_formats=("diffusers", "comfyui"), tiny={"wan21": "toolkit.tiny.flow:write_tiny_wan21",
                                                            "wan21-i2v": "toolkit.tiny.wan_i2v:write_tiny_wan21_i2v"},
                pipeline_class="WanPipeline",
-               compile_auto="block by block, every block checkpointed, Wan 2.1 1.3B at 81 x 480 x 832 trained at 1.99 "
-                            "s/step (keeping its self-attention) against 3.14 eager, on an H100 (bench/diffusion.py, "
-                            "one run); the first step compiles for about 25 s",
-               keeps_auto="every block checkpointed, Wan 2.1 1.3B at 81 x 480 x 832 trained at 1.95 s/step keeping "
-                          "its self-attention (13.5 GiB) against 2.36 s recomputing it (10.2 GiB), compiled (one "
-                          "H200, bench/diffusion.py, one run)"),
+               compile_auto="wan21-compile",
+               keeps_auto="wan21-keeps"),
     FamilySpec("wan22", "toolkit.models.diffusion_wan:Wan22Adapter", VideoDataSection,
                VIDEO_SETTINGS | {"train.experts", "train.expert_switch_every", "model.expert_offload"},
                "Wan 2.2 A14B (two experts; text- or image-to-video) and TI2V-5B", timestep_sampling="logit_normal",

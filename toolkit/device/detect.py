@@ -41,7 +41,7 @@ def _system_memory_gb() -> float:
 
 def cpu_device_info(reason: str) -> DeviceInfo:
     return DeviceInfo(backend="cpu", arch="cpu", name="CPU", memory_gb=_system_memory_gb(), bf16=False,
-                      reasons=[reason, "cpu: training in fp32 (bf16 matmuls on most CPUs are slower, not faster)"])
+                      reasons=[reason])
 
 
 def _hip_device_info(props, count: int) -> DeviceInfo:

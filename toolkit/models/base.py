@@ -2,21 +2,26 @@
 
 The trainer never asks which family it is training. It drives every adapter through the same sequence:
 
-    adapter = AdapterClass(cfg, runtime)
-    adapter.load()                      # base weights, frozen, with the LoRA added
-    dataset = adapter.prepare_data()    # data and caches (the VAE / text encoders may come and go here)
-    adapter.place_for_training()        # trainable modules (and what they need) onto the device
+    adapter = AdapterClass(settings, runtime)
+    adapter.memory.base_parameters()    # the frozen model's size, counted without loading (device.distributed)
+    adapter.load(shard_base)            # base weights, frozen, with the LoRA added; its memory plan decided
+    dataset = adapter.prepare_data()    # data and caches; then the trainable modules onto the device
     modules = {name: wrap(m) for name, m in adapter.trainable_modules().items()}   # DDP when several processes
-    each step: adapter.begin_step(step); weight = adapter.loss_weight(batch); adapter.loss(batch, modules)
+    each step: adapter.begin_step(step); adapter.batch_units(batch); adapter.loss(batch, modules)
+
+and reads back `sample`, `eval_loss`, `save_lora` and `load_lora` around the steps. Everything the trainer plans
+about memory (the model's size, its quantization, its repeated blocks to compile, checkpoint and swap, what fsdp
+shards, how to turn checkpointing on, what to suggest when memory runs out) is one object, `adapter.memory`
+(ModelMemory), of the same shape for every family.
 
 `loss` must call the modules it is given (the trainer's wrappers), never its own references to them: DDP
-averages gradients only for a forward through its wrapper. The optional hooks have no-op defaults on
-AdapterBase; the trainer calls them unconditionally and never probes an adapter with getattr.
+averages gradients only for a forward through its wrapper.
 """
 
 from __future__ import annotations
 
 import sys
+from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +32,14 @@ from omegaconf import DictConfig
 
 from toolkit.config.families import FamilySpec, family_spec
 from toolkit.device.detect import DeviceInfo
+from toolkit.plan.decisions import Decision
 
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Runtime:
     """Where and how the adapter runs: device, dtypes, run folder, and how it logs and shares work with
     other processes (the trainer fills these in; the defaults describe a single process)."""
@@ -49,9 +55,6 @@ class Runtime:
     rank: int = 0
     main_process_first: Callable[[], AbstractContextManager] = field(default=nullcontext)
     """Context for work that writes shared files (caches): the main process runs it first, then the others."""
-    shard_base: bool = False
-    """device.distributed=fsdp with several processes: the frozen base stays in CPU memory through load(); the
-    trainer shards it onto the devices (each process holds 1/N of it) and moves the LoRA weights there."""
 
 
 class TrainDataset(Protocol):
@@ -69,68 +72,66 @@ class TrainDataset(Protocol):
         repeat): what train.batch_size=auto measures (train/batch_size.py)."""
 
 
-class ModelAdapter(Protocol):
-    """One model family: loading, data, loss, sampling and LoRA files (see the module docstring)."""
+class ModelMemory:
+    """What the trainer plans about a model's memory, the same for every family. The defaults describe a model
+    with nothing to plan; each kind of model (llm.py, diffusion_base.py, flow_memory.py) says what it has."""
 
-    spec: FamilySpec
-    network: torch.nn.Module
-    """The root module of every LoRA weight; its parameter names are the names in checkpoints."""
+    unused_parameters = False
+    """Whether some LoRA weights get no gradient in a step (DDP must then look for them)."""
 
-    def load(self) -> None:
-        """Load the base model from cfg.model.name_or_path, freeze it and add the LoRA."""
+    def base_parameters(self) -> int | None:
+        """Parameters of the frozen model(s) that train, counted without loading weights (None: unknown);
+        device.distributed=auto decides from it."""
+        return None
 
-    def prepare_data(self) -> TrainDataset:
-        """The training data (cfg.data), with its caches filled; leaves the trainable modules where they are."""
+    def decisions(self) -> dict[str, Decision]:
+        """What loading decided of the settings the model plans itself (model.quantize, model.expert_offload,
+        model.block_swap), by setting: the loaded stage of the run's plan."""
+        return {}
 
-    def place_for_training(self) -> None:
-        """Put the trainable modules and what their forward needs onto the device (after prepare_data)."""
+    def quantized(self) -> str:
+        """How the frozen denoiser is quantized for training (none, 8bit, 4bit, fp8), once loaded."""
+        return "none"
 
-    def trainable_modules(self) -> dict[str, torch.nn.Module]:
-        """The modules that carry LoRA weights, each run by its own forward: what the trainer wraps."""
+    def regions(self, checkpointed: bool) -> dict[str, list[torch.nn.Module]]:
+        """By trainable module, its repeated blocks in forward order, which train/blocks.py compiles, checkpoints
+        and swaps one by one (`checkpointed`: whether any of them will be checkpointed, which may change what a
+        block is). Empty: the trainer compiles shard_roots' repeated blocks whole and the model checkpoints its
+        own way (llm, through transformers)."""
+        return {}
 
-    def lora_targets(self) -> list[str]:
-        """The names of the modules that carry LoRA weights."""
+    def swaps(self) -> dict:
+        """By trainable module, its BlockSwap (models/block_swap.py) when model.block_swap moves blocks."""
+        return {}
 
-    def loss_weight(self, batch: dict[str, Any]) -> int:
-        """How many units (tokens, samples) the loss of `batch` averages over, counted before the forward."""
+    def shard_roots(self) -> dict[str, torch.nn.Module]:
+        """For device.distributed=fsdp, by trainable module: the model whose forward the family calls (its
+        blocks and then itself are sharded)."""
+        return {}
 
-    def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
-        """The SUM of the batch's per-unit losses, computed through `modules` (the trainer divides by the
-        step's total loss_weight over micro-batches and processes, so every unit counts the same)."""
+    def enable_checkpointing(self) -> None:
+        """Turn gradient checkpointing on after loading (train.gradient_checkpointing=auto measured that a step
+        needs it). Denoisers need nothing here: train/blocks.py checkpoints their blocks when it wraps them."""
 
-    def sample(self, out_dir: Path) -> list[Path]:
-        """Generate from cfg.sample.prompts into out_dir; return the files written."""
-
-    def prepare_sampling(self) -> None:
-        """Without training (the `sample` command: load(), load_lora(), then this): what sample() needs that
-        prepare_data() and place_for_training() would have done."""
-
-    def load_lora(self, path: Path, partial: bool = False, label: str | None = None) -> None:
-        """Load a LoRA (a file or folder the family's loader reads; a run folder means its final/) into the trained
-        LoRA; `partial`: modules it does not cover keep their weights (network.init_from); `label`: how messages
-        name it (else its path)."""
-
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
-        """The exact trainable tensors, for checkpoints."""
-
-    def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore what lora_state_dict returned."""
-
-    def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
-        """Export the LoRA in the ecosystem's format (cfg.save.format) into out_dir."""
+    def fixes(self) -> list[str]:
+        """Out-of-memory remedies specific to the model (the trainer adds the generic ones)."""
+        return []
 
 
-class AdapterBase:
-    """What every adapter shares: the config, runtime and spec, LoRA state dicts over `network`, and the
-    optional hooks with their defaults."""
+class ModelAdapter(ABC):
+    """One model family: loading, data, loss, sampling and LoRA files (see the module docstring). Subclasses are
+    a kind (DiffusionAdapter) and its families, or a family of its own (LLMAdapter): two levels at most."""
 
     network: torch.nn.Module | None
+    """The root module of every LoRA weight; its parameter names are the names in checkpoints."""
+    memory: ModelMemory
 
     def __init__(self, cfg: DictConfig, runtime: Runtime):
-        self.cfg = cfg
+        self.cfg = cfg             # the run's settings (read-only)
         self.runtime = runtime
-        self.spec = family_spec(cfg.model.family)
+        self.spec: FamilySpec = family_spec(cfg.model.family)
         self.network = None
+        self.shard_base = False    # set by load(): device.distributed=fsdp with several processes
 
     @property
     def family(self) -> str:
@@ -139,84 +140,70 @@ class AdapterBase:
     def log(self, message: str) -> None:
         self.runtime.log(message)
 
-    # -- LoRA weights ----------------------------------------------------------------------
-    def lora_targets(self) -> list[str]:
-        return sorted({n.rsplit(".lora_A", 1)[0] for n, _ in self.network.named_parameters() if ".lora_A" in n})
+    # -- required ----------------------------------------------------------------------------
+    @abstractmethod
+    def load(self, shard_base: bool = False) -> None:
+        """Load the base model from cfg.model.name_or_path, freeze it and add the LoRA. `shard_base`
+        (device.distributed=fsdp with several processes): the frozen base stays in CPU memory, and the trainer
+        shards it onto the devices (each process holds 1/N of it) and moves the LoRA weights there."""
 
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
-        return trainable_state_dict(self.network)
+    @abstractmethod
+    def prepare_data(self) -> TrainDataset:
+        """The training data (cfg.data) with its caches filled; then the trainable modules and what their forward
+        needs go onto the device."""
 
-    def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_trainable_state_dict(self.network, state)
+    @abstractmethod
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules that carry LoRA weights, each run by its own forward: what the trainer wraps."""
 
-    # -- optional hooks (no-op defaults) ------------------------------------------------------
+    @abstractmethod
+    def batch_units(self, batch: dict[str, Any]) -> tuple[int, int]:
+        """(units, tokens) of `batch`, counted before the forward: how many units (tokens, samples) its loss sums
+        over, and its tokens for the tokens/s metric (0: the family does not count tokens)."""
+
+    @abstractmethod
+    def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
+        """The SUM of the batch's per-unit losses, computed through `modules` (the trainer divides by the
+        step's total units over micro-batches and processes, so every unit counts the same)."""
+
+    @abstractmethod
+    def sample(self, out_dir: Path) -> list[Path]:
+        """Generate from cfg.sample.prompts into out_dir; return the files written."""
+
+    @abstractmethod
+    def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
+        """Export the LoRA in the ecosystem's format (cfg.save.format) into out_dir."""
+
+    @abstractmethod
+    def load_lora(self, path: Path, partial: bool = False, label: str | None = None) -> None:
+        """Load a LoRA (a file or folder the family's loader reads; a run folder means its final/) into the trained
+        LoRA; `partial`: modules it does not cover keep their weights (network.init_from); `label`: how messages
+        name it (else its path)."""
+
+    # -- optional (defaults) ---------------------------------------------------------------------
     def prepare_sampling(self) -> None:
-        """Before sampling without training (see ModelAdapter); nothing to do for a family whose load() places
-        everything sampling needs."""
+        """Without training (the `sample` command: load(), load_lora(), then this): what sample() needs that
+        prepare_data() would have done."""
 
     def begin_step(self, step: int) -> None:
         """Called before optimizer step `step` (1-based), for state that follows the step number."""
 
-    def eval_loss(self) -> float | None:
-        """Mean loss on held-out data, or None when the family/config has none."""
+    def eval_loss(self, batch_size: int) -> float | None:
+        """Mean loss on held-out data in batches of `batch_size`, or None when the family/config has none."""
         return None
-
-    def memory_fixes(self) -> list[str]:
-        """Out-of-memory remedies specific to the family (the trainer adds the generic ones)."""
-        return []
-
-    def tokens_in(self, batch: dict[str, Any]) -> int:
-        """Tokens in a batch, for the tokens/s metric (0: the family does not count tokens)."""
-        return 0
-
-    def unused_parameters(self) -> bool:
-        """Whether some LoRA weights get no gradient in a step (DDP must then look for them)."""
-        return False
-
-    def base_parameters(self) -> int | None:
-        """Parameters of the frozen model(s) that train, counted without loading weights (None: unknown);
-        device.distributed=auto decides from it."""
-        return None
-
-    def shard_roots(self) -> dict[str, torch.nn.Module]:
-        """For device.distributed=fsdp, by trainable module: the model whose forward the family calls (its
-        blocks and then itself are sharded). Default: the trainable modules themselves."""
-        return self.trainable_modules()
-
-    def enable_gradient_checkpointing(self) -> None:
-        """Turn gradient checkpointing on after loading (train.gradient_checkpointing=auto measured that a step
-        needs it). The diffusion families need nothing here: train/blocks.py reads the setting when it wraps the
-        denoiser's blocks, which comes later."""
-
-    def block_regions(self, checkpointed: bool) -> dict[str, list[torch.nn.Module]]:
-        """By trainable module, its repeated blocks in forward order, which train/blocks.py compiles, checkpoints
-        and swaps one by one (`checkpointed`: whether any of them will be checkpointed, which may change what a
-        block is). Empty (the default): the trainer compiles shard_roots' repeated blocks whole and the family
-        checkpoints its own way (llm, through transformers)."""
-        return {}
-
-    def block_swaps(self) -> dict:
-        """By trainable module, its BlockSwap (models/block_swap.py) when model.block_swap moves blocks."""
-        return {}
-
-    def quantized(self) -> str:
-        """How the frozen denoiser is quantized for training (none, 8bit, 4bit, fp8), once loaded."""
-        return "none"
 
     def quantize_setting(self) -> str:
         """model.quantize as this run applies it: auto means none when the base is sharded (sharding is then
-        the memory plan); the trainer refuses 4bit/8bit with fsdp before anything loads."""
-        if self.runtime.shard_base and self.cfg.model.quantize == "auto":
+        the memory plan); 4bit/8bit with fsdp are refused before anything loads."""
+        if self.shard_base and self.cfg.model.quantize == "auto":
             self.log("model.quantize=auto -> none: device.distributed=fsdp shards the frozen base instead")
             return "none"
         return self.cfg.model.quantize
 
-    def state_dict(self) -> dict:
-        """Adapter state beyond the LoRA tensors, saved in checkpoints."""
-        return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what state_dict returned."""
+def lora_targets(network: torch.nn.Module) -> list[str]:
+    """The names of the modules that carry LoRA weights."""
+    return sorted({n.rsplit(".lora_A", 1)[0] for n, _ in network.named_parameters() if ".lora_A" in n})
 
 
 @contextmanager

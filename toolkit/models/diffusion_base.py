@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from toolkit.data.captions import apply_trigger
 from toolkit.errors import UserError
-from toolkit.models.base import AdapterBase, Runtime, eval_mode, repeated_blocks
+from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode, repeated_blocks
 from toolkit.models.diffusion_data import DiffusionData, unbatch
 from toolkit.models.diffusion_files import DiffusersLoraFiles
 from toolkit.models.lora import lora_config
@@ -40,7 +40,31 @@ class Denoiser:
     config: Any
 
 
-class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
+class DiffusionMemory(ModelMemory):
+    """A denoiser's memory: its repeated blocks (the family's `block_regions`), what fsdp shards (the denoisers
+    themselves), its size from the pipeline folder."""
+
+    def __init__(self, adapter: "DiffusionAdapter"):
+        self.adapter = adapter
+
+    @property
+    def unused_parameters(self) -> bool:
+        return self.adapter.unused_lora_parameters
+
+    def base_parameters(self) -> int | None:
+        return self.adapter.count_base_parameters()
+
+    def regions(self, checkpointed: bool) -> dict[str, list[torch.nn.Module]]:
+        return self.adapter.block_regions(checkpointed)
+
+    def shard_roots(self) -> dict[str, torch.nn.Module]:
+        return self.adapter.trainable_modules()
+
+    def fixes(self) -> list[str]:
+        return ["data.resolution lower (fewer latent tokens per image)"]
+
+
+class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, ModelAdapter):
     denoiser_names: tuple[str, ...] = ("unet",)      # pipeline components that carry the LoRA
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     text_keys: tuple[str, ...] = ("prompt_embeds",)   # the cached text tensors the denoiser takes
@@ -48,6 +72,8 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
     # from cached embeddings, so their text encoders (T5-XXL, UMT5-XXL: 10+ GB) can be freed after caching.
     samples_need_text_encoders = True
     uses_negative_prompt = True                      # samples take negative embeddings (Flux-dev does not)
+    unused_lora_parameters = False                   # some LoRA weights get no gradient (DDP must look for them)
+    memory_class = DiffusionMemory                   # the flow families plan quantization and swap (FlowMemory)
 
     def __init__(self, cfg: DictConfig, runtime: Runtime):
         super().__init__(cfg, runtime)
@@ -56,7 +82,8 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
         self.objective = None   # DDPMObjective or FlowObjective, set by setup_training
         self.prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
         self.constants: dict[tuple, torch.Tensor] = {}  # see constant()
-        self.timestep_sampling = cfg.train.timestep_sampling  # resolved from auto per family (config/resolve.py)
+        self.timestep_sampling = cfg.train.timestep_sampling  # resolved from auto per family (the static plan)
+        self.memory = self.memory_class(self)
 
     # -- family hooks ----------------------------------------------------------------------
     def pipeline_class(self):
@@ -84,7 +111,7 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
     def place_denoisers(self) -> None:
         """At load, before the LoRA is added: put the denoiser(s) on the device (the flow families quantize
         here and wait with 16-bit weights until place_for_training, after the caches are filled)."""
-        if self.runtime.shard_base:
+        if self.shard_base:
             return
         for name in self.denoiser_names:
             self.component(name).to(self.runtime.device)  # move first, then add LoRA: large cast copies fail on HIP
@@ -97,9 +124,10 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
     def text_encoders(self) -> list[torch.nn.Module]:
         return [m for m in (getattr(self.pipe, n, None) for n in self.text_encoder_names) if m is not None]
 
-    def load(self) -> None:
+    def load(self, shard_base: bool = False) -> None:
         from diffusers.utils import logging as diffusers_logging
 
+        self.shard_base = shard_base
         diffusers_logging.disable_progress_bar()  # "Loading pipeline components" says nothing a user can act on
         try:
             self.pipe = self.pipeline_class().from_pretrained(self.model_path, dtype=self.runtime.base_dtype,
@@ -136,7 +164,7 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
             if p.requires_grad:
                 p.data = p.data.float()
 
-    def base_parameters(self) -> int | None:
+    def count_base_parameters(self) -> int | None:
         """The denoisers' parameters, from model_index.json and their configs on the meta device."""
         import json
 
@@ -181,6 +209,12 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
     def place_for_training(self) -> None:
         """The denoisers onto the device once the caches are filled (sd/sdxl put theirs there at load)."""
 
+    def prepare_data(self):
+        """The data with its latent and text caches filled (diffusion_data.py), then the denoisers placed."""
+        dataset = self.fill_caches()
+        self.place_for_training()
+        return dataset
+
     # -- loss ------------------------------------------------------------------------------
     def active_denoiser(self) -> str:
         """The denoiser trained at this step (Wan 2.2 alternates its experts)."""
@@ -194,8 +228,8 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
         """The text tensors (and any other conditioning) the denoiser takes, on the device."""
         return self.text_conditioning(batch, self.text_keys, modules)
 
-    def loss_weight(self, batch: dict[str, Any]) -> int:
-        return int((batch["latents"] if "latents" in batch else batch["pixels"]).shape[0])
+    def batch_units(self, batch: dict[str, Any]) -> tuple[int, int]:
+        return int((batch["latents"] if "latents" in batch else batch["pixels"]).shape[0]), 0
 
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
         """Sum over the batch of each sample's loss: noise the latents, let the family predict, weigh."""
@@ -284,6 +318,15 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, AdapterBase):
     def sample_size(self) -> tuple[int, int]:
         s = self.cfg.sample
         return s.width or self.cfg.data.resolution, s.height or self.cfg.data.resolution
+
+    def pipeline_call(self, seed: int, **kwargs) -> Any:
+        """Run the pipeline for one sample with the sample settings and a CPU generator seeded `seed`."""
+        s = self.cfg.sample
+        width, height = self.sample_size()
+        generator = torch.Generator("cpu").manual_seed(seed)
+        with torch.no_grad():
+            return self.pipe(num_inference_steps=s.num_inference_steps, guidance_scale=s.guidance_scale,
+                             width=width, height=height, generator=generator, **kwargs)
 
     def sample(self, out_dir: Path) -> list[Path]:
         from toolkit.data.media import make_grid

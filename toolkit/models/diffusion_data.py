@@ -51,7 +51,7 @@ class DiffusionData:
         return ()
 
     # -- caches ----------------------------------------------------------------------------
-    def prepare_data(self) -> DiffusionDataset:
+    def fill_caches(self) -> DiffusionDataset:
         """Scan the data and fill the latent and text caches (the main process first; the others then read
         what it wrote). The VAE visits the device for encoding; text encoders are freed when nothing needs
         them again."""

@@ -1,9 +1,9 @@
 """The flow-matching families `flux` (Flux.1-dev/schnell) and `sd3` (SD3 / SD3.5): PEFT LoRA on the transformer.
 
-FlowMatchingAdapter holds what they share with Wan (diffusion_wan.py): the flow objective with each family's
-sigma sampler (shift), the memory plan (quantized frozen base, text encoders freed once their outputs are
-cached), and the LoRA file's keys (each family names its key style in `transformer_key_style`). Samples run the
-family's own diffusers pipeline on cached prompt embeddings.
+FlowMatching holds what they share with the other flow families (Wan, Qwen-Image, Z-Image, FLUX.2): the flow
+objective with each family's sigma sampler (shift), the memory plan (models/flow_memory.py), and the LoRA file's
+keys (each family names its key style in `transformer_key_style`). Samples run the family's own diffusers pipeline
+on cached prompt embeddings.
 """
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from toolkit.models.flow_matching import SigmaSampler, flux_mu
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import Factors, diffusers_keys_scaled, diffusers_keys_with_alpha
 from toolkit.models.objectives import FlowObjective, Noised
-from toolkit.models.base import repeated_blocks
-from toolkit.models.block_swap import BlockSwap, move_except_swapped, plan_block_swap
-from toolkit.models.quantize import (choose_backend, plan_weights, quantize_linear_layers, weight_budget_gb,
-                                     weights_gb)
+from toolkit.models.flow_memory import FlowMemory
 
 # Attention and feed-forward projections of the MMDiT blocks (Flux double/single blocks, SD3 joint blocks).
 MMDIT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -47,9 +44,15 @@ def in_blocks(name: str) -> bool:
     return ".blocks." in f".{name}" or "transformer_blocks." in name
 
 
-class FlowMatchingAdapter(DiffusionAdapter):
+class FlowMatching:
+    """What the flow-matching families share, mixed in beside DiffusionAdapter: the flow objective with each
+    family's sigma sampler (shift), the memory plan (models/flow_memory.py: a quantized frozen base, expert offload,
+    block swap; text encoders freed once their outputs are cached), and the LoRA file's keys in the family's
+    `transformer_key_style`."""
+
     denoiser_names = ("transformer",)
     samples_need_text_encoders = False
+    memory_class = FlowMemory
     # The LoRA file's keys for the transformer's factors (lora_export.py): diffusers' module names with alphas
     transformer_key_style = staticmethod(diffusers_keys_with_alpha)
     # Which linear layers (by name inside the denoiser) the memory plan quantizes: the repeated blocks'
@@ -59,105 +62,18 @@ class FlowMatchingAdapter(DiffusionAdapter):
         (transformer,) = factors.values()  # one transformer per file (each Wan 2.2 expert has its own)
         return self.transformer_key_style(transformer)
 
-    # -- memory plan -----------------------------------------------------------------------
     def setup_training(self) -> None:
         self.objective = FlowObjective(self.sampler_for)
         self.dynamic_shift = False  # scheduler_shift() turns it on for the families that shift by resolution
-        model, device = self.cfg.model, self.runtime.info
-        counts = {name: sum(p.numel() for p in self.component(name).parameters()) for name in self.denoiser_names}
-        offload = False if self.runtime.shard_base else model.expert_offload  # fsdp: the trainer refuses true
-        self.quantize, self.offload, why = plan_weights(self.quantize_setting(), offload, counts, device,
-                                                        self.cfg.device.memory_fraction)
-        self.swap_plans, self.swaps = {}, {}
-        if model.block_swap != 0 and not self.runtime.shard_base:
-            self.swap_plans, why = self.plan_block_swap(counts, offload, why)
-        self.log(why)
-        self.quantize_library = None
-        if self.quantize != "none":
-            self.quantize_library, reason = choose_backend(model.quantize_backend, self.quantize, device.backend)
-            self.log(f"model.quantize_backend={self.quantize_library}: {reason}")
+        self.memory.plan()
 
     def place_denoisers(self) -> None:
         """Quantized denoisers go to the device now (the libraries quantize on the move); 16-bit ones wait in
         CPU memory until the caches are filled, so the text encoders never share the device with them."""
-        if self.quantize == "none":
-            return
-        for name in self.denoiser_names:
-            count = quantize_linear_layers(self.component(name), self.quantize, self.runtime.compute_dtype,
-                                           self.quantize_device(name), skip=(), backend=self.quantize_library,
-                                           include=self.quantized_layer, info=self.runtime.info)
-            self.log(f"model: quantized {count} linear layers of the {name} to {self.quantize} "
-                     f"({self.quantize_library})")
-
-    def quantize_device(self, name: str) -> torch.device:
-        """Where denoiser `name` is quantized: the device (bitsandbytes quantizes on the move there)."""
-        return self.runtime.device
-
-    def plan_block_swap(self, counts: dict[str, int], offload, why: str) -> tuple[dict, str]:
-        """model.block_swap: which blocks stay in CPU memory (models/block_swap.py). Under auto, with
-        model.quantize auto too, a base whose 16-bit weights exceed the budget swaps blocks rather than being
-        quantized; returns the plans by denoiser and the memory plan's reason."""
-        model, device, fraction = self.cfg.model, self.runtime.info, self.cfg.device.memory_fraction
-        if model.block_swap == "auto" and self.quantize_setting() == "auto" and self.quantize != "none":
-            self.quantize, self.offload, _ = plan_weights("none", offload, counts, device, fraction)
-            why = ("model.quantize=auto -> none" + (", model.expert_offload=true" if self.offload else "") +
-                   ": 16-bit weights with blocks swapped rather than quantized (model.block_swap=auto)")
-        if self.quantize != "none":
-            if model.block_swap == "auto":
-                return {}, why + "; model.block_swap=auto -> 0 (the base is quantized)"
-            raise UserError("model.block_swap: swaps 16-bit weights; it is not combined with model.quantize\n"
-                            "  fix: model.quantize=none, or model.block_swap=0")
-        budget = weight_budget_gb(device, fraction)
-        # With expert offload one expert is on the device at a time (Wan 2.2 A14B): each swaps within the budget.
-        resident = weights_gb(max(counts.values()) if self.offload else sum(counts.values()), "none")
-        plans = {}
-        for name in self.lora_denoiser_names():
-            plan = plan_block_swap(model.block_swap, repeated_blocks(self.component(name), outermost=True), resident,
-                                   budget, device.backend, device.integrated)
-            several = len(self.lora_denoiser_names()) > 1
-            why += f"; {name}: {plan.reason}" if several else f"; {plan.reason}"
-            if plan.swapped:
-                plans[name] = plan
-        return plans, why
-
-    def block_swaps(self) -> dict:
-        return self.swaps
-
-    def quantized(self) -> str:
-        return self.quantize
+        self.memory.place_quantized()
 
     def place_for_training(self) -> None:
-        if self.runtime.shard_base:
-            return
-        self.build_swaps()
-        for name in self.denoiser_names:
-            self.move_denoiser(name, self.runtime.device)
-
-    def build_swaps(self) -> None:
-        """The BlockSwap of each denoiser that has a swap plan (models/block_swap.py)."""
-        for name, plan in self.swap_plans.items():
-            self.swaps[name] = BlockSwap(repeated_blocks(self.component(name), outermost=True), plan.swapped,
-                                         self.runtime.device)
-
-    def move_denoiser(self, name: str, target: torch.device) -> None:
-        """A denoiser onto `target` (the device, or the CPU for an idle Wan 2.2 expert), its LoRA weights onto the
-        device either way. Swapped blocks' frozen weights stay in pinned CPU memory; a denoiser without swap moves
-        by Module.to, which quantized layers (bitsandbytes) need to carry their quantization state along."""
-        module, swap, device = self.component(name), self.swaps.get(name), self.runtime.device
-        if swap is not None:
-            move_except_swapped(module, target, swap, trainable=device)
-            return
-        lora = [p for p in module.parameters() if p.requires_grad]
-        module.to(target)
-        for p in lora:
-            p.data = p.data.to(device)
-
-    def memory_fixes(self) -> list[str]:
-        fixes = []
-        if self.quantize in ("none", "8bit"):
-            fixes.append(f"model.quantize={'8bit' if self.quantize == 'none' else '4bit'} (a quantized frozen base)")
-        fixes.append("data.resolution lower (fewer latent tokens per image)")
-        return fixes
+        self.memory.place(self.active_denoiser())
 
     # -- sigmas ----------------------------------------------------------------------------
     def sigma_sampler(self, shift: float | None = None, mu: float | None = None) -> SigmaSampler:
@@ -195,17 +111,8 @@ class FlowMatchingAdapter(DiffusionAdapter):
             return self.sigma_sampler(shift=mu)
         return self.sigma_sampler(mu=mu)
 
-    def pipeline_call(self, seed: int, **kwargs) -> Any:
-        """Run the pipeline for one sample with the sample settings and a CPU generator seeded `seed`."""
-        s = self.cfg.sample
-        width, height = self.sample_size()
-        generator = torch.Generator("cpu").manual_seed(seed)
-        with torch.no_grad():
-            return self.pipe(num_inference_steps=s.num_inference_steps, guidance_scale=s.guidance_scale,
-                             width=width, height=height, generator=generator, **kwargs)
 
-
-class FluxAdapter(FlowMatchingAdapter):
+class FluxAdapter(FlowMatching, DiffusionAdapter):
     uses_negative_prompt = False
     text_encoder_names = ("text_encoder", "text_encoder_2")
     text_keys = ("prompt_embeds", "pooled_prompt_embeds")
@@ -253,7 +160,7 @@ class FluxAdapter(FlowMatchingAdapter):
                                   pooled_prompt_embeds=text["pooled_prompt_embeds"]).images
 
 
-class SD3Adapter(FlowMatchingAdapter):
+class SD3Adapter(FlowMatching, DiffusionAdapter):
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
     transformer_key_style = staticmethod(diffusers_keys_scaled)  # diffusers' SD3 reader refuses `.alpha` keys
     text_keys = ("prompt_embeds", "pooled_prompt_embeds")

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from toolkit.models.diffusion_base import Denoiser
-from toolkit.models.diffusion_flow import FlowMatchingAdapter
+from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
+from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.flow_matching import SigmaSampler
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import flux2_keys
@@ -44,7 +44,7 @@ def unpack_flux2(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], height, width)
 
 
-class Flux2Adapter(FlowMatchingAdapter):
+class Flux2Adapter(FlowMatching, DiffusionAdapter):
     uses_negative_prompt = False
     text_encoder_names = ("text_encoder",)
     text_keys = ("prompt_embeds",)

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from toolkit.models.diffusion_base import Denoiser
-from toolkit.models.diffusion_flow import FlowMatchingAdapter
+from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
+from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import qwen_image_keys
 from toolkit.models.objectives import Noised
@@ -53,7 +53,7 @@ def trim_text(embeds: torch.Tensor, mask: torch.Tensor | None,
     return embeds, (None if bool(mask.all()) and not keep_full_mask else mask)
 
 
-class QwenImageAdapter(FlowMatchingAdapter):
+class QwenImageAdapter(FlowMatching, DiffusionAdapter):
     text_encoder_names = ("text_encoder",)
     text_keys = ("prompt_embeds", "prompt_embeds_mask")
     max_text_tokens = 512  # the pipeline's default max_sequence_length (it allows up to 1024)
@@ -69,7 +69,7 @@ class QwenImageAdapter(FlowMatchingAdapter):
 
     def setup_training(self) -> None:
         super().setup_training()
-        # The pipeline's resolution-dependent shift (FlowMatchingAdapter.sampler_for), kept for training as
+        # The pipeline's resolution-dependent shift (FlowMatching.sampler_for), kept for training as
         # FluxAdapter does, rather than diffusers' train_dreambooth_lora_qwen_image.py, which draws from the
         # scheduler's static, unshifted timesteps: the LoRA then learns most at the noise levels inference
         # spends its steps on. train.flow_shift=<number> replaces it by a fixed shift.
@@ -123,12 +123,11 @@ class QwenImageAdapter(FlowMatchingAdapter):
         pred = QwenImagePipeline._unpack_latents(packed, h * scale, w * scale, scale)  # [B, C, 1, H, W]
         return pred if frames else pred[:, :, 0]
 
-    def unused_parameters(self) -> bool:
-        """True: the last block's text-stream output is discarded (only the image stream reaches norm_out and
-        proj_out), so the LoRA layers after its attention on the text side (attn.to_add_out, txt_mlp.net.0.proj,
-        txt_mlp.net.2) are not in the graph and never get a gradient (attn.add_q_proj gets an all-zero one).
-        DDP must then look for unused parameters each step; without it the second step fails."""
-        return True
+    # True: the last block's text-stream output is discarded (only the image stream reaches norm_out and proj_out),
+    # so the LoRA layers after its attention on the text side (attn.to_add_out, txt_mlp.net.0.proj, txt_mlp.net.2)
+    # are not in the graph and never get a gradient (attn.add_q_proj gets an all-zero one). DDP must then look for
+    # unused parameters each step; without it the second step fails.
+    unused_lora_parameters = True
 
     # -- samples ---------------------------------------------------------------------------
     def generate(self, prompt: str, seed: int) -> list:

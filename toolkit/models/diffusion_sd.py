@@ -30,20 +30,12 @@ def sdxl_time_ids(batch: Mapping[str, Any]) -> torch.Tensor:
     return torch.cat([batch[k] for k in TIME_ID_KEYS], dim=1).float()
 
 
-class StableDiffusionAdapter(DiffusionAdapter):
+class UNetFamily:
+    """What sd and sdxl share, mixed in beside DiffusionAdapter: the UNet, its LoRA targets and blocks, the DDPM
+    objective, kohya's key style, the text tokenizers and the DDIM samples."""
+
     denoiser_names = ("unet",)
-    text_encoder_names = ("text_encoder",)
-    # kohya's names for the text encoders where they differ from diffusers' converter (lora_te1_, lora_te2_):
-    # sd-scripts' SD 1.x network calls its one text encoder lora_te (networks/lora.py LORA_PREFIX_TEXT_ENCODER).
-    kohya_te_prefixes = {"lora_te1_": "lora_te_"}
-
-    def pipeline_class(self):
-        from diffusers import StableDiffusionPipeline
-
-        return StableDiffusionPipeline
-
-    def pipeline_kwargs(self) -> dict:
-        return {"safety_checker": None, "requires_safety_checker": False}
+    kohya_te_prefixes: dict[str, str] = {}
 
     def lora_target_modules(self) -> list[str]:
         return target_modules(self.cfg.network.target_modules, UNET_TARGETS, UNET_ALL_LINEAR)
@@ -70,13 +62,6 @@ class StableDiffusionAdapter(DiffusionAdapter):
         return tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                          return_tensors="pt").input_ids.to(self.runtime.device)
 
-    def encode_text(self, captions: list[str], encoders: Mapping[str, torch.nn.Module] | None = None
-                    ) -> dict[str, torch.Tensor]:
-        """prompt_embeds: the text encoder's last hidden state. `encoders` (the trainer's modules) replace the
-        pipeline's when the text encoders are trained."""
-        encoder = (encoders or {}).get("text_encoder", self.pipe.text_encoder)
-        return {"prompt_embeds": encoder(self.tokenize("text_encoder", captions))[0]}
-
     # -- loss ------------------------------------------------------------------------------
     def unet_kwargs(self, cond: dict[str, torch.Tensor], batch: dict[str, Any], dtype: torch.dtype) -> dict:
         """Conditioning beyond the text states (SDXL: pooled embeddings and size/crop micro-conditioning)."""
@@ -102,7 +87,29 @@ class StableDiffusionAdapter(DiffusionAdapter):
                       guidance_scale=s.guidance_scale, width=width, height=height, generator=generator).images
 
 
-class StableDiffusionXLAdapter(StableDiffusionAdapter):
+class StableDiffusionAdapter(UNetFamily, DiffusionAdapter):
+    text_encoder_names = ("text_encoder",)
+    # kohya's names for the text encoders where they differ from diffusers' converter (lora_te1_, lora_te2_):
+    # sd-scripts' SD 1.x network calls its one text encoder lora_te (networks/lora.py LORA_PREFIX_TEXT_ENCODER).
+    kohya_te_prefixes = {"lora_te1_": "lora_te_"}
+
+    def pipeline_class(self):
+        from diffusers import StableDiffusionPipeline
+
+        return StableDiffusionPipeline
+
+    def pipeline_kwargs(self) -> dict:
+        return {"safety_checker": None, "requires_safety_checker": False}
+
+    def encode_text(self, captions: list[str], encoders: Mapping[str, torch.nn.Module] | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """prompt_embeds: the text encoder's last hidden state. `encoders` (the trainer's modules) replace the
+        pipeline's when the text encoders are trained."""
+        encoder = (encoders or {}).get("text_encoder", self.pipe.text_encoder)
+        return {"prompt_embeds": encoder(self.tokenize("text_encoder", captions))[0]}
+
+
+class StableDiffusionXLAdapter(UNetFamily, DiffusionAdapter):
     text_encoder_names = ("text_encoder", "text_encoder_2")
     kohya_te_prefixes = {}  # lora_te1_ / lora_te2_, as sd-scripts' SDXL network names them
     text_keys = ("prompt_embeds", "pooled_prompt_embeds")
@@ -111,9 +118,6 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         from diffusers import StableDiffusionXLPipeline
 
         return StableDiffusionXLPipeline
-
-    def pipeline_kwargs(self) -> dict:
-        return {}
 
     def encode_text(self, captions: list[str], encoders: Mapping[str, torch.nn.Module] | None = None
                     ) -> dict[str, torch.Tensor]:
@@ -133,6 +137,7 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         added = {"text_embeds": cond["pooled_prompt_embeds"], "time_ids": time_ids}
         return {"added_cond_kwargs": {k: v.to(dtype) for k, v in added.items()}}
 
-    def unused_parameters(self) -> bool:
+    @property
+    def unused_lora_parameters(self) -> bool:
         # Only the penultimate states are used: the text encoders' last layers get no gradient.
         return self.trains_text_encoders

@@ -22,9 +22,9 @@ import torch
 
 from toolkit.data.augment import View
 from toolkit.errors import UserError
-from toolkit.models.diffusion_base import Denoiser
+from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_files import lora_file_in
-from toolkit.models.diffusion_flow import FlowMatchingAdapter
+from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import wan_native_keys
 from toolkit.models.objectives import Noised
@@ -36,17 +36,20 @@ WAN_ALL_LINEAR = WAN_TARGETS + ["add_k_proj", "add_v_proj", "time_embedder.linea
 EXPERT_FOLDERS = {"transformer": "high_noise", "transformer_2": "low_noise"}
 
 
-class WanAdapter(FlowMatchingAdapter):
+class Wan(FlowMatching):
+    """What the Wan families share, mixed in beside DiffusionAdapter (with FlowMatching): the task (text- or
+    image-to-video), clips and their latents, the text encoder, the transformer's forward and the samples."""
+
     transformer_key_style = staticmethod(wan_native_keys)
     text_encoder_names = ("text_encoder",)
     max_text_tokens = 512
     task = "t2v"                              # model.task, resolved in load()
     start_images: StartImages | None = None   # image-to-video: the start-image condition (wan_i2v.py)
 
-    def load(self) -> None:
+    def load(self, shard_base: bool = False) -> None:
         self.task, why = resolve_task(self.cfg.model.task, self.model_path, self.cfg.model.revision)
         self.log(f"model.task: {self.task} ({why})")
-        super().load()
+        super().load(shard_base)
 
     def pipeline_class(self):
         from diffusers import WanImageToVideoPipeline, WanPipeline
@@ -143,7 +146,11 @@ class WanAdapter(FlowMatchingAdapter):
         return list(out.frames[0])
 
 
-class Wan22Adapter(WanAdapter):
+class WanAdapter(Wan, DiffusionAdapter):
+    """Wan 2.1: one transformer."""
+
+
+class Wan22Adapter(Wan, DiffusionAdapter):
     """A14B (two experts: `transformer` for high noise, `transformer_2` for low) or TI2V-5B (one transformer);
     which one is resolved once, from the pipeline, in setup_training."""
 
@@ -184,7 +191,7 @@ class Wan22Adapter(WanAdapter):
         active = self.trained[((step - 1) // self.cfg.train.expert_switch_every) % len(self.trained)]
         if active != self.active:
             self.active = active
-            if self.offload:
+            if self.memory.offload:
                 self.place_experts(active)
 
     def active_denoiser(self) -> str:
@@ -197,34 +204,17 @@ class Wan22Adapter(WanAdapter):
         return (self.boundary, 1.0) if self.active == "transformer" else (0.0, self.boundary)
 
     def place_for_training(self) -> None:
-        if not self.offload:  # every expert resident (but its swapped blocks, with block swap)
-            super().place_for_training()
-        elif not self.runtime.shard_base:
-            self.build_swaps()
-            self.place_experts(self.active)
-
-    def quantize_device(self, name: str) -> torch.device:
-        """With expert offload, an fp8 expert that starts idle is quantized in CPU memory (the toolkit's own layer
-        quantizes anywhere): both experts never share the device, not even while they are quantized."""
-        if self.offload and self.quantize == "fp8" and name != self.active:
-            return torch.device("cpu")
-        return super().quantize_device(name)
+        self.place_experts(self.active)
 
     def place_experts(self, resident: str) -> None:
-        """Every expert on the device, or with offload only `resident`; LoRA weights always on the device. An
-        expert with swapped blocks keeps those in pinned CPU memory either way; going idle, it gives its GPU
-        slots back first."""
-        for name in self.denoiser_names:
-            target = self.runtime.device if (not self.offload or name == resident) else torch.device("cpu")
-            if name in self.swaps and target.type == "cpu":
-                self.swaps[name].release_all()
-            self.move_denoiser(name, target)
+        """Every expert on the device, or with offload only `resident` (models/flow_memory.py FlowMemory.place)."""
+        self.memory.place(resident)
         self.resident = resident
 
     @contextmanager
     def _experts_on_demand(self):
         """While sampling with offload, each expert comes to the device when the pipeline calls it."""
-        if not self.offload:
+        if not self.memory.offload:
             yield
             return
         hooks = [self.component(name).register_forward_pre_hook(lambda module, args, name=name: self._bring(name))

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from toolkit.models.diffusion_base import Denoiser
-from toolkit.models.diffusion_flow import FlowMatchingAdapter
+from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
+from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import z_image_keys
 from toolkit.models.objectives import Noised
@@ -48,7 +48,7 @@ def per_prompt(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     return [e[m.bool()] for e, m in zip(embeds, mask)]
 
 
-class ZImageAdapter(FlowMatchingAdapter):
+class ZImageAdapter(FlowMatching, DiffusionAdapter):
     text_encoder_names = ("text_encoder",)
     text_keys = ("prompt_embeds", "prompt_embeds_mask")
     max_text_tokens = 512  # the pipeline's default max_sequence_length

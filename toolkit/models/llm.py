@@ -15,7 +15,7 @@ from toolkit.data.records import read_records
 from toolkit.data.samples import IGNORE_INDEX
 from toolkit.data.text import TextData, build_text_data, detect_format, render_chat
 from toolkit.errors import UserError
-from toolkit.models.base import AdapterBase, Runtime, eval_mode
+from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode
 from toolkit.models.checkpoint_offload import InputOffload, offloading
 from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for, no_packed_sequence_search
 from toolkit.models.lora import lora_config, target_modules
@@ -124,7 +124,7 @@ def label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
-class LLMAdapter(AdapterBase):
+class LLMAdapter(ModelAdapter):
     """PEFT LoRA on a transformers causal LM; the loss is the sum of token losses (mean over every token of a
     step, whatever the micro-batch and process it is in)."""
 
@@ -135,12 +135,14 @@ class LLMAdapter(AdapterBase):
         self.data: TextData | None = None
         self.fused_loss = None   # set by load(): the fused output head + cross-entropy, where it applies
         self.drops_padding_mask = False  # set by load()
+        self.memory = LLMMemory(self)
 
     # -- loading ---------------------------------------------------------------------------
-    def load(self) -> None:
+    def load(self, shard_base: bool = False) -> None:
         from peft import get_peft_model, prepare_model_for_kbit_training
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        self.shard_base = shard_base
         cfg = self.cfg.model
         common = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
         check_attention(cfg.attention)
@@ -176,7 +178,7 @@ class LLMAdapter(AdapterBase):
             # Casts norms/embeddings to fp32 and makes the inputs require grad for checkpointing.
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(self.cfg.train.gradient_checkpointing),
                                                     gradient_checkpointing_kwargs={"use_reentrant": False})
-        elif not self.runtime.shard_base:
+        elif not self.shard_base:
             # Move first, then train: on HIP large host-to-device copies of a cast model can fail.
             model.to(self.runtime.device)
         if self.cfg.train.gradient_checkpointing:
@@ -192,7 +194,7 @@ class LLMAdapter(AdapterBase):
         # counts. Left out, attention takes SDPA's is_causal path (flash kernels) and transformers does not read
         # the mask on the host to decide whether it may (a wait for the GPU every step).
         self.drops_padding_mask = self.sums_loss and getattr(model.config, "model_type", "") in CAUSAL_DECODERS
-        if not self.runtime.shard_base:
+        if not self.shard_base:
             self.network.to(self.runtime.device)
         if cfg.fuse_projections is True:
             self._group_projections(plan.mode)
@@ -200,7 +202,7 @@ class LLMAdapter(AdapterBase):
                                               self.sums_loss, bool(self.cfg.train.gradient_checkpointing))
         # With the fused loss the trainer runs the decoder alone (hidden states, no logits); with fsdp, the whole
         # model, so that its sharded weights are gathered (DecoderHiddenStates).
-        self.forward_module = (DecoderHiddenStates(self.network, through_model=self.runtime.shard_base)
+        self.forward_module = (DecoderHiddenStates(self.network, through_model=self.shard_base)
                                if self.fused_loss else self.network)
         if why:
             self.log(why)
@@ -208,7 +210,7 @@ class LLMAdapter(AdapterBase):
     def _group_projections(self, quantized: str) -> None:
         """model.fuse_projections: q/k/v and gate/up LoRA layers as groups (models/shared_input.py), where the base
         is whole on this device and in 16 bits (fsdp and the quantize mode are only known here when auto)."""
-        if self.runtime.shard_base:
+        if self.shard_base:
             self.log("model.fuse_projections: not applied: the frozen base is sharded (device.distributed=fsdp), "
                      "and a group holds its layers' weights whole")
             return
@@ -224,11 +226,6 @@ class LLMAdapter(AdapterBase):
                  f"{len(grouping.rows)} layers (o_proj, down_proj) run their LoRA A inside the frozen product; "
                  f"{grouping.mlps} gated MLPs compute down_proj's A gradient in their activation's backward")
 
-    def enable_gradient_checkpointing(self) -> None:
-        self._checkpoint_layers(self.network.get_base_model())
-        if self.fused_loss is not None:
-            self.fused_loss.save_memory()
-
     def _checkpoint_layers(self, model) -> None:
         if not self.cfg.train.get("checkpoint_offload"):
             checkpoint_layers(model)
@@ -241,10 +238,6 @@ class LLMAdapter(AdapterBase):
             self.log(f"train.checkpoint_offload: on the {self.runtime.device.type} the inputs of {count} "
                      "checkpointed layers stay where they are (no device memory to free)")
 
-    def base_parameters(self) -> int:
-        return self._count_parameters({"revision": self.cfg.model.revision,
-                                       "trust_remote_code": self.cfg.model.trust_remote_code})
-
     def _count_parameters(self, common: dict) -> int:
         """Parameters of the base, counted on the meta device (nothing is allocated or loaded)."""
         from accelerate import init_empty_weights
@@ -254,30 +247,17 @@ class LLMAdapter(AdapterBase):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path, **common))
         return sum(p.numel() for p in model.parameters())
 
-    def memory_fixes(self) -> list[str]:
-        """Out-of-memory remedies this family offers beyond the trainer's generic ones."""
-        return ["model.quantize=8bit (a quantized frozen base)"] if self.cfg.model.quantize in ("none", "auto") else []
-
     # -- data and loss ---------------------------------------------------------------------
     def prepare_data(self):
+        """The text data, tokenized (the model is on the device since load())."""
         self.data = build_text_data(self.cfg.data, self.tokenizer, self.cfg.run.seed)
         return self.data.train
-
-    def place_for_training(self) -> None:
-        """The model is on the device since load()."""
 
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
         return {"model": self.forward_module}
 
-    def shard_roots(self) -> dict[str, torch.nn.Module]:
-        # The transformers model under PEFT: generate() calls its forward directly.
-        return {"model": self.network.get_base_model()}
-
-    def loss_weight(self, batch: dict[str, Any]) -> int:
-        return label_tokens(batch["labels"])
-
-    def tokens_in(self, batch: dict[str, Any]) -> int:
-        return batch["input_ids"].numel()
+    def batch_units(self, batch: dict[str, Any]) -> tuple[int, int]:
+        return label_tokens(batch["labels"]), batch["input_ids"].numel()
 
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
         if self.drops_padding_mask and "position_ids" not in batch:  # right-padded, not packed
@@ -298,13 +278,12 @@ class LLMAdapter(AdapterBase):
         return modules["model"](**batch, use_cache=False).loss * label_tokens(batch["labels"])
 
     @torch.no_grad()
-    def eval_loss(self) -> float | None:
+    def eval_loss(self, batch_size: int) -> float | None:
         """Mean token loss over the held-out set (sum of token losses / token count)."""
         if self.data is None or self.data.eval is None:
             return None
         eval_set = self.data.eval
         total, count = 0.0, 0
-        batch_size = int(self.cfg.train.batch_size)
         with eval_mode(self.network):
             for first in range(0, len(eval_set), batch_size):
                 batch = eval_set.collate(range(first, min(first + batch_size, len(eval_set))))
@@ -397,3 +376,29 @@ class LLMAdapter(AdapterBase):
         finally:
             if LOADED in self.network.peft_config:
                 self.network.delete_adapter(LOADED)
+
+
+class LLMMemory(ModelMemory):
+    """The llm family's memory: its decoder layers compile and checkpoint whole (through transformers), the
+    model under PEFT is what fsdp shards, and a quantized base is the family's own remedy."""
+
+    def __init__(self, adapter: LLMAdapter):
+        self.adapter = adapter
+
+    def base_parameters(self) -> int:
+        a = self.adapter
+        return a._count_parameters({"revision": a.cfg.model.revision, "trust_remote_code": a.cfg.model.trust_remote_code})
+
+    def shard_roots(self) -> dict[str, torch.nn.Module]:
+        # The transformers model under PEFT: generate() calls its forward directly.
+        return {"model": self.adapter.network.get_base_model()}
+
+    def enable_checkpointing(self) -> None:
+        a = self.adapter
+        a._checkpoint_layers(a.network.get_base_model())
+        if a.fused_loss is not None:
+            a.fused_loss.save_memory()
+
+    def fixes(self) -> list[str]:
+        quantize = self.adapter.cfg.model.quantize
+        return ["model.quantize=8bit (a quantized frozen base)"] if quantize in ("none", "auto") else []

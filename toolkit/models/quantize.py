@@ -19,19 +19,7 @@ import torch
 from toolkit.device.detect import DeviceInfo
 from toolkit.errors import UserError
 from toolkit.kernels.fp8_linear import float8_linear
-
-WEIGHT_SHARE = 0.6  # of the memory budget, for the frozen weights resident on the device
-BYTES_PER_PARAM = {"none": 2.0, "8bit": 1.0, "4bit": 0.5, "fp8": 1.0}
-
-
-def weights_gb(num_params: int, mode: str) -> float:
-    return num_params * BYTES_PER_PARAM[mode] / 1e9
-
-
-def weight_budget_gb(device: DeviceInfo, memory_fraction: float) -> float:
-    """GB of device memory the frozen weights may take."""
-    return device.memory_gb * memory_fraction * WEIGHT_SHARE
-
+from toolkit.plan.weights import WEIGHT_SHARE, weight_budget_gb, weights_gb
 
 def choose_quantize(requested: str, count_params: Callable[[], int], device: DeviceInfo, memory_fraction: float,
                     what: str = "the base") -> tuple[str, str]:
@@ -92,7 +80,7 @@ def plan_weights(quantize: str, offload: bool | str, counts: dict[str, int], dev
 
 def choose_backend(requested: str, mode: str, backend: str) -> tuple[str, str]:
     """The quantization library for `mode` on this device backend, and why."""
-    if mode == "fp8":  # config/resolve.py refuses any other model.quantize_backend with it
+    if mode == "fp8":  # the static plan (plan/static_rules.py) refuses any other model.quantize_backend with it
         return "toolkit", "fp8 is the toolkit's own layer (kernels/fp8_linear.py)"
     if requested == "torchao" and mode == "4bit":
         raise UserError("model.quantize_backend=torchao supports 8bit only (PEFT trains LoRA over torchao int8 "
@@ -158,25 +146,3 @@ def _torchao_int8(child: torch.nn.Linear, device: torch.device) -> torch.nn.Modu
     child.to(device)  # move first, then quantize: the 16-bit copy never has to fit next to the others
     quantize_(child, Int8WeightOnlyConfig())
     return child
-
-
-def choose_distributed(setting: str, processes: int, count_params: Callable[[], int | None], device: DeviceInfo,
-                       memory_fraction: float) -> tuple[str, str]:
-    """device.distributed resolved for `processes` processes: (ddp or fsdp, why). auto shards the frozen base
-    (fsdp) only on a GPU where its 16-bit weights do not fit one device's weight budget."""
-    if setting != "auto":
-        return setting, "set in the config"
-    if processes < 2:
-        return "ddp", "auto: one process"
-    if device.backend == "cpu":
-        return "ddp", "auto: the CPU is never sharded automatically"
-    num_params = count_params()
-    if num_params is None:
-        return "ddp", "auto: the base's size is not known before loading"
-    need, budget = weights_gb(num_params, "none"), weight_budget_gb(device, memory_fraction)
-    if need <= budget:
-        return "ddp", (f"auto: the base ({num_params / 1e9:.2f}B parameters, {need:.1f} GB in 16-bit) fits the "
-                       f"{budget:.1f} GB weight budget of one device")
-    return "fsdp", (f"auto: the base ({num_params / 1e9:.2f}B parameters, {need:.1f} GB in 16-bit) does not fit the "
-                    f"{budget:.1f} GB weight budget of one device; sharded over {processes}, "
-                    f"{need / processes:.1f} GB each")

@@ -215,15 +215,17 @@ if __name__ == "__main__":
 
 def choose_for_run(setting: str, device: torch.device, forward: Callable[[], object], is_main: bool,
                    from_main: Callable, cache_file: Path, log: Callable[[str], None]):
-    """device.sdpa_backend for a run: the context that puts the chosen backend first (None: PyTorch's order).
+    """device.sdpa_backend for a run: (the context that puts the chosen backend first or None for PyTorch's order,
+    the backend chosen or None, why).
 
     `forward()` runs one forward pass on a batch (every process runs it: a sharded model needs them all); the
     main process measures and every process gets its choice."""
     if setting != "auto":
         best, why = setting, "set in the config"
     elif device.type != "cuda":
-        log(f"attention: PyTorch's own SDPA choice on {device.type} (device.sdpa_backend=auto measures on GPUs)")
-        return None
+        why = f"PyTorch's own SDPA choice on {device.type} (device.sdpa_backend=auto measures on GPUs)"
+        log(f"attention: {why}")
+        return None, None, why
     else:
         calls = record_attention_calls(forward)
         best, why = None, "the model made no scaled_dot_product_attention calls"
@@ -232,12 +234,12 @@ def choose_for_run(setting: str, device: torch.device, forward: Callable[[], obj
         best, why = from_main((best, why))
     if best is None:
         log(f"attention: PyTorch's own SDPA choice ({why})")
-        return None
+        return None, None, f"PyTorch's own SDPA choice ({why})"
     from torch.nn.attention import sdpa_kernel
 
     log(f"attention: SDPA {best} first, the others as fallback (device.sdpa_backend={setting}: {why})")
     # (the trainer holds gradient_in_output_layout() for the whole run on a GPU, whichever backend goes first)
-    return sdpa_kernel(priority(best), set_priority=True)
+    return sdpa_kernel(priority(best), set_priority=True), best, why
 
 
 # -- cuDNN's backward and the gradient's memory layout ----------------------------------------------------------

@@ -26,7 +26,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -213,80 +213,104 @@ def choose_batch_size(micro_step: Callable[[int], None], params: list[torch.nn.P
     return size, f"measured: {why}"
 
 
-def _micro_step_and_budget(trainer) -> tuple[Callable[[int], None], list, Budget]:
-    """Forward + backward through the adapter's loss on the data's largest batch of a size, the LoRA weights, and
-    the budget a micro-step's peak may reach, for a Trainer set up as far as its data (not its optimizer)."""
-    t = trainer
-    cfg, dataset = t.cfg, t.dataset
-    modules, params = t.adapter.trainable_modules(), trainable_parameters(t.adapter.network)
-    budget = probe_budget(t.run_cfg.device.memory_gb, cfg.device.memory_fraction, sum(p.numel() for p in params),
-                          cfg.train.ema_decay > 0, t.procs.world_size)
+@dataclass
+class Probe:
+    """What measuring a training micro-step uses: forward + backward through the adapter's loss on the data's
+    largest batch of a size, eager, no optimizer (the main process, before the optimizer exists)."""
 
-    def micro_step(size: int) -> None:
-        batch = dataset.collate(dataset.largest_batch(size))
-        with t._eager(), t.accelerator.autocast():
-            loss = t.adapter.loss(batch, modules)
+    loss: Callable                  # the adapter's loss(batch, modules)
+    dataset: object                 # collate, largest_batch
+    modules: Mapping[str, torch.nn.Module]   # the trainable modules, unwrapped
+    network: torch.nn.Module        # the LoRA weights' root
+    device: torch.device
+    memory_gb: float                # the device's memory (DeviceInfo)
+    memory_fraction: float          # device.memory_fraction
+    ema: bool
+    processes: int
+    autocast: Callable              # () -> the training autocast context
+    eager: Callable                 # () -> compiled blocks run eagerly inside
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return trainable_parameters(self.network)
+
+    def budget(self) -> Budget:
+        return probe_budget(self.memory_gb, self.memory_fraction, sum(p.numel() for p in self.params), self.ema,
+                            self.processes)
+
+    def micro_step(self, size: int) -> None:
+        batch = self.dataset.collate(self.dataset.largest_batch(size))
+        with self.eager(), self.autocast():
+            loss = self.loss(batch, self.modules)
         loss.backward()
 
-    t.adapter.network.train()  # as it trains (transformers checkpoints layers only in training mode)
-    return micro_step, params, budget
+    def peak(self, size: int) -> int | None:
+        """A micro-step's peak bytes at batch `size` (None: out of memory), every RNG stream put back and the
+        gradients dropped after it, so training starts from the same draws and memory."""
+        with rng_untouched():
+            try:
+                return peak_bytes(lambda: self.micro_step(size), self.device)
+            finally:
+                release_probe(self.params, self.device)
 
 
-def _regions_for(trainer, setting) -> dict:
-    """The blocks train.gradient_checkpointing=`setting` would checkpoint, none for False."""
-    return trainer.adapter.block_regions(checkpointed=True) if setting is not False else {}
+@dataclass(frozen=True)
+class Checkpointing:
+    """train.gradient_checkpointing=auto measured: the setting, what checkpointed blocks keep, and why."""
+
+    setting: bool | int
+    keeps: str
+    why: str
 
 
-def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple[bool | int, str]:
+def checkpointing_for_run(probe: Probe, regions: Callable[[bool], dict], swapped: bool, keeps: str,
+                          keeps_auto: bool, size: int, some_blocks: bool = True) -> Checkpointing:
     """train.gradient_checkpointing=auto with a batch size set, measured on micro-steps of `size` on the data's
     largest batch (the main process, before the blocks are wrapped): False when one fits without it. Otherwise,
-    with `some_blocks`, for a denoiser with blocks and nothing swapped: a number of blocks N estimated by a straight
-    line between the step's peak without checkpointing and its peak with every block checkpointed, kept when a
-    step with N checkpointed fits (the blocks differ in size: N is an estimate, not searched further); True when
-    it does not, and for the others (an LLM). When the step runs out of memory without checkpointing, the line
-    goes through every block checkpointed and half of them instead (_count_from_above). With
-    train.checkpoint_keeps=auto at attention, when every block keeping its attention does not fit, the blocks keep
-    nothing (the setting becomes nothing) and are measured again."""
-    micro_step, params, budget = _micro_step_and_budget(trainer)
-    device = trainer.accelerator.device
-
-    train = trainer.cfg.train
+    with `some_blocks`, for a denoiser with blocks (`regions(True)`) and nothing swapped: a number of blocks N
+    estimated by a straight line between the step's peak without checkpointing and its peak with every block
+    checkpointed, kept when a step with N checkpointed fits (the blocks differ in size: N is an estimate, not
+    searched further); True when it does not, and for the others (an LLM). When the step runs out of memory
+    without checkpointing, the line goes through every block checkpointed and half of them instead
+    (_count_from_above). `keeps`: train.checkpoint_keeps as planned; with `keeps_auto` at attention, when every
+    block keeping its attention does not fit, the blocks keep nothing and are measured again."""
+    network = probe.network
+    network.train()  # as it trains (transformers checkpoints layers only in training mode)
+    budget = probe.budget()
+    kept = {"keeps": keeps}
 
     def peak_with(setting) -> int | None:
-        # the measurement draws noise, timesteps, dropout: training starts from the same draws
-        keeps = train.get("checkpoint_keeps", "nothing")
-        with rng_untouched(), checkpointed_while(_regions_for(trainer, setting), setting, keeps):
-            try:
-                return peak_bytes(lambda: micro_step(size), device)
-            finally:
-                release_probe(params, device)
+        blocks = regions(True) if setting is not False else {}
+        with checkpointed_while(blocks, setting, kept["keeps"]):
+            return probe.peak(size)
 
     def said(peak: int | None) -> str:
         return "ran out of memory" if peak is None else f"peaked at {peak / GiB:.2f} GiB"
 
+    def result(setting, why: str) -> Checkpointing:
+        return Checkpointing(setting, kept["keeps"], why)
+
     step = f"a step of batch {size}"
     none = peak_with(False)
     if none is not None and none <= budget.limit:
-        return False, f"{step} peaked at {none / GiB:.2f} GiB without it, within the {budget.why}"
-    regions = _regions_for(trainer, True)
-    swapped = bool(trainer.adapter.block_swaps())
+        return result(False, f"{step} peaked at {none / GiB:.2f} GiB without it, within the {budget.why}")
+    every_block = regions(True)
 
     def attention_fitting(why: str) -> tuple[str, int | None]:
         """train.checkpoint_keeps=auto at attention: every block checkpointed keeping its attention, measured;
         when that does not fit (or the measurement fails), the blocks keep nothing. Returns the reason so far
         and the peak keeping attention when it fit (None otherwise, or when nothing was measured)."""
-        if not (train.get("checkpoint_keeps") == "attention" and trainer.run_cfg.keeps_auto and regions
-                and not swapped):
+        if not (kept["keeps"] == "attention" and keeps_auto and every_block and not swapped):
             return why, None
         try:
-            kept = peak_with(True)
+            peak = peak_with(True)
         except Exception as error:  # noqa: BLE001 (a driver or library fault: the smaller setting)
-            kept, fault = None, f"failed ({type(error).__name__}: {error})"
+            peak, fault = None, f"failed ({type(error).__name__}: {error})"
         else:
-            fault = said(kept)
-            if kept is not None and kept <= budget.limit:
-                return why, kept
-        train.checkpoint_keeps = "nothing"  # the blocks recompute their attention too
+            fault = said(peak)
+            if peak is not None and peak <= budget.limit:
+                return why, peak
+        kept["keeps"] = "nothing"  # the blocks recompute their attention too
         return (f"{why}; with every block checkpointed keeping its attention it {fault} "
                 "(train.checkpoint_keeps=auto -> nothing)"), None
 
@@ -294,28 +318,28 @@ def checkpointing_for_run(trainer, size: int, some_blocks: bool = True) -> tuple
         without = f"{step} ran out of memory without it ({budget.why})"
     else:
         without = f"{step} peaked at {none / GiB:.2f} GiB without it, over the {budget.why}"
-    if not some_blocks or not regions or swapped:
-        return True, attention_fitting(without)[0]
+    if not some_blocks or not every_block or swapped:
+        return result(True, attention_fitting(without)[0])
     without, every = attention_fitting(without)
     try:  # the step is known not to fit without it: a failing measurement from here on means all blocks
         if every is None:
             every = peak_with(True)
         if every is None or every > budget.limit:
-            return True, f"{without}; with every block checkpointed it {said(every)}"
-        total = max(len(blocks) for blocks in regions.values())
+            return result(True, f"{without}; with every block checkpointed it {said(every)}")
+        total = max(len(blocks) for blocks in every_block.values())
         if none is None:
-            return _count_from_above(peak_with, total, every, budget.limit, without)
+            return result(*_count_from_above(peak_with, total, every, budget.limit, without))
         count = min(total, math.ceil(total * (none - budget.limit) / max(none - every, 1)))
         if count == total:
-            return True, f"{without}; with every block checkpointed it peaked at {every / GiB:.2f} GiB"
+            return result(True, f"{without}; with every block checkpointed it peaked at {every / GiB:.2f} GiB")
         some = peak_with(count)
     except Exception as error:  # noqa: BLE001 (a driver or library fault, not running out of memory)
-        return True, f"{without}; measuring with blocks checkpointed failed ({type(error).__name__}: {error})"
+        return result(True, f"{without}; measuring with blocks checkpointed failed ({type(error).__name__}: {error})")
     if some is not None and some <= budget.limit:
-        return count, (f"{without}; with {count} of its {total} blocks checkpointed it peaked at "
-                       f"{some / GiB:.2f} GiB (every block: {every / GiB:.2f} GiB)")
-    return True, (f"{without}; with {count} of its {total} blocks checkpointed it {said(some)}, with every "
-                  f"block {every / GiB:.2f} GiB")
+        return result(count, f"{without}; with {count} of its {total} blocks checkpointed it peaked at "
+                             f"{some / GiB:.2f} GiB (every block: {every / GiB:.2f} GiB)")
+    return result(True, f"{without}; with {count} of its {total} blocks checkpointed it {said(some)}, with every "
+                        f"block {every / GiB:.2f} GiB")
 
 
 def _count_from_above(peak_with: Callable, total: int, every: int, limit: int, without: str) -> tuple[bool | int, str]:
@@ -340,17 +364,17 @@ def _count_from_above(peak_with: Callable, total: int, every: int, limit: int, w
                   f"block: {every / GiB:.2f} GiB")
 
 
-def probe_for_run(trainer) -> tuple[int, str]:
-    """The main process's probe for a Trainer set up as far as its blocks (not its optimizer): the budget, the cap,
-    the cache key, and the measurement through the adapter's loss on the data's largest batch."""
-    t = trainer
-    cfg, procs, device, dataset = t.cfg, t.procs, t.accelerator.device, t.dataset
-    micro_step, params, budget = _micro_step_and_budget(t)
-    cap = probe_cap(len(dataset), procs.world_size, cfg.train.global_batch_size)
+def probe_for_run(probe: Probe, settings: dict, global_batch: int | None) -> tuple[int, str]:
+    """The main process's batch-size probe: the budget, the cap, the cache key (`settings`: the run's config as it
+    runs, plain data) and the measurement on the data's largest batch."""
+    probe.network.train()
+    budget = probe.budget()
+    dataset, device = probe.dataset, probe.device
+    cap = probe_cap(len(dataset), probe.processes, global_batch)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    key = cache_key(t.container, name, t.run_cfg.device.memory_gb, procs.world_size, budget, cap[0],
+    key = cache_key(settings, name, probe.memory_gb, probe.processes, budget, cap[0],
                     batch_shapes(dataset.collate(dataset.largest_batch(1))))
-    return choose_batch_size(micro_step, params, device, budget, cap, key, cache_root() / "batch_size.json")
+    return choose_batch_size(probe.micro_step, probe.params, device, budget, cap, key, cache_root() / "batch_size.json")
 
 
 # -- the global batch and resumed runs ---------------------------------------------------------------------------

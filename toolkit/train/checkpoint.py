@@ -10,8 +10,8 @@
         optimizer.pt          optimizer state (8-bit states as plain tensors)
         trainer_state.pt      step, scheduler, grad scaler, every process's RNG states (python, numpy, torch
                               CPU and device), number of processes, data order position, NaN streak
-        adapter_state.pt      the adapter's own state, when it has any
-        config.yaml           the resolved config of the run
+        config.yaml           the run's config as asked (auto where the user left it)
+        plan.json             what each auto setting became and why (toolkit/plan); older checkpoints have none
         meta.json             written last: step, config hash, versions, size and sha256 of each file
 
 The trainer hands `save_checkpoint` named dicts: tensors ({"trainable_state": ..., "ema": ...} ->
@@ -108,14 +108,15 @@ def _tmp_dir(checkpoints_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
-                    states: dict[str, object], config_yaml: str, config_hash: str,
+                    states: dict[str, object], texts: dict[str, str], config_hash: str,
                     write_lora: Callable[[Path], object] | None = None) -> Path:
     """Write a complete checkpoint atomically and return its folder: tensors[name] -> <name>.safetensors,
-    states[name] -> <name>.pt, and `write_lora(folder)`'s files (verified like the rest). A save that fails
+    states[name] -> <name>.pt, texts[file name] -> that file (config.yaml, plan.json), and `write_lora(folder)`'s
+    files (verified like the rest). A save that fails
     leaves no temporary folder; a full disk is a UserError that names the folder and the space needed (the
     earlier checkpoints are untouched)."""
     try:
-        return _write_checkpoint(checkpoints_dir, step, tensors, states, config_yaml, config_hash, write_lora)
+        return _write_checkpoint(checkpoints_dir, step, tensors, states, texts, config_hash, write_lora)
     except BaseException as err:  # a half-written save is never left behind, whatever stopped it
         shutil.rmtree(_tmp_dir(checkpoints_dir, step), ignore_errors=True)
         if is_disk_full(err):
@@ -147,7 +148,7 @@ def _state_bytes(state: object) -> int:
 
 
 def _write_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
-                      states: dict[str, object], config_yaml: str, config_hash: str,
+                      states: dict[str, object], texts: dict[str, str], config_hash: str,
                       write_lora: Callable[[Path], object] | None = None) -> Path:
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / step_dir_name(step)
@@ -159,7 +160,8 @@ def _write_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[
         save_file({k: v.detach().contiguous().cpu() for k, v in tensor_dict.items()}, str(tmp / f"{name}.safetensors"))
     for name, state in states.items():
         torch.save(state, tmp / f"{name}.pt")
-    (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+    for name, text in texts.items():
+        (tmp / name).write_text(text, encoding="utf-8")
     own = {p.name for p in tmp.iterdir()}
     if write_lora is not None:
         write_lora(tmp)

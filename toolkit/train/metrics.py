@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from toolkit.errors import UserError
+from toolkit.train.events import StepEvents
 from toolkit.train.plots import IMAGE_SUFFIXES
 
 PROFILE_STEPS = (2, 4)
@@ -60,14 +61,18 @@ class StepProfiler:
             self._profile.stop()
 
 
-class MetricsLogger:
+class MetricsLogger(StepEvents):
+    """The run's numbers as the loop's events bring them (`smoothed`: the smoothed loss a resumed run had reached,
+    so that its log reads as an uninterrupted run's)."""
+
     def __init__(self, logs_dir: Path, total_steps: int, start_step: int, every: int, tensorboard: bool,
                  enabled: bool = True, wandb: bool = False, wandb_project: str | None = None,
-                 run_name: str = "lora", config: dict | None = None, profile: bool = False):
+                 run_name: str = "lora", config: dict | None = None, profile: bool = False,
+                 smoothed: float | None = None):
         self.enabled = enabled
         self.every = every
         self.total_steps = total_steps
-        self.smoothed: float | None = None
+        self.smoothed: float | None = smoothed
         # First, so that a missing wandb stops the run before any file is opened.
         self._wandb = self._start_wandb(wandb_project or run_name, run_name, config) if enabled and wandb else None
         self._jsonl = (logs_dir / "metrics.jsonl").open("a", encoding="utf-8") if enabled else None
@@ -136,6 +141,17 @@ class MetricsLogger:
             smoothed = self.smoothed if self.smoothed is not None else float("nan")
             print(f"step {step}/{self.total_steps}  loss {loss:.4f} (smoothed {smoothed:.4f})  lr {lr:.2e}  "
                   f"{throughput}  mem {memory:,.0f} MB  eta {_format_eta(eta)}", file=sys.stderr, flush=True)
+
+    # -- the loop's events ----------------------------------------------------------------------
+    def step_recorded(self, step: int, sums) -> None:
+        self.step(step, sums.mean, sums.lr, tokens=int(sums.tokens), grad_norm=sums.grad_norm, ended=sums.ended)
+
+    def evaluated(self, step: int, loss: float) -> None:
+        self.write({"step": step, "eval_loss": loss, "time": time.time()})
+
+    def sampled(self, step: int, files: list[Path]) -> None:
+        self.message(f"step {step}: samples in {files[0].parent}")
+        self.samples(files, step)
 
     def write(self, record: dict) -> None:
         """Append a record to metrics.jsonl and its numbers to TensorBoard (and W&B)."""

@@ -1,4 +1,4 @@
-"""report.html: one self-contained page per run (config, loss plot, samples by step, timings, device).
+"""report.html: one self-contained page per run (loss plot, samples by step, timings, device, the plan, the config).
 
 Written at each checkpoint and at the end, so an unfinished run has an up-to-date page too. The loss
 plot is embedded as a data URI; sample images are linked relative to the run folder.
@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+from toolkit.train.events import StepEvents
 from toolkit.train.plots import IMAGE_SUFFIXES, plot_loss, read_metrics
 from toolkit.train.run_dir import RunDir
 
@@ -24,6 +25,10 @@ pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; }
 .sample-step { margin-bottom: 1.2em; } .sample-text { white-space: pre-wrap; }
 .prompt { font-weight: bold; } .images img { max-width: 100%; min-width: 128px; margin: 0 0.5em 0.5em 0; }
 """
+
+
+def _plain(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _esc(value) -> str:
@@ -65,14 +70,23 @@ def _sample_step_html(run_dir: RunDir, folder: Path) -> str:
     return f'<div class="sample-step" id="{_esc(folder.name)}"><h3>step {_esc(step)}</h3>{"".join(parts)}</div>'
 
 
-class RunReport:
-    """Refreshes logs/loss.png and report.html for one run."""
+class RunReport(StepEvents):
+    """Refreshes logs/loss.png and report.html for one run, at each checkpoint and at the end."""
 
-    def __init__(self, run_dir: RunDir, run, config_yaml: str):
+    def __init__(self, run_dir: RunDir, run, plan, config_yaml: str, total_steps: int):
         self.run_dir = run_dir
-        self.run = run  # toolkit.config.run.ResolvedRun
+        self.run = run  # toolkit.plan.run.ResolvedRun
+        self.plan = plan  # its RunPlan, every stage
         self.config_yaml = config_yaml
+        self.total_steps = total_steps
         self.started = time.time()
+        self._clock = time.perf_counter()
+
+    def saved(self, step: int, path: Path) -> None:
+        self.update(step, self.total_steps, time.perf_counter() - self._clock)
+
+    def finished(self, step: int, final: Path) -> None:
+        self.update(step, self.total_steps, time.perf_counter() - self._clock, finished=True)
 
     @property
     def path(self) -> Path:
@@ -105,7 +119,7 @@ class RunReport:
         device = self.run.device
         device_rows = [("device", device.summary()), ("preset", self.run.preset_reason)]
         device_rows += [("", reason) for reason in device.reasons]
-        device_rows += [("auto", f"{d.key}: {d.reason}") for d in self.run.decisions]
+        plan_rows = [(f"{d.key} ({d.stage})", f"{_plain(d.value)}: {d.reason}") for d in self.plan]
         if plot is not None:
             data = base64.b64encode(plot.read_bytes()).decode("ascii")
             plot_html = f'<img id="loss-plot" alt="loss" src="data:image/png;base64,{data}">'
@@ -121,7 +135,8 @@ class RunReport:
                 f'<h2>Loss</h2><div id="loss">{plot_html}</div>\n'
                 f'<h2>Samples</h2><div id="samples">{samples_html}</div>\n'
                 f'<h2>Device and preset</h2><div id="device">{_table(device_rows)}</div>\n'
-                f'<h2>Resolved config</h2><pre id="config">{_esc(self.config_yaml)}</pre>\n'
+                f'<h2>Plan: what auto became, and why</h2><div id="plan">{_table(plan_rows)}</div>\n'
+                f'<h2>Config (as asked)</h2><pre id="config">{_esc(self.config_yaml)}</pre>\n'
                 "</body></html>\n")
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text(page, encoding="utf-8")

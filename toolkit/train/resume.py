@@ -6,7 +6,6 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Iterator
 
-import yaml
 
 from toolkit.config.families import FAMILY_SPECS, applies_to
 from toolkit.config.load import flatten, schema_defaults
@@ -95,9 +94,10 @@ INIT_FROM_FIXED = frozenset({"model.family", "model.name_or_path", "model.revisi
                              "network.init_from"})
 
 
-def check_resume_config(checkpoint: Checkpoint, current: dict, notice: Callable[[str], None],
+def check_resume_config(checkpoint: Checkpoint, saved: dict, current: dict, notice: Callable[[str], None],
                         processes: int = 1) -> None:
-    saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))
+    """Refuse to resume from `checkpoint` when the settings it trained with (`saved`) and this run's (`current`)
+    differ in what the run learns; say what changed otherwise."""
     allowed, refused = config_changes(saved, current, (checkpoint_processes(checkpoint), processes))
     if refused:
         keys = {r.split(":", 1)[0] for r in refused}
@@ -150,3 +150,27 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
         else:
             notice(f"no checkpoint to resume from; the earlier attempt was kept at {run_dir.move_aside()}")
     return latest
+
+
+def check_resume_plan(checkpoint: Checkpoint, saved, plan, notice: Callable[[str], None]) -> None:
+    """The decisions the model and the measurements made (the plan's loaded and measured stages) against the
+    checkpoint's (`saved`, its plan.json; None for checkpoints written before plans): one that changes what the run
+    learns (model.quantize=auto choosing otherwise on another device, say) refuses the resume, naming the value to
+    set; the others (the attention kernel, checkpointing, compile) may differ, as their settings may."""
+    if saved is None:
+        return
+    later = [d for d in plan if d.stage != "static"] + [d for d in saved if d.stage != "static"]
+    refused = []
+    for key in dict.fromkeys(d.key for d in later):
+        before = saved.value(key) if key in saved else None
+        after = plan.value(key) if key in plan else None
+        if before == after or is_resume_safe(key):
+            continue
+        refused.append((key, before, after))
+    if refused:
+        raise UserError(
+            f"cannot resume from {checkpoint.path}: on this device the run would decide these settings otherwise, "
+            "which changes what it learns:\n" + "\n".join(f"  - {k}: {b!r} in the checkpoint, {a!r} now"
+                                                            for k, b, a in refused)
+            + "\n  fix: set them to the checkpoint's values (" + " ".join(f"{k}={b}" for k, b, _ in refused)
+            + "), or start over with --fresh (the old run is moved aside, not deleted)")

@@ -68,7 +68,8 @@ class RunDir:
     def remove_unfinished(self, log) -> None:
         """Remove the temporary files and folders of saves that did not finish (see the module's rule)."""
         leftovers = sorted(self.checkpoints.glob(".tmp-step-*")) if self.checkpoints.is_dir() else []
-        leftovers += [p for p in (self.root / ".final.tmp", self.root / ".config.yaml.tmp") if p.exists()]
+        leftovers += [p for p in (self.root / ".final.tmp", self.root / ".config.yaml.tmp", self.root / ".plan.json.tmp")
+                      if p.exists()]
         for path in leftovers:
             _remove(path)
             log(f"removed {path}: the temporary files of a save that did not finish")
@@ -93,7 +94,7 @@ class RunDir:
                     "folders only)")
 
 
-START_FILES = ("config.yaml", ".config.yaml.tmp", ".final.tmp")
+START_FILES = ("config.yaml", ".config.yaml.tmp", "plan.json", ".plan.json.tmp", ".final.tmp")
 START_FOLDERS = ("checkpoints", "samples", "logs")
 
 

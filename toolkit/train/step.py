@@ -6,8 +6,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import torch
+
+from toolkit.train.events import Events
 
 
 @dataclass
@@ -31,8 +34,7 @@ class StepSums:
         """Start copying the step's numbers (loss, counts, gradient norm) to host memory right behind the step's
         work on the GPU's stream, so that read() waits for this step only. A read that copies later queues behind
         whatever was launched since: reading step N-1 after step N was launched would wait for step N to finish,
-        and the GPU would idle while the host launches step N+1 (measured: 3.4 ms a step, bench/llm.py
-        --profile, LLM 1B shape on an H200)."""
+        and the GPU would idle while the host launches step N+1 (evidence step-fetch, bench/results/evidence.json)."""
         values = [self.loss.reshape(1)] + ([self.counts.reshape(-1)] if torch.is_tensor(self.counts) else [])
         if torch.is_tensor(self.grad_norm):
             values.append(self.grad_norm.reshape(1))
@@ -87,25 +89,45 @@ class StepEnd:
         return self.host - earlier.host
 
 
-class Stepper:
-    """Launches optimizer steps with the trainer's model, data, processes and optimizer (set up by Trainer)."""
+@dataclass
+class StepParts:
+    """What launching a step uses, handed over by the trainer once everything is built."""
 
-    def __init__(self, trainer, optimizer: torch.optim.Optimizer):
-        t = trainer
-        self.train, self.accelerator, self.procs, self.adapter = t.cfg.train, t.accelerator, t.procs, t.adapter
-        self.dataset, self.order, self.modules, self.sharded = t.dataset, t.order, t.modules, t.sharded
-        self.params, self.optimizer, self.scheduler, self.ema = t.params, t.optimizer, t.scheduler, t.ema
-        self.inner = optimizer
-        self.cuda_graphs = t.cuda_graphs  # compiled regions replayed as CUDA graphs (train/blocks.py)
+    dataset: Any                     # collate(indices, epoch)
+    order: Any                       # data/order.py BatchOrder: this process's share of each global batch
+    loss: Callable                   # the adapter's loss(batch, modules): a sum over units
+    units: Callable                  # the adapter's batch_units(batch): (loss units, tokens)
+    modules: Mapping[str, torch.nn.Module]   # the trainable modules as wrapped (DDP) or sharded
+    params: list                     # the LoRA weights
+    optimizer: Any                   # accelerate's wrapper (fp16 loss scaling)
+    inner: torch.optim.Optimizer     # the optimizer itself (found_inf)
+    scheduler: Any
+    ema: Any                         # train/ema.py LoraEMA or None
+    procs: Any                       # train/distributed.py Processes
+    accelerator: Any                 # autocast, backward, clip, the loss scaler
+    grad_accum: int
+    max_grad_norm: float
+    sharded: bool = False            # device.distributed=fsdp: LoRA gradients averaged here, once a step
+    cuda_graphs: bool = False        # compiled regions replayed as CUDA graphs (train/blocks.py)
+
+
+class Stepper:
+    """Launches optimizer steps from its StepParts, marking each step's phases for the run's events."""
+
+    def __init__(self, parts: StepParts, events: Events):
+        self.parts, self.events = parts, events
+        p = parts
         # Optimizers that take GradScaler's `found_inf` (torch's fused AdamW, the toolkit's adamw8bit and
         # lion8bit) skip a non-finite step on the device, so the trainer never waits for the GPU between steps.
-        self.skips_on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False)
-                                    and self.accelerator.scaler is None and self.ema is None)
+        self.skips_on_device = bool(getattr(p.inner, "_step_supports_amp_scaling", False)
+                                    and p.accelerator.scaler is None and p.ema is None)
 
     def _next_batch(self) -> dict:
         """This process's next micro-batch; its epoch keys the data's augmentation draws (data/augment.py)."""
-        indices = self.order.next_batch()
-        return self.dataset.collate(indices, epoch=self.order.epoch)
+        p = self.parts
+        batch = p.dataset.collate(p.order.next_batch(), epoch=p.order.epoch)
+        self.events.phase("queued")
+        return batch
 
     def launch(self, stop_requested: bool) -> StepSums:
         """Launch one optimizer step over grad_accum micro-batches on every process; its numbers stay on the
@@ -117,67 +139,77 @@ class Stepper:
         `found_inf` set from the loss, and the loss is read a step later, while the GPU works on the next one.
         Other optimizers (bitsandbytes' too), fp16 loss scaling and the EMA read the loss here, once, after
         backward is queued."""
-        accum = self.train.grad_accum
-        batches = [self._next_batch() for _ in range(accum)]
-        device = self.accelerator.device
-        counts = [float(sum(self.adapter.loss_weight(batch) for batch in batches)),
-                  float(sum(self.adapter.tokens_in(batch) for batch in batches)), float(stop_requested)]
-        if self.procs.several:  # units, tokens and stop requests summed over processes, read later
+        p, events = self.parts, self.events
+        events.phase("start")
+        batches = [self._next_batch() for _ in range(p.grad_accum)]
+        device = p.accelerator.device
+        weights = [p.units(batch) for batch in batches]
+        counts = [float(sum(units for units, _ in weights)), float(sum(tokens for _, tokens in weights)),
+                  float(stop_requested)]
+        if p.procs.several:  # units, tokens and stop requests summed over processes, read later
             # from pinned memory: a copy from pageable memory would wait for the GPU to finish the last step
             host = torch.tensor(counts, pin_memory=device.type == "cuda")
-            counts = self.procs.sum(host.to(device, non_blocking=True))
+            counts = p.procs.sum(host.to(device, non_blocking=True))
             units = counts[0].clamp(min=1.0)
         else:
             units = max(counts[0], 1.0)
         # The loss is a sum over units; dividing by the step's units over every process before backward gives
         # the gradient of the mean over the global batch (DDP then averages over processes, hence world_size),
         # and keeps gradients at the scale fp16 loss scaling expects.
-        scale = self.procs.world_size / units
+        scale = p.procs.world_size / units
         losses = []
         for micro, batch in enumerate(batches):
             if device.type == "cuda":
                 # Pinned host memory makes the adapter's non_blocking copies asynchronous: a copy from
                 # pageable memory waits for the GPU to drain, leaving it idle while the next step launches.
                 batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
-            if self.cuda_graphs:  # a new step: the graphs' previous outputs may be overwritten from here on
+            if p.cuda_graphs:  # a new step: the graphs' previous outputs may be overwritten from here on
                 torch.compiler.cudagraph_mark_step_begin()
-            with self.procs.no_sync(self.modules, skip=micro < accum - 1 and not self.sharded):
-                with self.accelerator.autocast():
-                    loss = self.adapter.loss(batch, self.modules)
-                self.accelerator.backward(loss * scale)
+            with p.procs.no_sync(p.modules, skip=micro < p.grad_accum - 1 and not p.sharded):
+                with p.accelerator.autocast():
+                    events.phase("forward")
+                    loss = p.loss(batch, p.modules)
+                    events.phase("backward")
+                p.accelerator.backward(loss * scale)
             losses.append(loss.detach().float())
-        if self.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
-            self.procs.average_gradients(self.params)
-        loss_sum = self.procs.sum(torch.stack(losses).sum())
+        if p.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
+            p.procs.average_gradients(p.params)
+        loss_sum = p.procs.sum(torch.stack(losses).sum())
         sums = StepSums(loss_sum, counts)
         if self.skips_on_device:
-            self.inner.found_inf = (~torch.isfinite(loss_sum)).float()
+            p.inner.found_inf = (~torch.isfinite(loss_sum)).float()
             self._update(sums)
         else:
+            events.phase("read")
             sums.read()  # the one wait for the GPU in this step
+            events.phase("read done")
             if math.isfinite(sums.mean):
-                scale = self._loss_scale() if self.ema is not None else 1.0
+                scale = self._loss_scale() if p.ema is not None else 1.0
                 self._update(sums)
                 # fp16: GradScaler skipped the update exactly when it lowered its scale (accelerate's
                 # step_was_skipped cannot tell: an optimizer that takes found_inf skips inside step())
-                if self.ema is not None and self._loss_scale() >= scale:
-                    self.ema.update()
+                if p.ema is not None and self._loss_scale() >= scale:
+                    p.ema.update()
             else:
-                self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        sums.lr = self.scheduler.get_last_lr()[0]
+                p.optimizer.zero_grad(set_to_none=True)
+        p.scheduler.step()
+        sums.lr = p.scheduler.get_last_lr()[0]
         sums.ended = StepEnd.now(device)
+        events.phase("end")
         if self.skips_on_device:  # read a step later, without waiting for the steps launched after this one
             sums.fetch()          # (after `ended`: that event has completed once the copy has)
         return sums
 
     def _update(self, sums: StepSums) -> None:
-        if self.train.max_grad_norm > 0:  # a device tensor: MetricsLogger converts it on the steps it logs
-            sums.grad_norm = self.accelerator.clip_grad_norm_(self.params, self.train.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        p = self.parts
+        self.events.phase("update")
+        if p.max_grad_norm > 0:  # a device tensor: MetricsLogger converts it on the steps it logs
+            sums.grad_norm = p.accelerator.clip_grad_norm_(p.params, p.max_grad_norm)
+        p.optimizer.step()
+        p.optimizer.zero_grad(set_to_none=True)
+        self.events.phase("updated")
 
     def _loss_scale(self) -> float:
         """fp16 loss scaling's current scale (a wait for the GPU), 1.0 without it."""
-        scaler = self.accelerator.scaler
+        scaler = self.parts.accelerator.scaler
         return 1.0 if scaler is None else scaler.get_scale()

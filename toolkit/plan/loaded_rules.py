@@ -1,0 +1,75 @@
+"""The loaded stage: what the model itself settles. First its size, before its weights load (counted on the meta
+device): how several processes share it (device.distributed). Then what loading it decided (its memory plan: the
+quantization, expert offload and block swap it chose for the device) and what follows from that for the blocks.
+
+Facts (Facts.extra): "processes" (the run's process count), "base_parameters" (a callable counting the frozen
+model's parameters without loading them, None when unknown); then "memory" (the decisions the model's memory plan
+made, by setting) and "quantized" (how the frozen denoiser ended up quantized).
+"""
+
+from __future__ import annotations
+
+from toolkit.config.schema import QUANTIZED
+from toolkit.plan.decisions import Decision
+from toolkit.plan.evidence import cite
+from toolkit.plan.rules import Facts, rule
+from toolkit.plan.weights import choose_distributed
+
+LOADED = "loaded"
+
+
+@rule("device.distributed", LOADED, needs=("processes", "base_parameters"))
+def distributed(f: Facts) -> Decision | None:
+    """Whether the frozen base is sharded (fsdp) rather than copied to every process (ddp), and why."""
+    setting, processes = f.asked("device.distributed"), f.extra["processes"]
+    if processes < 2:
+        why = ("one process, nothing to shard; training as one process" if setting == "fsdp" else "one process")
+        return Decision("device.distributed", "ddp", why, LOADED)
+    unshardable = ((f.reads("model.quantize") and f.asked("model.quantize") in QUANTIZED)
+                   or (f.reads("model.expert_offload") and f.asked("model.expert_offload") is True)
+                   or (f.reads("train.train_text_encoder") and f.asked("train.train_text_encoder")))
+    if setting == "auto" and unshardable:
+        return Decision("device.distributed", "ddp",
+                        "auto: the config quantizes, offloads experts or trains text encoders", LOADED)
+    mode, why = choose_distributed(setting, processes, f.extra["base_parameters"], f.device,
+                                   f.asked("device.memory_fraction"))
+    return Decision("device.distributed", mode, why, LOADED)
+
+
+def _from_memory_plan(key: str):
+    def decide(f: Facts) -> Decision | None:
+        return f.extra["memory"].get(key)
+    return decide
+
+
+for _key in ("model.quantize", "model.expert_offload", "model.block_swap"):
+    rule(_key, LOADED, needs=("memory",))(_from_memory_plan(_key))
+
+
+@rule("train.compile", LOADED, needs=("quantized",))
+def compile_quantized(f: Facts) -> Decision | None:
+    """train.compile=auto was measured faster with 16-bit weights: a denoiser quantized to 8 or 4 bits stays eager.
+    fp8 stays compiled: its row quantization is fused there, and eager its layers ran slower."""
+    quantized = f.extra["quantized"]
+    if f.asked("train.compile") != "auto" or f.value("train.compile") is not True or quantized in ("none", "fp8"):
+        return None
+    return Decision("train.compile", False, f"the denoiser is quantized ({quantized}); compiling was measured faster "
+                    f"with 16-bit weights only, and fp8 only stays compiled ({cite('fp8-compiled')}); "
+                    "train.compile=true compiles it anyway", LOADED, "fp8-compiled")
+
+
+@rule("train.checkpoint_keeps", LOADED, needs=("quantized", "swapped"))
+def keeps_after_loading(f: Facts) -> Decision | None:
+    """checkpoint_keeps=auto settled at attention, and the run turns out not to be the one measured: blocks
+    swapped (memory is short; a swapped compiled block recomputes everything anyway), or the denoiser runs eagerly
+    after all."""
+    if not (f.reads("train.checkpoint_keeps") and f.asked("train.checkpoint_keeps") == "auto"
+            and f.value("train.checkpoint_keeps") == "attention"):
+        return None
+    if f.extra["swapped"]:
+        why = "blocks are swapped (memory is short); the checkpointed blocks recompute their attention"
+    elif f.value("train.compile") is not True:
+        why = "keeping attention was measured compiled, and the quantized denoiser runs eagerly"
+    else:
+        return None
+    return Decision("train.checkpoint_keeps", "nothing", why, LOADED)

@@ -1,0 +1,255 @@
+"""The static stage: what the config and the device settle before anything loads (`validate` shows it).
+
+Settings measured later (the batch size, gradient checkpointing) get a provisional value here that says so;
+the measured stage (train/memory_plan.py) replaces it.
+"""
+
+from __future__ import annotations
+
+from toolkit.config.families import family_spec
+from toolkit.config.schema import QUANTIZED
+from toolkit.plan.decisions import Decision
+from toolkit.plan.evidence import cite
+from toolkit.plan.rules import Facts, rule
+
+STATIC = "static"
+
+
+def _decision(key: str, value, reason: str, evidence: str | None = None) -> Decision:
+    return Decision(key, value, reason, STATIC, evidence)
+
+
+@rule("train.precision", STATIC)
+def precision(f: Facts) -> Decision | None:
+    """What the run computes in, said once: auto's choice, or the setting with what it means on this device."""
+    requested, device = f.asked("train.precision"), f.device
+    if requested == "auto":
+        if device.backend == "cpu":
+            return _decision("train.precision", "fp32", "auto on the CPU: fp32 (bf16 matmuls are slower than fp32 "
+                                                        "on most CPUs)")
+        if device.bf16:
+            return _decision("train.precision", "bf16", f"auto: {device.arch} supports bf16")
+        return _decision("train.precision", "fp16", f"auto: {device.arch} has no bf16: fp16 with loss scaling")
+    if requested == "bf16" and device.backend != "cpu" and not device.bf16:
+        f.problems.append(f"'train.precision' is bf16, but {device.arch} has no bf16 support: "
+                          "use train.precision=fp16 (trained with loss scaling) or fp32")
+    if requested == "fp16" and device.backend == "cpu":
+        f.problems.append("'train.precision' is fp16, which the CPU cannot train in: use fp32 (or bf16) on the CPU")
+    where = f.extra["sources"].get("train.precision", "the defaults")
+    if device.backend == "cpu":
+        note = ("; bf16 matmuls are slower than fp32 on most CPUs (auto chooses fp32 there)" if requested == "bf16"
+                else "")
+        return _decision("train.precision", requested, f"set in {where}: the CPU trains in {requested}{note}")
+    return _decision("train.precision", requested, f"set in {where}")
+
+
+@rule("model.dtype", STATIC)
+def base_dtype(f: Facts) -> Decision | None:
+    if f.asked("model.dtype") != "auto":
+        return None
+    return _decision("model.dtype", f.value("train.precision"), "frozen base weights follow train.precision")
+
+
+@rule("train.batch_size", STATIC)
+def batch_size(f: Facts) -> Decision | None:
+    """auto: the preset's table for the device memory (capped for families of large samples), provisional on a
+    GPU, where the trainer measures the largest batch that fits."""
+    size = f.asked("train.batch_size")
+    if size != "auto":
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            f.problems.append(f"'train.batch_size' must be a positive integer or auto, got {size!r}")
+        return None
+    value, why = f.extra["preset"].batch_size_for(f.device.memory_gb)
+    cap = family_spec(f.family).batch_cap
+    if cap is not None and value > cap:
+        value, why = cap, f"{why}, capped at {cap} for {f.family} (large samples)"
+    why += ("; on the CPU auto keeps the preset's table (the batch probe measures on GPUs)" if f.device.backend == "cpu"
+            else "; until the trainer measures the largest batch that fits, at the start (train/batch_size.py)")
+    return _decision("train.batch_size", value, why)
+
+
+@rule("train.gradient_checkpointing", STATIC)
+def gradient_checkpointing(f: Facts) -> Decision | None:
+    setting = f.asked("train.gradient_checkpointing")
+    if f.reads("train.checkpoint_offload") and f.asked("train.checkpoint_offload") and setting is False:
+        f.problems.append("'train.checkpoint_offload' moves the inputs of checkpointed layers, and "
+                          "train.gradient_checkpointing is false: set it to true or auto, or remove checkpoint_offload")
+    if setting == "auto":
+        return _decision("train.gradient_checkpointing", False, (
+            "off on the CPU (memory is not measured there)" if f.device.backend == "cpu" else
+            "off unless a step at the run's batch size does not fit without it, measured at the start "
+            "(train/memory_plan.py; with train.batch_size=auto: unless a batch of 1 does not fit)"))
+    if not isinstance(setting, (bool, int)) or (not isinstance(setting, bool) and setting < 0):
+        f.problems.append(f"'train.gradient_checkpointing' must be true, false, auto or a number of blocks, got "
+                          f"{setting!r}")
+    elif not isinstance(setting, bool) and f.family == "llm":
+        f.problems.append(f"'train.gradient_checkpointing': {setting} blocks is read by the diffusion families; an "
+                          "LLM checkpoints all its layers or none (true or false)")
+    return None
+
+
+@rule("model.block_swap", STATIC)
+def block_swap_checks(f: Facts) -> None:
+    """Checks only: the swap itself is planned once the model is loaded (loaded stage)."""
+    if not f.reads("model.block_swap"):
+        return None
+    swap = f.asked("model.block_swap")
+    if swap != "auto" and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 0):
+        f.problems.append(f"'model.block_swap' must be a number of blocks (0: none) or auto, got {swap!r}")
+    elif isinstance(swap, int) and swap > 0 and f.asked("model.quantize") in QUANTIZED:
+        f.problems.append(f"'model.block_swap'={swap} swaps 16-bit weights; it is not combined with "
+                          f"model.quantize={f.asked('model.quantize')}: set one of them to none / 0")
+    return None
+
+
+@rule("model.quantize", STATIC)
+def quantize_checks(f: Facts) -> None:
+    """Checks only: auto is settled once the model's size is known (loaded stage)."""
+    if not f.reads("model.quantize") or f.asked("model.quantize") != "fp8":
+        return None
+    if f.asked("network.type") == "dora":
+        f.problems.append("'network.type'=dora needs the base weights in 16 bits (DoRA normalises them), and "
+                          "model.quantize=fp8 stores them in 8: use network.type=lora, or model.quantize=none")
+    if f.asked("model.quantize_backend") != "auto":
+        f.problems.append(f"'model.quantize_backend'={f.asked('model.quantize_backend')}: model.quantize=fp8 is the "
+                          "toolkit's own layer, not that library's; leave model.quantize_backend=auto")
+    return None
+
+
+@rule("device.distributed", STATIC)
+def fsdp_checks(f: Facts) -> None:
+    """What device.distributed=fsdp cannot shard: quantized layers, whole-expert offload, swapped blocks, text
+    encoders. auto is settled with the processes and the model's size (loaded stage)."""
+    if f.asked("device.distributed") != "fsdp":
+        return None
+    refused = "device.distributed=fsdp cannot run this config: "
+    if f.reads("model.quantize") and f.asked("model.quantize") in QUANTIZED:
+        f.problems.append(refused + f"model.quantize={f.asked('model.quantize')}: quantized weights are not sharded; "
+                          "use model.quantize=none (or auto) with fsdp, or device.distributed=ddp")
+    if f.reads("model.expert_offload") and f.asked("model.expert_offload") is True:
+        f.problems.append(refused + "model.expert_offload=true: offloading moves whole experts, and with fsdp each "
+                          "process already holds 1/N of them; leave model.expert_offload=auto")
+    if f.reads("model.block_swap") and f.asked("model.block_swap") not in (0, "auto"):
+        f.problems.append(refused + "model.block_swap: fsdp shards the blocks over the processes instead; use "
+                          "model.block_swap=0 (or auto) with fsdp, or device.distributed=ddp")
+    if f.reads("train.train_text_encoder") and f.asked("train.train_text_encoder"):
+        f.problems.append(refused + "train.train_text_encoder: the text encoders are not sharded; use "
+                          "device.distributed=ddp")
+    return None
+
+
+@rule("train.compile", STATIC)
+def compile_(f: Facts) -> Decision | None:
+    """auto: on where the family was measured faster compiled and the run is long enough to repay the first
+    step's compile (FamilySpec.compile_auto, compile_auto_steps); off on the CPU."""
+    setting = f.asked("train.compile")
+    if setting != "auto":
+        if not isinstance(setting, bool):
+            f.problems.append(f"'train.compile' must be true, false or auto, got {setting!r}")
+        return None
+    spec, steps = family_spec(f.family), f.asked("train.steps")
+    if f.device.backend == "cpu":
+        return _decision("train.compile", False, "off on the CPU")
+    if not spec.compile_auto:
+        return _decision("train.compile", False, f"not measured faster for {f.family} yet")
+    if steps < spec.compile_auto_steps:
+        return _decision("train.compile", False, (
+            f"a run of train.steps={steps} (in all, a resumed run's steps counted) is too short to repay the first "
+            f"step's compile: {cite(spec.compile_auto)}; auto compiles {f.family} from {spec.compile_auto_steps} "
+            "steps, train.compile=true compiles any run"), spec.compile_auto)
+    return _decision("train.compile", True, cite(spec.compile_auto), spec.compile_auto)
+
+
+@rule("train.compile_recompute", STATIC)
+def compile_recompute(f: Facts) -> Decision | None:
+    if f.asked("train.compile_recompute") != "auto" or f.value("train.compile") is not True:
+        return None  # read only when compiling
+    measured = family_spec(f.family).recompute_auto
+    value = "pointwise" if measured else "none"
+    return _decision("train.compile_recompute", value,
+                     cite(measured) if measured else f"PyTorch's default: pointwise not measured for {f.family} yet",
+                     measured)
+
+
+@rule("train.checkpoint_keeps", STATIC)
+def checkpoint_keeps(f: Facts) -> Decision | None:
+    """auto: attention where measured faster (compiled), else nothing; the loaded and measured stages may still
+    drop it (swapped blocks, a quantized denoiser run eagerly, a step keeping it that does not fit)."""
+    if not f.reads("train.checkpoint_keeps") or f.asked("train.checkpoint_keeps") != "auto":
+        return None
+    measured = family_spec(f.family).keeps_auto
+    keep = bool(measured) and f.value("train.compile") is True  # eager, the policy runs in Python per op
+    if keep:
+        return _decision("train.checkpoint_keeps", "attention", cite(measured), measured)
+    why = ("a checkpointed block recomputes everything: keeping attention was measured compiled, and train.compile "
+           "is off" if measured else
+           f"a checkpointed block recomputes everything: keeping attention not measured faster for {f.family} yet")
+    return _decision("train.checkpoint_keeps", "nothing", why)
+
+
+@rule("train.cuda_graphs", STATIC)
+def cuda_graphs_checks(f: Facts) -> None:
+    """Checks only: whether a denoiser replays as a graph is known once its blocks are wrapped (measured stage)."""
+    setting = f.asked("train.cuda_graphs")
+    if not (isinstance(setting, bool) or setting == "auto"):
+        f.problems.append(f"'train.cuda_graphs' must be true, false or auto, got {setting!r}")
+    return None
+
+
+@rule("train.timestep_sampling", STATIC)
+def timestep_sampling(f: Facts) -> Decision | None:
+    if not f.reads("train.timestep_sampling") or f.asked("train.timestep_sampling") != "auto":
+        return None
+    sampling = family_spec(f.family).timestep_sampling or "uniform"
+    return _decision("train.timestep_sampling", sampling, f"the {f.family} family's usual")
+
+
+@rule("model.kernels", STATIC)
+def kernels(f: Facts) -> Decision | None:
+    if not f.reads("model.kernels") or f.asked("model.kernels") != "auto":
+        return None
+    if f.device.backend == "cpu":
+        return _decision("model.kernels", "none", "the CPU keeps the model's own loss")
+    return _decision("model.kernels", "fused", "on a GPU, no tokens x vocabulary logits held: "
+                     + cite("llm-fused-loss"), "llm-fused-loss")
+
+
+@rule("model.fuse_projections", STATIC)
+def fuse_projections(f: Facts) -> Decision | None:
+    """auto turns it on with train.compile on an NVIDIA GPU; true where it cannot apply is refused, naming what
+    stands in the way."""
+    if not f.reads("model.fuse_projections"):
+        return None
+    value = f.asked("model.fuse_projections")
+    if not (isinstance(value, bool) or value == "auto"):
+        f.problems.append(f"'model.fuse_projections' must be true, false or auto, got {value!r}")
+        return None
+    blockers = [why for why, blocks in (
+        ("network.type=dora (each layer normalises its own weight)", f.asked("network.type") == "dora"),
+        (f"network.dropout={f.asked('network.dropout')} (each layer drops its own input)",
+         f.asked("network.dropout") > 0),
+        (f"model.quantize={f.asked('model.quantize')} (the frozen weights are quantized)",
+         f.asked("model.quantize") in QUANTIZED),
+        ("device.distributed=fsdp (the frozen weights are sharded per layer)", f.asked("device.distributed") == "fsdp"),
+    ) if blocks]
+    if value is True and blockers:
+        f.problems.append(f"'model.fuse_projections'=true cannot apply with {'; '.join(blockers)}: set "
+                          "model.fuse_projections=auto or false")
+    if value != "auto":
+        return None
+    if blockers:
+        return _decision("model.fuse_projections", False, "off with " + "; ".join(blockers))
+    if f.device.backend != "cuda":
+        where = "the CPU" if f.device.backend == "cpu" else "ROCm"
+        return _decision("model.fuse_projections", False,
+                         f"off on {where}: measured on NVIDIA GPUs only (true turns it on)")
+    if f.value("train.compile") is not True:
+        return _decision("model.fuse_projections", False, "off with train.compile off (measured compiled only)")
+    return _decision("model.fuse_projections", True, cite("llm-fuse-projections"), "llm-fuse-projections")
+
+
+@rule("model.attention", STATIC)
+def attention(f: Facts) -> Decision | None:
+    if not f.reads("model.attention") or f.asked("model.attention") != "auto":
+        return None
+    return _decision("model.attention", "sdpa", "PyTorch scaled_dot_product_attention, the default")

@@ -1,0 +1,148 @@
+"""A run's checkpoints as the trainer writes and restores them: the trainable tensors, the EMA, the optimizer, the
+loop's state (step, schedule, grad scaler, every process's RNG streams, data position, NaN streak, smoothed loss),
+the run's config.yaml and plan.json, and the LoRA files (final/ holds the same). Collective where several
+processes contribute (their RNG states) or must stop together (a full disk on the main process)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from toolkit.disk import format_bytes, free_bytes, is_disk_full
+from toolkit.errors import UserError
+from toolkit.models.base import DTYPES, load_trainable_state_dict, trainable_state_dict
+from toolkit.train.checkpoint import (TRAINABLE, load_checkpoint_files, rotate_checkpoints, save_checkpoint,
+                                      trainable_file_state)
+from toolkit.train.rng import restore_rng_state, rng_state, seed_everything
+from toolkit.train.run_dir import RunDir
+
+
+class OtherProcessFailed(UserError):
+    """The main process stopped with an error of its own (printed there); this process stops quietly."""
+
+    def __init__(self):
+        super().__init__("")
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from step to step beyond the model and optimizer."""
+
+    step: int = 0
+    nan_streak: int = 0
+    smoothed_loss: float | None = None  # the metrics' smoothed loss, so a resumed log reads as an unbroken one
+
+
+class Checkpointer:
+    """Writes and restores the checkpoints of one run (see the module docstring)."""
+
+    def __init__(self, run_dir: RunDir, procs, network: torch.nn.Module, save_lora: Callable, ema, optimizer,
+                 scheduler, order, scaler, texts: dict[str, str], config_hash: str, keep_last: int, save_dtype: str,
+                 seed: int, log: Callable[[str], None]):
+        self.run_dir, self.procs, self.network, self.save_lora = run_dir, procs, network, save_lora
+        self.ema, self.optimizer, self.scheduler, self.order, self.scaler = ema, optimizer, scheduler, order, scaler
+        self.texts, self.config_hash, self.keep_last = texts, config_hash, keep_last
+        self.save_dtype, self.seed, self.log = DTYPES[save_dtype], seed, log
+
+    # -- writing ---------------------------------------------------------------------------------
+    def write_lora(self, folder: Path) -> list[Path]:
+        """The LoRA files of the weights as they are now (the EMA's with train.ema_decay > 0) into `folder`:
+        final/ and every checkpoint hold the same files."""
+        with self.ema.applied() if self.ema is not None else nullcontext():
+            return self.save_lora(folder, self.save_dtype)
+
+    def save(self, loop: LoopState) -> Path | None:
+        """A checkpoint of `loop.step` (collective: every process calls it; the main one writes, and tells the
+        others whether it could, so that a full disk stops every process at once rather than leaving them
+        waiting)."""
+        trainer_state = self._trainer_state(loop)
+        if not self.procs.is_main:
+            if self.procs.from_main(None) != "ok":
+                raise OtherProcessFailed()
+            return None
+        try:
+            path = self._write(loop.step, trainer_state)
+        except BaseException:
+            self.procs.from_main("failed")
+            raise
+        self.procs.from_main("ok")
+        return path
+
+    def _trainer_state(self, loop: LoopState) -> dict:
+        """The loop's state; collective: every process contributes its RNG state."""
+        rng_ranks = self.procs.gather(rng_state())
+        return {"step": loop.step, "scheduler": self.scheduler.state_dict(), "rng": rng_ranks[0],
+                "rng_ranks": rng_ranks, "world_size": self.procs.world_size, "data_order": self.order.state_dict(),
+                "nan_streak": loop.nan_streak, "smoothed_loss": loop.smoothed_loss,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def _write(self, step: int, trainer_state: dict) -> Path:
+        tensors = {TRAINABLE: trainable_file_state(trainable_state_dict(self.network))}
+        if self.ema is not None:
+            tensors["ema"] = self.ema.state_dict()
+        states = {"optimizer": self.optimizer.state_dict(), "trainer_state": trainer_state}
+        path = save_checkpoint(self.run_dir.checkpoints, step, tensors, states, self.texts, self.config_hash,
+                               write_lora=self.write_lora)
+        rotate_checkpoints(self.run_dir.checkpoints, self.keep_last)
+        return path
+
+    def export_final(self) -> Path:
+        """final/: the LoRA files, written to a temporary folder and renamed; an earlier final/ is kept aside."""
+        final = self.run_dir.final
+        tmp = final.with_name(".final.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        try:
+            tmp.mkdir(parents=True)
+            self.write_lora(tmp)
+        except BaseException as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(err):
+                raise UserError(f"disk full while writing the final LoRA in {self.run_dir.root} "
+                                f"({format_bytes(free_bytes(self.run_dir.root))} free); its temporary files were "
+                                "removed, the checkpoints are as they were\n  fix: free space on that disk, then run "
+                                "the same command: it exports the LoRA from the last checkpoint") from None
+            raise
+        if final.exists():  # an earlier final (a run extended with more steps): keep it
+            final.rename(final.with_name(f"final.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
+        tmp.rename(final)
+        return final
+
+    # -- reading ---------------------------------------------------------------------------------
+    def restore(self, checkpoint, ema_decay: float) -> LoopState:
+        """Every state of `checkpoint` back in place; returns the loop's."""
+        loaded = load_checkpoint_files(checkpoint)
+        state = loaded.states["trainer_state"]
+        load_trainable_state_dict(self.network, loaded.tensors[TRAINABLE])
+        self.optimizer.load_state_dict(loaded.states["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"] is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:
+            if "ema" not in loaded.tensors:
+                raise UserError(f"train.ema_decay is {ema_decay}, but {checkpoint.path} has no ema.safetensors\n"
+                                "  fix: set train.ema_decay=0, or start over with --fresh")
+            self.ema.load_state_dict(loaded.tensors["ema"])
+        try:
+            self.order.load_state_dict(state["data_order"])
+        except ValueError as err:
+            raise UserError(f"cannot resume from {checkpoint.path}: {err}\n  fix: keep train.batch_size x processes "
+                            f"the same as when the run began ({state['data_order']['batch_size']})") from None
+        self._restore_rng(state, checkpoint)
+        return LoopState(int(state["step"]), state["nan_streak"], state.get("smoothed_loss"))
+
+    def _restore_rng(self, state: dict, checkpoint) -> None:
+        saved, world = state["rng_ranks"], self.procs.world_size
+        if len(saved) != world:
+            self.log(f"resume: {checkpoint.path} was written by {len(saved)} process(es), this run has {world}; "
+                     "the data order continues unchanged, the random streams of processes it did not have start anew")
+        if self.procs.rank < len(saved):
+            restore_rng_state(saved[self.procs.rank])
+        else:
+            seed_everything(hash((self.seed, self.procs.rank, int(state["step"]))) % 2**63)

@@ -1,0 +1,123 @@
+"""Opening a run's folder, on the main process: its lock, the cleanup of what failed runs left, the checkpoint to
+resume from (or the old run moved aside), the batch as far as it is known before the model loads, the check of a
+resumed run's settings, and config.yaml. Every process gets the same answer; an error there stops the others
+quietly (the main process prints it)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import yaml
+from omegaconf import OmegaConf
+
+from toolkit.config.load import resolved_container
+from toolkit.plan.decisions import Decision, RunPlan
+from toolkit.plan.run import ResolvedRun
+from toolkit.train.batch_size import accumulate_to, checkpoint_batch
+from toolkit.train.checkpoint import Checkpoint
+from toolkit.train.checkpointer import OtherProcessFailed
+from toolkit.train.resume import check_resume_config, checkpoint_processes, choose_start
+from toolkit.train.run_dir import RunDir
+from toolkit.train.run_lock import RunLock
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@dataclass
+class Start:
+    """Where a run starts: the checkpoint it resumes (None: step 0) and its plan with the batch settled so far."""
+
+    checkpoint: Checkpoint | None
+    plan: RunPlan
+    batch_resumed: bool  # train.batch_size=auto taken from the checkpoint (never measured again)
+
+
+def saved_plan(checkpoint: Checkpoint) -> RunPlan | None:
+    """The plan a checkpoint's run trained with (None for checkpoints written before plans)."""
+    path = checkpoint.path / "plan.json"
+    return RunPlan.from_json(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def saved_settings(checkpoint: Checkpoint, stage: str | None = None) -> dict:
+    """The settings a checkpoint's run used: its config.yaml with its plan (of `stage` alone, when given) in place.
+    Older checkpoints' config.yaml already holds the values used."""
+    saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))
+    plan = saved_plan(checkpoint)
+    if plan is None:
+        return saved
+    return RunPlan(tuple(d for d in plan if stage is None or d.stage == stage)).effective(saved)
+
+
+def settle_batch(run: ResolvedRun, checkpoint: Checkpoint | None, processes: int) -> tuple[list[Decision], bool]:
+    """What is known of the batch before the model loads: a resumed auto run's batch size is its checkpoint's;
+    train.global_batch_size gives grad_accum (a batch probe sets both again later). Returns the decisions and
+    whether the batch size came from the checkpoint."""
+    t = run.cfg.train
+    batch_auto = run.is_auto("train.batch_size")
+    if checkpoint is not None and batch_auto:
+        saved = saved_settings(checkpoint)["train"]
+        size, note = checkpoint_batch(saved["batch_size"], checkpoint_processes(checkpoint), processes)
+        decisions = [Decision("train.batch_size", size, note.split(": ", 1)[1])]
+        if t.global_batch_size is not None:
+            decisions.append(Decision("train.grad_accum", saved["grad_accum"], "the checkpoint's (a resumed run keeps "
+                                                                             "its batch)"))
+        return decisions, True
+    if t.global_batch_size is not None:
+        size, accum, note = accumulate_to(t.global_batch_size, t.batch_size, processes, batch_auto, t.grad_accum)
+        decisions = [Decision("train.grad_accum", accum, note)]
+        if size != t.batch_size:
+            decisions.append(Decision("train.batch_size", size, note))
+        return decisions, False
+    return [], False
+
+
+def open_run_folder(run: ResolvedRun, run_dir: RunDir, procs, fresh: bool, log: Callable[[str], None]
+                    ) -> tuple[Start, RunLock | None]:
+    """On the main process: the lock, the cleanup, the start, the batch known so far, the checked settings, the
+    run folder and its config.yaml (the config as asked). Every process gets the same Start."""
+    outcome, lock = None, None
+    if procs.is_main:
+        try:
+            # Before anything in the folder is read or moved: a live run there (or its resume) refuses here.
+            lock = RunLock(run_dir.root)
+            lock.acquire(log)
+            run_dir.remove_unfinished(log)
+            run_dir.remove_failed_starts_beside(log)
+            checkpoint = choose_start(run.cfg.train.resume, run_dir, fresh, log)
+            decisions, resumed = settle_batch(run, checkpoint, procs.world_size)
+            plan = run.plan.with_stage("static", decisions)
+            if checkpoint is not None:
+                current = plan.effective(resolved_container(run.asked))
+                check_resume_config(checkpoint, saved_settings(checkpoint, stage="static"), current, log,
+                                    processes=procs.world_size)
+            run_dir.create()
+            write_atomic(run_dir.config, config_yaml(run))
+            outcome = ("ok", Start(checkpoint, plan, resumed))
+        except BaseException:
+            procs.from_main(("failed", None))
+            if lock is not None:
+                lock.release()
+            raise
+    status, start = procs.from_main(outcome)
+    if status != "ok":
+        raise OtherProcessFailed()
+    return start, lock
+
+
+def config_yaml(run: ResolvedRun) -> str:
+    """config.yaml: the merged config as the user asked for it (defaults, preset, files, command line)."""
+    return OmegaConf.to_yaml(OmegaConf.create(resolved_container(run.asked)))
+
+
+def config_hash(texts: dict[str, str]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(texts, sort_keys=True).encode()).hexdigest()[:16]
