@@ -82,7 +82,7 @@ def sd3_as_comfyui_sizes_it(folder: Path) -> Path:
     (comfy.model_detection.convert_diffusers_mmdit), so the 32-wide tiny transformer has no ComfyUI layout."""
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    from toolkit.paths import resolve_model_path
+    from toolkit.tiny import resolve_model_path
 
     pipe = StableDiffusion3Pipeline.from_pretrained(resolve_model_path("tiny:sd3"))
     torch.manual_seed(0)

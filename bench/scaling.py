@@ -391,7 +391,7 @@ def fsdp_memory(args, work: Path, n: int, tiny: bool, tiny_overrides: list[str],
 
     t0 = time.perf_counter()
     if tiny:
-        from toolkit.paths import resolve_model_path
+        from toolkit.tiny import resolve_model_path
         model_dir = Path(resolve_model_path("tiny:llm"))
     else:
         model_dir = work / "llm-12b"
@@ -550,7 +550,7 @@ def main() -> None:
 
         t0 = time.perf_counter()
         if tiny:
-            from toolkit.paths import resolve_model_path
+            from toolkit.tiny import resolve_model_path
             model_dir = Path(resolve_model_path("tiny:llm"))
         else:
             model_dir = work / "llm"
@@ -575,7 +575,7 @@ def main() -> None:
     if not args.skip_sdxl:
         t0 = time.perf_counter()
         if tiny:
-            from toolkit.paths import resolve_model_path
+            from toolkit.tiny import resolve_model_path
             model_dir = Path(resolve_model_path("tiny:sdxl"))
         else:
             model_dir = work / "sdxl"

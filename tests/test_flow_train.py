@@ -15,7 +15,7 @@ from conftest import REPO
 from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
 from toolkit.data.images import load_pixels
 from toolkit.models.flow_matching import SigmaSampler, flux_mu
-from toolkit.paths import resolve_model_path
+from toolkit.tiny import resolve_model_path
 
 SHAPES = REPO / "configs/examples/data/shapes"
 CLIPS = REPO / "configs/examples/data/clips"

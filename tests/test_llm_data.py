@@ -12,7 +12,7 @@ from toolkit.data.packing import PackedTextDataset, flatten_samples, pack_greedy
 from toolkit.data.samples import IGNORE_INDEX, TokenizedSample
 from toolkit.data.text import alpaca_prompt, build_text_data, pad_samples, tokenize_chat
 from toolkit.errors import UserError
-from toolkit.paths import resolve_model_path
+from toolkit.tiny import resolve_model_path
 
 CHAT = {"messages": [
     {"role": "system", "content": "answer with colours"},

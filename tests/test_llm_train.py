@@ -12,7 +12,7 @@ from conftest import REPO
 from helpers import cpu_runtime, read_metrics
 from toolkit.cli import main
 from toolkit.errors import UserError
-from toolkit.paths import resolve_model_path
+from toolkit.tiny import resolve_model_path
 from toolkit.train.checkpoint import trainable_from_file
 
 PROMPT = "what colour is the star"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import cpu_runtime, data_cache_apart, diffusion_train_args
 from lora_math import compare_updates, expected_updates, plain_weights
-from toolkit.paths import resolve_model_path
+from toolkit.tiny import resolve_model_path
 from toolkit.train.checkpoint import trainable_from_file
 
 # family, quickstart, pipeline class, extra overrides; each trains with rank 4, alpha 6 (scale 1.5)

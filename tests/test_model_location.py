@@ -7,7 +7,7 @@ import shutil
 import time
 
 from conftest import REPO, run_toolkit
-from toolkit.paths import resolve_model_path
+from toolkit.tiny import resolve_model_path
 
 LLM = REPO / "configs/examples/quickstart_llm.yaml"
 SD = REPO / "configs/examples/quickstart_sd.yaml"

@@ -17,7 +17,7 @@ from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
 from toolkit.plan.run import load_run
 from toolkit.models.diffusion_sd import StableDiffusionAdapter
 from toolkit.models.objectives import min_snr_weights, sample_timesteps
-from toolkit.paths import resolve_model_path
+from toolkit.tiny import resolve_model_path
 from toolkit.tiny.fixtures import write_shapes_dataset
 
 
@@ -270,7 +270,7 @@ def test_vae_encoding_runs_with_cudnn_off_when_the_hip_preset_says_so(shapes, tm
 def test_real_model_examples_validate(config, tiny, run_cli, capsys):
     """Every key of the real-model examples validates, with their data folder and model present (validate checks
     both: here a folder of images and a local folder of the family's layout stand in for them)."""
-    from toolkit.paths import resolve_model_path
+    from toolkit.tiny import resolve_model_path
 
     assert run_cli("validate", REPO / "configs/examples" / config, "data.path=configs/examples/data/shapes",
                    f"model.name_or_path={resolve_model_path(tiny)}") == 0

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from toolkit.paths import resolve_model_path
+from toolkit.tiny import resolve_model_path
 from toolkit.tiny import TINY_WRITERS, write_tiny
 
 # the class name transformers saves a CLIPImageProcessor under (CLIPImageProcessorPil since transformers 5)

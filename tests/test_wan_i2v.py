@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO
 from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
-from toolkit.paths import resolve_model_path
+from toolkit.tiny import resolve_model_path
 from toolkit.train.checkpoint import trainable_from_file
 
 DATA = REPO / "configs/examples/data/clips_i2v"

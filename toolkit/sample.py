@@ -77,7 +77,7 @@ def sample_run(run_dir: str | Path, step: int | None = None, prompts: list[str] 
     from toolkit.models import build_adapter
     from toolkit.models.base import DTYPES, Runtime
     from toolkit.train.lora_source import LoraSnapshot, run_lora
-    from toolkit.train.rng import seed_everything
+    from toolkit.rng import seed_everything
 
     run_dir = Path(run_dir)
     source = run_lora(run_dir, step, log)  # a missing folder, step or LoRA is reported before any model loads

@@ -25,7 +25,7 @@ from toolkit.models.diffusion_data import DiffusionData, unbatch
 from toolkit.models.diffusion_files import DiffusersLoraFiles
 from toolkit.models.lora import lora_config
 from toolkit.models.objectives import Noised
-from toolkit.paths import resolve_model_path
+from toolkit.tiny import resolve_model_path
 
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 

@@ -22,7 +22,7 @@ from toolkit.models.lora import lora_config, target_modules
 from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
 from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
 from toolkit.models.shared_input import group_shared_inputs
-from toolkit.paths import resolve_model_path
+from toolkit.tiny import resolve_model_path
 
 
 @dataclass

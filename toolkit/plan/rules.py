@@ -65,29 +65,3 @@ def rule(key: str, stage: str, needs: tuple[str, ...] = ()):
         RULES[stage].append(Rule(key, stage, decide, needs))
         return decide
     return register
-
-
-def decide(stage: str, facts: Facts, only: tuple[str, ...] | None = None) -> list[Decision]:
-    """The rules of `stage` whose facts are known (`only`: of these settings), in registry order; their
-    decisions (also recorded in facts.decided). The loaded stage runs twice: with the model's size before its
-    weights load (device.distributed), then with what loading decided (quantization, swap)."""
-    import toolkit.plan.static_rules  # noqa: F401  (registers the rules)
-    import toolkit.plan.loaded_rules  # noqa: F401
-
-    made = []
-    for r in RULES[stage]:
-        if (only is not None and r.key not in only) or any(need not in facts.extra for need in r.needs):
-            continue
-        decision = r.decide(facts)
-        if decision is not None:
-            facts.decided[decision.key] = decision
-            made.append(decision)
-    return made
-
-
-def registered_keys() -> dict[str, list[str]]:
-    """stage -> the settings its rules decide (for docs and tests)."""
-    import toolkit.plan.static_rules  # noqa: F401
-    import toolkit.plan.loaded_rules  # noqa: F401
-
-    return {stage: [r.key for r in rules] for stage, rules in RULES.items()}

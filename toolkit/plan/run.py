@@ -19,7 +19,8 @@ from toolkit.config.presets import Preset, choose_preset, load_presets, presets_
 from toolkit.device.detect import DeviceInfo, detect_device
 from toolkit.errors import ConfigError, UserError
 from toolkit.plan.decisions import Decision, RunPlan
-from toolkit.plan.rules import Facts, decide
+from toolkit.plan.rules import Facts
+from toolkit.plan.stages import decide
 
 
 def frozen(cfg: DictConfig) -> DictConfig:

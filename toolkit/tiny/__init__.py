@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from toolkit.config.families import TINY_WRITERS
-from toolkit.train.rng import rng_untouched
+from toolkit.paths import TINY_PREFIX, cache_root
+from toolkit.rng import rng_untouched
 
 # Bump when a writer changes, so caches of older tiny models are not reused.
 TINY_VERSION = "1"
@@ -51,3 +52,14 @@ def write_tiny(kind: str, out: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map `tiny:<kind>` to a cached folder (written on first use); anything else is returned as is."""
+    if not name_or_path.startswith(TINY_PREFIX):
+        return name_or_path
+    kind = name_or_path[len(TINY_PREFIX):]
+    out = cache_root() / "tiny" / f"{kind}-v{TINY_VERSION}"
+    if not (out / "tiny_model.json").exists():
+        write_tiny(kind, out)
+    return str(out)

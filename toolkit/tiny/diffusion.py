@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.train.rng import rng_untouched
+from toolkit.rng import rng_untouched
 
 # Words the shapes data set and the tests use; each becomes one BPE token.
 _WORDS = ("a an the on of and with in photo picture drawing image background white black red green blue "

@@ -34,7 +34,7 @@ from toolkit.errors import UserError
 from toolkit.models.base import trainable_parameters
 from toolkit.paths import cache_root
 from toolkit.train.blocks import checkpointed_while
-from toolkit.train.rng import rng_untouched
+from toolkit.rng import rng_untouched
 
 MAX_BATCH = 64          # the probe stops doubling here
 FRAGMENTATION = 0.10    # share of the budget left free for the allocator's fragmentation

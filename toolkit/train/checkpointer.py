@@ -19,7 +19,7 @@ from toolkit.errors import UserError
 from toolkit.models.base import DTYPES, load_trainable_state_dict, trainable_state_dict
 from toolkit.train.checkpoint import (TRAINABLE, load_checkpoint_files, rotate_checkpoints, save_checkpoint,
                                       trainable_file_state)
-from toolkit.train.rng import restore_rng_state, rng_state, seed_everything
+from toolkit.rng import restore_rng_state, rng_state, seed_everything
 from toolkit.train.run_dir import RunDir
 
 

@@ -29,7 +29,7 @@ from toolkit.train.batch_size import (Probe, accumulate_to, checkpointing_for_ru
 from toolkit.train.blocks import prepare_blocks
 from toolkit.train.checkpointer import OtherProcessFailed
 from toolkit.train.compile import compile_blocks, recompute_elementwise
-from toolkit.train.rng import rng_untouched
+from toolkit.rng import rng_untouched
 
 MEASURED = "measured"
 

@@ -18,11 +18,12 @@ from toolkit.errors import UserError
 from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, ModelAdapter, Runtime
 from toolkit.plan.decisions import Decision, RunPlan
-from toolkit.plan.rules import Facts, decide
+from toolkit.plan.rules import Facts
+from toolkit.plan.stages import decide
 from toolkit.plan.run import ResolvedRun
 from toolkit.train.attention import gradient_in_output_layout
 from toolkit.train.lora_source import LoraSnapshot
-from toolkit.train.rng import rng_untouched, seed_everything
+from toolkit.rng import rng_untouched, seed_everything
 
 LOADED = "loaded"
 

@@ -43,7 +43,7 @@ from toolkit.train.metrics import MetricsLogger
 from toolkit.train.model_setup import load_model
 from toolkit.train.report import RunReport
 from toolkit.train.resume import check_resume_plan
-from toolkit.train.rng import seed_everything
+from toolkit.rng import seed_everything
 from toolkit.train.run_dir import RunDir
 from toolkit.train.run_start import config_hash, config_yaml, open_run_folder, saved_plan, write_atomic
 from toolkit.train.signals import GracefulStop, StopRequested
