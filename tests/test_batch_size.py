@@ -174,7 +174,11 @@ def probe(monkeypatch, measuring_device):
 
 
 def saved_train(run: Path) -> dict:
-    return yaml.safe_load((run / "config.yaml").read_text())["train"]
+    """The train section the run used: its config.yaml (as asked) with plan.json (what auto became) in place."""
+    from toolkit.plan.decisions import RunPlan
+
+    plan = RunPlan.from_json((run / "plan.json").read_text())
+    return plan.effective(yaml.safe_load((run / "config.yaml").read_text()))["train"]
 
 
 def lora(run: Path) -> dict[str, torch.Tensor]:
@@ -513,15 +517,15 @@ def test_auto_gradient_checkpointing_on_an_llm_turns_on_transformers_checkpointi
                                                                                   monkeypatch, measuring_device):
     """The llm family checkpoints through transformers: a measured need turns it on for the loaded model, and
     the run trains the same losses as with train.gradient_checkpointing=true given by hand."""
-    from toolkit.models.llm import LLMAdapter
+    from toolkit.models.llm import LLMMemory
 
-    enabled, enable = [], LLMAdapter.enable_gradient_checkpointing
+    enabled, enable = [], LLMMemory.enable_checkpointing
 
-    def recorded(adapter):
-        enable(adapter)
-        enabled.append(adapter.network.get_base_model().is_gradient_checkpointing)
+    def recorded(memory):
+        enable(memory)
+        enabled.append(memory.adapter.network.get_base_model().is_gradient_checkpointing)
 
-    monkeypatch.setattr(LLMAdapter, "enable_gradient_checkpointing", recorded)
+    monkeypatch.setattr(LLMMemory, "enable_checkpointing", recorded)
     monkeypatch.setattr(bs, "peak_bytes", lambda run, device: (run(), None)[1])  # out of memory without it
     common = ("train.steps=2", "save.every=0", "sample.every=0", "log.every=1", "log.tensorboard=false",
               "train.batch_size=2", "train.compile=false")

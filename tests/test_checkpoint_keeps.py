@@ -13,6 +13,7 @@ from helpers import diffusion_train_args
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from toolkit.plan.decisions import RunPlan
 from toolkit.train.blocks import ATTENTION_OPS, prepare_blocks, worth_keeping
 
 
@@ -176,19 +177,19 @@ def test_compile_auto_leaves_a_quantized_denoiser_eager(tmp_path, run_cli, capsy
     """train.compile=auto was measured with 16-bit weights: where the denoiser is quantized, the trainer turns it
     off and says so, and checkpoint_keeps auto follows (nothing, as for eager blocks); fp8 stays compiled.
     compile=auto resolves as on a GPU here (the CPU turns it off before anything loads)."""
-    import toolkit.config.run as run_module
-    from toolkit.config.resolve import Decision
+    import toolkit.plan.stages  # noqa: F401  (the rules registered)
+    from toolkit.plan.decisions import Decision
 
-    resolve = run_module.resolve_auto
+    def as_on_a_gpu(facts):
+        if facts.asked("train.compile") == "auto":
+            return Decision("train.compile", True, "measured faster (test)")
+        return None
 
-    def as_on_a_gpu(cfg, device, preset):
-        decided = []
-        if cfg.train.compile == "auto":
-            cfg.train.compile = True
-            decided.append(Decision("train.compile", True, "measured faster (test)"))
-        return decided + resolve(cfg, device, preset)
+    from toolkit.plan.rules import RULES
 
-    monkeypatch.setattr(run_module, "resolve_auto", as_on_a_gpu)
+    rules = [r if r.key != "train.compile" else type(r)(r.key, r.stage, as_on_a_gpu) for r in RULES["static"]]
+    monkeypatch.setitem(RULES, "static", rules)
+
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # the decisions are the subject, not inductor
     common = ["train.gradient_checkpointing=true", "train.steps=1", "train.compile=auto"]
     for quantize in ("none", "8bit", "fp8"):  # fp8 stays compiled (its quantization is fused there)
@@ -203,9 +204,11 @@ def test_compile_auto_leaves_a_quantized_denoiser_eager(tmp_path, run_cli, capsy
         assert ("gradient-checkpointed (attention kept)" in log) is not quantized
         blocks = next(line for line in log.splitlines() if line.startswith("blocks: transformer:"))
         assert blocks.endswith(", compiled") is not quantized, blocks
-        saved = OmegaConf.load(run_dir / "config.yaml")
-        assert saved.train.compile is not quantized
-        assert saved.train.checkpoint_keeps == ("nothing" if quantized else "attention")
+        saved = OmegaConf.load(run_dir / "config.yaml")  # as asked; what auto became is in plan.json
+        assert saved.train.compile == "auto" and saved.train.checkpoint_keeps == "auto"
+        plan = RunPlan.from_json((run_dir / "plan.json").read_text())
+        assert plan.value("train.compile") is not quantized
+        assert plan.value("train.checkpoint_keeps") == ("nothing" if quantized else "attention")
 
 
 def test_blocks_of_several_classes_share_the_selective_function_within_a_raised_recompile_limit():

@@ -203,12 +203,11 @@ def test_an_older_run_folder_with_every_family_setting_resumes(tmp_path):
     torch.save({"step": 10}, folder / "trainer_state.pt")  # a run from before multi-process: one process
     (folder / "config.yaml").write_text(yaml.safe_dump(saved))
     notices: list[str] = []
-    check_resume_config(Checkpoint(folder, 10, {}), current, notices.append)
+    check_resume_config(Checkpoint(folder, 10, {}), saved, current, notices.append)
     assert notices == []
     saved["train"]["guidance"] = 3.0  # a flux setting still counts
-    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(UserError, match=r"train.guidance: 3.0 in the checkpoint, 1.0 now"):
-        check_resume_config(Checkpoint(folder, 10, {}), current, notices.append)
+        check_resume_config(Checkpoint(folder, 10, {}), saved, current, notices.append)
 
 
 def test_resume_safe_settings_come_from_the_schema():
@@ -320,7 +319,7 @@ def test_every_example_config_validates_under_every_preset(config, presets, run_
     configs/presets/ and its auto values resolve on that preset's hardware; the llm examples' data files exist."""
     from toolkit.config.layers import read_yaml_layer
     from toolkit.config.load import merge_layers
-    from toolkit.config.resolve import resolve_auto
+    from toolkit.plan.run import frozen, static_plan
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network in tests: a Hub model not in the cache is a problem
     code = run_cli("validate", config)
@@ -335,7 +334,8 @@ def test_every_example_config_validates_under_every_preset(config, presets, run_
     problems = []
     for name, preset in presets.items():
         try:
-            resolve_auto(merge_layers([preset.layer, user]).cfg, preset_device(preset), preset)
+            loaded = merge_layers([preset.layer, user])
+            static_plan(frozen(loaded.cfg), preset_device(preset), preset, loaded.sources)
         except UserError as err:
             problems.append(f"preset {name}: {err}")
     assert not problems, "\n".join(problems)
@@ -352,14 +352,15 @@ def test_compile_auto_follows_the_measurements_and_the_run_length(family, steps,
     for runs long enough to repay it; a family not measured stays eager, and the reason is said either way."""
     from toolkit.config.layers import Layer
     from toolkit.config.load import merge_layers
-    from toolkit.config.resolve import resolve_auto
+    from toolkit.plan.run import frozen, static_plan
 
     preset = presets["sm_90"]
     user = Layer("test.yaml", {"model": {"family": family, "name_or_path": "m"}, "data": {"path": "d"},
                                "train": {"steps": steps, "compile": "auto"}})
-    cfg = merge_layers([preset.layer, user]).cfg
-    decisions = {d.key: d for d in resolve_auto(cfg, preset_device(preset), preset)}
-    assert cfg.train.compile is compiled and decisions["train.compile"].value is compiled
+    loaded = merge_layers([preset.layer, user])
+    cfg = frozen(loaded.cfg)
+    decisions = {d.key: d for d in static_plan(cfg, preset_device(preset), preset, loaded.sources)}
+    assert cfg.train.compile == "auto" and decisions["train.compile"].value is compiled
     reason = decisions["train.compile"].reason
     if family == "sdxl" and not compiled:
         assert "train.steps=999 (in all" in reason and "too short" in reason and "from 1000 steps" in reason

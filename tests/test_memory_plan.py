@@ -94,7 +94,7 @@ def test_base_parameters_are_counted_without_loading(tmp_path):
     for config in ("quickstart_llm.yaml", "quickstart_wan22.yaml"):
         run = load_run([REPO / "configs/examples" / config], [f"run.output_dir={tmp_path}"])
         adapter = build_adapter(run.cfg, cpu_runtime(run, tmp_path))
-        counts[config] = (adapter.base_parameters(), adapter.model_path)
+        counts[config] = (adapter.memory.base_parameters(), adapter.model_path)
     llm_count, llm_path = counts["quickstart_llm.yaml"]
     assert llm_count == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(llm_path).parameters())
     wan_count, wan_path = counts["quickstart_wan22.yaml"]
@@ -110,7 +110,7 @@ def test_wan22_a14b_on_24_gb_with_block_swap_auto_keeps_16bit_offloads_and_swaps
     import torch
     from omegaconf import OmegaConf
 
-    from toolkit.models.diffusion_flow import FlowMatchingAdapter
+    from toolkit.models.flow_memory import FlowMemory
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -128,10 +128,12 @@ def test_wan22_a14b_on_24_gb_with_block_swap_auto_keeps_16bit_offloads_and_swaps
     mode, offload, why = plan_weights("auto", "auto", A14B, gpu(24), 0.9)
     adapter = SimpleNamespace(
         cfg=OmegaConf.create({"model": {"block_swap": "auto"}, "device": {"memory_fraction": 0.9}}),
-        runtime=SimpleNamespace(info=gpu(24)), quantize=mode, offload=offload, quantize_setting=lambda: "auto",
+        runtime=SimpleNamespace(info=gpu(24)), quantize_setting=lambda: "auto",
         lora_denoiser_names=lambda: list(experts), component=experts.__getitem__)
-    plans, why = FlowMatchingAdapter.plan_block_swap(adapter, A14B, "auto", why)
-    assert (adapter.quantize, adapter.offload) == ("none", True)
+    memory = FlowMemory(adapter)
+    memory.quantize, memory.offload = mode, offload
+    plans, why = memory.plan_block_swap(A14B, "auto", why)
+    assert (memory.quantize, memory.offload) == ("none", True)
     # 28.6 - 12.96 = 15.64 GB to move at 0.715 GB a block: 22 blocks of 40, in each expert
     assert {name: len(plan.swapped) for name, plan in plans.items()} == {"transformer": 22, "transformer_2": 22}
     assert why.startswith("model.quantize=auto -> none, model.expert_offload=true: 16-bit weights with blocks swapped")

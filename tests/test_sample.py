@@ -151,7 +151,7 @@ def test_wan_i2v_samples_equal_the_trainers_and_seed_keeps_each_prompts_image(ow
     by seed - sample.seed)."""
     from conftest import REPO
     from toolkit.models import diffusion_wan
-    from toolkit.models.diffusion_flow import FlowMatchingAdapter
+    from toolkit.models.diffusion_base import DiffusionAdapter
 
     data = REPO / "configs/examples/data"
     images = [data / "clips_i2v/green_circle.png", data / "clips/blue_circle.png"]
@@ -161,7 +161,7 @@ def test_wan_i2v_samples_equal_the_trainers_and_seed_keeps_each_prompts_image(ow
                    "sample.num_inference_steps=1", "sample.prompts=[a green circle,a blue circle]",
                    f"sample.images=[{images[0]},{images[1]}]") == 0
     starts, seeds = [], []
-    pick, call = diffusion_wan.sample_image, FlowMatchingAdapter.pipeline_call
+    pick, call = diffusion_wan.sample_image, DiffusionAdapter.pipeline_call
 
     def sample_image(path, size):
         starts.append(Path(path))
@@ -172,7 +172,7 @@ def test_wan_i2v_samples_equal_the_trainers_and_seed_keeps_each_prompts_image(ow
         return call(adapter, seed, **kwargs)
 
     monkeypatch.setattr(diffusion_wan, "sample_image", sample_image)
-    monkeypatch.setattr(FlowMatchingAdapter, "pipeline_call", pipeline_call)
+    monkeypatch.setattr(DiffusionAdapter, "pipeline_call", pipeline_call)
     final = sample(run_cli, run)
     assert seeds == [42, 43] and starts == images
     for name in ("00.png", "01.png", "00.webp", "01.webp"):

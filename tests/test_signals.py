@@ -95,8 +95,8 @@ def test_loss_read_a_step_late_trains_exactly_like_reading_it_at_once(monkeypatc
 
     setup, skipped_on_device = Trainer._setup, []
 
-    def watched(self):
-        setup(self)
+    def watched(self, *args):
+        setup(self, *args)
         skipped_on_device.append(self.stepper.skips_on_device)
 
     monkeypatch.setattr(Trainer, "_setup", watched)
@@ -105,8 +105,8 @@ def test_loss_read_a_step_late_trains_exactly_like_reading_it_at_once(monkeypatc
     assert train(monkeypatch, tmp_path / "late", *common) == 0
     assert skipped_on_device == [True]
 
-    def reading_at_once(self):
-        setup(self)
+    def reading_at_once(self, *args):
+        setup(self, *args)
         self.stepper.skips_on_device = False
 
     monkeypatch.setattr(Trainer, "_setup", reading_at_once)
