@@ -109,8 +109,8 @@ def measuring_device(monkeypatch):
     """The trainer measures on the CPU as it would on a GPU, of a 10 GiB 'device' (limit 8.10 GiB)."""
     from toolkit.device.detect import DeviceInfo
 
-    monkeypatch.setattr("toolkit.train.trainer.measures_on", lambda device: True)
-    monkeypatch.setattr("toolkit.config.run.detect_device",
+    monkeypatch.setattr("toolkit.train.memory_plan.measures_on", lambda device: True)
+    monkeypatch.setattr("toolkit.plan.run.detect_device",
                         lambda force_cpu=False: DeviceInfo("cpu", "cpu", "CPU", 10.0, bf16=False))
 
 

@@ -68,8 +68,7 @@ class MemoryPlanner:
     def decided(self, key: str, value, why: str) -> None:
         """Record a measured decision and log it as `key=auto -> value: why`."""
         self.decisions.append(Decision(key, value, why, MEASURED))
-        shown = str(value).lower() if isinstance(value, bool) else value
-        self.log(f"{key}=auto -> {shown}: {why}")
+        self.log(f"{key}=auto -> {value}: {why}")
 
     @contextmanager
     def eager(self):

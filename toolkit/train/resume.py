@@ -153,15 +153,14 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
 
 
 def check_resume_plan(checkpoint: Checkpoint, saved, plan, notice: Callable[[str], None]) -> None:
-    """The decisions the model and the measurements made (the plan's loaded and measured stages) against the
-    checkpoint's (`saved`, its plan.json; None for checkpoints written before plans): one that changes what the run
-    learns (model.quantize=auto choosing otherwise on another device, say) refuses the resume, naming the value to
-    set; the others (the attention kernel, checkpointing, compile) may differ, as their settings may."""
+    """This run's plan against the checkpoint's (`saved`, its plan.json; None for checkpoints written before plans):
+    a decision that changes what the run learns (model.quantize=auto or train.precision=auto choosing otherwise on
+    another device, say) refuses the resume, naming the value to set; the others (the attention kernel,
+    checkpointing, compile) may differ, as their settings may."""
     if saved is None:
         return
-    later = [d for d in plan if d.stage != "static"] + [d for d in saved if d.stage != "static"]
     refused = []
-    for key in dict.fromkeys(d.key for d in later):
+    for key in dict.fromkeys([d.key for d in plan] + [d.key for d in saved]):
         before = saved.value(key) if key in saved else None
         after = plan.value(key) if key in plan else None
         if before == after or is_resume_safe(key):

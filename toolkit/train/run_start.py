@@ -46,14 +46,12 @@ def saved_plan(checkpoint: Checkpoint) -> RunPlan | None:
     return RunPlan.from_json(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def saved_settings(checkpoint: Checkpoint, stage: str | None = None) -> dict:
-    """The settings a checkpoint's run used: its config.yaml with its plan (of `stage` alone, when given) in place.
-    Older checkpoints' config.yaml already holds the values used."""
+def saved_settings(checkpoint: Checkpoint) -> dict:
+    """The settings a checkpoint's run used: its config.yaml with its plan in place (older checkpoints' config.yaml
+    holds the values used)."""
     saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))
     plan = saved_plan(checkpoint)
-    if plan is None:
-        return saved
-    return RunPlan(tuple(d for d in plan if stage is None or d.stage == stage)).effective(saved)
+    return saved if plan is None else plan.effective(saved)
 
 
 def settle_batch(run: ResolvedRun, checkpoint: Checkpoint | None, processes: int) -> tuple[list[Decision], bool]:
@@ -93,11 +91,18 @@ def open_run_folder(run: ResolvedRun, run_dir: RunDir, procs, fresh: bool, log: 
             run_dir.remove_failed_starts_beside(log)
             checkpoint = choose_start(run.cfg.train.resume, run_dir, fresh, log)
             decisions, resumed = settle_batch(run, checkpoint, procs.world_size)
+            if resumed:
+                log(f"train.batch_size=auto -> {decisions[0].value}: {decisions[0].reason}")
             plan = run.plan.with_stage("static", decisions)
             if checkpoint is not None:
-                current = plan.effective(resolved_container(run.asked))
-                check_resume_config(checkpoint, saved_settings(checkpoint, stage="static"), current, log,
-                                    processes=procs.world_size)
+                # What the user asked for against what the run was asked (the plans are compared once this run's
+                # is complete, train/resume.py check_resume_plan); a checkpoint from before plans holds the values
+                # its run used, compared with this run's as far as they are known
+                saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))
+                current = resolved_container(run.asked)
+                if saved_plan(checkpoint) is None:
+                    current = plan.effective(current)
+                check_resume_config(checkpoint, saved, current, log, processes=procs.world_size)
             run_dir.create()
             write_atomic(run_dir.config, config_yaml(run))
             outcome = ("ok", Start(checkpoint, plan, resumed))
