@@ -26,6 +26,8 @@ loaders this check never runs; PyPI's torchvision wheel does not load with the C
 
 from __future__ import annotations
 
+from toolkit.models.base import load_trainable_state_dict
+
 import argparse
 import logging
 import os
@@ -106,7 +108,7 @@ def expected_for(adapter, out: Path, step: int) -> dict[str, dict[str, tuple[tor
     from toolkit.train.checkpoint import trainable_from_file
 
     state = load_file(str(out / "checkpoints" / f"step-{step:06d}" / "trainable_state.safetensors"))
-    adapter.load_lora_state_dict(trainable_from_file(state))
+    load_trainable_state_dict(adapter.network, trainable_from_file(state))
     result = {}
     for name, model in adapter.network.items():
         base = plain_weights(model)

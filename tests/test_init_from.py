@@ -22,6 +22,7 @@ from conftest import REPO
 from helpers import cpu_runtime
 from lora_math import expected_updates
 from toolkit.train.checkpoint import trainable_from_file
+from toolkit.models.base import load_trainable_state_dict
 
 # B: one step at lr 0 (AdamW then leaves every weight as it was), a checkpoint at it, no samples unless asked.
 B_ARGS = ["train.steps=1", "train.lr=0", "save.every=1", "save.dtype=fp32", "log.tensorboard=false",
@@ -115,7 +116,7 @@ def test_a_diffusers_file_keeps_its_scale_and_uncovered_modules_start_as_usual(r
     from peft.utils import get_peft_model_state_dict
 
     a = sd_adapter(runs["sd"])
-    a.load_lora_state_dict(trainable(runs["sd"] / "checkpoints" / "step-000002"))
+    load_trainable_state_dict(a.network, trainable(runs["sd"] / "checkpoints" / "step-000002"))
     unet = a.network["unet"]
     StableDiffusionPipeline.save_lora_weights(tmp_path, unet_lora_layers=get_peft_model_state_dict(unet),
                                               unet_lora_adapter_metadata=unet.peft_config["default"].to_dict())

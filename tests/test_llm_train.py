@@ -14,6 +14,7 @@ from toolkit.cli import main
 from toolkit.errors import UserError
 from toolkit.tiny import resolve_model_path
 from toolkit.train.checkpoint import trainable_from_file
+from toolkit.models.base import load_trainable_state_dict
 
 PROMPT = "what colour is the star"
 
@@ -75,7 +76,7 @@ def toolkit_logits(run_dir: Path, input_ids: torch.Tensor, checkpoint: Path | No
     adapter = build_adapter(run.cfg, cpu_runtime(run, run_dir))
     adapter.load()
     last = checkpoint or sorted((run_dir / "checkpoints").iterdir())[-1]
-    adapter.load_lora_state_dict(trainable_from_file(load_file(str(last / "trainable_state.safetensors"))))
+    load_trainable_state_dict(adapter.network, trainable_from_file(load_file(str(last / "trainable_state.safetensors"))))
     adapter.network.eval()
     with torch.no_grad():
         return adapter.network(input_ids=input_ids).logits

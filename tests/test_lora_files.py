@@ -16,6 +16,7 @@ from helpers import cpu_runtime, data_cache_apart, diffusion_train_args
 from lora_math import compare_updates, expected_updates, plain_weights
 from toolkit.tiny import resolve_model_path
 from toolkit.train.checkpoint import trainable_from_file
+from toolkit.models.base import load_trainable_state_dict, trainable_state_dict
 
 # family, quickstart, pipeline class, extra overrides; each trains with rank 4, alpha 6 (scale 1.5)
 CASES = {
@@ -45,7 +46,7 @@ def trained_adapter(run_dir: Path, step_dir: Path):
     run = load_run([run_dir / "config.yaml"], [])
     adapter = build_adapter(run.cfg, cpu_runtime(run, run_dir))
     adapter.load()
-    adapter.load_lora_state_dict(trainable_from_file(load_file(str(step_dir / "trainable_state.safetensors"))))
+    load_trainable_state_dict(adapter.network, trainable_from_file(load_file(str(step_dir / "trainable_state.safetensors"))))
     return adapter
 
 
@@ -143,8 +144,8 @@ def test_old_checkpoint_with_lora_safetensors_resumes(tmp_path, run_cli, capsys)
                                          "train.steps=2")) == 0
     assert f"resumed from {step} (step 1)" in capsys.readouterr().err
     resumed = trained_adapter(out, out / "checkpoints" / "step-000002")
-    assert resumed.lora_state_dict().keys() == saved.keys()
-    assert any(not torch.equal(resumed.lora_state_dict()[k], saved[k]) for k in saved)  # it trained on
+    assert trainable_state_dict(resumed.network).keys() == saved.keys()
+    assert any(not torch.equal(trainable_state_dict(resumed.network)[k], saved[k]) for k in saved)  # it trained on
 
 
 def test_the_trainers_copy_is_no_lora_for_loaders(tmp_path, run_cli):

@@ -16,6 +16,7 @@ from conftest import REPO
 from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
 from toolkit.tiny import resolve_model_path
 from toolkit.train.checkpoint import trainable_from_file
+from toolkit.models.base import load_trainable_state_dict
 
 DATA = REPO / "configs/examples/data/clips_i2v"
 START = DATA / "green_circle.png"   # the start image beside green_circle.webp, 128x128
@@ -85,7 +86,7 @@ def test_wan21_i2v_trains_samples_from_the_start_image_and_its_lora_reloads(tmp_
     # The transformer with the reloaded file computes what the trained one does (its exact weights from the
     # last checkpoint), on the I2V inputs: 36 channels and image embeddings.
     adapter, _ = adapter_for("quickstart_wan21_i2v.yaml", tmp_path / "probe", "data.num_frames=5")
-    adapter.load_lora_state_dict(trainable_from_file(load_file(str(out / "checkpoints" / "step-000002" /
+    load_trainable_state_dict(adapter.network, trainable_from_file(load_file(str(out / "checkpoints" / "step-000002" /
                                                                    "trainable_state.safetensors"))))
     gen = torch.Generator().manual_seed(0)
     inputs = dict(hidden_states=torch.randn(1, 36, 2, 8, 8, generator=gen), timestep=torch.tensor([500.0]),
