@@ -46,12 +46,9 @@ def test_a_block_counts_until_its_free_completes_and_frames_name_the_innermost_o
 def test_measurement_windows_open_after_the_timed_steps_one_after_the_other(monkeypatch):
     """bench/trainer_rate.py: the profile's steps, then the memory step, each inside its own context, after the
     timed launches, and every context closed."""
-    from trainer_rate import windows_after
-
-    from toolkit.train.step import Stepper
+    from trainer_rate import Windows
 
     calls = []
-    monkeypatch.setattr(Stepper, "launch", lambda self, stop: calls.append("step"))
 
     class Window:
         def __init__(self, name):
@@ -63,9 +60,12 @@ def test_measurement_windows_open_after_the_timed_steps_one_after_the_other(monk
         def __exit__(self, *exc):
             calls.append(f"exit {self.name}")
 
-    with windows_after(2, [(2, lambda: Window("profile")), (1, lambda: Window("memory"))], {}):
-        for _ in range(6):
-            Stepper.launch(object(), None)
+    watch = Windows(2, [(2, lambda: Window("profile")), (1, lambda: Window("memory"))], {})
+    for step in range(1, 7):  # as the trainer's step events come
+        watch.step_started(step)
+        calls.append("step")
+        watch.step_launched(step, None)
+    watch.close()
     assert calls == ["step", "step", "enter profile", "step", "step", "exit profile", "enter memory", "step",
                      "exit memory", "step"]
 
@@ -111,7 +111,6 @@ def test_a_failure_after_the_last_window_is_the_runs_own(tmp_path, monkeypatch):
     from contextlib import contextmanager
 
     from conftest import REPO
-    from toolkit.train.trainer import Trainer
 
     @contextmanager
     def fine(steps, into):
@@ -121,8 +120,10 @@ def test_a_failure_after_the_last_window_is_the_runs_own(tmp_path, monkeypatch):
     def export_fails(self):
         raise RuntimeError("export failed")
 
+    from toolkit.train.checkpointer import Checkpointer
+
     monkeypatch.setattr(kernel_profile, "profiled", fine)
-    monkeypatch.setattr(Trainer, "_export_final", export_fails)
+    monkeypatch.setattr(Checkpointer, "export_final", export_fails)
     profile = {}
     config = (REPO / "configs/examples/quickstart_llm.yaml").read_text()
     with pytest.raises(RuntimeError, match="export failed"):

@@ -66,7 +66,7 @@ def test_auto_batch_size_is_capped_for_video_families():
 
 
 def test_distributed_auto_shards_only_a_base_that_does_not_fit_one_gpu():
-    from toolkit.models.quantize import choose_distributed
+    from toolkit.plan.weights import choose_distributed
 
     flux = lambda: 11_900_000_000  # noqa: E731  (23.8 GB in 16-bit)
     # 80 GB: budget 80 * 0.9 * 0.6 = 43.2 GB, the base fits: a copy per GPU

@@ -168,7 +168,7 @@ def test_report_shows_image_samples_by_step(tmp_path):
     (second / "prompts.txt").write_text("00: a red <circle>\n01: a blue square\n", encoding="utf-8")
     (run_dir.logs / "metrics.jsonl").write_text('{"step": 10, "loss": 3.0, "loss_smoothed": 3.0, "steps_per_s": 2.0}\n'
                                                 '{"step": 20, "loss": 2.5, "loss_smoothed": 2.9, "steps_per_s": 2.5}\n')
-    page = RunReport(run_dir, run, "run:\n  name: x\n").update(20, 40, 12.0).read_text(encoding="utf-8")
+    page = RunReport(run_dir, run, run.plan, "run:\n  name: x\n", 40).update(20, 40, 12.0).read_text(encoding="utf-8")
     sources = re.findall(r'<img class="sample-image" src="([^"]+)"', page)
     assert sources == ["samples/step-000010/prompt-0.png", "samples/step-000010/prompt-1.png",
                        "samples/step-000020/grid.png"]
