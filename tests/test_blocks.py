@@ -128,7 +128,8 @@ def test_wan22_experts_offloaded_with_blocks_swapped_train_the_same_loras(tmp_pa
 
     def watched(self, resident):
         place(self, resident)
-        idle_slots.extend(e.slot for name, swap in self.swaps.items() if name != resident for e in swap.entries.values())
+        idle_slots.extend(e.slot for name, swap in self.memory.swaps().items() if name != resident
+                          for e in swap.entries.values())
 
     out = {}
     for name, more in (("plain", ["model.expert_offload=false", "model.block_swap=0"]),

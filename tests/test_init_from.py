@@ -98,13 +98,13 @@ def test_flux_comfyui_file_and_llm_adapter_folder(family, config, lora, runs, ru
     assert_same_lora(trainable(b / "checkpoints" / "step-000001"), trainable(a / "checkpoints" / "step-000002"))
 
 
-def sd_adapter(run_dir: Path, *overrides: str):
-    """The sd adapter of `run_dir`'s config (with overrides), its model loaded, no data."""
+def sd_adapter(run_dir: Path, *overrides: str, log=None):
+    """The sd adapter of `run_dir`'s config (with overrides), its model loaded, no data; `log` receives its notes."""
     from toolkit.plan.run import load_run
     from toolkit.models import build_adapter
 
     run = load_run([run_dir / "config.yaml"], list(overrides))
-    adapter = build_adapter(run.cfg, cpu_runtime(run, run_dir))
+    adapter = build_adapter(run.cfg, cpu_runtime(run, run_dir, **({"log": log} if log else {})))
     adapter.load()
     return adapter
 
@@ -121,8 +121,7 @@ def test_a_diffusers_file_keeps_its_scale_and_uncovered_modules_start_as_usual(r
     StableDiffusionPipeline.save_lora_weights(tmp_path, unet_lora_layers=get_peft_model_state_dict(unet),
                                               unet_lora_adapter_metadata=unet.peft_config["default"].to_dict())
     notes = []
-    b = sd_adapter(runs["sd"], "network.alpha=4", "train.train_text_encoder=true")
-    b.runtime.log = notes.append
+    b = sd_adapter(runs["sd"], "network.alpha=4", "train.train_text_encoder=true", log=notes.append)
     b.load_lora(tmp_path / "pytorch_lora_weights.safetensors", partial=True)
     want, got = expected_updates(unet), expected_updates(b.network["unet"])
     assert got.keys() == want.keys()

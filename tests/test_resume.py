@@ -105,7 +105,7 @@ def test_uninterrupted_run_writes_every_checkpoint_with_all_its_files(reference)
     assert steps == [f"step-{s:06d}" for s in range(4, STEPS + 1, 4)]
     files = sorted(p.name for p in (out / "checkpoints" / f"step-{STEPS:06d}").iterdir())
     lora_files = ["README.md", "adapter_config.json", "adapter_model.safetensors"]  # what final/ holds
-    own = ["config.yaml", "meta.json", "optimizer.pt", "trainable_state.safetensors", "trainer_state.pt"]
+    own = ["config.yaml", "meta.json", "optimizer.pt", "plan.json", "trainable_state.safetensors", "trainer_state.pt"]
     assert files == sorted(own + lora_files) == sorted(own + [p.name for p in (out / "final").iterdir()])
     meta = json.loads((out / "checkpoints" / f"step-{STEPS:06d}" / "meta.json").read_text())
     assert meta["step"] == STEPS
