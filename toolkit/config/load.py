@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config.layers import Layer, peek
-from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS, applies_to
-from toolkit.config.schema import SAVE_FORMATS, RunConfig
+from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS
+from toolkit.config.schema import SAVE_FORMATS, RunConfig, family_sections
 from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_args_problem
 from toolkit.errors import ConfigError
 
@@ -43,13 +43,14 @@ def schema_defaults(family: str | None) -> dict[str, Any]:
 
 
 def schema_for(family: str | None) -> DictConfig:
-    """The structured config for a family: RunConfig with the family's data section."""
-    cfg = OmegaConf.structured(RunConfig)
-    data_schema = FAMILY_SPECS[family].data_schema if family in FAMILY_SPECS else None
-    if data_schema is not None:
-        cfg.data = OmegaConf.structured(data_schema)
-    else:
+    """The structured config for a family: its typed sections (family_sections: each shared section with only the
+    family-scoped settings the family reads) and its data section. Without a known family, every setting."""
+    if family not in FAMILY_SPECS:
+        cfg = OmegaConf.structured(RunConfig)
         cfg.data = {}
+        return cfg
+    cfg = OmegaConf.structured(family_sections(family))
+    cfg.data = OmegaConf.structured(FAMILY_SPECS[family].data_schema)
     return cfg
 
 
@@ -92,9 +93,10 @@ def _is_section(node: Any) -> bool:
     return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
 
 
-def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problems: list[str]) -> list[str]:
+def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problems: list[str],
+                 scoped: list[tuple[str, Any]]) -> list[str]:
     """Merge one layer into cfg key by key, so every bad key is reported, not just the first; returns the
-    dotted keys it set."""
+    dotted keys it set. Settings of other families go to `scoped` (key, value), checked by _check_family_settings."""
     applied: list[str] = []
 
     def walk(node: DictConfig, data: dict, prefix: str) -> None:
@@ -102,6 +104,9 @@ def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problem
             key = str(key)
             dotted = f"{prefix}{key}"
             if key not in node.keys():
+                if dotted in FAMILY_SCOPED_SETTINGS:  # another family's setting: _check_family_settings says so
+                    scoped.append((dotted, value))
+                    continue
                 problems.append(f"unknown key '{dotted}' in {layer.where(dotted)}{_suggest(key, node, prefix)}")
                 continue
             child = node._get_node(key)
@@ -196,18 +201,12 @@ def _check_values(cfg: DictConfig, sources: dict[str, str], problems: list[str])
             problems.append(f"'{dotted}' in {where}: {value} is above the maximum {meta['max']}")
 
 
-def _check_family_settings(cfg: DictConfig, family: str, set_by: dict[str, Layer], problems: list[str]) -> None:
-    """A family-scoped setting that a user layer changed from its default, for a family that does not read it."""
-    defaults = schema_defaults(family)
-    for key in sorted(FAMILY_SCOPED_SETTINGS):
-        layer = set_by.get(key)
-        if layer is None or layer.preset or applies_to(key, family):
-            continue
-        try:
-            value = OmegaConf.select(cfg, key, throw_on_missing=False)
-        except OmegaConfBaseException:
-            continue  # interpolation problems are reported separately
-        if value == defaults[key]:
+def _check_family_settings(family: str, scoped: list[tuple[str, Any, Layer]], problems: list[str]) -> None:
+    """A family-scoped setting, set by a user layer to other than its default, for a family that does not read it
+    (its value is dropped: the family's typed sections do not have it; a preset sets such keys for every family)."""
+    defaults = schema_defaults(None)
+    for key, value, layer in sorted(scoped, key=lambda found: found[0]):
+        if layer.preset or value == defaults[key]:
             continue
         readers = ", ".join(name for name, spec in FAMILY_SPECS.items() if key in spec.settings)
         problems.append(f"'{key}' in {layer.where(key)} has no effect for model.family {family}; remove it "
@@ -252,13 +251,14 @@ def merge_layers(layers: list[Layer], problems: list[str] | None = None,
         family = None  # reported by the choices check on model.family
     cfg = schema_for(family)
     sources: dict[str, str] = {}
-    set_by: dict[str, Layer] = {}           # dotted key -> the last layer that set it
+    scoped: list[tuple[str, Any, Layer]] = []  # settings of other families, with the layer that set them
     for layer in layers:
         if family is None and "data" in layer.data:
             # Without a family the data section has no schema yet; report the family instead.
             layer = dataclasses.replace(layer, data={k: v for k, v in layer.data.items() if k != "data"})
-        for key in _apply_layer(cfg, layer, sources, problems):
-            set_by[key] = layer
+        found: list[tuple[str, Any]] = []
+        _apply_layer(cfg, layer, sources, problems, found)
+        scoped += [(key, value, layer) for key, value in found]
 
     for dotted in _missing_keys(cfg):
         problems.append(f"'{dotted}' is required: set it in your YAML or on the command line ({dotted}=...)")
@@ -271,7 +271,7 @@ def merge_layers(layers: list[Layer], problems: list[str] | None = None,
     _check_values(cfg, sources, problems)
     _check_optimizer_args(cfg, sources, problems)
     if family is not None:
-        _check_family_settings(cfg, family, set_by, problems)
+        _check_family_settings(family, scoped, problems)
         _check_save_format(cfg, family, sources, problems)
         if check_paths is not None:
             problems += check_paths(cfg, sources)
@@ -281,15 +281,8 @@ def merge_layers(layers: list[Layer], problems: list[str] | None = None,
 
 
 def resolved_container(cfg: DictConfig) -> dict:
-    """The config as plain, fully interpolated Python data, without the settings its family does not read."""
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    family = container.get("model", {}).get("family")
-    if family in FAMILY_SPECS:
-        for key in FAMILY_SCOPED_SETTINGS:
-            if not applies_to(key, family):
-                section, name = key.split(".")
-                container[section].pop(name, None)
-    return container
+    """The config as plain, fully interpolated Python data (a family's config holds only its own settings)."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
 
 
 def flatten(data: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

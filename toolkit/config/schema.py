@@ -2,17 +2,21 @@
 
 Every field carries a one-line `doc` (shown by `validate` and in the generated reference) and,
 where the value is one of a fixed set, its `choices`. Unknown keys and wrong types are errors.
-The `data` section's shape depends on `model.family` (its FamilySpec's data_schema, config/families.py).
+A run's config is typed for its family (`family_sections`): each section holds the shared settings and the
+family-scoped settings its family reads (FamilySpec.settings), so code never meets a key its family does not
+have. The `data` section's shape depends on the family too (its FamilySpec's data_schema, config/families.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from omegaconf import MISSING
 
-from toolkit.config.families import FAMILIES, FAMILY_SPECS
+from toolkit.config.families import FAMILIES, FAMILY_SCOPED_SETTINGS, FAMILY_SPECS
 from toolkit.config.fields import opt
 from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_spec
 
@@ -278,3 +282,38 @@ class RunConfig:
     save: SaveSection = field(default_factory=SaveSection)
     sample: SampleSection = field(default_factory=SampleSection)
     log: LogSection = field(default_factory=LogSection)
+
+
+@functools.cache
+def family_sections(family: str) -> type:
+    """RunConfig for `family`: every section with the shared settings and the family's own (FamilySpec.settings),
+    as dataclasses of their own (DiffusionTrainSection for the sd family, ...), made once per family."""
+    settings = FAMILY_SPECS[family].settings
+    sections = []
+    for section in dataclasses.fields(RunConfig):
+        if section.name == "data":
+            sections.append(("data", Any, dataclasses.field(default=None)))
+            continue
+        full = section.default_factory
+        kept = [(f.name, f.type, _copied(f)) for f in dataclasses.fields(full)
+                if f"{section.name}.{f.name}" not in FAMILY_SCOPED_SETTINGS or f"{section.name}.{f.name}" in settings]
+        typed = _here(dataclasses.make_dataclass(f"{_camel(family)}{full.__name__}", kept))
+        sections.append((section.name, typed, dataclasses.field(default_factory=typed)))
+    return _here(dataclasses.make_dataclass(f"{_camel(family)}RunConfig", sections))
+
+
+def _here(cls: type) -> type:
+    """A generated dataclass as if defined in this module (its string annotations resolve against it)."""
+    cls.__module__ = __name__
+    return cls
+
+
+def _copied(f: dataclasses.Field) -> dataclasses.Field:
+    """A field with the same default (or default factory) and metadata, for a generated section."""
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))

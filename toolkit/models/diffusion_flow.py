@@ -62,6 +62,10 @@ class FlowMatching:
         (transformer,) = factors.values()  # one transformer per file (each Wan 2.2 expert has its own)
         return self.transformer_key_style(transformer)
 
+    def expert_offload_setting(self) -> bool | str:
+        """model.expert_offload: a setting of the families with experts (Wan 2.2); none for the others."""
+        return False
+
     def setup_training(self) -> None:
         self.objective = FlowObjective(self.sampler_for)
         self.dynamic_shift = False  # scheduler_shift() turns it on for the families that shift by resolution

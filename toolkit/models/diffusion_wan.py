@@ -176,6 +176,9 @@ class Wan22Adapter(Wan, DiffusionAdapter):
             plan = (f"alternating every {every} steps, high-noise first" if len(self.trained) == 2 else "only")
             self.log(f"wan22 experts: boundary sigma {self.boundary:g}; training {' and '.join(self.trained)} ({plan})")
 
+    def expert_offload_setting(self) -> bool | str:
+        return self.cfg.model.expert_offload
+
     @property
     def denoiser_names(self) -> tuple[str, ...]:
         return tuple(self.experts)

@@ -36,7 +36,7 @@ class FlowMemory(DiffusionMemory):
         a = self.adapter
         model, device = a.cfg.model, a.runtime.info
         counts = {name: sum(p.numel() for p in a.component(name).parameters()) for name in a.denoiser_names}
-        offload = False if a.shard_base else model.expert_offload  # fsdp: the plan refuses true before loading
+        offload = False if a.shard_base else a.expert_offload_setting()  # fsdp: refused true before loading
         self.quantize, self.offload, why = plan_weights(a.quantize_setting(), offload, counts, device,
                                                         a.cfg.device.memory_fraction)
         self.swap_plans, self.swap_by_name = {}, {}
@@ -53,7 +53,7 @@ class FlowMemory(DiffusionMemory):
         model = self.adapter.cfg.model
         if model.quantize == "auto":
             self._decisions["model.quantize"] = Decision("model.quantize", self.quantize, why, "loaded")
-        if len(counts) > 1 and model.expert_offload == "auto":
+        if len(counts) > 1 and self.adapter.expert_offload_setting() == "auto":
             self._decisions["model.expert_offload"] = Decision("model.expert_offload", self.offload, why, "loaded")
         if model.block_swap == "auto":
             swapped = {name: len(plan.swapped) for name, plan in self.swap_plans.items()}

@@ -227,7 +227,7 @@ class LLMAdapter(ModelAdapter):
                  f"{grouping.mlps} gated MLPs compute down_proj's A gradient in their activation's backward")
 
     def _checkpoint_layers(self, model) -> None:
-        if not self.cfg.train.get("checkpoint_offload"):
+        if not self.cfg.train.checkpoint_offload:
             checkpoint_layers(model)
             return
         count = checkpoint_layers(model, InputOffload(self.runtime.device))

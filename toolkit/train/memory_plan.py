@@ -150,7 +150,7 @@ class MemoryPlanner:
                          "fit, or could not be measured (the train.gradient_checkpointing line says which)")
         if setting is True:
             memory.enable_checkpointing()
-        elif setting is False and self.run.cfg.train.checkpoint_offload:
+        elif setting is False and self.run.asked_value("train.checkpoint_offload"):  # an llm setting
             self.log("train.checkpoint_offload: nothing to move, gradient checkpointing stays off (measured)")
         self.decided("train.gradient_checkpointing", setting, why)
 
