@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.config.families import applies_to
-from toolkit.errors import UserError
+from toolkit.errors import ConfigError, UserError
 
 TRAINER_TYPES = ("sd_trainer", "ui_trainer", "diffusion_trainer")  # ai-toolkit's LoRA trainer processes
 NO_EQUIVALENT = "no equivalent setting in this toolkit"
@@ -89,7 +89,10 @@ def read_job(path: str | Path) -> tuple[str, dict[str, Any], list[Any]]:
     UserError naming the file."""
     from toolkit.config.layers import read_yaml_layer
 
-    data = read_yaml_layer(path).data
+    layer = read_yaml_layer(path)
+    if layer.problems:
+        raise ConfigError(layer.problems, header=f"{path}: not a valid job file")
+    data = layer.data
     config = data.get("config")
     processes = config.get("process") if isinstance(config, dict) else None
     if not isinstance(processes, list) or not processes or not isinstance(processes[0], dict):

@@ -247,6 +247,8 @@ def merge_layers(layers: list[Layer], problems: list[str] | None = None,
     """Merge layers over the schema defaults and validate; raises ConfigError with every problem (those found
     before, `problems`, first; `check_paths`' last)."""
     problems = list(problems or [])
+    for layer in layers:
+        problems += [p for p in layer.problems if p not in problems]  # a file given twice reports its keys once
     family = peek(layers, "model.family")
     if family not in FAMILY_SPECS:
         family = None  # reported by the choices check on model.family
