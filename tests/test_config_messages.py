@@ -94,3 +94,62 @@ def test_a_line_indented_off_is_named_itself(tmp_path, run_cli, capsys):
     assert err.startswith(f"error: {config}:3:2: invalid YAML: expected <block end>, but found '<block mapping start>'\n"
                           "    3 |  steps: 3\n")
     assert "  fix: check that line: its indentation" in err
+
+
+# Other trainers' names (kohya's sd-scripts, ai-toolkit, diffusers' scripts, Hugging Face's Trainer) -> the toolkit's
+FOREIGN = {"learning_rate": "train.lr", "max_train_steps": "train.steps", "network_dim": "network.rank",
+           "network_alpha": "network.alpha", "train_batch_size": "train.batch_size",
+           "mixed_precision": "train.precision", "output_dir": "run.output_dir",
+           "gradient_accumulation_steps": "train.grad_accum", "lr_warmup_steps": "train.warmup_steps",
+           "seed": "run.seed", "resolution": "data.resolution", "save_every_n_steps": "save.every",
+           "train_data_dir": "data.path", "pretrained_model_name_or_path": "model.name_or_path",
+           "caption_extension": "data.caption_ext", "bucket_reso_steps": "data.bucket_step"}
+# Names the toolkit has too, in another section: found by the same name elsewhere
+SAME_NAME = {"lr_scheduler": "train.lr_scheduler", "max_grad_norm": "train.max_grad_norm"}
+
+
+def test_other_trainers_key_names_suggest_the_toolkit_key_wherever_written(run_cli, capsys):
+    top = [f"{name}=1" for name in {**FOREIGN, **SAME_NAME}]
+    nested = [f"train.{name}=1" for name in FOREIGN if not FOREIGN[name].startswith("train.")]
+    assert run_cli("validate", REPO / "configs/examples/quickstart_sd.yaml", *top, *nested,
+                   "train.learning_rate=1") == 2
+    err = capsys.readouterr().err
+    assert f"invalid config ({len(top) + len(nested) + 1} problems)" in err
+    for name, target in FOREIGN.items():
+        assert f"unknown key '{name}' in command line; did you mean '{target}'? ({name}: the name in " in err
+    for name, target in SAME_NAME.items():
+        assert f"unknown key '{name}' in command line; did you mean '{target}'?\n" in err
+    assert ("unknown key 'train.learning_rate' in command line; did you mean 'train.lr'? (learning_rate: the name in "
+            "kohya's sd-scripts, diffusers' training scripts and Hugging Face's Trainer)\n") in err
+    assert "unknown key 'train.network_dim' in command line; did you mean 'network.rank'?" in err
+    assert "valid keys here" not in err
+
+
+def test_an_epoch_count_says_the_toolkit_counts_steps(run_cli, capsys):
+    assert run_cli("validate", LLM, "train.max_train_epochs=3") == 2
+    assert ("unknown key 'train.max_train_epochs' in command line; did you mean 'train.steps'? (max_train_epochs: the "
+            "name in kohya's sd-scripts; the toolkit counts optimizer steps, not epochs)") in capsys.readouterr().err
+
+
+def test_an_ai_toolkit_job_given_to_validate_points_at_import_aitk(tmp_path, run_cli, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text("job: extension\nconfig:\n  name: x\n  process: [{type: sd_trainer}]\n")
+    assert run_cli("validate", job) == 2
+    err = capsys.readouterr().err
+    assert (f"unknown key 'config' in {job}:2; this looks like an ai-toolkit job file: translate it with "
+            "`./start_toolkit.sh import-aitk JOB.yaml > config.yaml`") in err
+
+
+@pytest.mark.parametrize("name", ["resolution", "caption_extension"])
+def test_a_foreign_name_whose_key_the_family_lacks_is_not_suggested(name, run_cli, capsys):
+    assert run_cli("validate", LLM, f"{name}=1") == 2
+    assert f"unknown key '{name}' in command line; valid keys here: run, device," in capsys.readouterr().err
+
+
+def test_every_foreign_name_points_at_a_key_of_the_schema():
+    from toolkit.config.families import FAMILY_SPECS
+    from toolkit.config.foreign_keys import FOREIGN_KEYS
+    from toolkit.config.load import iter_schema_fields, schema_for
+
+    keys = {dotted for family in FAMILY_SPECS for dotted, _ in iter_schema_fields(schema_for(family))}
+    assert {name: k.target for name, k in FOREIGN_KEYS.items() if k.target not in keys} == {}

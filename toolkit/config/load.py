@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config.layers import Layer, peek
 from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS, applies_to
+from toolkit.config.foreign_keys import foreign_key_hint
 from toolkit.config.schema import SAVE_FORMATS, RunConfig
 from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_args_problem
 from toolkit.errors import ConfigError
@@ -74,13 +75,18 @@ def iter_schema_fields(cfg: DictConfig, prefix: str = "") -> Iterator[tuple[str,
 
 
 def _suggest(key: str, cfg: DictConfig, prefix: str) -> str:
-    """A did-you-mean for an unknown key: a close sibling, or the same name in another section."""
+    """A did-you-mean for an unknown key: another trainer's name for a toolkit key (foreign_keys.py), a close
+    sibling, or the same name in another section."""
+    root = cfg._get_root()
+    known = [d for d, _ in iter_schema_fields(root)]
+    foreign = foreign_key_hint(key, not prefix, set(known))
+    if foreign:
+        return foreign
     siblings = [str(k) for k in cfg.keys()]
     close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
     if close:
         return f"; did you mean '{prefix}{close[0]}'?"
-    root = cfg._get_root()
-    elsewhere = [d for d, _ in iter_schema_fields(root) if d.rsplit(".", 1)[-1] == key]
+    elsewhere = [d for d in known if d.rsplit(".", 1)[-1] == key]
     if elsewhere:
         return f"; did you mean '{elsewhere[0]}'?"
     if siblings:
