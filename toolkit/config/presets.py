@@ -113,6 +113,8 @@ def choose_preset(requested: str, device: DeviceInfo, presets: dict[str, Preset]
         if family and family in preset.families:
             return preset, f"preset {preset.name}: no preset for {device.arch}; same family ({family})"
     for preset in same_backend:
+        if preset.generic and device.backend == "cpu":
+            return preset, f"preset {preset.name}: the preset for training on the CPU"
         if preset.generic:
             return preset, f"preset {preset.name}: no preset for {device.arch} or its family; generic {device.backend} preset"
     raise UserError(f"no preset fits {device.summary()} and no generic {device.backend} preset exists in {presets_dir()}; "
