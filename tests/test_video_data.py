@@ -131,7 +131,8 @@ def test_mp4_frames_bucket_and_evenly_spaced_frames(tmp_path):
     logs = []
     (item,) = scan_clips(_data(tmp_path), logs.append)
     assert (item.size, item.frame_count, item.bucket, item.caption) == ((128, 64), 13, (128, 64, 9), "a moving square")
-    assert logs == ["buckets:\n    128 x 64    (ratio 2.00) x   9 frames: 1 clip"]
+    assert logs == [f"data: 1 clip in {tmp_path}, 1 with a caption (.txt files), 0 without",
+                    "buckets:\n    128 x 64    (ratio 2.00) x   9 frames: 1 clip"]
     pixels = load_clip(item)
     assert pixels.shape == (3, 9, 64, 128) and pixels.min() >= -1 and pixels.max() <= 1
     assert _taken(pixels) == frame_indices(13, 9) == [0, 2, 3, 4, 6, 8, 9, 10, 12]

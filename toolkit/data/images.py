@@ -21,6 +21,7 @@ import torch
 from toolkit.data.augment import Augmentation, View, mirrored_left, resized_size
 from toolkit.data.buckets import bucket_table, choose_bucket, format_bucket_table
 from toolkit.data.captions import CaptionRules
+from toolkit.data.folder_report import report_captions
 from toolkit.errors import UserError
 from toolkit.text_files import read_text
 
@@ -113,7 +114,9 @@ def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ..
     rules = caption_rules(data)
     table = bucket_table(data.resolution, data.bucket_step, data.min_bucket_side, data.max_bucket_side)
     found, skipped, small = [], [], []
-    for path, raw in captioned_files(root, data.caption_ext, exts):
+    pairs = captioned_files(root, data.caption_ext, exts)
+    report_captions(root, pairs, data.caption_ext, rules, noun, log)
+    for path, raw in pairs:
         try:
             size, extra = probe(path)
         except UNREADABLE as err:
