@@ -193,7 +193,8 @@ def test_metadata_jsonl_and_no_usable_clip(tmp_path):
     logs = []
     items = scan_clips(_data(tmp_path), logs.append)
     assert [(it.path.name, it.caption, it.bucket) for it in items] == [("a.gif", "X", (64, 64, 5))]
-    assert logs[0].startswith("warning: skipped 1 unreadable clip(s)") and "missing.webm" in logs[0]
+    assert logs[0] == f"data: 1 clip in {tmp_path}, 1 with a caption (metadata.jsonl), 0 without"
+    assert logs[1].startswith("warning: skipped 1 unreadable clip(s)") and "missing.webm" in logs[1]
 
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -44,6 +44,8 @@ def report_captions(root: Path, pairs: list[tuple[Path, str | None]], caption_ex
     metadata = (root / "metadata.jsonl").is_file()
     by_stem: dict[str, list[tuple[Path, str | None]]] = {}
     for path, caption in pairs:
+        if not path.is_file():
+            continue  # a metadata.jsonl record without its file: named with the unreadable files
         by_stem.setdefault(path.stem if not metadata else str(path), []).append((path, caption))
     without = []
     for files in by_stem.values():
