@@ -196,6 +196,9 @@ def _check_values(cfg: DictConfig, sources: dict[str, str], problems: list[str])
             close = difflib.get_close_matches(str(value), [str(c) for c in meta["choices"]], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             problems.append(f"'{dotted}' in {where}: '{value}' is not one of {', '.join(map(str, meta['choices']))}{hint}")
+        if "min" in meta and isinstance(value, str) and value != "auto":
+            # A number-or-auto field (data.bucket_step): the schema's Union[int, str] lets any word through.
+            problems.append(f"'{dotted}' in {where}: expected a number or auto, got {value!r}")
         if "min" in meta and isinstance(value, (int, float)) and value < meta["min"]:
             problems.append(f"'{dotted}' in {where}: {value} is below the minimum {meta['min']}")
         if "max" in meta and isinstance(value, (int, float)) and value > meta["max"]:
