@@ -133,6 +133,9 @@ def cmd_import_aitk(args: argparse.Namespace) -> int:
         print(f"not translated: {skipped.key} = {skipped.value!r}: {skipped.reason}", file=sys.stderr)
     for note in translation.notes:
         print(f"changed: {note}", file=sys.stderr)
+    if translation.as_here:
+        print(f"as here: {', '.join(s.key for s in translation.as_here)} (nothing to set: this toolkit does that "
+              "anyway; the reasons are at the end of the config)", file=sys.stderr)
     return 0
 
 
