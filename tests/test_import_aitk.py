@@ -154,7 +154,8 @@ def test_every_key_of_a_job_is_translated_or_listed(run_cli, capsys):
 
     assert run_cli("import-aitk", job) == 0
     captured = capsys.readouterr()
-    assert f"# {len(skipped)} settings not translated, {len(as_here)} as this toolkit does anyway (see the end)" in captured.out
+    head = f"# {len(skipped)} settings not translated, {len(as_here)} as this toolkit does anyway (see the end)"
+    assert head in captured.out
     assert ("# as here: sample.walk_seed = True: each prompt is sampled with sample.seed plus its index here, as "
             "walk_seed does") in captured.out
     line = next(l for l in captured.err.splitlines() if l.startswith("as here: "))
@@ -165,8 +166,9 @@ def test_every_key_of_a_job_is_translated_or_listed(run_cli, capsys):
 
 def test_a_key_the_translator_does_not_know_is_listed(tmp_path, run_cli, capsys):
     job = tmp_path / "job.yaml"
-    job.write_text("config:\n  name: x\n  process:\n    - type: sd_trainer\n      model: {name_or_path: m, arch: flux}\n"
-                   "      datasets: [{folder_path: /d}]\n      future_setting: 3\n      network: {linear: 8, wobble: 2}\n")
+    job.write_text("config:\n  name: x\n  process:\n    - type: sd_trainer\n"
+                   "      model: {name_or_path: m, arch: flux}\n      datasets: [{folder_path: /d}]\n"
+                   "      future_setting: 3\n      network: {linear: 8, wobble: 2}\n")
     assert run_cli("import-aitk", job) == 0
     err = capsys.readouterr().err
     assert "not translated: future_setting = 3: no equivalent setting in this toolkit" in err
