@@ -35,7 +35,8 @@ environment:
   TOOLKIT_PYTHON=/path/to/python   use this interpreter's environment instead of creating .venv
   TOOLKIT_TORCH_SPEC=SPEC          what `pip install` gets for torch in a new .venv (default torch==2.13.0)
 
-The first run creates .venv in the repository and installs the toolkit; later runs reuse it.
+The first run creates .venv in the repository and installs the toolkit; later runs reuse it. `test` adds
+.venv-test beside it (pytest, bitsandbytes, torchao over .venv), so that .venv holds only what training needs.
 ROCm variables you set yourself are never overridden; every training process (--gpus) inherits them.
 Several GPUs and nodes: docs/multi-gpu.md.
 EOF
@@ -78,8 +79,40 @@ setup_venv() {
         say "installing $TORCH_SPEC"
         run_logged "installing torch" "$PY" -m pip install "$TORCH_SPEC"
     fi
-    say "installing the toolkit (pip install -e .[test])"
-    run_logged "installing the toolkit" "$PY" -m pip install -e "$ROOT[test]"
+    # The runtime dependencies only: the test extra's bitsandbytes and torchao print "Failed to load ..." and
+    # deprecation warnings whenever transformers imports them, in every script a user runs in this environment.
+    say "installing the toolkit (pip install -e .)"
+    run_logged "installing the toolkit" "$PY" -m pip install -e "$ROOT"
+    echo "$want" >"$stamp"
+}
+
+# Sets PY to .venv-test's interpreter: an environment layered over .venv (which it sees through a .pth file) that
+# adds the test extra (pytest, pytest-xdist, bitsandbytes, torchao), so that .venv keeps only what users need.
+setup_test_venv() {
+    local base="$PY" venv="$ROOT/.venv-test" stamp="$ROOT/.venv-test/$STAMP_NAME" want base_site test_site extra
+    want="$(pyproject_hash)"
+    PY="$venv/bin/python"
+    if [[ -x "$PY" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+        return
+    fi
+    if [[ ! -x "$PY" ]]; then
+        say "creating $venv (the test extra, over .venv)"
+        run_logged "creating the test environment" "$base" -m venv "$venv"
+    fi
+    base_site="$("$base" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    test_site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    # site.addsitedir also runs .venv's own .pth files (the toolkit's editable install among them)
+    printf 'import site; site.addsitedir(%s)\n' "'$base_site'" >"$test_site/_toolkit_runtime.pth"
+    extra="$(cd / && "$base" - <<'EOF'
+import importlib.metadata as md, re
+for req in md.requires("lora-toolkit") or []:
+    if re.search(r"""extra\s*==\s*['"]test['"]""", req):
+        print(req.split(";")[0].strip())
+EOF
+)"
+    say "installing the test extra into $venv: $(echo $extra)"
+    # shellcheck disable=SC2086  # one requirement per word
+    run_logged "installing the test extra" "$PY" -m pip install $extra
     echo "$want" >"$stamp"
 }
 
@@ -132,6 +165,11 @@ if [[ -n "${TOOLKIT_PYTHON:-}" ]]; then
     use_given_python
 else
     setup_venv
+    if [[ "$1" == "test" ]]; then
+        # Tests that check the users' environment (.venv, without the test extra) run this interpreter.
+        export TOOLKIT_RUNTIME_PYTHON="$PY"
+        setup_test_venv
+    fi
 fi
 
 rocm_args=()

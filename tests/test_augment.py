@@ -25,7 +25,8 @@ pytestmark = pytest.mark.usefixtures("own_data_caches")
 
 @pytest.fixture(scope="module")
 def overhang(tmp_path_factory) -> Path:
-    """2 images of 64x64 (their bucket: one crop) and 2 of 96x64 (bucket 64x64 at resolution 96: 32 px overhang)."""
+    """2 images of 64x64 (their bucket: one crop) and 2 of 96x64 (bucket 64x64 at resolution 96 with
+    data.bucket_step=64, as the test runs set it: 32 px overhang)."""
     path = tmp_path_factory.mktemp("overhang")
     write_shapes_dataset(path, sizes=((64, 64), (96, 64)), count=2)
     return path
@@ -111,8 +112,8 @@ def test_cached_text_drops_the_same_captions_as_the_per_step_path(tmp_path):
 
 
 def test_sd_flip_and_crop_views_are_each_encoded_once_and_cached(overhang, tmp_path, run_cli, capsys, vae_calls):
-    args = ["data.random_flip=true", "data.crop_variants=3", f"data.path={overhang}", "train.steps=1",
-            "sample.prompts=[]"]
+    args = ["data.random_flip=true", "data.crop_variants=3", f"data.path={overhang}", "data.bucket_step=64",
+            "train.steps=1", "sample.prompts=[]"]
     assert run_cli(*diffusion_train_args("quickstart_sd.yaml", tmp_path / "a", *args)) == 0
     # 2 images x 1 crop x 2 + 2 images x 3 crops x 2: one VAE call per view
     assert "latents: 0 cached, 16 encoded (4 views per item)" in capsys.readouterr().err

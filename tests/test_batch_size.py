@@ -313,12 +313,12 @@ def test_auto_batch_size_on_the_gpu(config, own_data_caches, tmp_path, run_cli, 
     expected = bs.accumulate_to(32, int(cap), 1, trim=True, requested_accum=1)
     assert (int(size), int(accum)) == expected[:2] and int(per_process) == int(size) and int(total) >= 32
     assert f"batch: {size} per process x 1 process x {accum} accumulation" in err
-    assert "done: 1 steps" in err and (tmp_path / "first" / "final").is_dir()
+    assert "done: 1 step in " in err and (tmp_path / "first" / "final").is_dir()
     assert saved_train(tmp_path / "first")["batch_size"] == int(size)
 
     assert run_cli("train", *args, f"run.output_dir={tmp_path / 'second'}") == 0
     err = capsys.readouterr().err
-    assert f"train.batch_size=auto -> {size}: from cache (" in err and "done: 1 steps" in err
+    assert f"train.batch_size=auto -> {size}: from cache (" in err and "done: 1 step in " in err
 
 
 def test_a_probe_that_breaks_leaves_the_run_on_the_presets_table(probe, shapes, own_data_caches, tmp_path, run_cli,

@@ -109,7 +109,7 @@ def test_doctor_on_plain_cpu(monkeypatch):
     assert "device: cpu cpu (CPU)" in lines
     assert "[INFO] CPU-only PyTorch and no AMD GPU in /sys/class/kfd: ROCm checks skipped" in lines
     assert "[INFO] no GPU visible: training runs on the CPU (fine for the quickstart and the tests)" in lines
-    assert "[INFO] preset cpu: no preset for cpu or its family; generic cpu preset" in lines
+    assert "[INFO] preset cpu: the preset for training on the CPU" in lines
     # the real probes: accelerate initialises on the CPU here; bitsandbytes imports or says why not
     assert any(line.startswith("[PASS] accelerate ") and "device cpu, 1 process(es)" in line for line in lines)
     assert any(line.startswith("[INFO] bitsandbytes ") and "toolkit's own 8-bit optimizer" in line for line in lines)

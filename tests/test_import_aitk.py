@@ -38,9 +38,8 @@ CASES = {
         "train.precision": "fp16", "train.max_grad_norm": 0.5, "train.train_text_encoder": True,
         "train.noise_offset": 0.05, "train.min_snr_gamma": 5.0, "sample.prompts": ["a red circle", "a green triangle"],
         "sample.negative_prompt": "blurry, low quality", "log.every": 5, "log.wandb": True,
-        "log.wandb_project": "shapes"},
-        ["network.conv", "network.conv_alpha", "datasets[0].num_repeats", "datasets[0].flip_x",
-         "sample.samples[1].width"]),
+        "log.wandb_project": "shapes", "data.random_flip": True},
+        ["network.conv", "network.conv_alpha", "datasets[0].num_repeats", "sample.samples[1].width"]),
     "sd15": ("tiny:sd", "shapes", {
         "model.family": "sd", "network.rank": 8, "network.alpha": 1.0, "data.path": "/data/sd15",
         "data.trigger_word": "zxq", "train.steps": 800, "train.optimizer": "prodigy", "train.lr": 1.0,
@@ -119,3 +118,58 @@ def test_a_file_that_does_not_translate_is_a_short_error(content, message, tmp_p
     assert run_cli("import-aitk", job) == 2
     captured = capsys.readouterr()
     assert message in captured.err and "Traceback" not in captured.err and captured.out == ""
+
+
+def test_every_key_of_a_job_is_translated_or_listed(run_cli, capsys):
+    """A job with every key of ai-toolkit's config classes: each one is translated into a setting, or listed as not
+    translated or as what this toolkit does anyway, each by name with its own reason (none falls through to the
+    catch-all for keys import-aitk does not know)."""
+    from toolkit.aitk import translate_job
+    from toolkit.aitk.job import UNKNOWN, leaf_keys, read_job
+
+    job = FIXTURES / "every_key.yaml"
+    _, process, _ = read_job(job)
+    keys = [path for path, _ in leaf_keys(process)]
+    assert len(keys) > 250  # every class's keys: a job file that lost some would pass too easily
+    out = translate_job(job)
+    skipped, as_here = [s.key for s in out.skipped], [s.key for s in out.as_here]
+    assert not [s.key for s in out.skipped if s.reason == UNKNOWN]
+    assert len(skipped) == len(set(skipped)) and len(as_here) == len(set(as_here)) and not set(skipped) & set(as_here)
+
+    def listed(path: str) -> bool:
+        parts = path.replace("[", ".[").split(".")
+        prefixes = {".".join(parts[:n]).replace(".[", "[") for n in range(1, len(parts) + 1)}
+        return bool(prefixes & out.accounted)
+
+    assert [path for path in keys if not listed(path)] == []
+    # the settings the issue and the user's first jobs named, each where it belongs
+    as_here_reasons = {s.key: s.reason for s in out.as_here}
+    assert as_here_reasons["sample.walk_seed"] == ("each prompt is sampled with sample.seed plus its index here, as "
+                                                   "walk_seed does")
+    assert {"datasets[0].flip_x", "datasets[0].token_dropout_rate", "datasets[0].random_crop"} <= out.accounted
+    assert out.config["data"]["random_flip"] is True and out.config["data"]["tag_dropout"] == 0.1
+    assert out.config["data"]["crop_variants"] == 3
+    assert out.config["train"]["grad_accum"] == 2 and out.config["sample"]["prompts"] == ["[trigger] a red circle",
+                                                                                          "a blue square"]
+
+    assert run_cli("import-aitk", job) == 0
+    captured = capsys.readouterr()
+    head = f"# {len(skipped)} settings not translated, {len(as_here)} as this toolkit does anyway (see the end)"
+    assert head in captured.out
+    assert ("# as here: sample.walk_seed = True: each prompt is sampled with sample.seed plus its index here, as "
+            "walk_seed does") in captured.out
+    line = next(l for l in captured.err.splitlines() if l.startswith("as here: "))
+    assert "sample.walk_seed" in line and line.endswith("(nothing to set: this toolkit does that anyway; the reasons "
+                                                        "are at the end of the config)")
+    assert len(re.findall(r"^not translated: ", captured.err, flags=re.M)) == len(skipped)
+
+
+def test_a_key_the_translator_does_not_know_is_listed(tmp_path, run_cli, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text("config:\n  name: x\n  process:\n    - type: sd_trainer\n"
+                   "      model: {name_or_path: m, arch: flux}\n      datasets: [{folder_path: /d}]\n"
+                   "      future_setting: 3\n      network: {linear: 8, wobble: 2}\n")
+    assert run_cli("import-aitk", job) == 0
+    err = capsys.readouterr().err
+    assert "not translated: future_setting = 3: no equivalent setting in this toolkit" in err
+    assert "not translated: network.wobble = 2: no equivalent setting in this toolkit" in err

@@ -218,3 +218,33 @@ def test_ctrl_c_in_the_parent_stops_every_worker(worker, tmp_path):
     assert "interrupted (SIGINT): the 2 processes were stopped" in err
     assert "Traceback" not in err
     assert not any((tmp_path / f"rank{r}.finished").exists() for r in (0, 1))
+
+
+def test_accelerate_asked_for_two_processes_without_multi_gpu_says_it_runs_one(tmp_path):
+    """`accelerate launch --num_processes 2 --cpu` runs accelerate's single-process launcher: the run says so and
+    names the flags that start several processes."""
+    import subprocess
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "toolkit",
+                           "train", "configs/examples/quickstart_llm.yaml", f"run.output_dir={tmp_path / 'run'}",
+                           "train.steps=1", "data.max_seq_len=16", "save.every=0", "sample.prompts=[]",
+                           "log.tensorboard=false"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("note: `accelerate launch` started this run as one process: it was asked for more (it set MASTER_ADDR) "
+            "but without --multi_gpu it runs a single process. For N processes: `accelerate launch --multi_gpu "
+            "--num_processes N -m toolkit train ...`, `torchrun --nproc-per-node N -m toolkit train ...`, or "
+            "`./start_toolkit.sh train ... --gpus N` (which also runs N processes on the CPU)") in proc.stderr
+    assert "batch: 8 per process x 1 process x 1 accumulation" in proc.stderr
+
+
+@pytest.mark.parametrize("environ", [
+    {},                                                                  # no launcher
+    {"ACCELERATE_MIXED_PRECISION": "no"},                                # accelerate asked for one process
+    {"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "RANK": "0"},  # --multi_gpu
+    {"MASTER_ADDR": "localhost", "WORLD_SIZE": "1", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"},  # torchrun, 1 process
+])
+def test_no_launcher_note_where_the_process_count_is_what_was_asked(environ):
+    assert launch.accelerate_single_process_note(environ) is None

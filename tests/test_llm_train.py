@@ -102,12 +102,16 @@ def test_final_adapter_reloads_with_peft_to_the_same_logits(chat_run):
     torch.testing.assert_close(reloaded, ours, atol=1e-6, rtol=1e-6)
 
 
-def test_merge_writes_a_full_model_with_equal_logits(chat_run, tmp_path, monkeypatch):
+def test_merge_writes_a_full_model_with_equal_logits(chat_run, tmp_path, monkeypatch, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.chdir(REPO)
     assert main(["merge", str(chat_run), str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
     merged_dir = tmp_path / "merged"
+    # The line names what was written, and says the cached base model was only read.
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"merge: wrote {merged_dir} (float32): the base model {resolve_model_path('tiny:llm')} with the LoRA of "
+        f"{chat_run / 'final'} folded in; the base model's own files are unchanged")
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in merged_dir.iterdir()}
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     assert not any("lora" in name for name, _ in merged.named_parameters())

@@ -9,6 +9,7 @@ folder, LoRA or step is exit 2 naming what exists."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -59,6 +60,9 @@ def test_sd_samples_equal_the_trainers_for_final_and_each_checkpoint(runs, run_c
         lock.release()
     assert final.name.startswith("cli-") and final.name.endswith("-final")
     assert sorted(p.name for p in final.iterdir()) == ["00.png", "01.png", "grid.png", "prompts.txt", "source.txt"]
+    err = capsys.readouterr().err
+    assert f"sample: 5 files in {final}: 00.png, 01.png, grid.png, prompts.txt, source.txt\n" in err
+    assert f"report: {run / 'report.html'} (its samples section now shows these too)" in err
     step2, step1 = run / "samples" / "step-000002", run / "samples" / "step-000001"
     for name in ("00.png", "01.png"):
         assert np.array_equal(pixels(final / name), pixels(step2 / name)), name
@@ -75,10 +79,19 @@ def test_sd_samples_equal_the_trainers_for_final_and_each_checkpoint(runs, run_c
     assert (out / "prompts.txt").read_text() == "00: sks a green triangle\n"
     assert sorted(p.name for p in out.iterdir()) == ["00.png", "grid.png", "prompts.txt", "source.txt"]
     assert not np.array_equal(pixels(out / "00.png"), pixels(final / "00.png"))
-    # Nothing the run wrote changed; only the new sample folders were added.
-    assert {p: p.stat().st_mtime_ns for p in before} == before
+    # Nothing the run wrote changed but report.html's samples section; only the new sample folders were added.
+    report = run / "report.html"
+    assert {p: p.stat().st_mtime_ns for p in before if p != report} == {p: t for p, t in before.items() if p != report}
     added = {p for p in run.rglob("*") if p.is_file()} - set(before)
     assert {p.parent for p in added} == {final, checkpoint}
+    page = report.read_text(encoding="utf-8")
+    headings = re.findall(r"<h3>([^<]*)</h3>", page)
+    assert headings[:2] == ["step 1", "step 2"] and len(headings) == 4
+    assert re.fullmatch(rf"sample command: final/ of {re.escape(str(run))} \(\d{{4}}-\d\d-\d\d \d\d:\d\d\)",
+                        headings[2]), headings
+    assert headings[3].startswith(f"sample command: checkpoint step 1 of {run} (")
+    assert f'src="samples/{final.name}/grid.png"' in page and f'src="samples/{checkpoint.name}/grid.png"' in page
+    assert "finished: step 2 of 2" in page  # the trainer's part of the page is as it was
     capsys.readouterr()
     assert run_cli("sample", run, "--out", out) == 2  # never into a folder that holds something
     assert f"sample --out: {out} exists and is not an empty folder" in capsys.readouterr().err

@@ -30,10 +30,10 @@ def test_folder_with_captions_buckets_and_a_corrupt_file(tmp_path):
     (tmp_path / "red_circle_64x64.txt").write_text("a [trigger] red circle")
     (tmp_path / "red_square_64x64.txt").unlink()
     logs = []
-    items = scan_images(_data(tmp_path, trigger_word="sks", default_caption="a shape"), logs.append)
+    items = scan_images(_data(tmp_path, trigger_word="sks", default_caption="a shape", bucket_step=64), logs.append)
     assert len(items) == 6
     assert any("skipped 1 unreadable image(s)" in m and "broken.png" in m for m in logs)
-    assert any(m.startswith("buckets:") and "128 x 64" in m for m in logs)
+    assert any(m.startswith("buckets (data.bucket_step=64):") and "128 x 64" in m for m in logs)
     by_name = {it.path.name: it for it in items}
     assert by_name["red_circle_64x64.png"].caption == "a sks red circle"
     assert by_name["red_square_64x64.png"].caption == "sks, a shape"

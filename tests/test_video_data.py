@@ -105,7 +105,7 @@ def test_gif_webp_still_and_a_corrupt_file(tmp_path):
     assert sorted(by_name) == ["anim.gif", "still.png", "tall.webp"]
     assert [m for m in logs if m.startswith("warning")] == [
         f"warning: skipped 1 unreadable clip(s) in {tmp_path}: broken.mp4 (Invalid data found when processing input)"]
-    assert logs[-1] == ("buckets:\n"
+    assert logs[-1] == ("buckets (data.bucket_step=32):\n"
                         "     64 x 128   (ratio 0.50) x   5 frames: 1 clip\n"
                         "     96 x 64    (ratio 1.50) x   9 frames: 1 clip\n"
                         "    128 x 64    (ratio 2.00) x   1 frame : 1 clip")
@@ -131,7 +131,8 @@ def test_mp4_frames_bucket_and_evenly_spaced_frames(tmp_path):
     logs = []
     (item,) = scan_clips(_data(tmp_path), logs.append)
     assert (item.size, item.frame_count, item.bucket, item.caption) == ((128, 64), 13, (128, 64, 9), "a moving square")
-    assert logs == ["buckets:\n    128 x 64    (ratio 2.00) x   9 frames: 1 clip"]
+    assert logs == [f"data: 1 clip in {tmp_path}, 1 with a caption (.txt files), 0 without",
+                    "buckets (data.bucket_step=32):\n    128 x 64    (ratio 2.00) x   9 frames: 1 clip"]
     pixels = load_clip(item)
     assert pixels.shape == (3, 9, 64, 128) and pixels.min() >= -1 and pixels.max() <= 1
     assert _taken(pixels) == frame_indices(13, 9) == [0, 2, 3, 4, 6, 8, 9, 10, 12]
@@ -192,7 +193,8 @@ def test_metadata_jsonl_and_no_usable_clip(tmp_path):
     logs = []
     items = scan_clips(_data(tmp_path), logs.append)
     assert [(it.path.name, it.caption, it.bucket) for it in items] == [("a.gif", "X", (64, 64, 5))]
-    assert logs[0].startswith("warning: skipped 1 unreadable clip(s)") and "missing.webm" in logs[0]
+    assert logs[0] == f"data: 1 clip in {tmp_path}, 1 with a caption (metadata.jsonl), 0 without"
+    assert logs[1].startswith("warning: skipped 1 unreadable clip(s)") and "missing.webm" in logs[1]
 
     empty = tmp_path / "empty"
     empty.mkdir()

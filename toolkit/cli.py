@@ -49,6 +49,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if worker and main_process and launch.launch_requested(args):
         print(f"note: already one of {os.environ.get('WORLD_SIZE', '?')} launched processes: the launch flags "
               "(--gpus, --nnodes, ...) are ignored", file=sys.stderr)
+    single = launch.accelerate_single_process_note()
+    if single:
+        print(single, file=sys.stderr)
     from toolkit.preflight import path_checks
 
     # In a launching parent a config error stops here, before any worker starts. The data, model and output
@@ -138,6 +141,9 @@ def cmd_import_aitk(args: argparse.Namespace) -> int:
         print(f"not translated: {skipped.key} = {skipped.value!r}: {skipped.reason}", file=sys.stderr)
     for note in translation.notes:
         print(f"changed: {note}", file=sys.stderr)
+    if translation.as_here:
+        print(f"as here: {', '.join(s.key for s in translation.as_here)} (nothing to set: this toolkit does that "
+              "anyway; the reasons are at the end of the config)", file=sys.stderr)
     return 0
 
 

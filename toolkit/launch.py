@@ -146,6 +146,22 @@ def launched_worker(environ: dict[str, str] | None = None) -> bool:
     return "LOCAL_RANK" in environ or "WORLD_SIZE" in environ
 
 
+def accelerate_single_process_note(environ: dict[str, str] | None = None) -> str | None:
+    """A note when `accelerate launch` ran its single-process launcher although it was asked for more processes.
+
+    Without --multi_gpu (or a config that says so) accelerate starts one plain process whatever --num_processes
+    says; it still exports its ACCELERATE_* settings, and MASTER_ADDR/MASTER_PORT when asked for more than one
+    process or machine, but no WORLD_SIZE or RANK (torchrun and accelerate's multi-process launchers always set
+    both). torchrun's WORLD_SIZE is what it was asked for, so it needs no such note."""
+    environ = os.environ if environ is None else environ
+    if "ACCELERATE_MIXED_PRECISION" not in environ or "WORLD_SIZE" in environ or "MASTER_ADDR" not in environ:
+        return None
+    return ("note: `accelerate launch` started this run as one process: it was asked for more (it set MASTER_ADDR) "
+            "but without --multi_gpu it runs a single process. For N processes: `accelerate launch --multi_gpu "
+            "--num_processes N -m toolkit train ...`, `torchrun --nproc-per-node N -m toolkit train ...`, or "
+            "`./start_toolkit.sh train ... --gpus N` (which also runs N processes on the CPU)")
+
+
 def processes_per_node(gpus: int | str | None, visible_gpus: int) -> int:
     """`--gpus` as a process count for this node; user errors name the count and the fix."""
     if gpus is None:

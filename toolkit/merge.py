@@ -89,5 +89,6 @@ def merge_lora(adapter: str | Path, out_dir: str | Path, dtype: str = "auto", lo
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    log(f"merged {adapter_dir} into {base} ({str(target).removeprefix('torch.')}): {out_dir}")
+    log(f"merge: wrote {out_dir} ({str(target).removeprefix('torch.')}): the base model {base} with the LoRA of "
+        f"{adapter_dir} folded in; the base model's own files are unchanged")
     return out_dir

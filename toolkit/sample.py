@@ -98,5 +98,18 @@ def sample_run(run_dir: str | Path, step: int | None = None, prompts: list[str] 
     with torch.no_grad():
         files = adapter.sample(out_dir)
     (out_dir / "source.txt").write_text(f"{source.label}\nseed {cfg.sample.seed}\n", encoding="utf-8")
-    log(f"sample: {len(files)} files in {out_dir}")
+    log(written_files_line(out_dir))
+    from toolkit.train.report import refresh_samples
+
+    report = refresh_samples(run_dir) if out is None else None  # --out: a folder of the user's, not the run's
+    if report is not None:
+        log(f"report: {report} (its samples section now shows these too)")
     return files
+
+
+def written_files_line(folder: Path, shown: int = 8) -> str:
+    """'sample: N files in FOLDER: a, b, ...': every file the folder holds (the samples, grid, prompts and
+    source.txt), named up to `shown`."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    listed = ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
+    return f"sample: {len(names)} file{'s' if len(names) != 1 else ''} in {folder}: {listed}"

@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from toolkit.aitk.job import Section, Translation, as_float, as_int, read_job
-from toolkit.aitk.sections import DTYPES, clip_frames, datasets, network, save, train
+from toolkit.aitk.job import Section, Translation, account_for_every_key, as_float, as_int, read_job
+from toolkit.aitk.sections import clip_frames, datasets, dtype, network, save, train
 from toolkit.errors import ConfigError, UserError
 
 # ai-toolkit model.arch -> model.family. ai-toolkit's older is_* flags name an arch (toolkit/config_modules.py,
@@ -53,6 +53,7 @@ def translate_job(path: str | Path) -> Translation:
         out.skip(f"config.process[{i}]", (other or {}).get("type") if isinstance(other, dict) else other,
                  "only the job's first process is translated")
     s = Section(out, "", process)
+    out.read("type")  # a LoRA trainer: read_job checked it
     s.take("type")
     folder = s.take("training_folder")
     if folder:
@@ -60,7 +61,10 @@ def translate_job(path: str | Path) -> Translation:
     device = str(s.take("device", "cuda:0"))
     if device == "cpu":
         out.set("device.backend", "cpu", "device")
-    elif device not in ("cuda", "cuda:0"):
+    elif device in ("cuda", "cuda:0"):
+        if "device" in s.given:
+            out.same("device", device, "the first visible GPU trains (device.backend: auto)")
+    else:
         out.skip("device", device, "the device is chosen here: select a GPU with CUDA_VISIBLE_DEVICES or "
                  "HIP_VISIBLE_DEVICES")
     model(out, Section(out, "model", s.take("model")), arch)
@@ -72,6 +76,7 @@ def translate_job(path: str | Path) -> Translation:
     logging(out, Section(out, "logging", s.take("logging")))
     s.skip("performance_log_every", "every log line here has the step rate")
     s.done()
+    account_for_every_key(out, process)
     check(out, path)
     return out
 
@@ -80,6 +85,7 @@ def model(out: Translation, s: Section, arch: str) -> None:
     s.take("arch")
     for flag, _ in ARCH_FLAGS:
         s.take(flag)
+    out.read(*(s.key(name) for name in s.given if name == "arch" or name.startswith("is_") and name != "is_v_pred"))
     out.set("model.family", out.family, s.key("arch"), arch)
     path = s.take("name_or_path")
     if not path:
@@ -87,10 +93,13 @@ def model(out: Translation, s: Section, arch: str) -> None:
                         "folder) to the job")
     out.set("model.name_or_path", str(path), s.key("name_or_path"))
     if s.has("dtype"):
-        weights = DTYPES.get(str(s.take("dtype")).lower())
+        weights = dtype(s.take("dtype"), s.key("dtype"), out)
         if weights:
             out.set("model.dtype", weights, s.key("dtype"))
+    out.read(s.key("qtype"))
     quantize, qtype = s.take("quantize"), str(s.take("qtype", "qfloat8"))
+    if not quantize and "qtype" in s.given:
+        out.same(s.key("qtype"), qtype, "a quantization type, and quantize is off")
     if quantize is not None:
         bits = QUANTIZED.get(qtype.split("|")[0]) if quantize else "none"
         if bits is None:
@@ -99,8 +108,11 @@ def model(out: Translation, s: Section, arch: str) -> None:
         elif "|" in qtype:
             out.skip(s.key("qtype"), qtype, f"accuracy-recovery adapters are not available here: plain {bits}")
         out.set("model.quantize", bits, s.key("quantize"), quantize)
+    if s.has("model_kwargs") and not s.rest["model_kwargs"]:
+        s.same("model_kwargs", "no model arguments")
     kwargs = Section(out, s.key("model_kwargs"), s.take("model_kwargs"))
     high, low = kwargs.take("train_high_noise"), kwargs.take("train_low_noise")
+    out.read(kwargs.key("train_low_noise"))
     if high is not None or low is not None:
         experts = {(True, True): "both", (True, False): "high_noise", (False, True): "low_noise"}.get(
             (high is not False, low is not False))
@@ -124,6 +136,8 @@ def sample(out: Translation, s: Section) -> None:
     sampler = str(s.take("sampler", "ddpm")).lower()
     if (sampler == "flowmatch") != flow:
         out.skip(s.key("sampler"), sampler, "samples use the pipeline's own scheduler")
+    elif "sampler" in s.given:
+        out.same(s.key("sampler"), sampler, "samples use the pipeline's own scheduler, which is this one")
     out.set("sample.every", as_int(s.take("sample_every", 100), s.key("sample_every")), s.key("sample_every"))
     s.skip("sample_start_step", "samples start at the first sample.every step", when=0)
     for name in ("width", "height"):
@@ -132,6 +146,7 @@ def sample(out: Translation, s: Section) -> None:
     for i, item in enumerate(s.take("samples") or []):
         entry = Section(out, s.key(f"samples[{i}]"), item if isinstance(item, dict) else {"prompt": item})
         if entry.has("prompt"):
+            out.read(entry.key("prompt") if isinstance(item, dict) else s.key(f"samples[{i}]"))
             prompts.append(str(entry.take("prompt")))
         for key in list(entry.rest):
             entry.skip(key, "one setting for every sample prompt here (the sample section's)")
@@ -140,9 +155,15 @@ def sample(out: Translation, s: Section) -> None:
     negative = s.take("neg")
     if negative:
         out.set("sample.negative_prompt", str(negative), s.key("neg"))
+    elif "neg" in s.given:
+        out.same(s.key("neg"), negative, "no negative prompt")
     out.set("sample.seed", as_int(s.take("seed", 0), s.key("seed")), s.key("seed"))
-    if not s.take("walk_seed", False) and len(prompts) > 1:
-        out.skip(s.key("walk_seed"), False, "each prompt is sampled with sample.seed plus its index here")
+    walk = s.take("walk_seed", False)
+    if not walk and len(prompts) > 1:
+        out.skip(s.key("walk_seed"), walk, "each prompt is sampled with sample.seed plus its index here")
+    elif "walk_seed" in s.given:
+        out.same(s.key("walk_seed"), walk, "each prompt is sampled with sample.seed plus its index here, as "
+                 "walk_seed does" if walk else "one prompt: sampled with sample.seed")
     out.set("sample.guidance_scale", as_float(s.take("guidance_scale", 7), s.key("guidance_scale")),
             s.key("guidance_scale"))
     out.set("sample.num_inference_steps", as_int(s.take("sample_steps", 20), s.key("sample_steps")),
@@ -153,8 +174,13 @@ def sample(out: Translation, s: Section) -> None:
         out.set("sample.num_frames", clip_frames(frames, s.key("num_frames"), out), s.key("num_frames"))
         if fps is not None:
             out.set("sample.fps", as_int(fps, s.key("fps")), s.key("fps"))
-    elif frames != 1:
-        out.skip(s.key("num_frames"), frames, f"the {out.family} family makes images")
+    else:
+        if frames != 1:
+            out.skip(s.key("num_frames"), frames, f"the {out.family} family makes images")
+        elif "num_frames" in s.given:
+            out.same(s.key("num_frames"), frames, f"the {out.family} family makes images")
+        if fps is not None:
+            out.same(s.key("fps"), fps, f"the {out.family} family makes images (no frame rate)")
     s.skip("network_multiplier", "samples apply the LoRA at its trained scale", when=1)
     s.skip("guidance_rescale", "not available here", when=0.0)
     s.skip("format", "samples are png (animated webp and mp4 for video)")
@@ -168,7 +194,9 @@ def logging(out: Translation, s: Section) -> None:
         out.set("log.wandb", True, s.key("use_wandb"))
         if s.has("project_name"):
             out.set("log.wandb_project", str(s.take("project_name")), s.key("project_name"))
-    s.take("project_name")
+    elif "use_wandb" in s.given:
+        out.same(s.key("use_wandb"), False, "no Weights & Biases logging (log.wandb: false)")
+    s.same("project_name", "a Weights & Biases setting, and use_wandb is off")
     s.skip("verbose", "not available here", when=False)
     s.skip("use_ui_logger", "ai-toolkit's UI is not used here", when=False)
     s.done()
@@ -189,8 +217,10 @@ def render(out: Translation, source: str | Path) -> str:
     """The config as YAML, its sections in the usual order, headed by where it came from."""
     ordered = {section: out.config[section] for section in SECTIONS if section in out.config}
     lines = [f"# translated from the ai-toolkit job {source} by `./start_toolkit.sh import-aitk`",
-             f"# {len(out.skipped)} setting{'s' if len(out.skipped) != 1 else ''} not translated (see the end)"]
+             f"# {len(out.skipped)} setting{'s' if len(out.skipped) != 1 else ''} not translated, "
+             f"{len(out.as_here)} as this toolkit does anyway (see the end)"]
     body = yaml.safe_dump(ordered, sort_keys=False, default_flow_style=False, allow_unicode=True, width=120)
     tail = [f"# not translated: {s.key} = {s.value!r}: {s.reason}" for s in out.skipped]
     tail += [f"# changed: {note}" for note in out.notes]
+    tail += [f"# as here: {s.key} = {s.value!r}: {s.reason}" for s in out.as_here]
     return "\n".join(lines) + "\n" + body + ("\n".join(tail) + "\n" if tail else "")

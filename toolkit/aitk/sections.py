@@ -30,6 +30,8 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
 TIMESTEP_TYPES = {"sigmoid": ("logit_normal", 1.0), "linear": ("uniform", 1.0), "shift": ("uniform", None),
                   "flux_shift": ("uniform", None), "lumina2_shift": ("uniform", None)}
 SD_FAMILIES = ("sd", "sdxl")
+VIDEO_FAMILIES = ("wan21", "wan22")
+RANDOM_CROPS = 3  # datasets' random_crop -> data.crop_variants: this many crops, each encoded once and cached
 
 
 def dtype(value: Any, key: str, out: Translation) -> str | None:
@@ -49,13 +51,16 @@ def clip_frames(frames: int, key: str, out: Translation) -> int:
 
 def network(out: Translation, s: Section) -> None:
     kind = str(s.take("type", "lora")).lower()
-    if kind != "lora":
+    if kind == "lora" and "type" in s.given:
+        out.same(s.key("type"), kind, "a LoRA is trained here")
+    elif kind != "lora":
         reason = {"lokr": "LoKr (Kronecker-factored) adapters are not available here",
                   "locon": "LoCon's convolution layers are not adapted here (linear layers only)"}
         out.skip(s.key("type"), kind, reason.get(kind, "only LoRA (and DoRA) adapters are available here") +
                  "; a LoRA of the same rank and alpha is trained instead")
     for lokr in ("lokr_full_rank", "lokr_factor", "old_lokr_format"):
         s.skip(lokr, "LoKr settings; a LoRA is trained instead" if kind == "lokr" else "applies to LoKr only")
+    out.read(s.key("rank"), s.key("alpha"))  # ai-toolkit's older names of linear and linear_alpha
     rank = s.take("rank", s.take("linear"))
     rank = 4 if rank is None else as_int(rank, s.key("linear"))
     alpha = s.take("alpha", 1.0)
@@ -70,7 +75,12 @@ def network(out: Translation, s: Section) -> None:
     s.skip("network_kwargs", "module filters by name (only_if_contains, ignore_if_contains): set "
            "network.target_modules to a list of module names instead", when={})
     s.skip("transformer_only", "LoRA outside the transformer: sd/sdxl take train.train_text_encoder", when=True)
-    s.skip("pretrained_lora_path", "starting from an existing LoRA is not available here", when=None)
+    if s.rest.get("pretrained_lora_path"):
+        out.set("network.init_from", str(s.take("pretrained_lora_path")), s.key("pretrained_lora_path"))
+    s.same("pretrained_lora_path", "the LoRA starts from random weights here too")
+    s.skip("lorm", "LoRM (low-rank extraction) is not available here")
+    s.skip("split_multistage_loras", "Wan 2.2's two experts always save their LoRAs apart here (final/high_noise/, "
+           "final/low_noise/)", when=True)
     s.done()
 
 
@@ -81,19 +91,24 @@ def save(out: Translation, s: Section) -> None:
     out.set("save.every", as_int(s.take("save_every", 1000), s.key("save_every")), s.key("save_every"))
     out.set("save.keep_last", max(1, as_int(s.take("max_step_saves_to_keep", 5), s.key("max_step_saves_to_keep"))),
             s.key("max_step_saves_to_keep"))
-    fmt = s.take("save_format", "safetensors")
-    if fmt == "diffusers":
-        out.set("save.format", "diffusers", s.key("save_format"))
-    elif fmt != "safetensors":
-        out.skip(s.key("save_format"), fmt, "unknown save format")
+    if s.has("save_format"):
+        fmt = s.take("save_format")
+        if fmt == "diffusers":
+            out.set("save.format", "diffusers", s.key("save_format"))
+        elif fmt == "safetensors":
+            out.same(s.key("save_format"), fmt, "LoRA files are .safetensors here")
+        else:
+            out.skip(s.key("save_format"), fmt, "unknown save format")
     push = s.take("push_to_hub", False)
     if push:
         out.skip(s.key("push_to_hub"), push, "uploading to the Hugging Face Hub is not done here: upload final/")
         s.skip("hf_repo_id", "Hub upload")
         s.skip("hf_private", "Hub upload")
     else:  # the Hub settings do nothing without push_to_hub
-        s.take("hf_repo_id")
-        s.take("hf_private")
+        if "push_to_hub" in s.given:
+            out.same(s.key("push_to_hub"), push, "nothing is uploaded to the Hugging Face Hub")
+        s.same("hf_repo_id", "a Hub upload setting, and push_to_hub is off")
+        s.same("hf_private", "a Hub upload setting, and push_to_hub is off")
     s.done()
 
 
@@ -111,21 +126,35 @@ def datasets(out: Translation, items: Any, trigger: Any) -> None:
         out.skip(s.key("dataset_path"), s.take("dataset_path"), "no folder_path: set data.path to an image folder")
     else:
         out.set("data.path", str(path), s.key("folder_path"))
+    out.read(s.key("caption_type"))  # ai-toolkit's older name of caption_ext
     ext = s.take("caption_ext", s.take("caption_type", ".txt"))
     out.set("data.caption_ext", ext if str(ext).startswith(".") else f".{ext}", s.key("caption_ext"))
     own = s.take("trigger_word")
     if trigger and own and own != trigger:
         out.skip(s.key("trigger_word"), own, f"one trigger word per run here: the process's {trigger!r}")
-    trigger = trigger or own
+    elif own:
+        out.read(s.key("trigger_word"))
     if trigger:
         out.set("data.trigger_word", str(trigger), "trigger_word")
+    elif own:
+        out.set("data.trigger_word", str(own), s.key("trigger_word"))
     if s.has("default_caption"):
         out.set("data.default_caption", str(s.take("default_caption") or ""), s.key("default_caption"))
-    dropout = as_float(s.take("caption_dropout_rate", 0.0), s.key("caption_dropout_rate"))
-    if dropout:
-        out.set("data.caption_dropout", dropout, s.key("caption_dropout_rate"))
-    if s.take("shuffle_tokens", False):
-        out.set("data.shuffle_tags", True, s.key("shuffle_tokens"))
+    if s.has("caption_dropout_rate"):
+        out.set("data.caption_dropout", as_float(s.take("caption_dropout_rate"), s.key("caption_dropout_rate")),
+                s.key("caption_dropout_rate"))
+    if s.has("shuffle_tokens"):
+        out.set("data.shuffle_tags", bool(s.take("shuffle_tokens")), s.key("shuffle_tokens"))
+    if s.has("token_dropout_rate"):
+        out.set("data.tag_dropout", as_float(s.take("token_dropout_rate"), s.key("token_dropout_rate")),
+                s.key("token_dropout_rate"))
+    if s.has("flip_x"):
+        out.set("data.random_flip", bool(s.take("flip_x")), s.key("flip_x"))
+    if s.rest.get("random_crop"):
+        out.set("data.crop_variants", RANDOM_CROPS, s.key("random_crop"), s.take("random_crop"))
+        out.note(s.key("random_crop"), f"data.crop_variants {RANDOM_CROPS}: {RANDOM_CROPS} crops along the side that "
+                 "overhangs the bucket, each encoded and cached once (ai-toolkit crops anew every step)")
+    s.same("random_crop", "one centred crop per image here too (data.crop_variants 1)")
     if s.has("keep_tokens"):
         out.set("data.keep_tokens", as_int(s.take("keep_tokens"), s.key("keep_tokens")), s.key("keep_tokens"))
     resolution = s.take("resolution", 512)
@@ -140,27 +169,34 @@ def datasets(out: Translation, items: Any, trigger: Any) -> None:
     s.skip("buckets", "images are always bucketed by aspect ratio here", when=True)
     cached = [s.take(k) for k in ("cache_latents_to_disk", "cache_latents")]
     if any(c is not None for c in cached):
+        out.read(s.key("cache_latents"))
         out.set("data.cache_latents", any(bool(c) for c in cached), s.key("cache_latents_to_disk"))
     if s.has("cache_text_embeddings"):
         out.set("data.cache_text_embeddings", bool(s.take("cache_text_embeddings")), s.key("cache_text_embeddings"))
-    frames = s.take("num_frames")
-    if frames is not None:
-        out.set("data.num_frames", clip_frames(as_int(frames, s.key("num_frames")), s.key("num_frames"), out),
-                s.key("num_frames"), frames)
+    if out.family in VIDEO_FAMILIES:
+        frames = s.take("num_frames")
+        if frames is not None:
+            out.set("data.num_frames", clip_frames(as_int(frames, s.key("num_frames")), s.key("num_frames"), out),
+                    s.key("num_frames"), frames)
+        s.skip("fps", "clips always contribute data.num_frames frames taken evenly, whatever their frame rate",
+               when=16)
+    else:
+        s.skip("num_frames", f"the {out.family} family trains on images", when=1)
+        s.same("fps", f"the {out.family} family trains on images (no frame rate)")
     for name, reason in (("num_repeats", "dataset repeats: training length is train.steps here"),
-                         ("flip_x", "augmentation (flips) is not available here"),
-                         ("flip_y", "augmentation (flips) is not available here"),
-                         ("random_crop", "augmentation (random crops) is not available here"),
+                         ("flip_y", "vertical flips are not available here (data.random_flip mirrors left and right)"),
                          ("random_scale", "augmentation (random scale) is not available here"),
-                         ("token_dropout_rate", "per-tag caption dropout is not available here"),
+                         ("scale", "images are scaled to cover their aspect bucket here"),
                          ("is_reg", "regularisation datasets are not available here"),
                          ("network_weight", "per-dataset loss weights are not available here"),
                          ("loss_multiplier", "per-dataset loss weights are not available here"),
                          ("shrink_video_to_frames", "clips always contribute data.num_frames frames taken evenly"),
+                         ("do_i2v", "image-to-video follows the model (model.task: auto)"),
                          ("batch_size", "one batch size per run here: train.batch_size")):
-        s.skip(name, reason, when={"num_repeats": 1, "network_weight": 1.0, "loss_multiplier": 1.0,
-                                   "shrink_video_to_frames": True, "batch_size": None,
-                                   "token_dropout_rate": 0.0}.get(name, False))
+        s.skip(name, reason, when={"num_repeats": 1, "network_weight": 1.0, "loss_multiplier": 1.0, "scale": 1.0,
+                                   "shrink_video_to_frames": True, "do_i2v": True, "batch_size": None}.get(name, False))
+    for name in ("num_workers", "prefetch_factor", "fast_image_size", "debug"):
+        s.same(name, "data loading runs its own way here: latents and text embeddings are cached, then read")
     s.done()
 
 
@@ -168,19 +204,25 @@ def train(out: Translation, s: Section) -> None:
     family = out.family
     out.set("train.steps", as_int(s.take("steps", 1000), s.key("steps")), s.key("steps"))
     out.set("train.batch_size", as_int(s.take("batch_size", 1), s.key("batch_size")), s.key("batch_size"))
+    out.read(s.key("gradient_accumulation_steps"))  # ai-toolkit's older name of gradient_accumulation
     accum = as_int(s.take("gradient_accumulation", 1), s.key("gradient_accumulation"))
     legacy = as_int(s.take("gradient_accumulation_steps", 1), s.key("gradient_accumulation_steps"))
     if legacy < 1:
         out.skip(s.key("gradient_accumulation_steps"), legacy, "accumulating a whole epoch (-1) is not available here")
     accum = max(accum, legacy)
-    if accum > 1:
-        out.set("train.grad_accum", accum, s.key("gradient_accumulation"))
+    if accum > 1 or {"gradient_accumulation", "gradient_accumulation_steps"} & s.given:
+        out.set("train.grad_accum", max(accum, 1), s.key("gradient_accumulation"))
     lr = as_float(s.take("lr", 1e-6), s.key("lr"))
     unet_lr = s.take("unet_lr")
     if unet_lr is not None and as_float(unet_lr, s.key("unet_lr")) != lr:
         lr = as_float(unet_lr, s.key("unet_lr"))
         out.note(s.key("unet_lr"), f"train.lr {lr} (the denoiser's learning rate)")
+    out.read(s.key("unet_lr"))
+    if s.has("text_encoder_lr") and as_float(s.rest["text_encoder_lr"], s.key("text_encoder_lr")) == lr:
+        s.same("text_encoder_lr", "one learning rate for every trained module here: train.lr")
     s.skip("text_encoder_lr", "one learning rate for every trained module here: train.lr", when=None)
+    for name in ("refiner_lr", "embedding_lr", "adapter_lr"):
+        s.skip(name, "no refiner, embedding or adapter trains here", when=lr)
     optimizer(out, s, lr)
     scheduler = str(s.take("lr_scheduler", "constant"))
     params = s.take("lr_scheduler_params") or {}
@@ -208,7 +250,9 @@ def train(out: Translation, s: Section) -> None:
     noise = str(s.take("noise_scheduler", "ddpm")).lower()
     flow = family not in SD_FAMILIES
     timesteps = str(s.take("timestep_type", "sigmoid"))
-    if s.take("linear_timesteps", False) or s.take("linear_timesteps2", False):  # as ai-toolkit: linear wins
+    if any(s.rest.get(name) for name in ("linear_timesteps", "linear_timesteps2")):  # as ai-toolkit: linear wins
+        out.read(s.key("linear_timesteps"), s.key("linear_timesteps2"))
+        s.take("linear_timesteps"), s.take("linear_timesteps2")
         timesteps = "linear"
     if flow and timesteps in TIMESTEP_TYPES:  # ai-toolkit's DDPM training ignores timestep_type (uniform steps)
         sampling, shift = TIMESTEP_TYPES[timesteps]
@@ -218,11 +262,19 @@ def train(out: Translation, s: Section) -> None:
     elif flow:
         out.skip(s.key("timestep_type"), timesteps, f"not available here ({', '.join(TIMESTEP_TYPES)} are): the "
                  "family's usual sampling")
+    how = f"the {family} family trains with {'rectified flow' if flow else 'its DDPM noise schedule'}"
     if (noise == "flowmatch") != flow:
-        out.skip(s.key("noise_scheduler"), noise, f"the {family} family trains with "
-                 f"{'rectified flow' if flow else 'its DDPM noise schedule'}")
+        out.skip(s.key("noise_scheduler"), noise, how)
+    elif "noise_scheduler" in s.given:
+        out.same(s.key("noise_scheduler"), noise, how)
+    if not flow and "timestep_type" in s.given:
+        out.same(s.key("timestep_type"), timesteps, "ai-toolkit's DDPM training draws uniform timesteps, as here")
+    for name in ("linear_timesteps", "linear_timesteps2"):
+        s.same(name, "off: the timestep_type applies")
     if s.take("train_text_encoder", False):
         out.set("train.train_text_encoder", True, s.key("train_text_encoder"))
+    elif "train_text_encoder" in s.given:
+        out.same(s.key("train_text_encoder"), False, "the text encoders are not trained here either")
     for name, key in (("noise_offset", "train.noise_offset"), ("min_snr_gamma", "train.min_snr_gamma"),
                       ("snr_gamma", "train.min_snr_gamma")):
         value = s.take(name)
@@ -232,7 +284,9 @@ def train(out: Translation, s: Section) -> None:
         out.set("train.expert_switch_every", as_int(s.take("switch_boundary_every"), s.key("switch_boundary_every")),
                 s.key("switch_boundary_every"))
     if s.take("disable_sampling", False):
-        out.config.setdefault("sample", {})["prompts"] = []
+        out.set("sample.prompts", [], s.key("disable_sampling"))
+    elif "disable_sampling" in s.given:
+        out.same(s.key("disable_sampling"), False, "samples are taken at sample.every")
     s.skip("train_unet", "the denoiser always trains here", when=True)
     s.skip("skip_first_sample", "no sample is taken before the first step here", when=True)
     s.skip("loss_type", "the loss is the mean squared error here", when="mse")

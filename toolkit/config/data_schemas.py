@@ -5,7 +5,7 @@ Which one a run gets follows its family (toolkit/config/families.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from omegaconf import MISSING
 
@@ -52,8 +52,13 @@ class ImageDataSection:
     cache_latents: bool = opt(True, "Cache VAE latents to disk.")
     cache_text_embeddings: bool = opt(True, "Cache text-encoder outputs to disk (not with shuffle_tags, tag_dropout "
                                       "or train.train_text_encoder: those compute them every step).")
-    bucket_step: int = opt(64, "Aspect-ratio buckets: sides are multiples of this many pixels.", minimum=8)
-    min_bucket_side: int = opt(0, "Smallest bucket side in pixels; 0 means bucket_step.", minimum=0)
+    bucket_step: Union[int, str] = opt("auto", "Aspect-ratio buckets: sides are multiples of this many pixels "
+                                       "(kohya's bucket_reso_steps), or auto: 64 from resolution 512 up, below "
+                                       "it resolution / 8 rounded down to a power of two, at least 16 (96 -> 16, 256 "
+                                       "-> 32), so that small images are not cut to a coarse grid. Images are never "
+                                       "upscaled: one smaller than its bucket goes to a smaller one, and the log names "
+                                       "the images the step made much smaller.", minimum=8)
+    min_bucket_side: int = opt(0, "Smallest bucket side in pixels; 0 means the bucket step.", minimum=0)
     max_bucket_side: int = opt(0, "Largest bucket side in pixels; 0 means 2 x resolution.", minimum=0)
 
 

@@ -8,6 +8,7 @@ from typing import Any, Iterator
 
 import yaml
 
+from toolkit.config.yaml_errors import yaml_error_message
 from toolkit.errors import ConfigError, UserError
 from toolkit.text_files import read_text
 
@@ -20,6 +21,7 @@ class Layer:
     data: dict
     lines: dict[str, int] = field(default_factory=dict)  # dotted key -> line number in the file
     preset: bool = False            # an arch preset: it sets keys for every family, so none is an error
+    problems: list[str] = field(default_factory=list)  # keys given twice: reported with the merged config's
 
     def where(self, key: str) -> str:
         line = self.lines.get(key)
@@ -51,31 +53,45 @@ def _duplicate_keys(node: yaml.Node, path: Path, prefix: str = "") -> Iterator[s
             yield from _duplicate_keys(item, path, prefix)
 
 
+class _MergingLoader(yaml.SafeLoader):
+    """safe_load, except that a mapping key given twice merges its two blocks (the second wins key by key) instead of
+    dropping the first: the duplicate is reported, and the rest of the file is checked as the user meant it, so
+    that a second `model:` block does not also bring "'model.family' is required"."""
+
+    def construct_mapping(self, node, deep=False):
+        if not isinstance(node, yaml.MappingNode):
+            return super().construct_mapping(node, deep=deep)
+        self.flatten_mapping(node)
+        mapping: dict = {}
+        for key_node, value_node in node.value:
+            key = self.construct_object(key_node, deep=True)
+            value = self.construct_object(value_node, deep=True)
+            if isinstance(mapping.get(key), dict) and isinstance(value, dict):
+                value = {**mapping[key], **value}
+            mapping[key] = value
+        return mapping
+
+
 def read_yaml_layer(path: str | Path, label: str | None = None) -> Layer:
-    """Read a YAML config file; a missing file, bad YAML or a key given twice is a UserError naming the file and
-    line(s)."""
+    """Read a YAML config file; a missing file or bad YAML is a UserError naming the file and line(s). Keys given
+    twice are in the layer's `problems` (merge_layers reports them with the rest)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file not found: {path}\n  fix: check the path (relative paths are taken from {Path.cwd()})")
     text = read_text(path)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_MergingLoader)  # noqa: S506 (a SafeLoader)
         tree = yaml.compose(text) if data else None
         lines = dict(_key_lines(tree)) if tree is not None else {}
         duplicates = list(_duplicate_keys(tree, path)) if tree is not None else []
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(err, "problem", None) or str(err)
-        raise UserError(f"{where}: invalid YAML: {problem}\n  fix: check indentation and quoting on that line") from None
-    if duplicates:
-        raise ConfigError(duplicates)
+        raise UserError(yaml_error_message(path, text, err)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise UserError(f"{path}: a config file must be a mapping of sections (run:, model:, train:, ...), "
                         f"not a {type(data).__name__}")
-    return Layer(label or str(path), data, lines)
+    return Layer(label or str(path), data, lines, problems=duplicates)
 
 
 def parse_scalar(text: str) -> Any:

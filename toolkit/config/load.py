@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config.layers import Layer, peek
 from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS
+from toolkit.config.foreign_keys import foreign_key_hint
 from toolkit.config.schema import SAVE_FORMATS, RunConfig, family_sections
 from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_args_problem
 from toolkit.errors import ConfigError
@@ -75,13 +76,18 @@ def iter_schema_fields(cfg: DictConfig, prefix: str = "") -> Iterator[tuple[str,
 
 
 def _suggest(key: str, cfg: DictConfig, prefix: str) -> str:
-    """A did-you-mean for an unknown key: a close sibling, or the same name in another section."""
+    """A did-you-mean for an unknown key: another trainer's name for a toolkit key (foreign_keys.py), a close
+    sibling, or the same name in another section."""
+    root = cfg._get_root()
+    known = [d for d, _ in iter_schema_fields(root)]
+    foreign = foreign_key_hint(key, not prefix, set(known))
+    if foreign:
+        return foreign
     siblings = [str(k) for k in cfg.keys()]
     close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
     if close:
         return f"; did you mean '{prefix}{close[0]}'?"
-    root = cfg._get_root()
-    elsewhere = [d for d, _ in iter_schema_fields(root) if d.rsplit(".", 1)[-1] == key]
+    elsewhere = [d for d in known if d.rsplit(".", 1)[-1] == key]
     if elsewhere:
         return f"; did you mean '{elsewhere[0]}'?"
     if siblings:
@@ -195,6 +201,9 @@ def _check_values(cfg: DictConfig, sources: dict[str, str], problems: list[str])
             close = difflib.get_close_matches(str(value), [str(c) for c in meta["choices"]], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             problems.append(f"'{dotted}' in {where}: '{value}' is not one of {', '.join(map(str, meta['choices']))}{hint}")
+        if "min" in meta and isinstance(value, str) and value != "auto":
+            # A number-or-auto field (data.bucket_step): the schema's Union[int, str] lets any word through.
+            problems.append(f"'{dotted}' in {where}: expected a number or auto, got {value!r}")
         if "min" in meta and isinstance(value, (int, float)) and value < meta["min"]:
             problems.append(f"'{dotted}' in {where}: {value} is below the minimum {meta['min']}")
         if "max" in meta and isinstance(value, (int, float)) and value > meta["max"]:
@@ -246,6 +255,8 @@ def merge_layers(layers: list[Layer], problems: list[str] | None = None,
     """Merge layers over the schema defaults and validate; raises ConfigError with every problem (those found
     before, `problems`, first; `check_paths`' last)."""
     problems = list(problems or [])
+    for layer in layers:
+        problems += [p for p in layer.problems if p not in problems]  # a file given twice reports its keys once
     family = peek(layers, "model.family")
     if family not in FAMILY_SPECS:
         family = None  # reported by the choices check on model.family

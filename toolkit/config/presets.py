@@ -22,7 +22,7 @@ import yaml
 from toolkit.config.layers import Layer, read_yaml_layer
 from toolkit.device.archs import lookup_amd_arch
 from toolkit.device.detect import DeviceInfo
-from toolkit.errors import UserError
+from toolkit.errors import ConfigError, UserError
 
 _PRESET_KEYS = {"description", "match", "batch_size_by_memory_gb", "config"}
 _MATCH_KEYS = {"backend", "archs", "families", "generic"}
@@ -57,6 +57,8 @@ class Preset:
 
 def _load_preset(path: Path) -> Preset:
     layer = read_yaml_layer(path, label=f"preset {path.stem}")
+    if layer.problems:
+        raise ConfigError(layer.problems, header=f"bad preset file {path}")
     raw = layer.data
     unknown = set(raw) - _PRESET_KEYS
     match = raw.get("match") or {}
@@ -111,6 +113,8 @@ def choose_preset(requested: str, device: DeviceInfo, presets: dict[str, Preset]
         if family and family in preset.families:
             return preset, f"preset {preset.name}: no preset for {device.arch}; same family ({family})"
     for preset in same_backend:
+        if preset.generic and device.backend == "cpu":
+            return preset, f"preset {preset.name}: the preset for training on the CPU"
         if preset.generic:
             return preset, f"preset {preset.name}: no preset for {device.arch} or its family; generic {device.backend} preset"
     raise UserError(f"no preset fits {device.summary()} and no generic {device.backend} preset exists in {presets_dir()}; "

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from toolkit.data.augment import Augmentation, View, mirrored_left, resized_size
-from toolkit.data.buckets import bucket_table, choose_bucket, format_bucket_table
+from toolkit.data.buckets import SHRUNK, bucket_step, bucket_table, choose_bucket, format_bucket_table, shrunk_by_step
 from toolkit.data.captions import CaptionRules
+from toolkit.data.folder_report import report_captions
 from toolkit.errors import UserError
 from toolkit.text_files import read_text
 
@@ -111,20 +112,29 @@ def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ..
     """
     root = Path(data.path)
     rules = caption_rules(data)
-    table = bucket_table(data.resolution, data.bucket_step, data.min_bucket_side, data.max_bucket_side)
+    step, why = bucket_step(data.bucket_step, data.resolution)
+    table = bucket_table(data.resolution, step, data.min_bucket_side, data.max_bucket_side)
     found, skipped, small = [], [], []
-    for path, raw in captioned_files(root, data.caption_ext, exts):
+    pairs = captioned_files(root, data.caption_ext, exts)
+    report_captions(root, pairs, data.caption_ext, rules, noun, log)
+    for path, raw in pairs:
         try:
             size, extra = probe(path)
         except UNREADABLE as err:
             skipped.append(f"{path.name} ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
             continue
-        bucket = choose_bucket(*size, table, data.bucket_step)
+        bucket = choose_bucket(*size, table, step)
         if bucket is None:
             small.append(f"{path.name} ({size[0]}x{size[1]})")
             continue
         found.append((path, rules.base(raw), size, extra, bucket))
-    warn_skipped(log, root, noun, skipped, small, data.bucket_step)
+    warn_skipped(log, root, noun, skipped, small, step)
+    shrunk = shrunk_by_step({path.name: (size, bucket[:2]) for path, _, size, _, bucket in found}, data.resolution)
+    if shrunk:
+        names = ", ".join(shrunk[:5]) + (f" and {len(shrunk) - 5} more" if len(shrunk) > 5 else "")
+        log(f"note: {len(shrunk)} {noun}(s) train at under {SHRUNK:.0%} of the area they could have (their own, at "
+            f"most data.resolution={data.resolution} squared): {names}. Buckets are never larger than the {noun} and "
+            f"their sides are multiples of {step} px ({why}); a smaller data.bucket_step keeps more of each {noun}")
     return found
 
 
@@ -139,7 +149,7 @@ def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
     if not items:
         raise UserError(f"data.path: no usable images in {root}\n  fix: add .png/.jpg/.webp images "
                         f"(with same-name {data.caption_ext} captions, or a metadata.jsonl)")
-    log(format_bucket_table(Counter(item.bucket for item in items)))
+    log(format_bucket_table(Counter(item.bucket for item in items), bucket_step(data.bucket_step, data.resolution)[1]))
     return items
 
 

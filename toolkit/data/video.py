@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from toolkit.data.augment import View
+from toolkit.data.buckets import bucket_step
 from toolkit.data.images import IMAGE_EXTS, cover_and_crop, file_hash, oriented_size, scan_folder
 from toolkit.errors import UserError
 
@@ -119,16 +120,16 @@ def scan_clips(data, log: Callable[[str], None],
                         f".png/.jpg images (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
     if select is not None:
         items = select(items)
-    log(format_clip_buckets(Counter(item.bucket for item in items)))
+    log(format_clip_buckets(Counter(item.bucket for item in items), bucket_step(data.bucket_step, data.resolution)[1]))
     return items
 
 
-def format_clip_buckets(counts: dict[tuple[int, int, int], int]) -> str:
-    """One line per used bucket: size, aspect ratio, frames and clip count."""
+def format_clip_buckets(counts: dict[tuple[int, int, int], int], why: str = "") -> str:
+    """One line per used bucket: size, aspect ratio, frames and clip count; `why`: where the step came from."""
     lines = [f"  {w:>5} x {h:<5} (ratio {w / h:4.2f}) x {f:>3} frame{'s' if f != 1 else ' '}: "
              f"{n} clip{'s' if n != 1 else ''}"
              for (w, h, f), n in sorted(counts.items(), key=lambda kv: (kv[0][0] / kv[0][1], kv[0][2]))]
-    return "buckets:\n" + "\n".join(lines)
+    return f"buckets{f' ({why})' if why else ''}:\n" + "\n".join(lines)
 
 
 def _decode_container(path: Path, indices: list[int]) -> dict[int, "Image"]:

@@ -1,7 +1,9 @@
 """report.html: one self-contained page per run (loss plot, samples by step, timings, device, the plan, the config).
 
 Written at each checkpoint and at the end, so an unfinished run has an up-to-date page too. The loss
-plot is embedded as a data URI; sample images are linked relative to the run folder.
+plot is embedded as a data URI; sample images are linked relative to the run folder. The `sample` command's
+folders (samples/cli-*) follow the trainer's steps; `sample` rewrites only the page's samples section
+(refresh_samples), between two markers, so the rest of the page stays as the trainer left it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,47 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "<table>" + "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in rows) + "</table>"
 
 
+SAMPLES_START, SAMPLES_END = "<!-- samples:start -->", "<!-- samples:end -->"
+
+
+def _sample_heading(folder: Path) -> str:
+    """"step N" for the trainer's samples/step-N; for a `sample` command's samples/cli-<time>-<tag>, what it
+    sampled (its source.txt's first line) and when."""
+    if folder.name.startswith("step-"):
+        return f"step {folder.name.removeprefix('step-').lstrip('0') or '0'}"
+    source = folder / "source.txt"
+    what = source.read_text(encoding="utf-8").splitlines()[0] if source.is_file() else folder.name
+    stamp = folder.name.split("-")[1:3]  # cli-YYYYmmdd-HHMMSS-...
+    when = f"{stamp[0][:4]}-{stamp[0][4:6]}-{stamp[0][6:]} {stamp[1][:2]}:{stamp[1][2:4]}" if (
+        len(stamp) == 2 and all(part.isdigit() for part in stamp)) else ""
+    return f"sample command: {what}" + (f" ({when})" if when else "")
+
+
+def samples_html(run_dir: RunDir) -> str:
+    """The samples section: the trainer's steps in order, then the `sample` command's folders by time."""
+    if not run_dir.samples.exists():
+        return "<p>no samples yet</p>"
+    folders = sorted(run_dir.samples.glob("step-*")) + sorted(run_dir.samples.glob("cli-*"))
+    return "".join(_sample_step_html(run_dir, d) for d in folders if d.is_dir()) or "<p>no samples yet</p>"
+
+
+def refresh_samples(run_root: Path) -> Path | None:
+    """Rewrite the samples section of the run's report.html (after `sample`); None when there is no report, or it
+    predates the section's markers."""
+    path = Path(run_root) / "report.html"
+    if not path.is_file():
+        return None
+    page = path.read_text(encoding="utf-8")
+    start, end = page.find(SAMPLES_START), page.find(SAMPLES_END)
+    if start < 0 or end < start:
+        return None
+    page = page[:start + len(SAMPLES_START)] + samples_html(RunDir(Path(run_root))) + page[end:]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
 def _sample_step_html(run_dir: RunDir, folder: Path) -> str:
     parts = []
     jsonl = folder / "samples.jsonl"
@@ -66,8 +109,8 @@ def _sample_step_html(run_dir: RunDir, folder: Path) -> str:
             for p in images) + "</div>")
     if not parts:
         return ""
-    step = folder.name.removeprefix("step-").lstrip("0") or "0"
-    return f'<div class="sample-step" id="{_esc(folder.name)}"><h3>step {_esc(step)}</h3>{"".join(parts)}</div>'
+    return (f'<div class="sample-step" id="{_esc(folder.name)}"><h3>{_esc(_sample_heading(folder))}</h3>'
+            f'{"".join(parts)}</div>')
 
 
 class RunReport(StepEvents):
@@ -125,15 +168,13 @@ class RunReport(StepEvents):
             plot_html = f'<img id="loss-plot" alt="loss" src="data:image/png;base64,{data}">'
         else:
             plot_html = "<p>no loss logged yet</p>"
-        sample_dirs = sorted(self.run_dir.samples.glob("step-*")) if self.run_dir.samples.exists() else []
-        samples_html = "".join(_sample_step_html(self.run_dir, d) for d in sample_dirs) or "<p>no samples yet</p>"
         page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_esc(name)} report</title>'
                 f"<style>{_STYLE}</style></head><body>\n"
                 f"<h1>{_esc(name)}</h1><p>{_esc(self.run.cfg.model.family)} LoRA on "
                 f"{_esc(self.run.cfg.model.name_or_path)}; run folder {_esc(self.run_dir.root)}</p>\n"
                 f'<h2>Progress and timings</h2><div id="timings">{_table(timings)}</div>\n'
                 f'<h2>Loss</h2><div id="loss">{plot_html}</div>\n'
-                f'<h2>Samples</h2><div id="samples">{samples_html}</div>\n'
+                f'<h2>Samples</h2><div id="samples">{SAMPLES_START}{samples_html(self.run_dir)}{SAMPLES_END}</div>\n'
                 f'<h2>Device and preset</h2><div id="device">{_table(device_rows)}</div>\n'
                 f'<h2>Plan: what auto became, and why</h2><div id="plan">{_table(plan_rows)}</div>\n'
                 f'<h2>Config (as asked)</h2><pre id="config">{_esc(self.config_yaml)}</pre>\n'

@@ -280,7 +280,8 @@ class Trainer:
             raise self._out_of_memory(step) from None
         finally:
             self.metrics.close()
-        self.log(f"done: {steps - start} steps in {elapsed:.1f}s; LoRA written to {final}")
+        done = steps - start
+        self.log(f"done: {done} step{'s' if done != 1 else ''} in {elapsed:.1f}s; LoRA written to {final}")
         self.procs.finish()
         return final
 
