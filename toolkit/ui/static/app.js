@@ -11,7 +11,7 @@ function el(tag, attrs, ...children) {
     if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
     else if (value !== null && value !== undefined && value !== false) node.setAttribute(key, value === true ? "" : value);
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child !== null && child !== undefined) node.append(child instanceof Node ? child : String(child));
   }
   return node;
@@ -56,8 +56,8 @@ const fileUrl = (run, path, download) =>
 // -- charts: one SVG line chart, series [{name, color, points: [[x, y], ...]}] --------------------------------------
 const COLORS = ["#1f5fa8", "#c0392b", "#1f8a4c", "#8e44ad", "#9ab"];
 
-function drawChart(container, title, series, caption) {
-  const W = 560, H = 220, L = 52, R = 12, T = 10, B = 28;
+function drawChart(container, title, series, caption, width) {
+  const W = width || 370, H = 200, L = 52, R = 10, T = 10, B = 28;
   const all = series.flatMap((s) => s.points).filter((p) => p[1] !== null && Number.isFinite(p[1]));
   container.replaceChildren();
   container.append(el("div", {class: "caption"}, el("b", {}, title), " ", el("span", {class: "last"}, caption || "")));
@@ -404,7 +404,7 @@ async function comparePage(params) {
   }
   const data = await api(`/api/compare?runs=${names.map(encodeURIComponent).join(",")}`);
   const chart = el("div", {class: "chart", id: "chart-compare"});
-  drawChart(chart, "loss (smoothed)", names.map((n) => ({name: n, points: data.loss[n]})), "");
+  drawChart(chart, "loss (smoothed)", names.map((n) => ({name: n, points: data.loss[n]})), "", 760);
   const diff = el("table", {id: "diff"}, el("thead", {}, el("tr", {}, el("th", {}, "key"), names.map((n) => el("th", {}, n)))),
     el("tbody", {}, data.diff.map((d) => el("tr", {}, el("td", {}, d.key), d.values.map((v) => el("td", {}, v))))));
   const setKey = (s) => (s.step !== null ? `step ${s.step}` : s.name);
