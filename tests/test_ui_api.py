@@ -331,3 +331,13 @@ def test_a_non_local_server_prints_a_token_and_needs_it(tmp_path):
         proc.wait(timeout=20)
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_the_page_ships_with_the_package():
+    import fnmatch
+    import tomllib
+
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["toolkit.ui"]
+    static = sorted(p.relative_to(REPO / "toolkit/ui").as_posix() for p in (REPO / "toolkit/ui/static").iterdir())
+    assert static == ["static/app.js", "static/index.html", "static/style.css"]
+    assert all(any(fnmatch.fnmatch(name, g) for g in globs) for name in static)

@@ -18,16 +18,14 @@ pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
-from conftest import REPO, run_toolkit  # noqa: E402
+from helpers import long_quickstart  # noqa: E402
+from toolkit.errors import UserError  # noqa: E402
+from toolkit.train.run_lock import RunLock  # noqa: E402
 from toolkit.ui.app import create_app  # noqa: E402
 from toolkit.ui.jobs import JobQueue  # noqa: E402
 from toolkit.ui.runs import lock_holder  # noqa: E402
 
-# Long enough never to finish while the test watches it; it is stopped.
-LIVE = (REPO / "configs/examples/quickstart_llm.yaml").read_text(encoding="utf-8").replace(
-    "name: quickstart_llm", "name: live").replace("steps: 100", "steps: 2000").replace(
-    "  every: 10", "  every: 1").replace("  every: 50\n  dtype", "  every: 0\n  dtype").replace(
-    "  every: 50\n  prompts", "  every: 0\n  prompts").replace("max_new_tokens: 16", "max_new_tokens: 4")
+LIVE = long_quickstart("live")
 
 
 def wait_for(what: str, check, timeout: float = 120.0):
@@ -91,10 +89,11 @@ def test_start_queue_restart_refuse_stop_sample_resume(root):
         assert refused.status_code == 409
         message = refused.json()["error"]
         assert message.startswith(f"run folder {root / 'live'} is in use by another run (pid {holder['pid']} on host ")
+        with pytest.raises(UserError) as cli:  # what `train` meets in that folder (the CLI prints "error: " and it)
+            RunLock(root / "live").acquire(print)
+        assert str(cli.value) == message
         config = client.get("/api/runs/live").json()
         saved_yaml = next(a for a in live["command"].split() if a.endswith(".yaml"))
-        cli = run_toolkit("train", saved_yaml, f"run.output_dir={root}/live", timeout=120)
-        assert cli.returncode == 2 and cli.stderr.endswith(f"error: {message}\n"), cli.stderr[-1500:]
         assert config["provenance_note"].startswith("sources: the YAML this UI started the run with")
         sources = {r["key"]: r["source"] for r in config["provenance"]}
         assert sources["train.steps"] == f"{Path(saved_yaml).name}:{LIVE.splitlines().index('  steps: 2000') + 1}"

@@ -276,8 +276,8 @@ def create_app(root: Path, token: str | None = None, local_only: bool = False, j
             loss[folder.name] = sorted(by_step.items())
         flat = [_flat(run_files.read_config(f)) for f in folders]
         keys = sorted(set().union(*flat))
-        diff = [{"key": k, "values": [str(f.get(k, "—")) for f in flat]} for k in keys
-                if len({json.dumps(f.get(k), default=str) for f in flat}) > 1]
+        shown = [{k: v if isinstance(v, str) else json.dumps(v, default=str) for k, v in f.items()} for f in flat]
+        diff = [{"key": k, "values": [s.get(k, "—") for s in shown]} for k in keys if len({s.get(k) for s in shown}) > 1]
         return JSONResponse({"runs": names, "loss": loss, "diff": diff,
                              "samples": {f.name: run_files.sample_sets(f) for f in folders}})
 

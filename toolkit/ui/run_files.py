@@ -11,10 +11,11 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.train.checkpoint import list_checkpoints
 from toolkit.train.plots import IMAGE_SUFFIXES
 
 TAIL_BYTES = 16384  # enough for the last few records of metrics.jsonl
+# train/checkpoint.py's STEP_DIR, without importing torch with it: the runs pages start and answer without torch.
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
 def _finite_numbers(record: dict) -> dict:
@@ -73,8 +74,12 @@ def read_config(run: Path) -> dict:
 
 def checkpoints(run: Path) -> list[dict]:
     """Finished checkpoints (meta.json written), lowest step first, with their LoRA files."""
+    try:
+        folders = [(int(m.group(1)), p) for p in (run / "checkpoints").iterdir() if (m := STEP_DIR.match(p.name))]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
     found = []
-    for step, folder in sorted(list_checkpoints(run / "checkpoints")):
+    for step, folder in sorted(folders):
         try:
             meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
