@@ -22,6 +22,7 @@ from conftest import REPO, run_toolkit  # noqa: E402
 from helpers import read_metrics  # noqa: E402
 from toolkit.train.run_lock import lock_path  # noqa: E402
 from toolkit.ui.app import create_app  # noqa: E402
+from toolkit.ui.jobs import Job, JobQueue  # noqa: E402
 
 QUICKSTART = (REPO / "configs/examples/quickstart_llm.yaml").read_text(encoding="utf-8")
 
@@ -341,3 +342,69 @@ def test_the_page_ships_with_the_package():
     static = sorted(p.relative_to(REPO / "toolkit/ui").as_posix() for p in (REPO / "toolkit/ui/static").iterdir())
     assert static == ["static/app.js", "static/index.html", "static/style.css"]
     assert all(any(fnmatch.fnmatch(name, g) for g in globs) for name in static)
+
+
+def test_plan_json_decisions_are_shown_when_the_run_has_one(client, root):
+    run = _copy(root, "planned")
+    plan = {"version": 1, "decisions": [
+        {"key": "train.compile", "value": True, "reason": "measured 1.4x", "stage": "measured",
+         "evidence": "bench/results/compile.json"},
+        {"key": "train.batch_size", "value": 4, "reason": "the preset's table", "stage": "static", "evidence": None}]}
+    (run / "plan.json").write_text(json.dumps(plan))
+    detail = client.get("/api/runs/planned").json()
+    assert detail["decisions_from"] == "plan.json" and detail["decisions"] == plan["decisions"]
+    sources = {r["key"]: r["source"] for r in detail["provenance"]}
+    assert sources["train.compile"] == "auto: measured 1.4x" and sources["train.batch_size"] == "auto: the preset's table"
+
+
+class Recorder(JobQueue):
+    """A queue that records the jobs it would start instead of starting them."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.started: list[str] = []
+
+    def _start(self, job: Job) -> None:
+        job.state = "running"
+        self.started.append(job.run)
+
+    def _reap(self) -> bool:
+        return False
+
+
+def test_one_job_at_a_time_per_set_of_gpus(tmp_path):
+    """The queue's rule, without processes: a job starts when no running job holds one of its GPUs."""
+    queue = Recorder(tmp_path / "outputs")
+    for run, gpus, devices in [("a", "", ""), ("b", "", "1"), ("c", "2", "1,2"), ("d", "2", ""), ("e", "all", ""),
+                               ("f", "", "3")]:
+        queue.submit("train", run, ["train", f"{run}.yaml"], gpus, devices)
+    # a: GPU 0; b: GPU 1; c: GPUs 1 and 2 (waits for b); d: GPUs 0 and 1 (waits); e: every GPU (waits); f: GPU 3
+    assert queue.started == ["a", "b", "f"]
+    assert [(j.run, sorted(j.device_keys())) for j in queue.jobs] == [
+        ("a", ["0"]), ("b", ["1"]), ("c", ["1", "2"]), ("d", ["0", "1"]), ("e", ["*"]), ("f", ["3"])]
+    for job in queue.jobs:
+        if job.run in ("a", "b", "f"):
+            job.state = "done"
+    queue.tick()
+    assert queue.started == ["a", "b", "f", "c"]  # in queue order; d shares GPU 1 with c, e needs them all
+    saved = json.loads((tmp_path / "outputs/.ui/jobs.json").read_text())
+    assert [(j["run"], j["state"]) for j in saved["jobs"]] == [
+        ("a", "done"), ("b", "done"), ("c", "running"), ("d", "queued"), ("e", "queued"), ("f", "done")]
+
+
+def test_a_run_on_chosen_gpus_is_started_as_the_cli_would(tmp_path):
+    root = tmp_path / "outputs"
+    queue = Recorder(root)
+    with TestClient(create_app(root, jobs=queue)) as client:
+        answer = client.post("/api/jobs", json={"yaml": QUICKSTART, "gpus": "2", "devices": "0, 1", "fresh": True})
+        assert answer.status_code == 201, answer.text
+    job = queue.jobs[0]
+    saved = root.resolve() / ".ui" / "configs"
+    assert job.args == ["train", str(next(saved.iterdir())), f"run.output_dir={root.resolve()}/${{run.name}}", "--fresh",
+                        "--gpus", "2"]
+    assert (job.gpus, job.devices, job.device_keys()) == ("2", "0,1", {"0", "1"})
+    assert next(saved.iterdir()).read_text() == QUICKSTART
+    from toolkit.ui.jobs import launcher_command
+
+    command, env = launcher_command(job.args)
+    assert command == [str(REPO / "start_toolkit.sh"), *job.args] and env["TOOLKIT_PYTHON"] == sys.executable

@@ -74,8 +74,8 @@ class Status:
 def run_status(run: Path, step: int | None, total: int | None, job: "Job | None") -> Status:
     """running: its lock is held by a live process; queued / starting: a job of this UI that holds no lock yet;
     finished: final/ exists and the last step is train.steps; failed: the UI's job for it exited with an error, or
-    the run died without releasing its lock (killed), or it ended before its first checkpoint; interrupted: a
-    checkpoint to resume from and none of the above."""
+    the run died without releasing its lock (killed), or it ended before its first checkpoint (unless the UI
+    stopped it); interrupted: a checkpoint to resume from (or the UI's stop) and none of the above."""
     holder, alive = lock_holder(run)
     if holder is not None and alive:
         where = f"pid {holder.get('pid', '?')}" + (f" on {holder['host']}" if holder.get("host") != socket.gethostname()
@@ -91,6 +91,8 @@ def run_status(run: Path, step: int | None, total: int | None, job: "Job | None"
         return Status("failed", f"the run (pid {holder.get('pid', '?')}) ended without releasing its lock: killed")
     if run_files.checkpoints(run):
         return Status("interrupted", "stopped before train.steps; resume continues from the last checkpoint")
+    if job is not None and job.exit_code in STOP_EXIT_CODES:
+        return Status("interrupted", "stopped before its first checkpoint; resume starts it again")
     return Status("failed", "ended before its first checkpoint")
 
 
