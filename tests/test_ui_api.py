@@ -216,6 +216,9 @@ def test_validation_is_the_validate_commands(client, run_cli, capsys, tmp_path):
     assert broken["problems"][0]["line"] == 3 and "invalid YAML" in broken["problems"][0]["message"]
     good = client.post("/api/validate", json={"yaml": QUICKSTART}).json()
     assert good["ok"] is True and good["problems"] == [] and good["run"] == "quickstart_llm"
+    assert good["existing"] is None
+    existing = client.post("/api/validate", json={"yaml": QUICKSTART.replace("name: quickstart_llm", "name: llm-done")})
+    assert existing.json()["existing"] == "finished"
     sources = {r["key"]: r["source"] for r in good["rows"]}
     assert sources["run.name"] == "line 5" and sources["train.compile"] == "auto: off on the CPU"
     assert sources["run.output_dir"] == "the UI (outputs root)" and sources["run.seed"] == "default"
@@ -234,7 +237,7 @@ def test_an_invalid_config_cannot_be_started(client, root):
     response = client.post("/api/jobs", json={"yaml": QUICKSTART.replace("lr: 1.0e-2", "lr: fast")})
     assert response.status_code == 400
     assert response.json()["problems"] == [{"line": QUICKSTART.splitlines().index("  lr: 1.0e-2") + 1,
-                                            "message": f"'train.lr' in line 20: expected a number, got 'fast'"}]
+                                            "message": "'train.lr' in line 20: expected a number, got 'fast'"}]
     assert client.get("/api/runs").json()["jobs"] == []
     assert sorted((root / ".ui" / "configs").iterdir()) == before
     bad_gpus = client.post("/api/jobs", json={"yaml": QUICKSTART, "gpus": "two"})

@@ -230,8 +230,13 @@ def create_app(root: Path, token: str | None = None, local_only: bool = False, j
         return JSONResponse({"yaml": configs.set_yaml_key(str(body["yaml"]), "device.preset", str(body["preset"]))})
 
     async def validate(request: Request) -> Response:
+        """The validator's answer, and the status of the run folder the config names when it exists (Start then
+        resumes it, or with --fresh moves it aside)."""
         body = await request.json()
-        return JSONResponse(await asyncio.to_thread(configs.validate_text, str(body.get("yaml", "")), root))
+        result = await asyncio.to_thread(configs.validate_text, str(body.get("yaml", "")), root)
+        existing = summary(root, result["run"], latest_job(result["run"])) if result["run"] else None
+        result["existing"] = existing["status"] if existing and (root / result["run"]).is_dir() else None
+        return JSONResponse(result)
 
     async def start_job(request: Request) -> Response:
         """Check the YAML as `validate` does (invalid: 400 with the problems, nothing started), save it under .ui/,

@@ -354,7 +354,8 @@ async function newPage(params) {
     if (mine !== generation) return;  // a newer check is under way
     showProblems(result.problems, result.ok);
     start.disabled = !result.ok;
-    runName.textContent = result.run ? `run folder: ${result.run}` : "";
+    runName.textContent = !result.run ? "" : `run folder: ${result.run}` + (!result.existing ? "" :
+      ` (exists, ${result.existing}: Start resumes it; "start over" moves it aside first)`);
     resolved.replaceChildren(...result.rows.map((r) => el("tr", {}, el("td", {}, r.key), el("td", {}, r.value), el("td", {class: "source"}, r.source))));
   }
   function changed() {
