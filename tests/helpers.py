@@ -96,6 +96,12 @@ class TinyRuns:
         return self.folders[family]
 
 
+# The TINY_RUNS are shared by a session's tests, and those that call `sample` on them add samples/cli-* folders: a test
+# that copies a tiny run leaves those out (shutil.copytree(..., ignore=without_others_samples)), so it sees the training's own.
+def without_others_samples(folder: str, names: list[str]) -> list[str]:
+    return [n for n in names if n.startswith("cli-")] if Path(folder).name == "samples" else []
+
+
 def long_quickstart(name: str, sample_every: int = 0) -> str:
     """The LLM quickstart's YAML as a run that never finishes while a test watches it (2,000 steps; tests stop it):
     a log line every step, no checkpoint but the one a stop saves, samples of 4 tokens every `sample_every` steps."""

@@ -19,7 +19,7 @@ pytest.importorskip("httpx")  # Starlette's TestClient
 from starlette.testclient import TestClient  # noqa: E402
 
 from conftest import REPO, run_toolkit  # noqa: E402
-from helpers import read_metrics  # noqa: E402
+from helpers import without_others_samples, read_metrics  # noqa: E402
 from toolkit.train.run_lock import lock_path  # noqa: E402
 from toolkit.ui.app import create_app  # noqa: E402
 from toolkit.ui.jobs import Job, JobQueue  # noqa: E402
@@ -33,8 +33,8 @@ def root(tmp_path_factory, tiny_runs) -> Path:
     finished tiny SD run (images)."""
     out = tmp_path_factory.mktemp("ui") / "outputs"
     out.mkdir()
-    shutil.copytree(tiny_runs["llm"], out / "llm-done")
-    shutil.copytree(tiny_runs["sd"], out / "sd-done")
+    shutil.copytree(tiny_runs["llm"], out / "llm-done", ignore=without_others_samples)
+    shutil.copytree(tiny_runs["sd"], out / "sd-done", ignore=without_others_samples)
     return out
 
 

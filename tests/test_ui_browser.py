@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from helpers import long_quickstart
+from helpers import without_others_samples, long_quickstart
 from toolkit.ui.jobs import JobQueue
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -36,8 +36,8 @@ def server(tmp_path, tiny_runs):
     pytest.importorskip("selenium")
     root = tmp_path / "outputs"
     root.mkdir()
-    shutil.copytree(tiny_runs["llm"], root / "reference")
-    shutil.copytree(tiny_runs["llm"], root / "old_run")
+    shutil.copytree(tiny_runs["llm"], root / "reference", ignore=without_others_samples)
+    shutil.copytree(tiny_runs["llm"], root / "old_run", ignore=without_others_samples)
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "ui", "--port", "0", "--outputs", str(root)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -104,10 +104,11 @@ def create_app(root: Path, token: str | None = None, local_only: bool = False, j
     async def index(request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
 
-    async def list_runs(request: Request) -> Response:
+    def list_runs(request: Request) -> Response:
         names = set(run_names(root)) | {j.run for j in queue.active() if j.kind == "train"}
         rows = [s for s in (summary(root, n, latest_job(n)) for n in sorted(names)) if s is not None]
-        recent = [j for j in queue.jobs if j.state in ("done", "cancelled")][-10:]
+        with queue.lock:
+            recent = [j for j in queue.jobs if j.state in ("done", "cancelled")][-10:]
         return JSONResponse({"root": str(root), "runs": rows,
                              "jobs": [_job_json(j) for j in queue.active() + recent[::-1]]})
 
