@@ -25,6 +25,8 @@ commands (passed to `python -m toolkit COMMAND`):
         [--prompt TEXT ...] [--seed N] with the run's own model and sample settings, into RUN_DIR/samples/cli-*/
   merge RUN_DIR OUT_DIR               fold an LLM LoRA into its base model and save the full model
   import-aitk JOB.yaml > CONFIG.yaml  translate an ai-toolkit job file (what does not translate: on stderr)
+  ui [--host H] [--port N] [--token T] [--outputs DIR]
+                                      a local web UI: start, watch and compare runs (http://127.0.0.1:8642/)
   test [PYTEST ARGS]                  the test suite, or the paths given (pytest, one worker per core, at most 4)
 
 options:

@@ -95,6 +95,24 @@ class TinyRuns:
         return self.folders[family]
 
 
+# The TINY_RUNS are shared by a session's tests, and those that call `sample` on them add samples/cli-* folders: a test
+# that copies a tiny run leaves those out (shutil.copytree(..., ignore=without_others_samples)), so it sees the training's own.
+def without_others_samples(folder: str, names: list[str]) -> list[str]:
+    return [n for n in names if n.startswith("cli-")] if Path(folder).name == "samples" else []
+
+
+def long_quickstart(name: str, sample_every: int = 0) -> str:
+    """The LLM quickstart's YAML as a run that never finishes while a test watches it (2,000 steps; tests stop it):
+    a log line every step, no checkpoint but the one a stop saves, samples of 4 tokens every `sample_every` steps."""
+    text = (REPO / "configs/examples/quickstart_llm.yaml").read_text(encoding="utf-8")
+    for old, new in (("name: quickstart_llm", f"name: {name}"), ("steps: 100", "steps: 2000"), ("  every: 10", "  every: 1"),
+                     ("  every: 50\n  dtype", "  every: 0\n  dtype"), ("max_new_tokens: 16", "max_new_tokens: 4"),
+                     ("  every: 50\n  prompts", f"  every: {sample_every}\n  prompts")):
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
 def read_metrics(run_dir: Path, key: str | None = "loss") -> list:
     """The records of logs/metrics.jsonl (only those with `key`, or all when key is None)."""
     records = [json.loads(line) for line in (Path(run_dir) / "logs" / "metrics.jsonl").read_text().splitlines()]

@@ -19,6 +19,7 @@ USAGE_EXAMPLES = """examples:
   ./start_toolkit.sh presets
   ./start_toolkit.sh doctor
   ./start_toolkit.sh import-aitk job.yaml > config.yaml   # from an ai-toolkit job
+  ./start_toolkit.sh ui                                   # the web UI on http://127.0.0.1:8642/
 """
 
 
@@ -80,14 +81,11 @@ def _print_decisions(run) -> None:
         print(f"  {line}", file=sys.stderr)
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
+def provenance_rows(run) -> list[tuple[str, str, str]]:
+    """(key, value, source) for every key of a ResolvedRun's config: the layer and line that set it, or the reason
+    an auto value was decided (what `validate` prints; the web UI shows the same)."""
     from toolkit.config.load import flatten, resolved_container
-    from toolkit.plan.run import load_run, split_args
 
-    from toolkit.preflight import path_checks
-
-    files, overrides = split_args(args.config)
-    run = load_run(files, overrides, check_paths=path_checks())
     decided = {d.key: d for d in run.plan}
     rows = []
     for key, value in flatten(resolved_container(run.cfg)):
@@ -97,6 +95,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
         else:
             source = run.sources.get(key, "default")
         rows.append((key, repr(value) if isinstance(value, str) and not value else str(value), source))
+    return rows
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from toolkit.plan.run import load_run, split_args
+
+    from toolkit.preflight import path_checks
+
+    files, overrides = split_args(args.config)
+    run = load_run(files, overrides, check_paths=path_checks())
+    rows = provenance_rows(run)
     width_key = max(len(r[0]) for r in rows)
     width_value = min(max(len(r[1]) for r in rows), 40)
     print(f"# device: {run.device.summary()}; {run.preset_reason}")
@@ -155,6 +164,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    from toolkit.ui.serve import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="start_toolkit.sh", description="YAML-driven LoRA training toolkit.",
                                      epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", default=None, metavar="DIR",
                         help="a new folder for the samples (default: RUN_DIR/samples/cli-<time>-<final|step-N>/)")
     sample.set_defaults(func=cmd_sample)
+    ui = sub.add_parser("ui", help="a local web UI: start, watch and compare runs (localhost; other hosts need a token)")
+    from toolkit.ui.serve import add_arguments as add_ui_arguments
+
+    add_ui_arguments(ui)
+    ui.set_defaults(func=cmd_ui)
     return parser
 
 

@@ -44,6 +44,25 @@ def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{since}"
 
 
+def live_holder_refusal(run_root: Path) -> UserError | None:
+    """The error `RunLock.acquire` would raise for a run folder that a live run holds, found without taking the
+    lock (a look must never make a starting run fail); None when no live run holds it."""
+    lock = RunLock(run_root)
+    try:
+        fd = os.open(lock.path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        holder = lock._read(fd)
+    finally:
+        os.close(fd)
+    if not holder:
+        return lock._refusal(holder, "it is running")  # its holder is still writing its name
+    if holder.get("host") != socket.gethostname():
+        return lock._refusal(holder, "it may still be running")
+    return lock._refusal(holder, "it is running") if _pid_alive(int(holder.get("pid", 0))) else None
+
+
 class RunLock:
     """An exclusive lock on a run folder: acquire() before anything in the folder is read or moved."""
 
