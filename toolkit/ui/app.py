@@ -57,7 +57,7 @@ def _flat(config: dict) -> dict[str, object]:
 def _job_sources(config_file: str, overrides: tuple[str, ...]) -> dict[str, str]:
     """Where each value of a UI job's config came from: load_run over the YAML the UI saved and its overrides."""
     from toolkit.cli import provenance_rows
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
 
     label = Path(config_file).name
     rows = provenance_rows(load_run([config_file], list(overrides)))

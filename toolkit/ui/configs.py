@@ -118,7 +118,7 @@ def validate_text(text: str, root: Path) -> dict:
     """Check YAML text as `validate` would (load_run with the data, model and output checks): {ok, problems (each
     with its line or None), rows (key, value, source), run (the folder's name under the root)}."""
     from toolkit.cli import provenance_rows
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.preflight import path_checks
 
     with tempfile.TemporaryDirectory(prefix="toolkit-ui-") as folder:
