@@ -113,9 +113,9 @@ def test_a_run_page_data(client, root):
     written = [json.loads(line) for line in (root / "llm-done/samples/step-000002/samples.jsonl").read_text().splitlines()]
     assert llm["samples"][1]["items"] == [{"prompt": r["prompt"], "text": r["completion"]} for r in written]
     assert written[0]["prompt"] == "the red circle"
-    # the auto decisions as the run report records them, the resolved config with each value's line
+    # the auto decisions as the run's plan.json records them, the resolved config with each value's line
     decided = {d["key"]: d for d in llm["decisions"]}
-    assert llm["decisions_from"] == "report.html"
+    assert llm["decisions_from"] == "plan.json" and decided["train.compile"]["stage"] == "static"
     assert decided["train.compile"]["reason"] == "off on the CPU" and decided["train.compile"]["value"] is False
     rows = {r["key"]: r for r in llm["provenance"]}
     config_lines = (root / "llm-done/config.yaml").read_text().splitlines()
@@ -213,7 +213,8 @@ def test_validation_is_the_validate_commands(client, run_cli, capsys, tmp_path):
     for problem in result["problems"]:
         assert problem["message"].replace("line ", f"{path}:") in printed
     broken = client.post("/api/validate", json={"yaml": "train:\n  steps: [1\n"}).json()
-    assert broken["problems"][0]["line"] == 3 and "invalid YAML" in broken["problems"][0]["message"]
+    # the line to fix: where the unclosed bracket opens (config/yaml_errors.py), not where the parser gave up
+    assert broken["problems"][0]["line"] == 2 and "invalid YAML" in broken["problems"][0]["message"]
     good = client.post("/api/validate", json={"yaml": QUICKSTART}).json()
     assert good["ok"] is True and good["problems"] == [] and good["run"] == "quickstart_llm"
     assert good["existing"] is None

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,16 @@ def test_quickstart_from_the_browser(server, browser):
     def text(css):  # read in one script: the page redraws often, an element found first could be gone when read
         return d.execute_script("const e = document.querySelector(arguments[0]); return e ? e.innerText : null", css)
 
+    def click(element_id):  # the page may redraw the button between finding it and clicking it: find it again
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        for _ in range(20):
+            try:
+                return d.find_element(By.ID, element_id).click()
+            except StaleElementReferenceException:
+                time.sleep(0.1)
+        raise AssertionError(f"#{element_id} kept being redrawn before it could be clicked")
+
     def attribute(css, name):
         return d.execute_script("return document.querySelector(arguments[0]).getAttribute(arguments[1])", css, name)
 
@@ -127,7 +138,7 @@ def test_quickstart_from_the_browser(server, browser):
     wait("the config checked OK again", lambda: text("#valid") and not d.find_elements(By.CSS_SELECTOR, "#gutter .bad"))
     assert text("#run-name") == "run folder: ui_quickstart"
     wait("the start button", lambda: d.find_element(By.ID, "start").is_enabled())
-    d.find_element(By.ID, "start").click()
+    click("start")
 
     # A run: the step counter and the loss chart advance
     wait("the run page", lambda: d.current_url.endswith("#/run/ui_quickstart"))
@@ -148,16 +159,16 @@ def test_quickstart_from_the_browser(server, browser):
     screenshot("run")
 
     # Stop (a checkpoint is saved), then resume from it
-    d.find_element(By.ID, "stop").click()
+    click("stop")
     wait("the interrupted status", lambda: status() == "interrupted")
     stopped = step()
     wait("the checkpoint", lambda: text(f'#checkpoint-table tr[data-step="{stopped}"]'))
-    d.find_element(By.ID, "resume").click()
+    click("resume")
     wait("the run running again", lambda: status() == "running")
     wait("steps after the resume", lambda: step() > stopped)
     resumed = f"resumed from {root / 'ui_quickstart' / 'checkpoints' / f'step-{stopped:06d}'} (step {stopped})"
     wait("the resume in the job's log", lambda: resumed in (text("#job-log") or ""))
-    d.find_element(By.ID, "stop").click()
+    click("stop")
     wait("the interrupted status again", lambda: status() == "interrupted")
 
     # Runs: a deleted run folder disappears without an error; then compare two runs
@@ -173,7 +184,7 @@ def test_quickstart_from_the_browser(server, browser):
     for row in rows.values():
         row.find_element(By.CSS_SELECTOR, "input[type=checkbox]").click()
     screenshot("runs")
-    d.find_element(By.ID, "compare-selected").click()
+    click("compare-selected")
     wait("the compare chart", lambda: int(d.find_element(By.ID, "chart-compare").get_attribute("data-points") or 0) > 2)
     names = [p.get_attribute("data-name") for p in d.find_elements(By.CSS_SELECTOR, "#chart-compare polyline")]
     assert sorted(names) == ["reference", "ui_quickstart"]
