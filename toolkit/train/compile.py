@@ -8,7 +8,6 @@ Triton and inductor serve CUDA and ROCm from the same source; on the CPU inducto
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Mapping
 
 import torch
@@ -27,8 +26,10 @@ def keep_compiled_code(log: Callable[[str], None]) -> None:
     inductor_config.fx_graph_cache = True
     if hasattr(functorch_config, "enable_autograd_cache"):
         functorch_config.enable_autograd_cache = True
-    log(f"train.compile: compiled code is kept in {os.environ['TORCHINDUCTOR_CACHE_DIR']} (a later run of the same "
-        "shapes and settings loads it)")
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    log(f"train.compile: compiled code is kept in {cache_dir()} (a later run of the same shapes and settings loads "
+        "it)")
 
 
 def without_ddp_graph_splitting() -> None:
