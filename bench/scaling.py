@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 
 CHECKSUM = re.compile(r"processes: LoRA weights identical on all (\d+) \(sha256 ([0-9a-f]+)\)")
+FIRST_STEP = re.compile(r"train\.compile: the first step took ([\d.]+) s \(compilation included\), ([\d.]+) s after")
 UNET_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]   # the toolkit's default sdxl targets (UNET_TARGETS)
 SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, norm_num_groups=32,
                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
@@ -174,6 +175,12 @@ def toolkit_run(name: str, config_yaml: str, overrides: list[str], work: Path, g
         result["memory_hook"] = reports
 
     text = log.read_text(errors="replace")
+    first = FIRST_STEP.search(text)
+    if first is not None:  # the compile: cold in a model's first run here, warm (its cache filled) in the later ones
+        result["first_step_s"], result["first_step_after_start_s"] = float(first.group(1)), float(first.group(2))
+    result["notes"] = [line for line in text.splitlines()
+                       if line.startswith(("blocks:", "device.gradient_sync", "train.gradient_checkpointing=auto",
+                                           "train.batch_size=auto", "attention:"))]
     if gpus > 1:
         match = CHECKSUM.search(text)
         if match is None:
@@ -213,8 +220,9 @@ def plain_worker(args) -> None:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)  # the same LoRA initialisation on every rank (DDP also broadcasts rank 0's)
-    model, params, step = (plain_llm if args.plain_worker == "llm" else plain_sdxl)(args, device, dtype, rank)
-    if args.worker_compile:  # each decoder layer compiled, as a user speeding up the plain loop would
+    build = {"llm": plain_llm, "sdxl": plain_sdxl, "wan": plain_wan}[args.plain_worker]
+    model, params, step = build(args, device, dtype, rank)
+    if args.worker_compile and args.plain_worker == "llm":  # each decoder layer compiled, as a user would
         for layer in model.get_base_model().model.layers:
             layer.compile()
     if world > 1:
@@ -255,7 +263,7 @@ def plain_worker(args) -> None:
         dist.all_gather_object(peaks, peak)
         dist.barrier()
     if rank == 0:
-        units = args.worker_batch * (args.worker_size if args.plain_worker == "llm" else 1)
+        units = args.worker_batch * (args.worker_size if args.plain_worker == "llm" else 1)  # tokens, images, clips
         Path(args.result).write_text(json.dumps({
             "stack": "plain-compiled" if args.worker_compile else "plain", "gpus": world, "seconds": seconds,
             "steps": args.worker_steps,
@@ -322,6 +330,32 @@ def plain_sdxl(args, device, dtype, rank):
     return unet, params, step
 
 
+def plain_wan(args, device, dtype, rank):
+    """bench/diffusion.py's plain Wan loop: the transformer with PEFT LoRA r=16 on the toolkit's targets (fp32 LoRA
+    over bf16 weights), gradient checkpointing and each block compiled (the fastest plain loop of that bench), the
+    flow-matching loss on random latents of the clip's shape and random text states; each rank its own batch."""
+    import diffusion as bench_diffusion
+
+    w = bench_diffusion.workload("wan", args.tiny)
+    model = bench_diffusion.plain_model("wan", Path(args.model), ckpt=True, compiled=bool(args.worker_compile))
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(1000 + rank)
+    b = args.worker_batch
+    latents = torch.randn(b, 16, (w["frames"] - 1) // 4 + 1, w["height"] // 8, w["width"] // 8, generator=g).to(device)
+    dtype = torch.bfloat16  # plain_model's weights (bf16 on the CPU too, where autocast is off)
+    text = torch.randn(b, 512, model.config.text_dim, generator=g).to(device, dtype)
+    view = (-1,) + (1,) * (latents.dim() - 1)
+
+    def step(m):  # through `m`, the DDP wrapper with several processes: its forward is what all-reduces
+        noise = torch.randn_like(latents)
+        sigma = torch.sigmoid(torch.randn(b, device=device))
+        noisy = (1 - sigma.view(view)) * latents + sigma.view(view) * noise
+        pred = m(hidden_states=noisy.to(dtype), timestep=sigma * 1000, encoder_hidden_states=text, return_dict=False)[0]
+        return torch.nn.functional.mse_loss(pred.float(), noise - latents)
+
+    return model, params, step
+
+
 # -- the models and data --------------------------------------------------------------------------------------
 
 def write_sdxl(folder: Path) -> None:
@@ -380,6 +414,50 @@ LLM_CONFIG = ("model: {family: llm}\nnetwork: {rank: 16, alpha: 16}\n"
 SDXL_CONFIG = ("model: {family: sdxl}\nnetwork: {rank: 16, alpha: 16}\n"
                "train: {lr: 1.0e-4, precision: bf16, gradient_checkpointing: false, optimizer: adamw}\n"
                "save: {every: 0}\nsample: {prompts: []}\nlog: {tensorboard: false}\n")
+
+
+WAN_CONFIG = ("model: {family: wan21}\nnetwork: {rank: 16, alpha: 16}\n"
+              "train: {lr: 1.0e-4, precision: bf16, optimizer: adamw}\n"
+              "save: {every: 0}\nsample: {prompts: []}\nlog: {tensorboard: false}\n")
+
+
+def wan_workload(tiny: bool) -> dict:
+    import diffusion as bench_diffusion
+
+    return bench_diffusion.workload("wan", tiny)
+
+
+def wan_scaling(args, work: Path, counts: list[int], stacks: set, tiny: bool, tiny_overrides: list[str],
+                measure) -> dict:
+    """Wan 2.1 1.3B at 81 x 480 x 832 (bench/diffusion.py's workload), 1 clip per GPU: the toolkit as auto sets it
+    (compiled block by block; checkpointing and what it keeps measured) beside the plain loop under torchrun/DDP."""
+    from diffusion_models import write_clip, write_pipeline
+
+    warmup, steps = args.wan_warmup or (1 if tiny else 3), args.wan_steps or (2 if tiny else 6)
+    w = wan_workload(tiny)
+    t0 = time.perf_counter()
+    folder, clips = work / "wan", work / "wan-clips"
+    write_pipeline("wan", folder, "cpu" if tiny else "cuda", tiny=tiny)
+    write_clip(clips / "one", w["frames"], w["height"], w["width"])
+    for i in range(max(counts) * (warmup + steps) + 1):  # every process a clip of its own each step, no epoch end
+        (clips / f"clip{i:03d}.webp").write_bytes((clips / "one" / "clip.webp").read_bytes())
+        (clips / f"clip{i:03d}.txt").write_text(f"a random pattern drifting right, number {i}\n")
+    shutil.rmtree(clips / "one")
+    print(f"Wan 2.1 pipeline and clips written in {time.perf_counter() - t0:.0f}s", flush=True)
+    side = int((w["height"] * w["width"]) ** 0.5) + 1
+    overrides = [f"model.name_or_path={folder}", f"data.path={clips}", f"data.num_frames={w['frames']}",
+                 f"data.resolution={side}", "data.bucket_step=32", "train.batch_size=1",
+                 f"train.compile={not tiny}", *tiny_overrides, *args.set]
+    rows: dict = {}
+    for gpus in counts:
+        for stack, extra in (("toolkit", []), ("toolkit-ddp", ["device.gradient_sync=ddp"])):
+            if stack in stacks and (gpus > 1 or stack == "toolkit"):
+                measure("wan", rows, stack, gpus, lambda: toolkit_run(
+                    f"wan-{stack}", WAN_CONFIG, overrides + extra, work, gpus, warmup, steps, 1, args.timeout))
+        if "plain" in stacks:
+            measure("wan", rows, "plain", gpus, lambda: plain_run(
+                "wan", folder, work, gpus, warmup, steps, 1, 0, tiny, args.timeout, compiled=not tiny))
+    return rows
 
 
 # -- fsdp vs ddp memory ---------------------------------------------------------------------------------------
@@ -448,8 +526,8 @@ def print_table(title: str, unit: str, rows: dict, gpus: int) -> None:
     print(f"\n{title}")
     print(f"{'stack':<15} {'GPUs':>4} {unit + '/s':>12} {'per-GPU peak GiB':>18} {'scaling':>8} "
           f"{'toolkit/plain':>13} {'/plain-compiled':>15}  ranks max|diff|")
-    for stack in ("toolkit", *PLAIN_STACKS):
-        for n in sorted({1, gpus}):
+    for stack in ("toolkit", "toolkit-ddp", *PLAIN_STACKS):
+        for n in sorted({n for s, n in rows}):
             r = measured(rows, (stack, n), f"{stack:<15} {n:>4}")
             if r is None:
                 continue
@@ -459,12 +537,14 @@ def print_table(title: str, unit: str, rows: dict, gpus: int) -> None:
             for plain_stack in PLAIN_STACKS:
                 plain = rows.get((plain_stack, n), {})
                 ratios.append(f"{r['units_per_s'] / plain['units_per_s']:.2f}"
-                              if stack == "toolkit" and "units_per_s" in plain else "-")
+                              if stack.startswith("toolkit") and "units_per_s" in plain else "-")
             diff = "-" if n == 1 else ("?" if r.get("rank_max_diff") is None else f"{r['rank_max_diff']:g}")
             if n > 1 and "rank_check" in r:
                 diff += f" ({r['rank_check']})"
+            compiled = (f"  first step {r['first_step_s']:.0f} s ({r['first_step_after_start_s']:.0f} s after start)"
+                        if "first_step_s" in r else "")
             print(f"{stack:<15} {n:>4} {r['units_per_s']:>12,.1f} {gib(r['peak_gib']):>18} {scaling:>8} "
-                  f"{ratios[0]:>13} {ratios[1]:>15}  {diff}")
+                  f"{ratios[0]:>13} {ratios[1]:>15}  {diff}{compiled}")
     kinds = {r.get("memory_kind") for r in rows.values() if "memory_kind" in r}
     print(f"memory: {', '.join(sorted(kinds))}", flush=True)
 
@@ -480,6 +560,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16, help="LLM decoder layers (Llama-3.2-1B: 16)")
     parser.add_argument("--skip-llm", action="store_true")
     parser.add_argument("--skip-sdxl", action="store_true")
+    parser.add_argument("--skip-wan", action="store_true")
+    parser.add_argument("--wan-warmup", type=int, default=None)
+    parser.add_argument("--wan-steps", type=int, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every diffusion toolkit run (train.compile_regions=blocks, ...)")
     parser.add_argument("--no-plain-sdxl", action="store_true", help="leave out the plain SDXL loop")
     parser.add_argument("--no-plain-compiled", action="store_true",
                         help="leave out the plain LLM loop with each decoder layer compiled")
@@ -488,14 +573,15 @@ def main() -> None:
                              "(bench/llm.py's nemo-12b shape; tiny:llm with --tiny)")
     parser.add_argument("--fsdp-steps", type=int, default=4)
     parser.add_argument("--stacks", default="toolkit,plain,plain-compiled",
-                        help="which stacks to run (comma-separated; plain-compiled: LLM only)")
+                        help="which stacks to run (comma-separated; plain-compiled: LLM only; toolkit-ddp: the "
+                             "toolkit's diffusion runs with device.gradient_sync=ddp instead of auto)")
     parser.add_argument("--counts", default=None, help="GPU counts to run (comma-separated; default: 1 and --gpus)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds for one run")
     parser.add_argument("--out", type=Path, default=None, help="write every measurement here (JSON)")
     parser.add_argument("--logs", type=Path, default=None, help="copy the runs' logs into this folder")
     parser.add_argument("--work", type=Path, default=None, help="working folder (default: a new temporary one)")
     # internal: one rank of the plain loop
-    parser.add_argument("--plain-worker", choices=("llm", "sdxl"), help=argparse.SUPPRESS)
+    parser.add_argument("--plain-worker", choices=("llm", "sdxl", "wan"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     for name in ("warmup", "steps", "batch", "size", "compile"):
@@ -523,7 +609,7 @@ def main() -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     device = "CPU (gloo), tiny models" if tiny else f"{n} x {torch.cuda.get_device_name()}"
     print(f"device: {device}; torch {torch.__version__}; work folder {work}", flush=True)
-    results: dict = {"device": device, "torch": torch.__version__, "llm": {}, "sdxl": {}, "fsdp": {}}
+    results: dict = {"device": device, "torch": torch.__version__, "llm": {}, "sdxl": {}, "wan": {}, "fsdp": {}}
     started = time.perf_counter()
     tiny_overrides = ["train.precision=fp32", "device.backend=cpu"] if tiny else []
 
@@ -583,15 +669,22 @@ def main() -> None:
         images = work / "images"
         write_images(images, count=sdxl_batch * n * (sdxl_warmup + sdxl_steps), side=px)  # no epoch ends mid-run
         print(f"SDXL pipeline and images written in {time.perf_counter() - t0:.0f}s", flush=True)
+        # compiled as train.compile=auto compiles SDXL for a run of 1,000 steps or more (the CPU: eager)
         overrides = [f"model.name_or_path={model_dir}", f"data.path={images}", f"data.resolution={px}",
-                     f"train.batch_size={sdxl_batch}", *tiny_overrides]
+                     f"train.batch_size={sdxl_batch}", f"train.compile={not tiny}", *tiny_overrides, *args.set]
         for gpus in counts:
-            if "toolkit" in stacks:
-                measure("sdxl", sdxl_rows, "toolkit", gpus, lambda: toolkit_run(
-                    "sdxl", SDXL_CONFIG, overrides, work, gpus, sdxl_warmup, sdxl_steps, sdxl_batch, args.timeout))
+            for stack, extra in (("toolkit", []), ("toolkit-ddp", ["device.gradient_sync=ddp"])):
+                if stack in stacks and (gpus > 1 or stack == "toolkit"):
+                    measure("sdxl", sdxl_rows, stack, gpus, lambda: toolkit_run(
+                        f"sdxl-{stack}", SDXL_CONFIG, overrides + extra, work, gpus, sdxl_warmup, sdxl_steps,
+                        sdxl_batch, args.timeout))
             if "plain" in stacks and not args.no_plain_sdxl:
                 measure("sdxl", sdxl_rows, "plain", gpus, lambda: plain_run(
                     "sdxl", model_dir, work, gpus, sdxl_warmup, sdxl_steps, sdxl_batch, px, tiny, args.timeout))
+
+    wan_rows: dict = {}
+    if not args.skip_wan:
+        wan_rows = wan_scaling(args, work, counts, stacks, tiny, tiny_overrides, measure)
 
     fsdp_rows: dict = {}
     if args.fsdp:
@@ -611,6 +704,11 @@ def main() -> None:
                     f"batch {sdxl_batch} per GPU; {sdxl_warmup} warm-up + {sdxl_steps} timed steps"
                     + ("; plain loop left out (--no-plain-sdxl)" if args.no_plain_sdxl else ""),
                     "images", sdxl_rows, n)
+    if wan_rows:
+        w = wan_workload(tiny)
+        print_table(f"Wan 2.1: {'tiny' if tiny else '1.3B'} transformer, LoRA r=16, {w['frames']} x {w['height']} x "
+                    f"{w['width']}, 1 clip per GPU, {'fp32' if tiny else 'bf16'}, fused AdamW; the plain loop "
+                    "checkpointed with each block compiled", "clips", wan_rows, n)
     if fsdp_rows:
         print_fsdp(fsdp_rows, "tiny:llm" if tiny else "nemo-12b shape (12.2B)", n)
     if args.logs:

@@ -361,7 +361,7 @@ def test_block_settings_that_cannot_run_are_refused_before_loading(run_cli, caps
     ("auto", {"checkpointed": True}, "gradient-checkpointed"),
     ("auto", {"swapped": True}, "swapped blocks"),
     ("auto", {"grad_accum": 2}, "train.grad_accum > 1"),
-    ("auto", {"processes": 2}, "several processes"),
+    ("auto", {"ddp": True}, "DistributedDataParallel wraps it"),
     ("auto", {"grad_accum": None}, "decided by the batch probe"),
     ("auto", {"hip": True}, "not measured on ROCm yet"),
     (True, {"hip": True}, None),
@@ -416,5 +416,5 @@ def test_blocks_compiled_one_by_one_skip_ddp_graph_splitting(count, splits):
 
     with torch._dynamo.config.patch(optimize_ddp=True, suppress_errors=torch._dynamo.config.suppress_errors):
         prepare_blocks({"t": stack(count)}, compile_=True, checkpointing=False, swaps={}, shape_count=1,
-                       log=lambda m: None, processes=2)
+                       log=lambda m: None, ddp=True)
         assert torch._dynamo.config.optimize_ddp is splits

@@ -103,6 +103,26 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(tmp_pa
     assert [r["step"] for r in read_metrics(tmp_path / "two")] == list(range(1, 9))
 
 
+@pytest.mark.parametrize("sync", ["ddp", "allreduce"])
+def test_sd_processes_train_what_one_process_trains_with_the_whole_batch(tmp_path, sync):
+    """2 processes x batch 2 and 4 processes x batch 1, their LoRA gradients averaged by DDP or by one flat
+    all-reduce after backward (device.gradient_sync), train the LoRA 1 process x batch 4 trains; the ranks agree."""
+    common = ("train.steps=3", "sample.prompts=[]", "train.gradient_checkpointing=false", "save.every=0",
+              f"device.gradient_sync={sync}")
+    one = train(1, SD, tmp_path / "one", *common, "train.batch_size=4")
+    runs = {n: train(n, SD, tmp_path / f"{n}", *common, f"train.batch_size={4 // n}") for n in (2, 4)}
+    assert one.returncode == 0 and all(proc.returncode == 0 for proc in runs.values())
+    reference = load_file(str(tmp_path / "one" / "final" / "pytorch_lora_weights.safetensors"))
+    for n, proc in runs.items():
+        assert proc.stderr.count(f"processes: LoRA weights identical on all {n}") == 1
+        weights = load_file(str(tmp_path / f"{n}" / "final" / "pytorch_lora_weights.safetensors"))
+        assert weights.keys() == reference.keys()
+        assert max((weights[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
+        losses = [r["loss"] for r in read_metrics(tmp_path / f"{n}")]
+        assert losses == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "one")], rel=1e-5, abs=1e-6)
+        assert f"batch: {4 // n} per process x {n} processes x 1 accumulation = 4 per optimizer step" in proc.stderr
+
+
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
 def test_sd_on_two_processes_keeps_every_rank_in_step_and_saves_each_ranks_rng(tmp_path, distributed):
     out = tmp_path / "sd"
@@ -164,13 +184,52 @@ def test_kill_9_mid_run_then_resume_on_two_processes_is_bit_identical(tmp_path):
 
 
 def test_resume_on_another_number_of_processes_with_the_same_global_batch(tmp_path):
+    """2 processes, then 1, then 4: each resume keeps the data order of the global batch of 8."""
     out = tmp_path / "run"
     assert train(2, LLM, out, "train.steps=4", "save.every=2", "train.batch_size=4").returncode == 0
-    more = train(1, LLM, out, "train.steps=6", "train.batch_size=8")
+    more = train(1, LLM, out, "train.steps=6", "save.every=2", "train.batch_size=8")
     assert more.returncode == 0, more.stderr
     assert "was written by 2 process(es), this run has 1" in more.stderr
     assert "train.batch_size: 4 -> 8 (2 -> 1 processes, global batch 8 unchanged)" in more.stderr
-    assert [r["step"] for r in read_metrics(out)][-2:] == [5, 6]
+    four = train(4, LLM, out, "train.steps=8", "save.every=2", "train.batch_size=2")
+    assert four.returncode == 0, four.stderr
+    assert "train.batch_size: 8 -> 2 (1 -> 4 processes, global batch 8 unchanged)" in four.stderr
+    assert four.stderr.count("processes: LoRA weights identical on all 4") == 1
+    assert [r["step"] for r in read_metrics(out)][-4:] == [5, 6, 7, 8]
+
+
+def test_four_processes_train_what_one_process_trains_with_four_times_the_batch(tmp_path):
+    one = train(1, LLM, tmp_path / "one", "train.steps=4", "train.batch_size=8", "data.max_seq_len=32")
+    four = train(4, LLM, tmp_path / "four", "train.steps=4", "train.batch_size=2", "data.max_seq_len=32")
+    assert one.returncode == 0 and four.returncode == 0
+    a, b = adapter(tmp_path / "one"), adapter(tmp_path / "four")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert four.stderr.count("processes: LoRA weights identical on all 4") == 1
+    assert [r["loss"] for r in read_metrics(tmp_path / "four")] == pytest.approx(
+        [r["loss"] for r in read_metrics(tmp_path / "one")], rel=1e-5, abs=1e-6)
+
+
+def test_every_process_runs_its_exit_handlers(tmp_path):
+    """The processes other than the main one leave with os._exit after a good run (torch's C++ teardown once
+    aborted there); what they registered to run at exit runs first: here a sitecustomize hook that writes a file
+    per rank (what bench/scaling.py's memory report does)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import atexit, os\n"
+        "def _report():\n"
+        "    folder = os.environ.get('EXIT_REPORT')\n"
+        "    if folder and os.environ.get('RANK') is not None:\n"
+        "        open(os.path.join(folder, 'rank-' + os.environ['RANK']), 'w').write('ran')\n"
+        "atexit.register(_report)\n")
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    env = {**ENV, "EXIT_REPORT": str(reports), "PYTHONPATH": os.pathsep.join(
+        [str(hook), os.environ.get("PYTHONPATH", "")])}
+    proc = run_toolkit("train", LLM, f"run.output_dir={tmp_path / 'run'}", *COMMON, "train.steps=2",
+                       "train.batch_size=2", "data.max_seq_len=32", "--gpus", "2", timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in reports.iterdir()) == ["rank-0", "rank-1"]
 
 
 @pytest.mark.parametrize("tied", [False, True])

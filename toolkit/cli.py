@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
+    from toolkit.paths import compiled_code_folders
+
+    compiled_code_folders()  # before torch is imported
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -24,6 +24,7 @@ DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.checkpoint_kee
                                 "train.logit_mean", "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",
                                 "sample.width", "sample.height"})
 DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_offset", "train.min_snr_gamma",
+                                      "train.compile_regions",
                                       "sample.negative_prompt"}
 FLOW_SETTINGS = DIFFUSION_SETTINGS | {"train.flow_shift", "model.quantize", "model.quantize_backend",
                                       "model.block_swap"}
@@ -45,6 +46,7 @@ class FamilySpec:
     # Measured choices, each an evidence id (bench/results/evidence.json, cited by toolkit/plan/evidence.py):
     compile_auto: str | None = None     # train.compile=auto on a GPU is on (faster compiled); None: off
     compile_auto_steps: int = 0         # ...for runs of at least this many train.steps (the compile is repaid)
+    regions_auto: str | None = None     # train.compile_regions=auto is blocks (a UNet's blocks compiled one by one)
     recompute_auto: str | None = None   # train.compile_recompute=auto is pointwise; None: none
     keeps_auto: str | None = None       # train.checkpoint_keeps=auto is attention; None: nothing
     pipeline_class: str = ""            # model_index.json _class_name of a diffusers folder; "": a transformers folder

@@ -62,6 +62,14 @@ class DeviceSection:
                            "frozen base weights (FSDP2) so a base that does not fit one GPU trains across several; "
                            "auto: fsdp on GPUs where the 16-bit base does not fit one GPU's weight budget, else ddp.",
                            choices=("auto", "ddp", "fsdp"), resume_safe=True)
+    gradient_sync: str = opt("auto", "How several processes average the LoRA gradients. ddp: PyTorch's "
+                             "DistributedDataParallel (bucketed all-reduces that overlap backward). allreduce: the trainable "
+                             "modules run exactly as on one process (compiled, and replayed as CUDA graphs where the run "
+                             "does that) and one all-reduce of every LoRA gradient as one flat buffer follows backward: "
+                             "LoRA gradients are small. auto: allreduce for a compiled denoiser (DDP splits its compiled "
+                             "graph and rules out CUDA graphs), ddp otherwise. With device.distributed=fsdp the LoRA "
+                             "gradients are always averaged the allreduce way.",
+                             choices=("auto", "ddp", "allreduce"), resume_safe=True)
     timeout_minutes: int = opt(30, "How long a process waits for the others at a collective or barrier (cache filling "
                                "on the main process included) before the run stops with an error instead of "
                                "hanging.", minimum=1, resume_safe=True)
@@ -194,6 +202,13 @@ class TrainSection:
         "recomputing far-apart, long-chain and backward-materialised elementwise ops lifted). none: PyTorch's "
         "default. auto: pointwise for the families measured no slower with it, none for the others; read only "
         "when train.compile is on.", choices=("auto", "pointwise", "none"), resume_safe=True)
+    compile_regions: str = opt(
+        "auto", "sd, sdxl: what train.compile compiles of a UNet that is not gradient-checkpointed. whole: the UNet "
+        "as one graph (the fastest steps, replayed as one CUDA graph; its compile takes minutes the first time). "
+        "blocks: each of its transformer and resnet blocks on its own, every block of a shape compiled once and "
+        "reused (a far shorter compile), each replayed as a CUDA graph of its own. auto: as measured for the "
+        "family (the reason says which measurement). A checkpointed UNet is compiled by its down, mid and up blocks.",
+        choices=("auto", "whole", "blocks"), resume_safe=True)
     cuda_graphs: Union[bool, str] = opt(
         "auto", "Replay a compiled denoiser as a CUDA/HIP graph (torch.compile's reduce-overhead mode): the host then "
         "launches one graph instead of thousands of kernels, which bounds a compiled SD/SDXL UNet step. It applies to "

@@ -30,6 +30,17 @@ def sdxl_time_ids(batch: Mapping[str, Any]) -> torch.Tensor:
     return torch.cat([batch[k] for k in TIME_ID_KEYS], dim=1).float()
 
 
+def unet_blocks(unet: torch.nn.Module) -> list[torch.nn.Module]:
+    """The UNet's repeated blocks in forward order: its resnets and the transformer blocks inside its attentions
+    (diffusers' ResnetBlock2D, BasicTransformerBlock), the outermost ones."""
+    from diffusers.models.attention import BasicTransformerBlock
+    from diffusers.models.resnet import ResnetBlock2D
+
+    found = [m for m in unet.modules() if isinstance(m, (ResnetBlock2D, BasicTransformerBlock))]
+    inner = {id(m) for block in found for m in block.modules() if m is not block}
+    return [b for b in found if id(b) not in inner]
+
+
 class UNetFamily:
     """What sd and sdxl share, mixed in beside DiffusionAdapter: the UNet, its LoRA targets and blocks, the DDPM
     objective, kohya's key style, the text tokenizers and the DDIM samples."""
@@ -46,13 +57,16 @@ class UNetFamily:
         return kohya_keys(factors["unet"], encoders, self.kohya_te_prefixes)
 
     def block_regions(self, checkpointed: bool) -> dict[str, list[torch.nn.Module]]:
-        """The UNet as one region when it is not checkpointed: compiled whole it trained SD1.5 at 1.82x the eager
-        loop where compiling its down, mid and up blocks one by one gave 1.07x (bench/diffusion.py, H100). Checkpointed,
-        its down blocks, mid block and up blocks, each recomputed on its own."""
+        """Checkpointed: the UNet's down blocks, mid block and up blocks, each recomputed on its own. Otherwise, as
+        train.compile_regions says: the UNet whole (one graph; compiled whole it trained SD1.5 far faster than its
+        down, mid and up blocks compiled one by one), or its transformer and resnet blocks, each compiled (once per
+        shape) and replayed on its own."""
         unet = self.component("unet")
-        if not checkpointed:
-            return {"unet": [unet]}
-        return {"unet": [*unet.down_blocks, unet.mid_block, *unet.up_blocks]}
+        if checkpointed:
+            return {"unet": [*unet.down_blocks, unet.mid_block, *unet.up_blocks]}
+        if self.cfg.train.compile_regions == "blocks":
+            return {"unet": unet_blocks(unet)}
+        return {"unet": [unet]}
 
     def setup_training(self) -> None:
         self.objective = DDPMObjective(self.pipe.scheduler.config, self.cfg.train, self.cfg.model.name_or_path)

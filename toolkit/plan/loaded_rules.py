@@ -4,7 +4,8 @@ quantization, expert offload and block swap it chose for the device) and what fo
 
 Facts (Facts.extra): "processes" (the run's process count), "base_parameters" (a callable counting the frozen
 model's parameters without loading them, None when unknown); then "memory" (the decisions the model's memory plan
-made, by setting) and "quantized" (how the frozen denoiser ended up quantized).
+made, by setting), "quantized" (how the frozen denoiser ended up quantized), "swapped" (whether blocks stream in),
+"regions" (whether the model has denoiser blocks the trainer wraps) and "sharded" (the base sharded by fsdp).
 """
 
 from __future__ import annotations
@@ -73,3 +74,23 @@ def keeps_after_loading(f: Facts) -> Decision | None:
     else:
         return None
     return Decision("train.checkpoint_keeps", "nothing", why, LOADED)
+
+
+@rule("device.gradient_sync", LOADED, needs=("processes", "regions", "sharded"))
+def gradient_sync(f: Facts) -> Decision | None:
+    """How several processes average the LoRA gradients: DDP's buckets, or one flat all-reduce after backward that
+    leaves a compiled denoiser (and its CUDA graph) exactly as on one process."""
+    setting, processes = f.asked("device.gradient_sync"), f.extra["processes"]
+    if processes < 2:
+        return None
+    if f.extra["sharded"]:
+        return Decision("device.gradient_sync", "allreduce", "device.distributed=fsdp: the unsharded LoRA gradients "
+                        "are averaged with one all-reduce a step", LOADED)
+    if setting != "auto":
+        return None
+    if f.extra["regions"] and f.value("train.compile") is True:
+        return Decision("device.gradient_sync", "allreduce", "a compiled denoiser: one flat all-reduce of the LoRA "
+                        "gradients after backward keeps it compiled (and replayed as a CUDA graph) as on one process; "
+                        "DDP's bucket hooks would split its compiled graph", LOADED)
+    return Decision("device.gradient_sync", "ddp", "DistributedDataParallel's all-reduces overlap backward (the LLM's "
+                    "blocks compile one by one, each ending where a bucket can start)", LOADED)

@@ -54,6 +54,11 @@ class ResolvedRun:
     def decisions(self) -> list[Decision]:
         return list(self.plan)
 
+    def setting(self, plan: RunPlan, key: str):
+        """Dotted `key` as the run uses it under `plan` (a later stage's plan): the plan's decision, else the
+        config's value (None for a setting the family does not have)."""
+        return plan.value(key) if key in plan else OmegaConf.select(self.cfg, key)
+
     def asked_value(self, key: str):
         """Dotted `key` as the user asked for it (`auto` included)."""
         return OmegaConf.select(self.asked, key)

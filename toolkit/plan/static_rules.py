@@ -187,6 +187,17 @@ def checkpoint_keeps(f: Facts) -> Decision | None:
     return _decision("train.checkpoint_keeps", "nothing", why)
 
 
+@rule("train.compile_regions", STATIC)
+def compile_regions(f: Facts) -> Decision | None:
+    """sd/sdxl: a UNet compiled whole (one CUDA graph, a long first compile) or block by block, as measured."""
+    if not f.reads("train.compile_regions") or f.asked("train.compile_regions") != "auto":
+        return None
+    measured = family_spec(f.family).regions_auto
+    if measured:
+        return _decision("train.compile_regions", "blocks", cite(measured), measured)
+    return _decision("train.compile_regions", "whole", f"block by block not measured faster for {f.family} yet")
+
+
 @rule("train.cuda_graphs", STATIC)
 def cuda_graphs_checks(f: Facts) -> None:
     """Checks only: whether a denoiser replays as a graph is known once its blocks are wrapped (measured stage)."""

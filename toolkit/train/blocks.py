@@ -45,7 +45,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from toolkit.models.block_swap import BlockSwap, spread
-from toolkit.train.compile import without_ddp_graph_splitting
+from toolkit.train.compile import keep_compiled_code, without_ddp_graph_splitting
 
 STATIC_SHAPES_MAX = 8
 # The SDPA kernels' own ops (what F.scaled_dot_product_attention dispatches to, on every backend and the CPU);
@@ -166,17 +166,20 @@ def compile_options(shape_count: int) -> tuple[dict, str]:
 
 
 def graph_refusal(setting, *, compiled: bool, static: bool, blocks: int, checkpointed: bool, swapped: bool,
-                  grad_accum: int | None, gpu: bool, processes: int = 1, hip: bool = False) -> str | None:
-    """Why a root's blocks are not replayed as a CUDA graph (train.cuda_graphs), or None when they are."""
+                  grad_accum: int | None, gpu: bool, ddp: bool = False, hip: bool = False,
+                  each_block: bool = False) -> str | None:
+    """Why a root's blocks are not replayed as CUDA graphs (train.cuda_graphs), or None when they are
+    (`each_block`: a UNet compiled block by block, train.compile_regions=blocks, replays each block's graph)."""
     reasons = [why for refused, why in (
         (setting is False, "train.cuda_graphs=false"), (not gpu, "no GPU"), (not compiled, "train.compile is off"),
         (hip and setting == "auto", "auto: HIP graphs are not measured on ROCm yet (train.cuda_graphs: true tries them)"),
         (not static, f"more than {STATIC_SHAPES_MAX} batch shapes"),
-        (blocks != 1, "it is compiled block by block (graphs apply to a denoiser compiled whole)"),
+        (blocks != 1 and not each_block, "it is compiled block by block (graphs apply to a denoiser compiled whole, "
+                                          "or a UNet's blocks: train.compile_regions=blocks)"),
         (checkpointed, "it is gradient-checkpointed"), (swapped, "it has swapped blocks"),
         (grad_accum is None, "train.grad_accum is decided by the batch probe (train.global_batch_size)"),
         (grad_accum is not None and grad_accum > 1, "train.grad_accum > 1"),
-        (processes > 1, "several processes (graphs under DDP are not tested yet)")) if refused]
+        (ddp, "DistributedDataParallel wraps it (device.gradient_sync=ddp; allreduce keeps the graph)")) if refused]
     return "; ".join(reasons) if reasons else None
 
 
@@ -216,9 +219,11 @@ def wrap_block(block: torch.nn.Module, index: int, compiled: dict | None, checkp
 def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bool, checkpointing,
                    swaps: Mapping[str, BlockSwap], shape_count: int, log: Callable[[str], None],
                    cuda_graphs=False, grad_accum: int | None = 1, gpu: bool = False,
-                   processes: int = 1, hip: bool = False, keeps: str = "nothing") -> BlockPlan:
+                   ddp: bool = False, hip: bool = False, keeps: str = "nothing",
+                   graphs_each_block: bool = False) -> BlockPlan:
     """Wrap every block of every root in `regions` ({root name: its blocks in forward order}); `keeps`:
-    train.checkpoint_keeps."""
+    train.checkpoint_keeps; `ddp`: the roots run under DistributedDataParallel (several processes with
+    device.gradient_sync=ddp)."""
     plan = BlockPlan()
     options = None
     if compile_:
@@ -233,13 +238,14 @@ def prepare_blocks(regions: Mapping[str, list[torch.nn.Module]], *, compile_: bo
                                                        classes * (min(shape_count, STATIC_SHAPES_MAX) + 2))
         if all(len(blocks) > 1 for blocks in regions.values()):  # a denoiser compiled whole keeps DDP's splitting
             without_ddp_graph_splitting()
+        keep_compiled_code(log)
     for name, blocks in regions.items():
         swap = swaps.get(name)
         swapped = swap.swapped if swap is not None else []
         ckpt = checkpointed_indices(checkpointing, len(blocks), swapped)
         refusal = graph_refusal(cuda_graphs, compiled=compile_, static=shape_count <= STATIC_SHAPES_MAX,
                                 blocks=len(blocks), checkpointed=bool(ckpt), swapped=bool(swapped),
-                                grad_accum=grad_accum, gpu=gpu, processes=processes, hip=hip)
+                                grad_accum=grad_accum, gpu=gpu, ddp=ddp, hip=hip, each_block=graphs_each_block)
         region_options = options
         if refusal is None:
             region_options = {**options, "mode": "reduce-overhead"}

@@ -13,6 +13,23 @@ from typing import Callable, Mapping
 import torch
 
 from toolkit.models.base import is_sharded, repeated_blocks
+from toolkit.paths import compiled_code_folders
+
+
+def keep_compiled_code(log: Callable[[str], None]) -> None:
+    """Compiled code kept (compiled_code_folders), so that a second run of the same model (the same shapes,
+    settings and versions) loads it instead of compiling again."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    compiled_code_folders()
+    inductor_config.fx_graph_cache = True
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        functorch_config.enable_autograd_cache = True
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    log(f"train.compile: compiled code is kept in {cache_dir()} (a later run of the same shapes and settings loads "
+        "it)")
 
 
 def without_ddp_graph_splitting() -> None:
@@ -51,6 +68,7 @@ def compile_blocks(roots: Mapping[str, torch.nn.Module], log: Callable[[str], No
 
     torch._dynamo.config.suppress_errors = True
     without_ddp_graph_splitting()
+    keep_compiled_code(log)
     count, kinds = 0, set()
     for name, root in roots.items():
         blocks = repeated_blocks(root, outermost=True)

@@ -63,7 +63,7 @@ class MemoryPlanner:
         for d in reversed(self.decisions):
             if d.key == key:
                 return d.value
-        return self.plan.value(key) if key in self.plan else _select(self.run.cfg, key)
+        return self.run.setting(self.plan, key)
 
     def decided(self, key: str, value, why: str) -> None:
         """Record a measured decision and log it as `key=auto -> value: why`."""
@@ -176,10 +176,12 @@ class MemoryPlanner:
             shape_count = max(len(self._order(size).batch_shapes()) for size in range(1, cap + 1))
         # train.global_batch_size with a probed batch size: the accumulation is known only after the probe
         accum = None if probing and cfg.train.global_batch_size else self.value("train.grad_accum")
+        ddp = procs.several and self.value("device.gradient_sync") == "ddp"
         blocks = prepare_blocks(regions, compile_=compile_, checkpointing=checkpointing, swaps=memory.swaps(),
                                 shape_count=shape_count, log=self.log, cuda_graphs=graphs_setting, grad_accum=accum,
-                                gpu=self.device.type == "cuda", processes=procs.world_size,
-                                hip=self.run.device.backend == "hip", keeps=self._keeps())
+                                gpu=self.device.type == "cuda", ddp=ddp, hip=self.run.device.backend == "hip",
+                                keeps=self._keeps(), graphs_each_block=checkpointing is False and
+                                self.value("train.compile_regions") == "blocks")
         if graphs_setting == "auto":
             self.decisions.append(Decision("train.cuda_graphs", bool(blocks.graphs), "replayed as a CUDA graph: "
                                            + ", ".join(blocks.graphs) if blocks.graphs else
@@ -238,12 +240,6 @@ class MemoryPlanner:
             self.exits.enter_context(context)
         if setting == "auto":
             self.decisions.append(Decision("device.sdpa_backend", best or "auto", why, MEASURED))
-
-
-def _select(cfg, key: str):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, key)
 
 
 def _plain(cfg) -> dict:

@@ -75,7 +75,8 @@ def load_model(run: ResolvedRun, plan: RunPlan, procs, device: torch.device, run
         for line in procs.shard(adapter.memory.shard_roots()):
             log(f"device.distributed=fsdp: sharded {line}")
     memory = adapter.memory
-    facts.extra.update(memory=memory.decisions(), quantized=memory.quantized(), swapped=bool(memory.swaps()))
+    facts.extra.update(memory=memory.decisions(), quantized=memory.quantized(), swapped=bool(memory.swaps()),
+                       regions=bool(memory.regions(checkpointed=False)), sharded=sharded)
     loaded = decide(LOADED, facts)
     for d in loaded:
         if d.key not in memory.decisions():  # the model's memory plan logged its own, where it decided them

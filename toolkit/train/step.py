@@ -107,7 +107,8 @@ class StepParts:
     accelerator: Any                 # autocast, backward, clip, the loss scaler
     grad_accum: int
     max_grad_norm: float
-    sharded: bool = False            # device.distributed=fsdp: LoRA gradients averaged here, once a step
+    averages: bool = False           # LoRA gradients averaged here, once a step, in one flat all-reduce (fsdp, or
+                                     # device.gradient_sync=allreduce): the modules are not DDP-wrapped
     cuda_graphs: bool = False        # compiled regions replayed as CUDA graphs (train/blocks.py)
 
 
@@ -165,14 +166,14 @@ class Stepper:
                 batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
             if p.cuda_graphs:  # a new step: the graphs' previous outputs may be overwritten from here on
                 torch.compiler.cudagraph_mark_step_begin()
-            with p.procs.no_sync(p.modules, skip=micro < p.grad_accum - 1 and not p.sharded):
+            with p.procs.no_sync(p.modules, skip=micro < p.grad_accum - 1 and not p.averages):
                 with p.accelerator.autocast():
                     events.phase("forward")
                     loss = p.loss(batch, p.modules)
                     events.phase("backward")
                 p.accelerator.backward(loss * scale)
             losses.append(loss.detach().float())
-        if p.sharded:  # the LoRA weights are not sharded: their gradients are averaged here, once per step
+        if p.averages:  # not DDP-wrapped (the LoRA weights are not sharded either): one all-reduce a step
             p.procs.average_gradients(p.params)
         loss_sum = p.procs.sum(torch.stack(losses).sum())
         sums = StepSums(loss_sum, counts)

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+import toolkit
+
 from toolkit.config.load import resolved_container
 from toolkit.disk import format_bytes, free_bytes
 from toolkit.errors import UserError
@@ -151,7 +153,10 @@ class Trainer:
         from transformers import get_scheduler
         self.scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                                        num_training_steps=cfg.train.steps)
-        if self.sharded:
+        # fsdp, or device.gradient_sync=allreduce: the modules run as on one process and the step averages the LoRA
+        # gradients itself; else each trainable module in its own DDP wrapper
+        averages = procs.several and self.resolved.setting(self.plan, "device.gradient_sync") == "allreduce"
+        if averages or not procs.several:
             modules = self.adapter.trainable_modules()
         else:
             modules = procs.wrap(self.adapter.trainable_modules(), find_unused=self.adapter.memory.unused_parameters)
@@ -159,7 +164,7 @@ class Trainer:
         self.stepper = Stepper(StepParts(
             self.dataset, self.order, self.adapter.loss, self.adapter.batch_units, modules, self.params,
             self.optimizer, optimizer, self.scheduler, self.ema, procs, self.accelerator, memory.grad_accum,
-            cfg.train.max_grad_norm, self.sharded, memory.cuda_graphs), self.events)
+            cfg.train.max_grad_norm, averages, memory.cuda_graphs), self.events)
         self.compiled, self.batch_size, self.grad_accum = memory.compiled, memory.batch_size, memory.grad_accum
         if procs.several:
             # Each process draws its own noise and dropout from here on (augmentation draws are keyed by item and
@@ -239,7 +244,8 @@ class Trainer:
                     events.step_launched(step, sums)
                     if self.compiled and step == start + 1:
                         self.log(f"train.compile: the first step took {time.perf_counter() - step_started:.1f} s "
-                                 "(compilation included)")
+                                 f"(compilation included), {time.time() - toolkit.STARTED:.1f} s after the process "
+                                 "started")
                     if lagging is not None:
                         stopping = self._record(loop, *lagging) or stopping
                         lagging = None

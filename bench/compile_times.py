@@ -1,0 +1,163 @@
+"""How long train.compile takes, cold (nothing compiled before) and warm (a second run of the same model and settings,
+its compiled code kept under the toolkit's cache folder), and the steady step time it buys, per workload.
+
+    python bench/compile_times.py [--jobs sd15:whole,sd15:blocks,sdxl:whole,sdxl:blocks] [--parallel]
+                                  [--steps 8 --warmup 3] [--out results.json]
+    python bench/compile_times.py --tiny --jobs sd15:whole,sd15:blocks      # a check on the CPU
+
+A job is `workload:regions`: a bench/diffusion.py workload (sd15, sdxl, flux, wan; the real shapes, random weights)
+and, for the UNet families, train.compile_regions (whole: the UNet as one graph; blocks: its transformer and resnet
+blocks one by one; the DiT families are always compiled block by block: give `blocks`). Each job runs the toolkit
+twice in fresh processes with one TOOLKIT_CACHE of its own: the first run finds nothing compiled (cold), the second
+finds what the first kept (warm). Per run: the first step's time (compilation included), the seconds from the
+process's start to the end of its first step, and the steady s/step over the timed steps (metrics.jsonl). With
+--parallel the jobs run at once, one GPU each (CUDA_VISIBLE_DEVICES), on a machine with that many GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(BENCH))
+
+FIRST_STEP = re.compile(r"train\.compile: the first step took ([\d.]+) s \(compilation included\), ([\d.]+) s after")
+
+
+def job_config(kind: str, regions: str, folder: Path, data: Path, tiny: bool) -> tuple[str, list[str], int]:
+    """(config YAML, overrides, images per step) of a job, as bench/diffusion.py's toolkit row trains it."""
+    import math
+
+    from diffusion import workload
+
+    w = workload(kind, tiny)
+    config = (f"model: {{family: {w['family']}}}\nnetwork: {{rank: 16, alpha: 16}}\n"
+              f"train: {{lr: 1.0e-4, precision: {'fp32' if tiny else 'bf16'}, optimizer: adamw}}\nsave: {{every: 0}}\n"
+              "sample: {prompts: []}\nlog: {tensorboard: false}\n")
+    overrides = [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
+                 "train.compile=true"]
+    if kind in ("sd15", "sdxl"):
+        overrides += [f"data.resolution={w['size']}", "train.gradient_checkpointing=false",
+                      f"train.compile_regions={regions}"]
+    elif "frames" in w:
+        overrides += [f"data.num_frames={w['frames']}", f"data.resolution={math.ceil(math.sqrt(w['height'] * w['width']))}",
+                      "data.bucket_step=32"]
+    else:
+        overrides += [f"data.resolution={w['size']}"]
+    if tiny:
+        overrides.append("device.backend=cpu")
+    return config, overrides, w["batch"]
+
+
+def one_run(config: Path, overrides: list[str], out: Path, env: dict, steps: int, warmup: int, log: Path,
+            timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "toolkit", "train", str(config), *overrides, f"train.steps={warmup + steps}",
+           f"run.output_dir={out}", f"log.every={warmup}", "--fresh"]
+    started = time.perf_counter()
+    with log.open("w") as handle:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
+    text = log.read_text(errors="replace")
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}: " + " | ".join(text.strip().splitlines()[-3:])}
+    first = FIRST_STEP.search(text)
+    records = {r["step"]: r for r in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())
+               if "steps_per_s" in r}
+    steady = records.get(warmup + steps, {}).get("steps_per_s")
+    return {"first_step_s": float(first.group(1)) if first else None,
+            "first_step_after_start_s": float(first.group(2)) if first else None,
+            "s_per_step": 1 / steady if steady else None, "process_s": time.perf_counter() - started,
+            "notes": [line for line in text.splitlines() if line.startswith(("blocks:", "train.compile:"))]}
+
+
+def run_job(job: str, gpu: int | None, args, work: Path, results: dict) -> None:
+    from diffusion import workload
+    from diffusion_models import write_clip, write_images, write_pipeline
+
+    kind, regions = job.split(":")
+    place = work / job.replace(":", "-")
+    place.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOOLKIT_CACHE=str(place / "cache"),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    w = workload(kind, args.tiny)
+    folder, data = place / "model", place / "data"
+    try:
+        write = [sys.executable, "-c", "import sys; sys.path[:0] = sys.argv[1:3]; from diffusion_models import "
+                 "write_pipeline; write_pipeline(sys.argv[3], __import__('pathlib').Path(sys.argv[4]), sys.argv[5], "
+                 "sys.argv[6] == '1')", str(REPO), str(BENCH), kind, str(folder),
+                 "cpu" if args.tiny else "cuda", "1" if args.tiny else "0"]
+        subprocess.run(write, env=env, check=True, capture_output=True, timeout=args.timeout)
+        if "frames" in w:
+            write_clip(data, w["frames"], w["height"], w["width"])
+        else:
+            write_images(data, max(8, 2 * w["batch"]), w["size"])
+        config_yaml, overrides, _ = job_config(kind, regions, folder, data, args.tiny)
+        config = place / "job.yaml"
+        config.write_text(config_yaml)
+        row = {}
+        for phase in ("cold", "warm"):
+            row[phase] = one_run(config, overrides, place / f"run-{phase}", env, args.steps, args.warmup,
+                                 place / f"{phase}.log", args.timeout)
+        results[job] = row
+    except Exception as err:  # noqa: BLE001 (one job failing leaves the others)
+        results[job] = {"error": f"{type(err).__name__}: {err}"}
+    print(f"  {job}: {json.dumps(results[job])}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", default="sd15:whole,sd15:blocks,sdxl:whole,sdxl:blocks")
+    parser.add_argument("--parallel", action="store_true", help="one GPU per job, all at once")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    jobs = args.jobs.split(",")
+    work = Path(tempfile.mkdtemp(prefix="bench-compile-"))
+    name = "CPU" if args.tiny else torch.cuda.get_device_name()
+    print(f"device: {name}; torch {torch.__version__}; jobs {jobs}", flush=True)
+    results: dict = {}
+    if args.parallel:
+        if not args.tiny and torch.cuda.device_count() < len(jobs):
+            sys.exit(f"--parallel: {len(jobs)} jobs, {torch.cuda.device_count()} GPUs")
+        threads = [threading.Thread(target=run_job, args=(job, None if args.tiny else i, args, work, results))
+                   for i, job in enumerate(jobs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for job in jobs:
+            run_job(job, None, args, work, results)
+    print(f"\n{'job':<14} {'cold first step':>16} {'warm first step':>16} {'warm, from start':>17} {'s/step':>8}")
+    for job in jobs:
+        r = results.get(job, {})
+        if "error" in r or any("error" in r.get(p, {}) for p in ("cold", "warm")):
+            print(f"{job:<14} FAILED: {r.get('error') or r.get('cold', {}).get('error') or r['warm'].get('error')}")
+            continue
+        cold, warm = r["cold"], r["warm"]
+        print(f"{job:<14} {cold['first_step_s']:>14.1f} s {warm['first_step_s']:>14.1f} s "
+              f"{warm['first_step_after_start_s']:>15.1f} s {warm['s_per_step']:>8.3f}")
+    if args.out:
+        args.out.write_text(json.dumps({"device": name, "torch": torch.__version__, "steps": args.steps,
+                                        "warmup": args.warmup, "jobs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
