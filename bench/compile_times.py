@@ -11,7 +11,7 @@ blocks one by one; the DiT families are always compiled block by block: give `bl
 twice in fresh processes with one TOOLKIT_CACHE of its own: the first run finds nothing compiled (cold), the second
 finds what the first kept (warm). Per run: the first step's time (compilation included), the seconds from the
 process's start to the end of its first step, and the steady s/step over the timed steps (metrics.jsonl). With
---parallel the jobs run at once, one GPU each (CUDA_VISIBLE_DEVICES), on a machine with that many GPUs.
+--parallel, groups of jobs separated by | run at once, each group on a GPU of its own (CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations
@@ -121,23 +121,29 @@ def run_job(job: str, gpu: int | None, args, work: Path, results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", default="sd15:whole,sd15:blocks,sdxl:whole,sdxl:blocks")
-    parser.add_argument("--parallel", action="store_true", help="one GPU per job, all at once")
+    parser.add_argument("--parallel", action="store_true",
+                        help="with --jobs 'a,b|c,d': a then b on GPU 0 while c then d run on GPU 1, and so on")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    jobs = args.jobs.split(",")
+    groups = [group.split(",") for group in args.jobs.split("|")]  # "a,b|c": a then b on one GPU, c on another
+    jobs = [job for group in groups for job in group]
     work = Path(tempfile.mkdtemp(prefix="bench-compile-"))
     name = "CPU" if args.tiny else torch.cuda.get_device_name()
     print(f"device: {name}; torch {torch.__version__}; jobs {jobs}", flush=True)
     results: dict = {}
-    if args.parallel:
-        if not args.tiny and torch.cuda.device_count() < len(jobs):
-            sys.exit(f"--parallel: {len(jobs)} jobs, {torch.cuda.device_count()} GPUs")
-        threads = [threading.Thread(target=run_job, args=(job, None if args.tiny else i, args, work, results))
-                   for i, job in enumerate(jobs)]
+    if args.parallel:  # each group of jobs on a GPU of its own, the groups at once
+        if not args.tiny and torch.cuda.device_count() < len(groups):
+            sys.exit(f"--parallel: {len(groups)} groups of jobs, {torch.cuda.device_count()} GPUs")
+
+        def on_gpu(index: int) -> None:
+            for job in groups[index]:
+                run_job(job, None if args.tiny else index, args, work, results)
+
+        threads = [threading.Thread(target=on_gpu, args=(i,)) for i in range(len(groups))]
         for t in threads:
             t.start()
         for t in threads:
