@@ -348,11 +348,12 @@ def test_every_example_config_validates_under_every_preset(config, presets, run_
 
 
 @pytest.mark.parametrize("family, steps, compiled", [("llm", 10, True), ("sd", 10, True), ("flux", 10, True),
-                                                     ("wan21", 10, True), ("sdxl", 999, False), ("sdxl", 1000, True),
+                                                     ("wan21", 10, True), ("sdxl", 199, False), ("sdxl", 200, True),
                                                      ("sd3", 5000, False)])
 def test_compile_auto_follows_the_measurements_and_the_run_length(family, steps, compiled, presets):
-    """train.compile=auto on a GPU: on for the families measured faster compiled; SDXL's 5-minute compile only
-    for runs long enough to repay it; a family not measured stays eager, and the reason is said either way."""
+    """train.compile=auto on a GPU: on for the families measured faster compiled; SDXL only for runs long enough to
+    repay its compile (block by block, about a minute); a family not measured stays eager, and the reason is said
+    either way. compile_regions=auto: SDXL's UNet block by block under 5,000 steps, whole from there; SD's whole."""
     from toolkit.config.layers import Layer
     from toolkit.config.load import merge_layers
     from toolkit.plan.run import frozen, static_plan
@@ -366,8 +367,17 @@ def test_compile_auto_follows_the_measurements_and_the_run_length(family, steps,
     assert cfg.train.compile == "auto" and decisions["train.compile"].value is compiled
     reason = decisions["train.compile"].reason
     if family == "sdxl" and not compiled:
-        assert "train.steps=999 (in all" in reason and "too short" in reason and "from 1000 steps" in reason
+        assert "train.steps=199 (in all" in reason and "too short" in reason and "from 200 steps" in reason
     elif compiled:
         assert "trained" in reason and ("H100" in reason or "H200" in reason)
     else:
         assert reason == "not measured faster for sd3 yet"
+    regions = decisions.get("train.compile_regions")
+    assert (regions.value if regions else None) == {"sd": "whole", "sdxl": "blocks"}.get(family)
+    if family == "sdxl":
+        long_run = Layer("test.yaml", {"model": {"family": "sdxl", "name_or_path": "m"}, "data": {"path": "d"},
+                                       "train": {"steps": 5000}})
+        loaded = merge_layers([preset.layer, long_run])
+        plan = static_plan(frozen(loaded.cfg), preset_device(preset), preset, loaded.sources)
+        assert plan.value("train.compile_regions") == "whole" and "336.8 s cold" in plan.decision(
+            "train.compile_regions").reason

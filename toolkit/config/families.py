@@ -46,7 +46,8 @@ class FamilySpec:
     # Measured choices, each an evidence id (bench/results/evidence.json, cited by toolkit/plan/evidence.py):
     compile_auto: str | None = None     # train.compile=auto on a GPU is on (faster compiled); None: off
     compile_auto_steps: int = 0         # ...for runs of at least this many train.steps (the compile is repaid)
-    regions_auto: str | None = None     # train.compile_regions=auto is blocks (a UNet's blocks compiled one by one)
+    regions_auto: str | None = None     # train.compile_regions=auto: blocks or whole as measured (None: whole)
+    regions_blocks_below: int = 0       # ...blocks for runs shorter than this many train.steps, whole from there
     recompute_auto: str | None = None   # train.compile_recompute=auto is pointwise; None: none
     keeps_auto: str | None = None       # train.checkpoint_keeps=auto is attention; None: nothing
     pipeline_class: str = ""            # model_index.json _class_name of a diffusers folder; "": a transformers folder
@@ -62,13 +63,13 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                "Stable Diffusion 1.x/2.x", timestep_sampling="uniform",
                save_formats=("diffusers", "kohya", "comfyui"), pipeline_class="StableDiffusionPipeline",
                tiny={"sd": "toolkit.tiny.diffusion:write_tiny_sd", "sd-v": "toolkit.tiny.diffusion:write_tiny_sd_v"},
-               compile_auto="sd-compile"),
+               compile_auto="sd-compile", regions_auto="sd-compile-regions"),
     FamilySpec("sdxl", "toolkit.models.diffusion_sd:StableDiffusionXLAdapter", ImageDataSection, DDPM_SETTINGS,
                "Stable Diffusion XL", timestep_sampling="uniform", save_formats=("diffusers", "kohya", "comfyui"),
                pipeline_class="StableDiffusionXLPipeline",
                tiny={"sdxl": "toolkit.tiny.diffusion:write_tiny_sdxl"},
-               compile_auto="sdxl-compile",
-               compile_auto_steps=1000),
+               compile_auto="sdxl-compile-blocks", compile_auto_steps=200,
+               regions_auto="sdxl-compile-regions", regions_blocks_below=5000),
     FamilySpec("flux", "toolkit.models.diffusion_flow:FluxAdapter", ImageDataSection,
                FLOW_SETTINGS | {"train.guidance"}, "Flux.1 dev/schnell", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),

@@ -177,23 +177,24 @@ class TrainSection:
         False, "With gradient checkpointing: each checkpointed layer's input waits in pinned CPU memory between "
         "forward and backward, copied on a side stream that overlaps the compute (unsloth's offloaded "
         "checkpointing); frees about layers x batch x sequence x hidden x 2 bytes of GPU memory (0.5 GiB on the "
-        "Llama-3.2-1B shape at 4 x 2048; measured on an H200: 3.9 GiB instead of 4.3 at 0.6% fewer tokens/s). Off "
-        "unless asked for: smaller, not faster.", resume_safe=True)
+        "Llama-3.2-1B shape at 4 x 2048; measured: bench/results/evidence.json, checkpoint-offload). Off unless "
+        "asked for: smaller, not faster.", resume_safe=True)
     checkpoint_keeps: str = opt(
         "auto", "What a gradient-checkpointed denoiser block keeps for its backward. attention: the attention "
         "kernels' outputs (one activation per block, e.g. 100 MB for Wan 2.1 1.3B at 81 x 480 x 832), so backward "
         "recomputes only the rest of the block (selective activation checkpointing); worth it where attention is "
         "most of the block's work (long image and video sequences; cross-attention to the text is recomputed). "
-        "nothing: the block recomputes everything. auto: attention for the families measured faster with it (flux: "
-        "0.47 against 0.64 s/step, wan21: 1.95 against 2.36, one H200), nothing for the others, and nothing when "
+        "nothing: the block recomputes everything. auto: attention for the families measured faster with it (flux, "
+        "wan21: the reason names the measurement), nothing for the others, and nothing when "
         "blocks are swapped or, with train.gradient_checkpointing=auto, when a step keeping it does not fit.",
         choices=("auto", "attention", "nothing"), resume_safe=True)
     compile: Union[bool, str] = opt("auto", "Compile each repeated block of the trained model with torch.compile "
-                                    "(regional: one compilation reused by every block; the SD/SDXL UNet whole); the "
-                                    "first step takes longer. auto: on for the families measured faster with it on a "
-                                    "GPU (llm, sd, flux, wan21; sdxl from 1000 steps, which repay its 5-minute "
-                                    "compile), off on the CPU. A block that fails to compile runs uncompiled, with a "
-                                    "warning.",
+                                    "(regional: one compilation reused by every block of a shape; the SD/SDXL UNet as "
+                                    "train.compile_regions says); the first step takes longer, a later run of the same "
+                                    "model and settings loads what the first compiled (the cache folder). auto: on "
+                                    "for the families measured faster with it on a GPU (the reason names the "
+                                    "measurement; SDXL for runs long enough to repay its compile), off on the CPU. A "
+                                    "block that fails to compile runs uncompiled, with a warning.",
                                     resume_safe=True)
     compile_recompute: str = opt(
         "auto", "What a compiled block keeps for its backward. pointwise: what matmuls and attention produced; the "

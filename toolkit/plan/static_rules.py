@@ -192,10 +192,15 @@ def compile_regions(f: Facts) -> Decision | None:
     """sd/sdxl: a UNet compiled whole (one CUDA graph, a long first compile) or block by block, as measured."""
     if not f.reads("train.compile_regions") or f.asked("train.compile_regions") != "auto":
         return None
-    measured = family_spec(f.family).regions_auto
-    if measured:
-        return _decision("train.compile_regions", "blocks", cite(measured), measured)
-    return _decision("train.compile_regions", "whole", f"block by block not measured faster for {f.family} yet")
+    spec, steps = family_spec(f.family), f.asked("train.steps")
+    if not spec.regions_auto:
+        return _decision("train.compile_regions", "whole", f"block by block not measured for {f.family} yet")
+    if steps < spec.regions_blocks_below:
+        return _decision("train.compile_regions", "blocks", f"a run of train.steps={steps} (under "
+                         f"{spec.regions_blocks_below}) ends first compiled block by block: {cite(spec.regions_auto)}",
+                         spec.regions_auto)
+    longer = f"a run of train.steps={steps}: " if spec.regions_blocks_below else ""
+    return _decision("train.compile_regions", "whole", longer + cite(spec.regions_auto), spec.regions_auto)
 
 
 @rule("train.cuda_graphs", STATIC)

@@ -87,20 +87,19 @@ class Processes:
         return done
 
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """The mean over processes of the gradients of `params` (fsdp: the unsharded LoRA weights), in one
-        all-reduce of a flat buffer. Which parameters have a gradient is the same on every process (the same
-        graph runs everywhere: the same Wan 2.2 expert, the same unused layers)."""
-        with_grad = [p for p in params if p.grad is not None]
-        if not self.several or not with_grad:
+        """The mean over processes of the gradients of `params` (fsdp's unsharded LoRA weights, or every LoRA weight
+        with device.gradient_sync=allreduce), in one all-reduce of a flat buffer: one kernel gathers them into it
+        and one multi-tensor copy puts them back (a copy per tensor would launch one kernel for each of the
+        hundreds of LoRA tensors, every step). Which parameters have a gradient is the same on every process (the
+        same graph runs everywhere: the same Wan 2.2 expert, the same unused layers)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not self.several or not grads:
             return
-        flat = torch.cat([p.grad.reshape(-1).float() for p in with_grad])
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         flat /= self.world_size
-        offset = 0
-        for p in with_grad:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
+        parts = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        torch._foreach_copy_(grads, parts)
 
     @contextmanager
     def no_sync(self, modules: Mapping[str, torch.nn.Module], skip: bool) -> Iterator[None]:
