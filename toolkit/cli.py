@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from toolkit.errors import UserError
 
@@ -206,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         if str(err):  # empty: another process of the run failed and printed its error
             print(f"error: {err}", file=sys.stderr)
         return err.exit_code
+    except Exception as err:  # a full disk under a writer that no command names itself (toolkit/disk.py)
+        from toolkit.disk import as_disk_full
+
+        full = as_disk_full(err, Path.cwd())
+        if full is None:
+            raise
+        print(f"error: {full}", file=sys.stderr)
+        return full.exit_code
     except StopRequested as stop:
         print(str(stop), file=sys.stderr)
         return stop.exit_code

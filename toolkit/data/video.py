@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from toolkit.data.augment import View
+from toolkit.disk import is_disk_full
 from toolkit.data.images import IMAGE_EXTS, cover_and_crop, file_hash, oriented_size, scan_folder
 from toolkit.errors import UserError
 
@@ -230,6 +231,9 @@ def _write_mp4(frames: list["Image"], path: Path, fps: int) -> str | None:
                 container.mux(stream.encode())
             return None
         except (av.FFmpegError, ValueError, OSError) as err:
+            if is_disk_full(err):  # not the encoder's fault: the run stops, naming the disk (toolkit/disk.py)
+                path.unlink(missing_ok=True)
+                raise
             failures.append(f"{codec}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
             path.unlink(missing_ok=True)
     return "no working H.264 encoder in PyAV: " + "; ".join(failures)

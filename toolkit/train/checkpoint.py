@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from toolkit import __version__
-from toolkit.disk import format_bytes, free_bytes, is_disk_full
+from toolkit.disk import DiskFull, is_disk_full
 from toolkit.errors import UserError
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -128,11 +128,9 @@ def _disk_full(checkpoints_dir: Path, step: int, tensors: dict, states: dict) ->
     needed = sum(v.numel() * v.element_size() for d in tensors.values() for v in d.values())
     needed += sum(_state_bytes(state) for state in states.values())
     kept = [path.name for _, path in list_checkpoints(checkpoints_dir)]
-    return UserError(f"disk full while writing checkpoint {step_dir_name(step)} in {checkpoints_dir}: it needs about "
-                     f"{format_bytes(needed)}, {format_bytes(free_bytes(checkpoints_dir))} is free; its temporary "
-                     f"files were removed, the earlier checkpoints are as they were ({', '.join(kept) or 'none yet'})"
-                     "\n  fix: free space on that disk (or set run.output_dir on another disk and copy the run folder "
-                     "there), then run the same command to resume")
+    return DiskFull(f"checkpoint {step_dir_name(step)}", checkpoints_dir, needed,
+                    done=f"its temporary files were removed, the earlier checkpoints are as they were "
+                         f"({', '.join(kept) or 'none yet'})")
 
 
 def _state_bytes(state: object) -> int:
@@ -158,7 +156,10 @@ def _write_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[
     for name, tensor_dict in tensors.items():
         save_file({k: v.detach().contiguous().cpu() for k, v in tensor_dict.items()}, str(tmp / f"{name}.safetensors"))
     for name, state in states.items():
-        torch.save(state, tmp / f"{name}.pt")
+        # Through a Python file: a full disk then raises its OSError (inside torch's RuntimeError), which a path
+        # hides ("unexpected pos"); see toolkit/disk.py
+        with (tmp / f"{name}.pt").open("wb") as handle:
+            torch.save(state, handle)
     (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
     own = {p.name for p in tmp.iterdir()}
     if write_lora is not None:

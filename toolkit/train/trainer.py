@@ -27,7 +27,7 @@ from toolkit.config.load import resolved_container
 from toolkit.config.run import ResolvedRun
 from toolkit.config.schema import QUANTIZED
 from toolkit.data.order import BatchOrder
-from toolkit.disk import format_bytes, free_bytes, is_disk_full
+from toolkit.disk import DiskFull, as_disk_full, disk_full_named, format_bytes, free_bytes, is_disk_full
 from toolkit.errors import UserError
 from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, Runtime, trainable_parameters
@@ -65,8 +65,9 @@ class OtherProcessFailed(UserError):
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with disk_full_named(path.name, path.parent, len(text.encode()), remove=tmp):
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
 
 
 class Trainer:
@@ -80,6 +81,7 @@ class Trainer:
         self.init_from: LoraSnapshot | None = None  # network.init_from's files, for a run that starts (not resumes)
         self.requested_accum = self.cfg.train.grad_accum  # as given: with train.global_batch_size it is derived
         self.batch_resumed = False  # train.batch_size=auto taken from the checkpoint resumed (never probed again)
+        self.checkpoint_bytes: int | None = None  # about the room one checkpoint takes, once the LoRA is built
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     def log(self, message: str) -> None:
@@ -258,7 +260,7 @@ class Trainer:
         problem = None
         if self.procs.is_main:
             # fp32 LoRA weights, the EMA's copy, and up to two fp32 optimizer states per weight, plus small files.
-            needed = n_train * 4 * (1 + (self.cfg.train.ema_decay > 0) + 2) + 2**20
+            needed = self.checkpoint_bytes = n_train * 4 * (1 + (self.cfg.train.ema_decay > 0) + 2) + 2**20
             free = free_bytes(self.run_dir.checkpoints)
             if free < needed:
                 problem = (f"not enough room for a checkpoint in {self.run_dir.checkpoints}: one needs about "
@@ -553,7 +555,8 @@ class Trainer:
         # Sampling must not disturb the training RNG streams, or resumed runs would diverge.
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), self._optimizer_eval_mode(), self._eager():
+            with torch.random.fork_rng(devices=devices), self._optimizer_eval_mode(), self._eager(), \
+                    disk_full_named("samples", out_dir):
                 files = self.adapter.sample(out_dir)
         finally:
             if not self.is_main:
@@ -589,6 +592,11 @@ class Trainer:
         try:
             with self.exits:
                 return self._train()
+        except Exception as err:  # a full disk under any writer (logs, samples, config.yaml): exit 2, with the room
+            full = as_disk_full(err, self.run_dir.root)
+            if full is None:
+                raise
+            raise full.needing(self.checkpoint_bytes, "the next checkpoint") from None
         finally:
             if self.lock is not None:
                 self.lock.release()
@@ -731,10 +739,9 @@ class Trainer:
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
             if is_disk_full(err):
-                raise UserError(f"disk full while writing the final LoRA in {self.run_dir.root} "
-                                f"({format_bytes(free_bytes(self.run_dir.root))} free); its temporary files were "
-                                "removed, the checkpoints are as they were\n  fix: free space on that disk, then run "
-                                "the same command: it exports the LoRA from the last checkpoint") from None
+                raise DiskFull("the final LoRA", self.run_dir.root, self.checkpoint_bytes, done="its temporary files "
+                               "were removed, the checkpoints are as they were", fix="free space on that disk, then "
+                               "run the same command: it exports the LoRA from the last checkpoint") from None
             raise
         if final.exists():  # an earlier final (a run extended with more steps): keep it
             final.rename(final.with_name(f"final.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
