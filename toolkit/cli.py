@@ -207,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         if str(err):  # empty: another process of the run failed and printed its error
             print(f"error: {err}", file=sys.stderr)
         return err.exit_code
+    except StopRequested as stop:
+        print(str(stop), file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     except Exception as err:  # a full disk under a writer that no command names itself (toolkit/disk.py)
         from toolkit.disk import as_disk_full
 
@@ -215,12 +221,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {full}", file=sys.stderr)
         return full.exit_code
-    except StopRequested as stop:
-        print(str(stop), file=sys.stderr)
-        return stop.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from toolkit import __version__
 from toolkit.disk import DiskFull, is_disk_full
 from toolkit.errors import UserError
+from toolkit.untrusted import load_state
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 META = "meta.json"
@@ -263,13 +264,19 @@ def load_checkpoint_files(checkpoint: Checkpoint) -> CheckpointContents:
         if name.endswith(".safetensors"):
             tensors[name[:-len(".safetensors")]] = load_file(str(path))
         elif name.endswith(".pt"):
-            states[name[:-len(".pt")]] = torch.load(path, map_location="cpu", weights_only=False)
+            states[name[:-len(".pt")]] = load_checkpoint_state(path)
     if LEGACY_TRAINABLE in tensors and TRAINABLE not in tensors:
         tensors[TRAINABLE] = tensors.pop(LEGACY_TRAINABLE)
     if TRAINABLE in tensors:
         tensors[TRAINABLE] = trainable_from_file(tensors[TRAINABLE])
     states["trainer_state"] = upgrade_trainer_state(states["trainer_state"])
     return CheckpointContents(tensors, states)
+
+
+def load_checkpoint_state(path: Path) -> object:
+    """One .pt state of a checkpoint folder, unpickled without running code (toolkit/untrusted.py)."""
+    return load_state(path, fix=f"resume only from checkpoints you trust: move {path.parent} out of its checkpoints/ "
+                                "folder to resume from the one before, or start over with --fresh")
 
 
 def upgrade_trainer_state(state: dict) -> dict:

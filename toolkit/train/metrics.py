@@ -206,18 +206,22 @@ class MetricsLogger:
         self._bar.close()
         try:
             with self._full_disk_named():
-                self._jsonl.close()
-                if self._tb is not None:
-                    self._tb.flush()  # raises what TensorBoard's writer thread met
-                    self._tb.close()
+                try:
+                    self._jsonl.close()  # closed even when its last flush fails
+                finally:
+                    if self._tb is not None:
+                        try:
+                            self._tb.flush()  # raises what TensorBoard's writer thread met
+                        finally:
+                            self._tb.close()
         except UserError:
             if not stopping:
                 raise
         finally:
             if self._tb is not None:
                 threading.excepthook = self._thread_hook
-        if self._wandb is not None:
-            self._wandb.finish()
+            if self._wandb is not None:
+                self._wandb.finish()
 
 
 def _format_eta(seconds: float) -> str:

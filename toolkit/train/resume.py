@@ -12,7 +12,8 @@ from toolkit.config.families import FAMILY_SPECS, applies_to
 from toolkit.config.load import flatten, schema_defaults
 from toolkit.config.schema import RunConfig
 from toolkit.errors import UserError
-from toolkit.train.checkpoint import Checkpoint, find_latest_checkpoint, list_checkpoints, verify_checkpoint
+from toolkit.train.checkpoint import (Checkpoint, find_latest_checkpoint, list_checkpoints, load_checkpoint_state,
+                                      verify_checkpoint)
 from toolkit.train.run_dir import RunDir
 
 
@@ -83,9 +84,7 @@ def config_changes(old: dict, new: dict, processes: tuple[int, int] = (1, 1)) ->
 
 def checkpoint_processes(checkpoint: Checkpoint) -> int:
     """How many processes trained the run up to `checkpoint` (checkpoints from before multi-process: 1)."""
-    import torch
-
-    state = torch.load(checkpoint.path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    state = load_checkpoint_state(checkpoint.path / "trainer_state.pt")
     return int(state.get("world_size", 1))
 
 
