@@ -59,17 +59,48 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not worker and launch.launch_requested(args):
         visible = 0 if run.device.backend == "cpu" else run.device.device_count
         plan = launch.plan_from_args(args, visible, run.device.backend)
-        if plan.several:
+        if plan.several or plan.max_restarts:
             return launch.launch_train(plan, args.config, fresh=args.fresh)
     from toolkit.train.trainer import Trainer
 
+    fresh = args.fresh
+    restart = launch.restart_number()
+    if restart:  # the launcher restarted every process after one died: go on from what the run saved
+        from datetime import timedelta
+
+        from toolkit.train.distributed import join_restarted_group
+
+        fresh = False
+        _resume_on_restart(run)
+        join_restarted_group(run.device.backend, timedelta(seconds=run.cfg.device.collective_timeout))
     if main_process:
+        if restart:
+            print(f"restart {restart}: the launcher restarted every process after one stopped; resuming from the "
+                  "newest checkpoint that verifies" + (" (--fresh applied to the first start only)" if args.fresh
+                                                       else ""), file=sys.stderr)
         _print_decisions(run)
-    Trainer(run, fresh=args.fresh).run()
+    Trainer(run, fresh=fresh).run()
     return 0
 
 
+def _resume_on_restart(run) -> None:
+    """A restarted run resumes from its own newest checkpoint, whatever train.resume says (false, or another run's
+    checkpoint); without one yet it starts as the first attempt did."""
+    from toolkit.train.checkpoint import list_checkpoints
+
+    if list_checkpoints(Path(run.cfg.run.output_dir) / "checkpoints"):
+        run.cfg.train.resume = "auto"
+
+
+def _print_notes(run) -> None:
+    """What the config's layers noted while read (a setting read by its old name)."""
+    for layer in run.layers:
+        for note in layer.notes:
+            print(f"note: {note}", file=sys.stderr)
+
+
 def _print_decisions(run) -> None:
+    _print_notes(run)
     print(f"device: {run.device.summary()}", file=sys.stderr)
     for reason in run.device.reasons:
         print(f"  {reason}", file=sys.stderr)
@@ -86,6 +117,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     files, overrides = split_args(args.config)
     run = load_run(files, overrides, check_paths=path_checks())
+    _print_notes(run)
     decided = {d.key: d for d in run.decisions}
     rows = []
     for key, value in flatten(resolved_container(run.cfg)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -20,6 +20,7 @@ class Layer:
     data: dict
     lines: dict[str, int] = field(default_factory=dict)  # dotted key -> line number in the file
     preset: bool = False            # an arch preset: it sets keys for every family, so none is an error
+    notes: list[str] = field(default_factory=list)  # said at the start (a renamed setting read by its old name)
 
     def where(self, key: str) -> str:
         line = self.lines.get(key)
@@ -51,6 +52,43 @@ def _duplicate_keys(node: yaml.Node, path: Path, prefix: str = "") -> Iterator[s
             yield from _duplicate_keys(item, path, prefix)
 
 
+# Settings renamed since they were introduced: old dotted name -> (new name, what the old value is in the new one's
+# unit). The old name is still read, with a note; both in one layer is an error.
+RENAMED = {"device.timeout_minutes": ("device.collective_timeout", "seconds", lambda minutes: minutes * 60)}
+
+
+def upgrade_renamed(data: dict, where: Callable[[str], str] | None = None) -> tuple[list[str], list[str]]:
+    """Rename the old settings of `data` (a layer's nested dict, or a run's saved config) in place; returns (notes,
+    problems). `where(old dotted name)` says where it was set."""
+    notes, problems = [], []
+    for old, (new, unit, convert) in RENAMED.items():
+        (section, old_key), new_key = old.split("."), new.split(".")[1]
+        values = data.get(section)
+        if not isinstance(values, dict) or old_key not in values:
+            continue
+        value = values.pop(old_key)
+        at = f" in {where(old)}" if where else ""
+        if new_key in values:
+            problems.append(f"'{old}'{at} is the old name of '{new}', which is set too; remove '{old}'")
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        values[new_key] = convert(value) if number else value  # not a number: the new key's type check says so
+        notes.append(f"'{old}'{at} is deprecated: read as {new}={values[new_key]} ({unit}); rename it")
+    return notes, problems
+
+
+def _renamed(layer: Layer) -> Layer:
+    """`layer` with its old setting names read as the new ones (line numbers follow); a ConfigError when both."""
+    notes, problems = upgrade_renamed(layer.data, layer.where)
+    if problems:
+        raise ConfigError(problems)
+    for old, (new, _, _) in RENAMED.items():
+        if old in layer.lines:
+            layer.lines[new] = layer.lines.pop(old)
+    layer.notes += notes
+    return layer
+
+
 def read_yaml_layer(path: str | Path, label: str | None = None) -> Layer:
     """Read a YAML config file; a missing file, bad YAML or a key given twice is a UserError naming the file and
     line(s)."""
@@ -75,7 +113,7 @@ def read_yaml_layer(path: str | Path, label: str | None = None) -> Layer:
     if not isinstance(data, dict):
         raise UserError(f"{path}: a config file must be a mapping of sections (run:, model:, train:, ...), "
                         f"not a {type(data).__name__}")
-    return Layer(label or str(path), data, lines)
+    return _renamed(Layer(label or str(path), data, lines))
 
 
 def parse_scalar(text: str) -> Any:
@@ -114,7 +152,7 @@ def dotlist_layer(overrides: list[str]) -> Layer:
             node[parts[-1]] = parse_scalar(raw)
     if problems:
         raise ConfigError(problems)
-    return Layer("command line", data)
+    return _renamed(Layer("command line", data))
 
 
 def peek(layers: list[Layer], dotted: str, default: Any = None) -> Any:

@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 import yaml
 
 from toolkit.config.families import FAMILY_SPECS, applies_to
+from toolkit.config.layers import upgrade_renamed
 from toolkit.config.load import flatten, schema_defaults
 from toolkit.config.schema import RunConfig
 from toolkit.errors import UserError
@@ -97,6 +98,7 @@ INIT_FROM_FIXED = frozenset({"model.family", "model.name_or_path", "model.revisi
 def check_resume_config(checkpoint: Checkpoint, current: dict, notice: Callable[[str], None],
                         processes: int = 1) -> None:
     saved = yaml.safe_load((checkpoint.path / "config.yaml").read_text(encoding="utf-8"))
+    upgrade_renamed(saved)  # settings renamed since the checkpoint was written compare under their new names
     allowed, refused = config_changes(saved, current, (checkpoint_processes(checkpoint), processes))
     if refused:
         keys = {r.split(":", 1)[0] for r in refused}

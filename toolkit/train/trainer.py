@@ -94,7 +94,7 @@ class Trainer:
         from accelerate import Accelerator, InitProcessGroupKwargs
 
         cfg = self.cfg
-        timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.device.timeout_minutes))
+        timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.device.collective_timeout))
         self.accelerator = Accelerator(cpu=self.run_cfg.device.backend == "cpu", kwargs_handlers=[timeout],
                                        mixed_precision=MIXED_PRECISION[cfg.train.precision])
         self.procs = Processes(self.accelerator)
