@@ -102,17 +102,19 @@ def file_hash(path: Path) -> str:
 
 
 def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ...],
-                probe: Callable[[Path], tuple[tuple[int, int], Any]]) -> list[tuple]:
+                probe: Callable[[Path], tuple[tuple[int, int], Any]], kinds: str = "images",
+                add: str = "add .png/.jpg/.webp images") -> list[tuple]:
     """(file, caption, size, extra, bucket) for each file under data.path with a suffix in `exts` that fits a bucket.
 
     `probe(file)` gives the displayed (width, height) and anything else the caller keeps (`extra`); the caption
     has the default caption and trigger word applied; the bucket is (width, height). Unreadable files and files
-    under one bucket step are skipped and named in one warning each (`noun`: what a file is called there).
+    under one bucket step are skipped and named in one warning each (`noun`: what a file is called there). None
+    usable is a UserError: the files were all too small, or there were no `kinds` to use (`add`: the fix).
     """
     root = Path(data.path)
     rules = caption_rules(data)
     table = bucket_table(data.resolution, data.bucket_step, data.min_bucket_side, data.max_bucket_side)
-    found, skipped, small = [], [], []
+    found, skipped, small, sides = [], [], [], []
     for path, raw in captioned_files(root, data.caption_ext, exts):
         try:
             size, extra = probe(path)
@@ -122,10 +124,31 @@ def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ..
         bucket = choose_bucket(*size, table, data.bucket_step)
         if bucket is None:
             small.append(f"{path.name} ({size[0]}x{size[1]})")
+            sides.append(min(size))
             continue
         found.append((path, rules.base(raw), size, extra, bucket))
+    if small and not found:
+        raise all_too_small(data, root, noun, small, max(sides), len(skipped))
     warn_skipped(log, root, noun, skipped, small, data.bucket_step)
+    if not found:
+        raise UserError(f"data.path: no usable {kinds} in {root}" + (f" ({len(skipped)} unreadable: "
+                        f"{', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''})" if skipped else "")
+                        + f"\n  fix: {add} (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
     return found
+
+
+def all_too_small(data, root: Path, noun: str, small: list[str], largest_side: int, unreadable: int) -> UserError:
+    """Every readable file is under the smallest bucket side (data.bucket_step): the message names them, the sides
+    that would train (data.resolution, data.bucket_step), and a bucket step they would fit."""
+    step, resolution = data.bucket_step, data.resolution
+    shown = ", ".join(small[:5]) + (f", ... ({len(small)} in all)" if len(small) > 5 else "")
+    also = f"; {unreadable} more could not be read" if unreadable else ""
+    smaller_step = next((s for s in (32, 16, 8) if s < step and s <= largest_side), None)
+    lower = f", or let them train in smaller buckets: data.bucket_step={smaller_step}" if smaller_step else ""
+    return UserError(f"data.path: every {noun} in {root} is smaller than data.resolution ({resolution} px) and than "
+                     f"the smallest bucket side (data.bucket_step: {step} px), so none can train: {shown}{also}"
+                     f"\n  fix: use larger {noun}s (at least {step} px a side, about {resolution} px to train at "
+                     f"data.resolution){lower}")
 
 
 def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
@@ -136,9 +159,6 @@ def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
                         f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
     items = [ImageItem(path, caption, size, bucket, file_hash(path)) for path, caption, size, _, bucket
              in scan_folder(data, log, "image", IMAGE_EXTS, lambda path: (_image_size(path), None))]
-    if not items:
-        raise UserError(f"data.path: no usable images in {root}\n  fix: add .png/.jpg/.webp images "
-                        f"(with same-name {data.caption_ext} captions, or a metadata.jsonl)")
     log(format_bucket_table(Counter(item.bucket for item in items)))
     return items
 
