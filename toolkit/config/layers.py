@@ -27,6 +27,31 @@ class Layer:
         return f"{self.label}:{line}" if line else self.label
 
 
+# A config's values, counted as YAML aliases expand them: far above any real config, far below what would exhaust
+# memory ("billion laughs").
+MAX_VALUES = 100_000
+
+
+def _check_tree(root: yaml.Node, path: Path) -> None:
+    """A UserError for a YAML alias inside its own anchor (a value that contains itself: every later walk would
+    recurse forever), or for aliases that expand into more than MAX_VALUES values."""
+    count = 0
+    todo: list[tuple[yaml.Node, frozenset[int]]] = [(root, frozenset())]
+    while todo:
+        node, above = todo.pop()
+        count += 1
+        if id(node) in above:
+            raise UserError(f"{path}:{node.start_mark.line + 1}: a YAML alias inside its own anchor (&name ... *name) "
+                            "makes a value that contains itself\n  fix: write the value out, or use an alias outside "
+                            "the anchored block")
+        if count > MAX_VALUES:
+            raise UserError(f"{path}: its YAML aliases expand to more than {MAX_VALUES:,} values\n  fix: write the "
+                            "config without nested aliases")
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        todo += [(child, above | {id(node)}) for child in children]
+
+
 def _key_lines(node: yaml.Node, prefix: str = "") -> Iterator[tuple[str, int]]:
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
@@ -77,8 +102,28 @@ def upgrade_renamed(data: dict, where: Callable[[str], str] | None = None) -> tu
     return notes, problems
 
 
+def _not_unicode(data: Any, where: Callable[[str], str], prefix: str = "") -> Iterator[str]:
+    """Keys and texts holding half of a UTF-16 pair (a YAML or JSON escape like \\ud800, or a command-line byte that
+    is not UTF-8): no file name, log line or message could hold them."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else []
+    for key, value in items:
+        dotted = f"{prefix}{key}" if isinstance(data, dict) else prefix.rstrip(".")
+        for text in (key, value):
+            if isinstance(text, str) and any("\ud800" <= c <= "\udfff" for c in text):
+                shown, name = (t.encode("utf-8", "backslashreplace").decode("utf-8") for t in (text, dotted))
+                yield (f"'{name}' in {where(dotted)}: '{shown}' is not valid Unicode text (half of a UTF-16 "
+                       "surrogate pair, or a byte that is not UTF-8); write the character itself, in UTF-8")
+                break
+        else:
+            yield from _not_unicode(value, where, f"{dotted}.")
+
+
 def _renamed(layer: Layer) -> Layer:
-    """`layer` with its old setting names read as the new ones (line numbers follow); a ConfigError when both."""
+    """`layer` with its old setting names read as the new ones (line numbers follow); a ConfigError for text that
+    is not Unicode, or for an old name set beside its new one."""
+    invalid = list(_not_unicode(layer.data, layer.where))
+    if invalid:
+        raise ConfigError(invalid)
     notes, problems = upgrade_renamed(layer.data, layer.where)
     if problems:
         raise ConfigError(problems)
@@ -99,6 +144,8 @@ def read_yaml_layer(path: str | Path, label: str | None = None) -> Layer:
     try:
         data = yaml.safe_load(text)
         tree = yaml.compose(text) if data else None
+        if tree is not None:
+            _check_tree(tree, path)
         lines = dict(_key_lines(tree)) if tree is not None else {}
         duplicates = list(_duplicate_keys(tree, path)) if tree is not None else []
     except yaml.YAMLError as err:
@@ -120,7 +167,9 @@ def parse_scalar(text: str) -> Any:
     """Parse a command-line value the way YAML would ('5e-5' is a float, 'true' a bool, '[a, b]' a list)."""
     try:
         value = yaml.safe_load(text)
-    except yaml.YAMLError:
+        if value is not None:
+            _check_tree(yaml.compose(text), Path("command line"))
+    except (yaml.YAMLError, UserError):  # an alias inside its own anchor, too: the text as it was typed
         return text
     # YAML 1.1 reads '5e-5' as a string; users mean a number.
     if isinstance(value, str):

@@ -248,8 +248,8 @@ def merge_layers(layers: list[Layer], problems: list[str] | None = None,
     before, `problems`, first; `check_paths`' last)."""
     problems = list(problems or [])
     family = peek(layers, "model.family")
-    if family not in FAMILY_SPECS:
-        family = None  # reported by the choices check on model.family
+    if not isinstance(family, str) or family not in FAMILY_SPECS:
+        family = None  # reported by the type or choices check on model.family (a list is not even hashable)
     cfg = schema_for(family)
     sources: dict[str, str] = {}
     set_by: dict[str, Layer] = {}           # dotted key -> the last layer that set it

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from PIL.Image import DecompressionBombError
 
 from toolkit.data.augment import Augmentation, View, mirrored_left, resized_size
 from toolkit.data.buckets import bucket_table, choose_bucket, format_bucket_table
@@ -52,10 +54,13 @@ def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_
                 continue
             try:
                 record = json.loads(line)
-                pairs.append((root / record["file_name"], record.get("text")))
+                file, text = root / record["file_name"], record.get("text")
+                if not isinstance(record["file_name"], str) or not isinstance(text, (str, type(None))):
+                    raise TypeError("file_name and text must be strings")
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(f"{metadata}:{n}: expected a JSON object with file_name and text\n"
+                raise UserError(f"{metadata}:{n}: expected a JSON object with file_name and text (strings)\n"
                                 '  fix: write lines like {"file_name": "0001.png", "text": "a red circle"}') from None
+            pairs.append((file, text))
         return pairs
     pairs = []
     for path in sorted(p for p in root.iterdir() if p.suffix.lower() in exts):
@@ -88,8 +93,9 @@ def warn_skipped(log: Callable[[str], None], root: Path, noun: str, unreadable: 
         log(f"warning: skipped {len(small)} {noun}(s) smaller than {step} px: {', '.join(small)}")
 
 
-# What Pillow and PyAV raise for a corrupt or truncated file: such a file is skipped and named, not fatal.
-UNREADABLE = (OSError, SyntaxError, ValueError, EOFError)
+# What Pillow and PyAV raise for a corrupt or truncated file (Pillow's GIF reader: IndexError; its header parsers:
+# struct.error; a header that claims billions of pixels: DecompressionBombError): skipped and named, not fatal.
+UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, DecompressionBombError)
 
 
 def file_hash(path: Path) -> str:
