@@ -294,8 +294,9 @@ class _RestartNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if "will restart worker group" in str(record.msg) and "attempts left" in str(record.msg):
             remaining, most = int(record.args[2]), int(record.args[3])
-            print(f"launch: a process stopped (its output, if it wrote any, is above); restarting all "
-                  f"{self.world_size} processes (restart {most - remaining + 1} of {most}): they resume from the "
+            what = (f"all {self.world_size} processes (restart {most - remaining + 1} of {most}): they resume"
+                    if self.world_size > 1 else f"it (restart {most - remaining + 1} of {most}): it resumes")
+            print(f"launch: a process stopped (its output, if it wrote any, is above); restarting {what} from the "
                   "newest checkpoint that verifies", file=sys.stderr, flush=True)
         return self.keep
 
