@@ -5,6 +5,8 @@ TOOLKIT_TEST_FAULT holds faults separated by commas, each KIND:RANK:STEP[:ATTEMP
 launcher's attempt ATTEMPT (TORCHELASTIC_RESTART_COUNT; 0, the first start, by default), as step STEP begins,
 - kill: SIGKILLs itself (as the kernel's out-of-memory killer would);
 - hang: stops answering (asleep, as a process stuck outside Python would be: SIGTERM ends it at once).
+tests/test_restarts.py uses kill; hang is there for trying a hung rank through the whole trainer by hand
+(TOOLKIT_TEST_FAULT=hang:1:5 device.collective_timeout=5 --gpus 2).
 """
 
 import os
