@@ -222,7 +222,7 @@ def test_resume_safe_settings_come_from_the_schema():
         "train.gradient_checkpointing", "train.compile", "train.cuda_graphs", "train.compile_recompute",
         "train.checkpoint_offload", "train.checkpoint_keeps", "model.attention", "model.kernels", "model.fuse_projections",
             "model.block_swap"}
-    assert {"device.preset", "device.distributed", "device.timeout_minutes", "sample.prompts", "log.wandb"} <= RESUME_SAFE_KEYS
+    assert {"device.preset", "device.distributed", "device.collective_timeout", "sample.prompts", "log.wandb"} <= RESUME_SAFE_KEYS
     assert not any(is_resume_safe(k) for k in ("train.lr", "train.optimizer", "train.optimizer_args.d_coef",
                                                "network.rank", "data.path", "model.name_or_path", "run.seed"))
     assert is_resume_safe("device.a_setting_since_dropped") and not is_resume_safe("train.a_setting_since_dropped")
@@ -288,12 +288,32 @@ def test_dora_needs_the_family_format(tmp_path):
 
 def test_distributed_settings(base_yaml):
     run = load_run([base_yaml], [], device=CPU)
-    assert run.cfg.device.distributed == "auto" and run.cfg.device.timeout_minutes == 30
+    assert run.cfg.device.distributed == "auto" and run.cfg.device.collective_timeout == 1800
     with pytest.raises(ConfigError) as info:
-        load_run([base_yaml], ["device.distributed=fsdpp", "device.timeout_minutes=0"], device=CPU)
+        load_run([base_yaml], ["device.distributed=fsdpp", "device.collective_timeout=0"], device=CPU)
     assert info.value.problems == [
         "'device.distributed' in command line: 'fsdpp' is not one of auto, ddp, fsdp; did you mean 'fsdp'?",
-        "'device.timeout_minutes' in command line: 0 is below the minimum 1"]
+        "'device.collective_timeout' in command line: 0 is below the minimum 1"]
+
+
+def test_the_old_timeout_minutes_is_read_as_collective_timeout_with_a_note(tmp_path, base_yaml):
+    old = tmp_path / "old.yaml"
+    old.write_text(Path(base_yaml).read_text() + "device:\n  timeout_minutes: 2\n")
+    run = load_run([old], [], device=CPU)
+    assert run.cfg.device.collective_timeout == 120 and "timeout_minutes" not in run.cfg.device
+    line = len(Path(base_yaml).read_text().splitlines()) + 2
+    assert [n for layer in run.layers for n in layer.notes] == [
+        f"'device.timeout_minutes' in {old}:{line} is deprecated: read as device.collective_timeout=120 (seconds); "
+        "rename it"]
+    assert run.sources["device.collective_timeout"] == f"{old}:{line}"
+    assert load_run([base_yaml], ["device.timeout_minutes=1"], device=CPU).cfg.device.collective_timeout == 60
+    with pytest.raises(ConfigError) as info:
+        load_run([base_yaml], ["device.timeout_minutes=1", "device.collective_timeout=60"], device=CPU)
+    assert info.value.problems == ["'device.timeout_minutes' in command line is the old name of "
+                                   "'device.collective_timeout', which is set too; remove 'device.timeout_minutes'"]
+    proc = run_toolkit("validate", old, cwd=tmp_path)
+    assert proc.returncode == 0 and "note: 'device.timeout_minutes' in" in proc.stderr
+    assert "device.collective_timeout" in proc.stdout and "device.timeout_minutes" not in proc.stdout
 
 
 EXAMPLES = sorted((REPO / "configs" / "examples").glob("*.yaml"))

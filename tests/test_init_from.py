@@ -58,7 +58,7 @@ def test_sd_from_a_kohya_file_starts_exactly_where_the_file_is(runs, run_cli, tm
     assert f"network.init_from: the LoRA starts from file {kohya}; steps, optimizer state and schedule start fresh" \
            in capsys.readouterr().err
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step-000001"]  # steps start at 0
-    optimizer = torch.load(b / "checkpoints" / "step-000001" / "optimizer.pt", weights_only=False)
+    optimizer = torch.load(b / "checkpoints" / "step-000001" / "optimizer.pt", weights_only=True)
     assert {float(s["step"]) for s in optimizer["state"].values()} == {1.0}  # a fresh optimizer: one step taken
     assert_same_lora(trainable(b / "checkpoints" / "step-000001"), trainable(a / "checkpoints" / "step-000002"))
     # The model's output: B's sample at its start equals A's last sample (same prompt, seed and sample settings).

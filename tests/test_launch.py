@@ -32,6 +32,13 @@ WORKER = textwrap.dedent("""
     if rank == 1 and mode == "sigkill":
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if mode in ("fail-once", "fail-always"):
+        with open(os.path.join(out, f"rank{rank}.attempt{attempt}"), "w") as f:
+            f.write(os.environ.get("TORCHELASTIC_MAX_RESTARTS", ""))
+        if rank == 1 and (mode == "fail-always" or attempt == "0"):
+            sys.exit(3)
+        sys.exit(0)
     if mode != "ok":
         time.sleep(60)  # rank 0 would wait this long unless it is stopped
         open(os.path.join(out, f"rank{rank}.finished"), "w").close()
@@ -45,8 +52,9 @@ def worker(tmp_path) -> Path:
     return script
 
 
-def _run(worker: Path, mode: str, nproc: int = 2) -> None:
-    launch.run_workers(launch.make_plan(nproc), sys.executable, [str(worker), str(worker.parent), mode])
+def _run(worker: Path, mode: str, nproc: int = 2, max_restarts: int = 0) -> None:
+    launch.run_workers(launch.make_plan(nproc, max_restarts=max_restarts), sys.executable,
+                       [str(worker), str(worker.parent), mode])
 
 
 def test_two_processes_succeed_and_get_the_rendezvous_environment(worker, monkeypatch):
@@ -94,6 +102,39 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_signal(worker):
     assert info.value.rank == 1 and info.value.exitcode == -9 and info.value.exit_code == 1
     assert "rank 1 of 2 stopped (killed by SIGKILL" in str(info.value)
     assert not (worker.parent / "rank0.finished").exists()
+
+
+def test_max_restarts_restarts_every_worker_and_says_so(worker, capfd):
+    _run(worker, "fail-once", max_restarts=2)
+    attempts = sorted(p.name for p in worker.parent.glob("rank*.attempt*"))
+    assert attempts == ["rank0.attempt0", "rank0.attempt1", "rank1.attempt0", "rank1.attempt1"]
+    assert (worker.parent / "rank0.attempt1").read_text() == "2"
+    err = capfd.readouterr().err
+    assert err.count("launch: a process stopped (its output, if it wrote any, is above); restarting all 2 processes "
+                     "(restart 1 of 2): they resume from the newest checkpoint that verifies") == 1
+    assert "restart 2 of 2" not in err and "Traceback" not in err
+
+
+def test_a_worker_that_keeps_failing_stops_after_the_last_restart(worker, capfd):
+    with pytest.raises(launch.WorkersFailed) as info:
+        _run(worker, "fail-always", max_restarts=1)
+    assert str(info.value) == ("rank 1 of 2 stopped (exit code 3); the other processes were stopped (its output is "
+                               "above) (after 1 restart)")
+    assert sorted(p.name for p in worker.parent.glob("rank1.attempt*")) == ["rank1.attempt0", "rank1.attempt1"]
+    assert "restarting all 2 processes (restart 1 of 1)" in capfd.readouterr().err
+
+
+def test_max_restarts_reaches_the_launch_config_on_one_node_only(tmp_path):
+    plan = _plan("--gpus", "2", "--max-restarts", "3")
+    assert plan.max_restarts == 3 and launch.launch_requested(build_parser().parse_args(
+        ["train", "cfg.yaml", "--max-restarts", "1"]))  # one process with restarts is launched too
+    config = launch.launch_config(plan, str(tmp_path))
+    assert config.max_restarts == 3 and config.rdzv_backend == "c10d" and "rank" not in config.rdzv_configs
+    assert "up to 3 restarts when a process dies (every process resumes from the newest checkpoint" in plan.describe()
+    with pytest.raises(UserError, match=r"--max-restarts 1 with --nnodes 2: the launcher of each node would restart "
+                                        r"only its own processes"):
+        _plan("--nnodes", "2", "--master-addr", "node0", "--max-restarts", "1")
+    assert launch.restart_number({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2 and launch.restart_number({}) == 0
 
 
 def test_a_worker_user_error_keeps_exit_code_2():
@@ -162,12 +203,13 @@ def test_gpu_counts():
     assert not _plan("--gpus", "all", visible=1, backend="cuda").several  # one GPU: no launch at all
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "two"])
-def test_bad_gpus_values_are_refused_by_the_parser(value, capsys):
+@pytest.mark.parametrize("flag, value", [("--gpus", "0"), ("--gpus", "-1"), ("--gpus", "two"),
+                                         ("--max-restarts", "-1"), ("--max-restarts", "one")])
+def test_bad_launch_values_are_refused_by_the_parser(flag, value, capsys):
     with pytest.raises(SystemExit) as info:
-        build_parser().parse_args(["train", "cfg.yaml", "--gpus", value])
+        build_parser().parse_args(["train", "cfg.yaml", flag, value])
     assert info.value.code == 2
-    assert "--gpus" in capsys.readouterr().err
+    assert flag in capsys.readouterr().err
 
 
 def test_workers_get_the_same_config_arguments_without_launch_flags():

@@ -137,7 +137,7 @@ def test_sd_on_two_processes_keeps_every_rank_in_step_and_saves_each_ranks_rng(t
     # the main process filled the latent cache (or found it filled); the other read it and printed nothing
     assert proc.stderr.count("latents: ") == 1
     assert "latents: 0 cached, 24 encoded" in proc.stderr or "latents: 24 cached, 0 encoded" in proc.stderr
-    state = torch.load(out / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
+    state = torch.load(out / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=True)
     assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2
     assert not torch.equal(state["rng_ranks"][0]["torch"], state["rng_ranks"][1]["torch"])
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()

@@ -112,16 +112,16 @@ def test_uninterrupted_run_writes_every_checkpoint_with_all_its_files(reference)
     assert sorted(meta["files"]) == sorted(set(files) - {"meta.json"}) and meta["lora_files"] == lora_files
     assert_bit_identical(load_file(str(out / "checkpoints" / f"step-{STEPS:06d}" / "adapter_model.safetensors")),
                          final_weights(out))
-    state = torch.load(out / "checkpoints" / "step-000008" / "trainer_state.pt", weights_only=False)
+    state = torch.load(out / "checkpoints" / "step-000008" / "trainer_state.pt", weights_only=True)
     assert state["step"] == 8
     assert sorted(state["rng"]) == ["numpy", "python", "torch"] + (["device"] if torch.cuda.is_available() else [])
     assert state["scheduler"]["last_epoch"] == 8
     assert state["data_order"] == {"epoch": 0, "position": 8, "seed": 42, "batch_size": 8, "num_items": 64,
                                    "world_size": 1}  # 64 samples: 8 batches of 8 per epoch, the next one starts epoch 1
-    later = torch.load(out / "checkpoints" / "step-000012" / "trainer_state.pt", weights_only=False)
+    later = torch.load(out / "checkpoints" / "step-000012" / "trainer_state.pt", weights_only=True)
     assert (later["data_order"]["epoch"], later["data_order"]["position"]) == (1, 4)
     assert state["scaler"] is None  # fp32 on the CPU: no loss scaling
-    optimizer = torch.load(out / "checkpoints" / "step-000008" / "optimizer.pt", weights_only=False)
+    optimizer = torch.load(out / "checkpoints" / "step-000008" / "optimizer.pt", weights_only=True)
     states = list(optimizer["state"].values())
     assert states and all(isinstance(v, torch.Tensor) for s in states for k, v in s.items() if k != "step")
     # AdamW8bit's state as plain tensors (tiny LoRA matrices are under the 8-bit size threshold: fp32 moments)

@@ -70,3 +70,30 @@ def test_user_errors_name_the_folder_and_the_fix(tmp_path):
     (tmp_path / "metadata.jsonl").write_text("{broken\n")
     with pytest.raises(UserError, match="metadata.jsonl:1: expected a JSON object"):
         scan_images(_data(tmp_path), lambda m: None)
+
+
+def test_images_all_smaller_than_the_resolution_and_a_bucket_are_named_with_the_fix(tmp_path, run_cli, capsys):
+    """Every image under one bucket step: the message says they are too small for data.resolution and the buckets,
+    names them, and gives the fix (larger images, or a bucket step they fit), through `train`."""
+    from conftest import REPO
+
+    data = tmp_path / "small"
+    write_shapes_dataset(data, sizes=((40, 40), (48, 20)), count=1)
+    (data / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    out = tmp_path / "run"
+    assert run_cli("train", REPO / "configs/examples/quickstart_sd.yaml", f"data.path={data}",
+                   f"run.output_dir={out}") == 2
+    err = capsys.readouterr().err
+    assert (f"error: data.path: every image in {data} is smaller than data.resolution (96 px) and than the smallest "
+            "bucket side (data.bucket_step: 64 px), so none can train: red_circle_40x40.png (40x40), "
+            "red_circle_48x20.png (48x20); 1 more could not be read\n"
+            "  fix: use larger images (at least 64 px a side, about 96 px to train at data.resolution), or let them "
+            "train in smaller buckets: data.bucket_step=32\n") in err
+    assert "add .png/.jpg/.webp images" not in err and "Traceback" not in err
+    (data / "broken.png").unlink()
+    (data / "red_circle_40x40.png").unlink()
+    with pytest.raises(UserError, match=r"so none can train: red_circle_48x20.png \(48x20\)\n  fix: use larger images \(at least 64 px a side, about 96 px to "
+                                        r"train at data.resolution\), or let them train in smaller buckets: "
+                                        r"data.bucket_step=16$"):
+        scan_images(_data(data), lambda m: None)  # 48x20: its short side fits 16 px buckets
+    assert [item.bucket for item in scan_images(_data(data, bucket_step=16), lambda m: None)] == [(48, 16)]

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from toolkit.errors import UserError
 
@@ -62,17 +63,38 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not worker and launch.launch_requested(args):
         visible = 0 if run.device.backend == "cpu" else run.device.device_count
         plan = launch.plan_from_args(args, visible, run.device.backend)
-        if plan.several:
+        if plan.several or plan.max_restarts:
             return launch.launch_train(plan, args.config, fresh=args.fresh)
     from toolkit.train.trainer import Trainer
 
+    fresh = args.fresh
+    restart = launch.restart_number()
+    if restart:  # the launcher restarted every process after one died: go on from what the run saved
+        from datetime import timedelta
+
+        from toolkit.train.distributed import join_restarted_group
+
+        fresh = False
+        join_restarted_group(run.device.backend, timedelta(seconds=run.cfg.device.collective_timeout))
     if main_process:
+        if restart:
+            print(f"restart {restart}: the launcher restarted every process after one stopped; resuming from the "
+                  "newest checkpoint that verifies" + (" (--fresh applied to the first start only)" if args.fresh
+                                                       else ""), file=sys.stderr)
         _print_decisions(run)
-    Trainer(run, fresh=args.fresh).run()
+    Trainer(run, fresh=fresh, restarted=bool(restart)).run()
     return 0
 
 
+def _print_notes(run) -> None:
+    """What the config's layers noted while read (a setting read by its old name)."""
+    for layer in run.layers:
+        for note in layer.notes:
+            print(f"note: {note}", file=sys.stderr)
+
+
 def _print_decisions(run) -> None:
+    _print_notes(run)
     print(f"device: {run.device.summary()}", file=sys.stderr)
     for reason in run.device.reasons:
         print(f"  {reason}", file=sys.stderr)
@@ -105,6 +127,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     files, overrides = split_args(args.config)
     run = load_run(files, overrides, check_paths=path_checks())
+    _print_notes(run)
     rows = provenance_rows(run)
     width_key = max(len(r[0]) for r in rows)
     width_value = min(max(len(r[1]) for r in rows), 40)
@@ -246,6 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # a full disk under a writer that no command names itself (toolkit/disk.py)
+        from toolkit.disk import as_disk_full
+
+        full = as_disk_full(err, Path.cwd())
+        if full is None:
+            raise
+        print(f"error: {full}", file=sys.stderr)
+        return full.exit_code
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 The parent process validates the config once (in cli.cmd_train), then `elastic_launch` (the API behind
 `torchrun`) starts the workers: `python -u -m toolkit train <the same config arguments>`, each with
 RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set and the parent's environment (the ROCm
-variables that start_toolkit.sh exported included). There are no restarts: when one worker fails, the
-agent stops the others (SIGTERM, then SIGKILL 30 s later for one that is still running, e.g. blocked in a
-collective, where a Python signal handler cannot run) and the parent reports the first failed rank in one
-line. On Ctrl-C the workers get SIGINT (the trainer finishes its step and saves), then SIGKILL after
+variables that start_toolkit.sh exported included). When one worker fails, the agent stops the others
+(SIGTERM, then SIGKILL 30 s later for one that is still running, e.g. blocked in a collective, where a Python
+signal handler cannot run). With `--max-restarts N` (torch elastic's own restarts, on one node) it then starts
+them all again, up to N times, and they resume from the newest checkpoint that verifies (cli.cmd_train: a
+restart never starts over with --fresh); the parent prints one line per restart. Without restarts left, the
+parent reports the first failed rank in one line. On Ctrl-C the workers get SIGINT (the trainer finishes its step and saves), then SIGKILL after
 TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 by default); a second Ctrl-C sends SIGTERM at once.
 Workers recognise that they were launched from LOCAL_RANK/WORLD_SIZE, so `torchrun -m toolkit train ...`
 and `accelerate launch -m toolkit train ...` work the same way.
@@ -63,6 +65,7 @@ class LaunchPlan:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     device_backend: str = "cpu"   # "cuda", "hip" or "cpu" (from the validated run's device)
+    max_restarts: int = 0         # torch elastic restarts of every process after one fails (one node)
 
     @property
     def world_size(self) -> int:
@@ -81,6 +84,9 @@ class LaunchPlan:
         else:
             text = (f"launch: {procs} on node {self.node_rank} of {self.nnodes} ({self.world_size} in all, {backend}), "
                     f"rendezvous {self.master_addr}:{self.master_port}; waiting for every node to join")
+        if self.max_restarts:
+            text += (f"; up to {self.max_restarts} restart{'s' if self.max_restarts != 1 else ''} when a process "
+                     "dies (every process resumes from the newest checkpoint that verifies)")
         if self.device_backend == "cpu":
             text += "\n  note: no GPU in use (none visible, or device.backend=cpu): the processes train on the CPU"
         return text
@@ -108,6 +114,16 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {number}")
+    return number
+
+
 def _port(value: str) -> int:
     try:
         port = int(value)
@@ -119,7 +135,7 @@ def _port(value: str) -> int:
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """The launch flags of `train`: --gpus, --nnodes, --node-rank, --master-addr, --master-port."""
+    """The launch flags of `train`: --gpus, --nnodes, --node-rank, --master-addr, --master-port, --max-restarts."""
     group = parser.add_argument_group("several processes (see docs/multi-gpu.md)")
     group.add_argument("--gpus", type=_gpus_type, default=None, metavar="N|all",
                        help="processes on this node, one per GPU (all: every visible GPU); "
@@ -131,13 +147,17 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--master-port", type=_port, default=None, metavar="PORT",
                        help=f"free TCP port on node 0 (default: {DEFAULT_MULTI_NODE_PORT} across nodes, "
                             "any free port on one node)")
+    group.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
+                       help="when a process dies (killed, out of memory, a collective timeout), restart every "
+                            "process up to N times; they resume from the newest checkpoint that verifies "
+                            "(default 0: stop)")
 
 
 def launch_requested(args: argparse.Namespace) -> bool:
     """Whether any launch flag asks for more than the default single process."""
     return (getattr(args, "gpus", None) is not None or getattr(args, "nnodes", 1) > 1
             or getattr(args, "master_addr", None) is not None or getattr(args, "master_port", None) is not None
-            or getattr(args, "node_rank", 0) != 0)
+            or getattr(args, "node_rank", 0) != 0 or getattr(args, "max_restarts", 0) > 0)
 
 
 def launched_worker(environ: dict[str, str] | None = None) -> bool:
@@ -160,6 +180,10 @@ def accelerate_single_process_note(environ: dict[str, str] | None = None) -> str
             "but without --multi_gpu it runs a single process. For N processes: `accelerate launch --multi_gpu "
             "--num_processes N -m toolkit train ...`, `torchrun --nproc-per-node N -m toolkit train ...`, or "
             "`./start_toolkit.sh train ... --gpus N` (which also runs N processes on the CPU)")
+def restart_number(environ: dict[str, str] | None = None) -> int:
+    """How many times torch elastic's launcher has restarted this worker's group (0: the first start)."""
+    environ = os.environ if environ is None else environ
+    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def processes_per_node(gpus: int | str | None, visible_gpus: int) -> int:
@@ -186,8 +210,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def make_plan(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
-              master_port: int | None = None, device_backend: str = "cpu") -> LaunchPlan:
+              master_port: int | None = None, device_backend: str = "cpu", max_restarts: int = 0) -> LaunchPlan:
     """Checks the multi-node flags; one node defaults to 127.0.0.1 and a free port."""
+    if max_restarts and nnodes > 1:
+        raise UserError(f"--max-restarts {max_restarts} with --nnodes {nnodes}: the launcher of each node would "
+                        "restart only its own processes, with static rendezvous\n  fix: restart across nodes with "
+                        "torchrun (--rdzv-backend=c10d --max-restarts N, then -m toolkit train CONFIG), or leave "
+                        "--max-restarts out and run the same command again to resume")
     if not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} with --nnodes {nnodes}")
     if nnodes > 1:
@@ -198,18 +227,18 @@ def make_plan(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, master_a
     else:
         master_addr = master_addr or "127.0.0.1"
         port = master_port or free_port()
-    return LaunchPlan(nproc_per_node, nnodes, node_rank, master_addr, port, device_backend)
+    return LaunchPlan(nproc_per_node, nnodes, node_rank, master_addr, port, device_backend, max_restarts)
 
 
 def plan_from_args(args: argparse.Namespace, visible_gpus: int, device_backend: str) -> LaunchPlan:
     """The plan for the parsed `train` flags; `visible_gpus` is 0 when training on the CPU."""
     nproc = processes_per_node(args.gpus, visible_gpus)
     return make_plan(nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port,
-                     device_backend if visible_gpus else "cpu")
+                     device_backend if visible_gpus else "cpu", getattr(args, "max_restarts", 0))
 
 
 def launch_config(plan: LaunchPlan, log_dir: str, run_id: str | None = None):
-    """torch's LaunchConfig for the plan: static rendezvous, no restarts. `log_dir` is the agent's folder
+    """torch's LaunchConfig for the plan: static rendezvous, plan.max_restarts restarts. `log_dir` is the agent's folder
     (it stays empty: the workers' output is not redirected); without one torch makes a new /tmp folder."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
@@ -220,10 +249,12 @@ def launch_config(plan: LaunchPlan, log_dir: str, run_id: str | None = None):
         nproc_per_node=plan.nproc_per_node,
         run_id=run_id or f"toolkit-{uuid.uuid4().hex[:12]}",
         role="trainer",
-        rdzv_backend="static",
+        # Restarts need a fresh store per attempt: torch's c10d rendezvous gives one (as torchrun --standalone),
+        # where the static one keeps the first attempt's keys and the restarted processes cannot meet again.
+        rdzv_backend="c10d" if plan.max_restarts else "static",
         rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
-        rdzv_configs={"rank": plan.node_rank},
-        max_restarts=0,
+        rdzv_configs={} if plan.max_restarts else {"rank": plan.node_rank},
+        max_restarts=plan.max_restarts,
         monitor_interval=0.1,
         # Workers write to this console directly (no redirection, no prefixes): their output is live.
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
@@ -263,6 +294,45 @@ def _quiet_agent() -> Iterator[None]:
             lg.setLevel(level)
 
 
+AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
+
+
+class _RestartNotice(logging.Filter):
+    """The agent's "will restart worker group" record as the toolkit's one line; `keep`: pass the agent's records
+    on (LOGLEVEL set), else drop them."""
+
+    def __init__(self, world_size: int, keep: bool):
+        super().__init__()
+        self.world_size, self.keep = world_size, keep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "will restart worker group" in str(record.msg) and "attempts left" in str(record.msg):
+            remaining, most = int(record.args[2]), int(record.args[3])
+            what = (f"all {self.world_size} processes (restart {most - remaining + 1} of {most}): they resume"
+                    if self.world_size > 1 else f"it (restart {most - remaining + 1} of {most}): it resumes")
+            print(f"launch: a process stopped (its output, if it wrote any, is above); restarting {what} from the "
+                  "newest checkpoint that verifies", file=sys.stderr, flush=True)
+        return self.keep
+
+
+@contextmanager
+def _announce_restarts(plan: LaunchPlan) -> Iterator[None]:
+    """A line on stderr each time the agent restarts the processes (with --max-restarts)."""
+    if not plan.max_restarts:
+        yield
+        return
+    agent = logging.getLogger(AGENT_LOGGER)
+    notice = _RestartNotice(plan.world_size, keep=bool(os.environ.get("LOGLEVEL")))
+    level = agent.level
+    agent.setLevel(min(level or logging.INFO, logging.INFO))
+    agent.addFilter(notice)
+    try:
+        yield
+    finally:
+        agent.removeFilter(notice)
+        agent.setLevel(level)
+
+
 def describe_failure(rank: int, world_size: int, exitcode: int) -> str:
     """One line naming the failed rank and how it stopped."""
     if exitcode < 0:
@@ -288,12 +358,14 @@ def run_workers(plan: LaunchPlan, entrypoint: str, args: Sequence[str], run_id: 
     log_dir = tempfile.mkdtemp(prefix="toolkit-launch-")
     try:
         config = launch_config(plan, log_dir, run_id=run_id)
-        with _worker_environment(plan.nproc_per_node), _quiet_agent():
+        with _worker_environment(plan.nproc_per_node), _quiet_agent(), _announce_restarts(plan):
             try:
                 elastic_launch(config, entrypoint)(*args)
             except ChildFailedError as err:
                 rank, failure = err.get_first_failure()
-                raise WorkersFailed(describe_failure(rank, plan.world_size, failure.exitcode), rank,
+                spent = f" (after {plan.max_restarts} restart{'s' if plan.max_restarts != 1 else ''})" \
+                    if plan.max_restarts else ""
+                raise WorkersFailed(describe_failure(rank, plan.world_size, failure.exitcode) + spent, rank,
                                     plan.world_size, failure.exitcode) from None
             except SignalException as err:
                 raise LaunchInterrupted(int(err.sigval), plan.world_size) from None

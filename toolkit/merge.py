@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.disk import disk_full_named
 from toolkit.errors import UserError
 from toolkit.train.checkpoint import list_checkpoints, step_dir_name
 
@@ -80,9 +81,12 @@ def merge_lora(adapter: str | Path, out_dir: str | Path, dtype: str = "auto", lo
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    needed = sum(p.numel() * p.element_size() for p in merged.parameters())
     try:
-        merged.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with disk_full_named("the merged model", out_dir.parent, needed, fix="free space on that disk, or give an "
+                             "OUT_DIR on another disk, then run the same command"):
+            merged.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         tmp.rename(out_dir)

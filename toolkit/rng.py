@@ -16,8 +16,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA/HIP device
 
 
+def _numpy_state() -> dict:
+    """numpy's global RNG state as tensors and numbers, which a checkpoint loads without unpickling numpy types
+    (toolkit/untrusted.py)."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+
+
+def _set_numpy_state(state: dict | tuple) -> None:
+    if isinstance(state, dict):
+        state = (state["kind"], state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
+                 state["cached_gaussian"])
+    np.random.set_state(state)  # a tuple: numpy's own, as older checkpoints hold it
+
+
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": _numpy_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["device"] = torch.cuda.get_rng_state_all()
     return state
@@ -25,7 +40,7 @@ def rng_state() -> dict:
 
 def restore_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    _set_numpy_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "device" in state and torch.cuda.is_available() and len(state["device"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["device"])

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from toolkit.disk import disk_full_named
 from toolkit.errors import UserError
 
 
@@ -95,8 +96,10 @@ def sample_run(run_dir: str | Path, step: int | None = None, prompts: list[str] 
         adapter.load_lora(lora.path, label=source.label)
     adapter.prepare_sampling()
     out_dir = new_output_folder(run_dir, source.tag, Path(out) if out is not None else None)
-    with torch.no_grad():
+    with torch.no_grad(), disk_full_named("samples", out_dir, fix="free space on that disk, or give --out DIR on "
+                                          "another disk, then run the same command"):
         files = adapter.sample(out_dir)
+<<<<<<< HEAD
     (out_dir / "source.txt").write_text(f"{source.label}\nseed {cfg.sample.seed}\n", encoding="utf-8")
     log(written_files_line(out_dir))
     from toolkit.train.report import refresh_samples
@@ -104,6 +107,10 @@ def sample_run(run_dir: str | Path, step: int | None = None, prompts: list[str] 
     report = refresh_samples(run_dir) if out is None else None  # --out: a folder of the user's, not the run's
     if report is not None:
         log(f"report: {report} (its samples section now shows these too)")
+=======
+        (out_dir / "source.txt").write_text(f"{source.label}\nseed {cfg.sample.seed}\n", encoding="utf-8")
+    log(f"sample: {len(files)} files in {out_dir}")
+>>>>>>> faults
     return files
 
 

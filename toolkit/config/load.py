@@ -258,8 +258,8 @@ def merge_layers(layers: list[Layer], problems: list[str] | None = None,
     for layer in layers:
         problems += [p for p in layer.problems if p not in problems]  # a file given twice reports its keys once
     family = peek(layers, "model.family")
-    if family not in FAMILY_SPECS:
-        family = None  # reported by the choices check on model.family
+    if not isinstance(family, str) or family not in FAMILY_SPECS:
+        family = None  # reported by the type or choices check on model.family (a list is not even hashable)
     cfg = schema_for(family)
     sources: dict[str, str] = {}
     scoped: list[tuple[str, Any, Layer]] = []  # settings of other families, with the layer that set them

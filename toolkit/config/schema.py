@@ -70,9 +70,11 @@ class DeviceSection:
                              "graph and rules out CUDA graphs), ddp otherwise. With device.distributed=fsdp the LoRA "
                              "gradients are always averaged the allreduce way.",
                              choices=("auto", "ddp", "allreduce"), resume_safe=True)
-    timeout_minutes: int = opt(30, "How long a process waits for the others at a collective or barrier (cache filling "
-                               "on the main process included) before the run stops with an error instead of "
-                               "hanging.", minimum=1, resume_safe=True)
+    collective_timeout: int = opt(1800, "Seconds a process waits for the others at a collective or barrier (cache "
+                                  "filling on the main process included) before it stops with an error naming its "
+                                  "rank and the collective, instead of hanging (on GPUs, NCCL's watchdog stops it and "
+                                  "names the collective). Formerly device.timeout_minutes, still read (x 60) with "
+                                  "a note.", minimum=1, resume_safe=True)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from PIL.Image import DecompressionBombError
 
 from toolkit.data.augment import Augmentation, View, mirrored_left, resized_size
 from toolkit.data.buckets import SHRUNK, bucket_step, bucket_table, choose_bucket, format_bucket_table, shrunk_by_step
@@ -53,10 +55,13 @@ def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_
                 continue
             try:
                 record = json.loads(line)
-                pairs.append((root / record["file_name"], record.get("text")))
+                file, text = root / record["file_name"], record.get("text")
+                if not isinstance(record["file_name"], str) or not isinstance(text, (str, type(None))):
+                    raise TypeError("file_name and text must be strings")
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(f"{metadata}:{n}: expected a JSON object with file_name and text\n"
+                raise UserError(f"{metadata}:{n}: expected a JSON object with file_name and text (strings)\n"
                                 '  fix: write lines like {"file_name": "0001.png", "text": "a red circle"}') from None
+            pairs.append((file, text))
         return pairs
     pairs = []
     for path in sorted(p for p in root.iterdir() if p.suffix.lower() in exts):
@@ -89,8 +94,9 @@ def warn_skipped(log: Callable[[str], None], root: Path, noun: str, unreadable: 
         log(f"warning: skipped {len(small)} {noun}(s) smaller than {step} px: {', '.join(small)}")
 
 
-# What Pillow and PyAV raise for a corrupt or truncated file: such a file is skipped and named, not fatal.
-UNREADABLE = (OSError, SyntaxError, ValueError, EOFError)
+# What Pillow and PyAV raise for a corrupt or truncated file (Pillow's GIF reader: IndexError; its header parsers:
+# struct.error; a header that claims billions of pixels: DecompressionBombError): skipped and named, not fatal.
+UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, DecompressionBombError)
 
 
 def file_hash(path: Path) -> str:
@@ -103,18 +109,20 @@ def file_hash(path: Path) -> str:
 
 
 def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ...],
-                probe: Callable[[Path], tuple[tuple[int, int], Any]]) -> list[tuple]:
+                probe: Callable[[Path], tuple[tuple[int, int], Any]], kinds: str = "images",
+                add: str = "add .png/.jpg/.webp images") -> list[tuple]:
     """(file, caption, size, extra, bucket) for each file under data.path with a suffix in `exts` that fits a bucket.
 
     `probe(file)` gives the displayed (width, height) and anything else the caller keeps (`extra`); the caption
     has the default caption and trigger word applied; the bucket is (width, height). Unreadable files and files
-    under one bucket step are skipped and named in one warning each (`noun`: what a file is called there).
+    under one bucket step are skipped and named in one warning each (`noun`: what a file is called there). None
+    usable is a UserError: the files were all too small, or there were no `kinds` to use (`add`: the fix).
     """
     root = Path(data.path)
     rules = caption_rules(data)
     step, why = bucket_step(data.bucket_step, data.resolution)
     table = bucket_table(data.resolution, step, data.min_bucket_side, data.max_bucket_side)
-    found, skipped, small = [], [], []
+    found, skipped, small, sides = [], [], [], []
     pairs = captioned_files(root, data.caption_ext, exts)
     report_captions(root, pairs, data.caption_ext, rules, noun, log)
     for path, raw in pairs:
@@ -126,9 +134,16 @@ def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ..
         bucket = choose_bucket(*size, table, step)
         if bucket is None:
             small.append(f"{path.name} ({size[0]}x{size[1]})")
+            sides.append(min(size))
             continue
         found.append((path, rules.base(raw), size, extra, bucket))
+    if small and not found:
+        raise all_too_small(data, step, root, noun, small, max(sides), len(skipped))
     warn_skipped(log, root, noun, skipped, small, step)
+    if not found:
+        raise UserError(f"data.path: no usable {kinds} in {root}" + (f" ({len(skipped)} unreadable: "
+                        f"{', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''})" if skipped else "")
+                        + f"\n  fix: {add} (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
     shrunk = shrunk_by_step({path.name: (size, bucket[:2]) for path, _, size, _, bucket in found}, data.resolution)
     if shrunk:
         names = ", ".join(shrunk[:5]) + (f" and {len(shrunk) - 5} more" if len(shrunk) > 5 else "")
@@ -136,6 +151,21 @@ def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ..
             f"most data.resolution={data.resolution} squared): {names}. Buckets are never larger than the {noun} and "
             f"their sides are multiples of {step} px ({why}); a smaller data.bucket_step keeps more of each {noun}")
     return found
+
+
+def all_too_small(data, step: int, root: Path, noun: str, small: list[str], largest_side: int,
+                  unreadable: int) -> UserError:
+    """Every readable file is under the smallest bucket side (the bucket step in use, data.bucket_step): the message
+    names them, the sides that would train (data.resolution, the step), and a bucket step they would fit."""
+    resolution = data.resolution
+    shown = ", ".join(small[:5]) + (f", ... ({len(small)} in all)" if len(small) > 5 else "")
+    also = f"; {unreadable} more could not be read" if unreadable else ""
+    smaller_step = next((s for s in (32, 16, 8) if s < step and s <= largest_side), None)
+    lower = f", or let them train in smaller buckets: data.bucket_step={smaller_step}" if smaller_step else ""
+    return UserError(f"data.path: every {noun} in {root} is smaller than data.resolution ({resolution} px) and than "
+                     f"the smallest bucket side (data.bucket_step: {step} px), so none can train: {shown}{also}"
+                     f"\n  fix: use larger {noun}s (at least {step} px a side, about {resolution} px to train at "
+                     f"data.resolution){lower}")
 
 
 def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
@@ -146,9 +176,6 @@ def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
                         f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
     items = [ImageItem(path, caption, size, bucket, file_hash(path)) for path, caption, size, _, bucket
              in scan_folder(data, log, "image", IMAGE_EXTS, lambda path: (_image_size(path), None))]
-    if not items:
-        raise UserError(f"data.path: no usable images in {root}\n  fix: add .png/.jpg/.webp images "
-                        f"(with same-name {data.caption_ext} captions, or a metadata.jsonl)")
     log(format_bucket_table(Counter(item.bucket for item in items), bucket_step(data.bucket_step, data.resolution)[1]))
     return items
 

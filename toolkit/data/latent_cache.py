@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
+from toolkit.disk import disk_full_named
+
 
 def cache_key(*parts: object) -> str:
     return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:40]
@@ -24,6 +26,7 @@ class TensorCache:
     """One safetensors file of named tensors per key, under root/<kind>/<key[:2]>/<key>.safetensors."""
 
     def __init__(self, root: Path, kind: str):
+        self.kind = kind
         self.root = Path(root) / kind
         self.hits = 0
         self.misses = 0
@@ -53,9 +56,12 @@ class TensorCache:
                 self.misses += 1
         return out  # type: ignore[return-value]
 
-    @staticmethod
-    def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def _save(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache entry
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        with disk_full_named(f"the {self.kind} cache", self.root, needed, "this entry", remove=tmp,
+                             fix="free space on that disk, or set TOOLKIT_CACHE to a folder on another disk, then "
+                                 "run the same command (the entries already cached are kept)"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(tmp))
+            os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache entry

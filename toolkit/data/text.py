@@ -116,12 +116,19 @@ def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> 
         raise UserError(f"{where(path, record)}: the chat template refused this conversation: {err}") from None
     if train_on_prompt:
         return TokenizedSample(ids, list(ids))
+    if messages[0]["role"] == "assistant":  # nothing before it renders: its header could not be told from its text
+        raise UserError(f"{where(path, record)}: the conversation begins with an assistant turn, which has no prompt "
+                        "before it\n  fix: start it with a user (or system) turn, or set data.train_on_prompt=true")
     labels = [IGNORE_INDEX] * len(ids)
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _encode(tokenizer, render_chat(tokenizer, messages[:index], add_generation_prompt=True))
-        end = _encode(tokenizer, render_chat(tokenizer, messages[:index + 1]))
+        try:
+            start = _encode(tokenizer, render_chat(tokenizer, messages[:index], add_generation_prompt=True))
+            end = _encode(tokenizer, render_chat(tokenizer, messages[:index + 1]))
+        except Exception as err:  # a prefix the template refuses, as above
+            raise UserError(f"{where(path, record)}: the chat template refused part of this conversation: {err}"
+                            ) from None
         if ids[:len(start)] != start or ids[:len(end)] != end:
             raise UserError(f"{where(path, record)}: the chat template renders earlier turns differently once "
                             "later turns are added, so assistant tokens cannot be located\n"

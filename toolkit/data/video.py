@@ -19,6 +19,7 @@ import torch
 from toolkit.data.augment import View
 from toolkit.data.buckets import bucket_step
 from toolkit.data.images import IMAGE_EXTS, cover_and_crop, file_hash, oriented_size, scan_folder
+from toolkit.disk import is_disk_full
 from toolkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -114,10 +115,9 @@ def scan_clips(data, log: Callable[[str], None],
                         f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
     exts = tuple(dict.fromkeys(VIDEO_EXTS + IMAGE_EXTS))
     items = [ClipItem(path, caption, size, count, (*spatial, clip_frames(count, data.num_frames)), file_hash(path))
-             for path, caption, size, count, spatial in scan_folder(data, log, "clip", exts, _probe)]
-    if not items:
-        raise UserError(f"data.path: no usable videos or images in {root}\n  fix: add .mp4/.webm/.gif videos or "
-                        f".png/.jpg images (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
+             for path, caption, size, count, spatial in scan_folder(
+                 data, log, "clip", exts, _probe, kinds="videos or images",
+                 add="add .mp4/.webm/.gif videos or .png/.jpg images")]
     if select is not None:
         items = select(items)
     log(format_clip_buckets(Counter(item.bucket for item in items), bucket_step(data.bucket_step, data.resolution)[1]))
@@ -231,6 +231,9 @@ def _write_mp4(frames: list["Image"], path: Path, fps: int) -> str | None:
                 container.mux(stream.encode())
             return None
         except (av.FFmpegError, ValueError, OSError) as err:
+            if is_disk_full(err):  # not the encoder's fault: the run stops, naming the disk (toolkit/disk.py)
+                path.unlink(missing_ok=True)
+                raise
             failures.append(f"{codec}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
             path.unlink(missing_ok=True)
     return "no working H.264 encoder in PyAV: " + "; ".join(failures)

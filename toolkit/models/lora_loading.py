@@ -13,12 +13,14 @@ saved in fp32 is read at bf16 precision, as diffusers and ComfyUI read it.
 
 from __future__ import annotations
 
+import pickle
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
 
 from toolkit.errors import UserError
+from toolkit.untrusted import PICKLED_LORA_FIX, pickle_refusal, refused
 
 LOADED = "toolkit_loaded"  # the adapter name a file is loaded under before its weights are copied
 DEFAULT = "default"        # the adapter the run trains
@@ -140,7 +142,10 @@ def reading_lora(label: str, model: str) -> Iterator[None]:
         yield
     except torch.OutOfMemoryError:
         raise
-    except (ValueError, KeyError, RuntimeError, IndexError, OSError) as err:
+    except (ValueError, KeyError, RuntimeError, IndexError, OSError, pickle.UnpicklingError) as err:
+        refusal = pickle_refusal(err)  # a .bin LoRA file that PEFT or diffusers read with weights_only=True
+        if refusal is not None:
+            raise refused(label, refusal, PICKLED_LORA_FIX) from None
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:400]
         raise UserError(f"{label}: cannot be loaded as a LoRA of the {model}: {first}\n  fix: give a LoRA trained "
                         "for this model") from None

@@ -42,8 +42,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from toolkit import __version__
-from toolkit.disk import format_bytes, free_bytes, is_disk_full
+from toolkit.disk import DiskFull, is_disk_full
 from toolkit.errors import UserError
+from toolkit.untrusted import load_state
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 META = "meta.json"
@@ -129,11 +130,9 @@ def _disk_full(checkpoints_dir: Path, step: int, tensors: dict, states: dict) ->
     needed = sum(v.numel() * v.element_size() for d in tensors.values() for v in d.values())
     needed += sum(_state_bytes(state) for state in states.values())
     kept = [path.name for _, path in list_checkpoints(checkpoints_dir)]
-    return UserError(f"disk full while writing checkpoint {step_dir_name(step)} in {checkpoints_dir}: it needs about "
-                     f"{format_bytes(needed)}, {format_bytes(free_bytes(checkpoints_dir))} is free; its temporary "
-                     f"files were removed, the earlier checkpoints are as they were ({', '.join(kept) or 'none yet'})"
-                     "\n  fix: free space on that disk (or set run.output_dir on another disk and copy the run folder "
-                     "there), then run the same command to resume")
+    return DiskFull(f"checkpoint {step_dir_name(step)}", checkpoints_dir, needed,
+                    done=f"its temporary files were removed, the earlier checkpoints are as they were "
+                         f"({', '.join(kept) or 'none yet'})")
 
 
 def _state_bytes(state: object) -> int:
@@ -159,7 +158,10 @@ def _write_checkpoint(checkpoints_dir: Path, step: int, tensors: dict[str, dict[
     for name, tensor_dict in tensors.items():
         save_file({k: v.detach().contiguous().cpu() for k, v in tensor_dict.items()}, str(tmp / f"{name}.safetensors"))
     for name, state in states.items():
-        torch.save(state, tmp / f"{name}.pt")
+        # Through a Python file: a full disk then raises its OSError (inside torch's RuntimeError), which a path
+        # hides ("unexpected pos"); see toolkit/disk.py
+        with (tmp / f"{name}.pt").open("wb") as handle:
+            torch.save(state, handle)
     for name, text in texts.items():
         (tmp / name).write_text(text, encoding="utf-8")
     own = {p.name for p in tmp.iterdir()}
@@ -264,13 +266,19 @@ def load_checkpoint_files(checkpoint: Checkpoint) -> CheckpointContents:
         if name.endswith(".safetensors"):
             tensors[name[:-len(".safetensors")]] = load_file(str(path))
         elif name.endswith(".pt"):
-            states[name[:-len(".pt")]] = torch.load(path, map_location="cpu", weights_only=False)
+            states[name[:-len(".pt")]] = load_checkpoint_state(path)
     if LEGACY_TRAINABLE in tensors and TRAINABLE not in tensors:
         tensors[TRAINABLE] = tensors.pop(LEGACY_TRAINABLE)
     if TRAINABLE in tensors:
         tensors[TRAINABLE] = trainable_from_file(tensors[TRAINABLE])
     states["trainer_state"] = upgrade_trainer_state(states["trainer_state"])
     return CheckpointContents(tensors, states)
+
+
+def load_checkpoint_state(path: Path) -> object:
+    """One .pt state of a checkpoint folder, unpickled without running code (toolkit/untrusted.py)."""
+    return load_state(path, fix=f"resume only from checkpoints you trust: move {path.parent} out of its checkpoints/ "
+                                "folder to resume from the one before, or start over with --fresh")
 
 
 def upgrade_trainer_state(state: dict) -> dict:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from toolkit.disk import format_bytes, free_bytes, is_disk_full
+from toolkit.disk import DiskFull, is_disk_full
 from toolkit.errors import UserError
 from toolkit.models.base import DTYPES, load_trainable_state_dict, trainable_state_dict
 from toolkit.train.checkpoint import (TRAINABLE, load_checkpoint_files, rotate_checkpoints, save_checkpoint,
@@ -44,11 +44,12 @@ class Checkpointer:
 
     def __init__(self, run_dir: RunDir, procs, network: torch.nn.Module, save_lora: Callable, ema, optimizer,
                  scheduler, order, scaler, texts: dict[str, str], config_hash: str, keep_last: int, save_dtype: str,
-                 seed: int, log: Callable[[str], None]):
+                 seed: int, log: Callable[[str], None], needed: int | None = None):
         self.run_dir, self.procs, self.network, self.save_lora = run_dir, procs, network, save_lora
         self.ema, self.optimizer, self.scheduler, self.order, self.scaler = ema, optimizer, scheduler, order, scaler
         self.texts, self.config_hash, self.keep_last = texts, config_hash, keep_last
         self.save_dtype, self.seed, self.log = DTYPES[save_dtype], seed, log
+        self.needed = needed  # about the room a checkpoint takes (the main process knows it), for a full disk
 
     # -- writing ---------------------------------------------------------------------------------
     def write_lora(self, folder: Path) -> list[Path]:
@@ -104,10 +105,9 @@ class Checkpointer:
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
             if is_disk_full(err):
-                raise UserError(f"disk full while writing the final LoRA in {self.run_dir.root} "
-                                f"({format_bytes(free_bytes(self.run_dir.root))} free); its temporary files were "
-                                "removed, the checkpoints are as they were\n  fix: free space on that disk, then run "
-                                "the same command: it exports the LoRA from the last checkpoint") from None
+                raise DiskFull("the final LoRA", self.run_dir.root, self.needed, done="its temporary files were "
+                               "removed, the checkpoints are as they were", fix="free space on that disk, then run "
+                               "the same command: it exports the LoRA from the last checkpoint") from None
             raise
         if final.exists():  # an earlier final (a run extended with more steps): keep it
             final.rename(final.with_name(f"final.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))

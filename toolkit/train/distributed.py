@@ -20,11 +20,46 @@ parameters): every rank loaded the same files, and only LoRA weights train.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from contextlib import ExitStack, contextmanager
+from datetime import timedelta
 from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+
+from toolkit.errors import UserError
+
+TIMED_OUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+PEER_LOST = re.compile(r"connection (reset|closed|refused)|broken pipe|closed by peer|peer .*(closed|hung up)",
+                       re.IGNORECASE)
+
+
+def collective_failure(err: BaseException, rank: int, world_size: int, what: str) -> UserError | None:
+    """What a collective's error means for the user, naming this process's rank and what it was doing: the others
+    did not come within device.collective_timeout, or one of them is gone. None: another error (raised as it is)."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    if TIMED_OUT.search(str(err)):
+        return UserError(
+            f"rank {rank} of {world_size}: timed out in the {what}: the other processes did not join it within "
+            f"device.collective_timeout ({first})\n  fix: the process that stopped answering says why in its output "
+            "(a deadlock, a GPU fault, a slow disk under the main process); raise device.collective_timeout if a step, "
+            "a checkpoint or a cache fill can take that long; with --max-restarts N every process restarts from the "
+            "last checkpoint instead")
+    if PEER_LOST.search(str(err)):
+        return UserError(
+            f"rank {rank} of {world_size}: lost the other processes in the {what}: one of them stopped ({first})"
+            "\n  fix: its output, or the launcher's line, says which and why; run the same command to resume from the "
+            "last checkpoint (with --max-restarts N the launcher does it)")
+    return None
+
+
+def _caller() -> str:
+    """Who called the Processes method that calls this: the trainer's step, a checkpoint, a decision..."""
+    code = sys._getframe(2).f_code
+    return getattr(code, "co_qualname", code.co_name)
 
 
 class Processes:
@@ -40,6 +75,17 @@ class Processes:
     @property
     def several(self) -> bool:
         return self.world_size > 1
+
+    @contextmanager
+    def _collective(self, operation: str, caller: str) -> Iterator[None]:
+        """A timed-out or broken collective as a UserError naming this rank and `operation` (called from `caller`)."""
+        try:
+            yield
+        except RuntimeError as err:  # gloo's errors and DistBackendError (NCCL) are RuntimeErrors
+            failure = collective_failure(err, self.rank, self.world_size, f"{operation} called from {caller}")
+            if failure is None:
+                raise
+            raise failure from None
 
     def wrap(self, modules: Mapping[str, torch.nn.Module], find_unused: bool) -> dict[str, torch.nn.Module]:
         """Each trainable module in its own DDP wrapper (one process: the modules themselves)."""
@@ -62,8 +108,6 @@ class Processes:
         weights are not sharded and are moved to this process's device. Returns what was sharded, per root."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-
-        from toolkit.errors import UserError
 
         from toolkit.models.base import repeated_blocks
 
@@ -96,7 +140,8 @@ class Processes:
         if not self.several or not grads:
             return
         flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        with self._collective("gradient all-reduce", _caller()):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         flat /= self.world_size
         parts = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
         torch._foreach_copy_(grads, parts)
@@ -113,7 +158,8 @@ class Processes:
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """The element-wise sum over processes (in place)."""
         if self.several:
-            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            with self._collective("all-reduce (sum)", _caller()):
+                dist.all_reduce(values, op=dist.ReduceOp.SUM)
         return values
 
     def from_main(self, value: Any) -> Any:
@@ -121,7 +167,8 @@ class Processes:
         if not self.several:
             return value
         box = [value if self.is_main else None]
-        dist.broadcast_object_list(box, src=0)
+        with self._collective("broadcast from the main process", _caller()):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def gather(self, value: Any) -> list[Any]:
@@ -129,7 +176,8 @@ class Processes:
         if not self.several:
             return [value]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value)
+        with self._collective("all-gather", _caller()):
+            dist.all_gather_object(out, value)
         return out
 
     def main_first(self):
@@ -138,7 +186,8 @@ class Processes:
 
     def barrier(self) -> None:
         if self.several:
-            self.accelerator.wait_for_everyone()
+            with self._collective("barrier", _caller()):
+                self.accelerator.wait_for_everyone()
 
     def finish(self) -> None:
         """At the end of a run that went well: wait until the main process has written the final files, then
@@ -147,6 +196,22 @@ class Processes:
         if self.several and dist.is_initialized():
             self.barrier()
             dist.destroy_process_group()
+
+
+def join_restarted_group(backend: str, timeout: timedelta) -> bool:
+    """On a launcher's restart (--max-restarts): open this process's group on the launcher's store under a prefix of
+    its own attempt, before accelerate would open it on the bare store. The store outlives the attempts, and gloo
+    finds the dead attempt's keys there (its peers' old addresses): the restarted processes then never meet.
+    `backend`: the device's ("cpu" -> gloo, else nccl, RCCL on ROCm). Returns whether it opened the group."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not restart or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return False
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group("gloo" if backend == "cpu" else "nccl", store=dist.PrefixStore(f"toolkit/attempt-{restart}",
+                            store), rank=rank, world_size=world_size, timeout=timeout)
+    return True
 
 
 def edge_modules(root: torch.nn.Module) -> list[torch.nn.Module]:

@@ -7,12 +7,14 @@ import json
 import math
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from toolkit.disk import disk_full_named, is_disk_full
 from toolkit.errors import UserError
 from toolkit.train.events import StepEvents
 from toolkit.train.plots import IMAGE_SUFFIXES
@@ -76,10 +78,13 @@ class MetricsLogger(StepEvents):
         # First, so that a missing wandb stops the run before any file is opened.
         self._wandb = self._start_wandb(wandb_project or run_name, run_name, config) if enabled and wandb else None
         self._jsonl = (logs_dir / "metrics.jsonl").open("a", encoding="utf-8") if enabled else None
+        self.logs_dir = logs_dir
         self._tb = None
+        self._thread_hook = threading.excepthook
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(log_dir=str(logs_dir / "tensorboard"))
+            threading.excepthook = self._tensorboard_thread_failed
         self.profiler = StepProfiler(logs_dir / "profile") if enabled and profile else None
         self._tty = sys.stderr.isatty()
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, unit="step",
@@ -152,18 +157,27 @@ class MetricsLogger(StepEvents):
     def sampled(self, step: int, files: list[Path]) -> None:
         self.message(f"step {step}: samples in {files[0].parent}")
         self.samples(files, step)
+    def _tensorboard_thread_failed(self, args) -> None:
+        """TensorBoard writes its events in a thread of its own, and raises that thread's error again at its next
+        call here, where a full disk is named: the thread's own traceback is left out."""
+        if not (is_disk_full(args.exc_value) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            self._thread_hook(args)
+
+    def _full_disk_named(self):
+        return disk_full_named("the run's logs (metrics.jsonl, TensorBoard events)", self.logs_dir)
 
     def write(self, record: dict) -> None:
         """Append a record to metrics.jsonl and its numbers to TensorBoard (and W&B)."""
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
         numbers = {k: v for k, v in record.items()
                    if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if self._tb is not None:
-            for key, value in numbers.items():
-                self._tb.add_scalar(key, value, record["step"])
+        with self._full_disk_named():
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+            if self._tb is not None:
+                for key, value in numbers.items():
+                    self._tb.add_scalar(key, value, record["step"])
         if self._wandb is not None:
             self._wandb.log(numbers, step=record["step"])
 
@@ -177,7 +191,8 @@ class MetricsLogger(StepEvents):
         with Image.open(path) as img:
             pixels = np.asarray(img.convert("RGB"))
         if self._tb is not None:
-            self._tb.add_image(tag, pixels, step, dataformats="HWC")
+            with self._full_disk_named():
+                self._tb.add_image(tag, pixels, step, dataformats="HWC")
         if self._wandb is not None:
             import wandb
             self._wandb.log({tag: wandb.Image(pixels)}, step=step)
@@ -197,16 +212,31 @@ class MetricsLogger(StepEvents):
             self._bar.write(text, file=sys.stderr)
 
     def close(self) -> None:
+        """Close the files; a full disk while the run is already stopping on an error leaves that error in charge."""
         if not self.enabled:
             return
+        stopping = sys.exc_info()[1] is not None  # called from the trainer's finally
         if self.profiler is not None:
             self.profiler.close()
         self._bar.close()
-        self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        try:
+            with self._full_disk_named():
+                try:
+                    self._jsonl.close()  # closed even when its last flush fails
+                finally:
+                    if self._tb is not None:
+                        try:
+                            self._tb.flush()  # raises what TensorBoard's writer thread met
+                        finally:
+                            self._tb.close()
+        except UserError:
+            if not stopping:
+                raise
+        finally:
+            if self._tb is not None:
+                threading.excepthook = self._thread_hook
+            if self._wandb is not None:
+                self._wandb.finish()
 
 
 def _format_eta(seconds: float) -> str:

@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from toolkit.disk import disk_full_named
 from toolkit.train.events import StepEvents
 from toolkit.train.plots import IMAGE_SUFFIXES, plot_loss, read_metrics
 from toolkit.train.run_dir import RunDir
@@ -142,7 +143,8 @@ class RunReport(StepEvents):
     def update(self, step: int, total_steps: int, elapsed_s: float, finished: bool = False) -> Path:
         """Redraw loss.png from metrics.jsonl and rewrite report.html."""
         metrics_path = self.run_dir.logs / "metrics.jsonl"
-        plot = plot_loss(metrics_path, self.loss_png)
+        with disk_full_named("the loss plot", self.run_dir.logs, remove=self.loss_png.with_name(".loss.png.tmp")):
+            plot = plot_loss(metrics_path, self.loss_png)
         records = [r for r in read_metrics(metrics_path) if "loss" in r]
         last = records[-1] if records else {}
         name = self.run.cfg.run.name
@@ -180,7 +182,8 @@ class RunReport(StepEvents):
                 f'<h2>Config (as asked)</h2><pre id="config">{_esc(self.config_yaml)}</pre>\n'
                 "</body></html>\n")
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, self.path)
+        with disk_full_named("the report", self.run_dir.root, len(page.encode()), remove=tmp):
+            tmp.write_text(page, encoding="utf-8")
+            os.replace(tmp, self.path)
         return self.path
 

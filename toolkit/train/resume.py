@@ -8,10 +8,12 @@ from typing import Callable, Iterator
 
 
 from toolkit.config.families import FAMILY_SPECS, applies_to
+from toolkit.config.layers import upgrade_renamed
 from toolkit.config.load import flatten, schema_defaults
 from toolkit.config.schema import RunConfig
 from toolkit.errors import UserError
-from toolkit.train.checkpoint import Checkpoint, find_latest_checkpoint, list_checkpoints, verify_checkpoint
+from toolkit.train.checkpoint import (Checkpoint, find_latest_checkpoint, list_checkpoints, load_checkpoint_state,
+                                      verify_checkpoint)
 from toolkit.train.run_dir import RunDir
 
 
@@ -82,9 +84,7 @@ def config_changes(old: dict, new: dict, processes: tuple[int, int] = (1, 1)) ->
 
 def checkpoint_processes(checkpoint: Checkpoint) -> int:
     """How many processes trained the run up to `checkpoint` (checkpoints from before multi-process: 1)."""
-    import torch
-
-    state = torch.load(checkpoint.path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    state = load_checkpoint_state(checkpoint.path / "trainer_state.pt")
     return int(state.get("world_size", 1))
 
 
@@ -98,6 +98,7 @@ def check_resume_config(checkpoint: Checkpoint, saved: dict, current: dict, noti
                         processes: int = 1) -> None:
     """Refuse to resume from `checkpoint` when the settings it trained with (`saved`) and this run's (`current`)
     differ in what the run learns; say what changed otherwise."""
+    upgrade_renamed(saved)  # settings renamed since the checkpoint was written compare under their new names
     allowed, refused = config_changes(saved, current, (checkpoint_processes(checkpoint), processes))
     if refused:
         keys = {r.split(":", 1)[0] for r in refused}

@@ -15,10 +15,11 @@ import yaml
 from omegaconf import OmegaConf
 
 from toolkit.config.load import resolved_container
+from toolkit.disk import disk_full_named
 from toolkit.plan.decisions import Decision, RunPlan
 from toolkit.plan.run import ResolvedRun
 from toolkit.train.batch_size import accumulate_to, checkpoint_batch
-from toolkit.train.checkpoint import Checkpoint
+from toolkit.train.checkpoint import Checkpoint, list_checkpoints
 from toolkit.train.checkpointer import OtherProcessFailed
 from toolkit.train.resume import check_resume_config, checkpoint_processes, choose_start
 from toolkit.train.run_dir import RunDir
@@ -26,9 +27,11 @@ from toolkit.train.run_lock import RunLock
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file renamed into place; a full disk is named (toolkit/disk.py)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with disk_full_named(path.name, path.parent, len(text.encode()), remove=tmp):
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
 
 
 @dataclass
@@ -77,10 +80,12 @@ def settle_batch(run: ResolvedRun, checkpoint: Checkpoint | None, processes: int
     return [], False
 
 
-def open_run_folder(run: ResolvedRun, run_dir: RunDir, procs, fresh: bool, log: Callable[[str], None]
-                    ) -> tuple[Start, RunLock | None]:
+def open_run_folder(run: ResolvedRun, run_dir: RunDir, procs, fresh: bool, log: Callable[[str], None],
+                    restarted: bool = False) -> tuple[Start, RunLock | None]:
     """On the main process: the lock, the cleanup, the start, the batch known so far, the checked settings, the
-    run folder and its config.yaml (the config as asked). Every process gets the same Start."""
+    run folder and its config.yaml (the config as asked). Every process gets the same Start. A `restarted` run
+    (the launcher restarted its processes) resumes from its own newest checkpoint, whatever train.resume says
+    (false, or another run's checkpoint); without one yet it starts as the first attempt did."""
     outcome, lock = None, None
     if procs.is_main:
         try:
@@ -89,7 +94,8 @@ def open_run_folder(run: ResolvedRun, run_dir: RunDir, procs, fresh: bool, log: 
             lock.acquire(log)
             run_dir.remove_unfinished(log)
             run_dir.remove_failed_starts_beside(log)
-            checkpoint = choose_start(run.cfg.train.resume, run_dir, fresh, log)
+            resume = "auto" if restarted and list_checkpoints(run_dir.checkpoints) else run.cfg.train.resume
+            checkpoint = choose_start(resume, run_dir, fresh, log)
             decisions, resumed = settle_batch(run, checkpoint, procs.world_size)
             if resumed:
                 log(f"train.batch_size=auto -> {decisions[0].value}: {decisions[0].reason}")

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 import toolkit
 
 from toolkit.config.load import resolved_container
-from toolkit.disk import format_bytes, free_bytes
+from toolkit.disk import as_disk_full, disk_full_named, format_bytes, free_bytes
 from toolkit.errors import UserError
 from toolkit.models.base import lora_targets, trainable_parameters
 from toolkit.optim import build_optimizer, optimizer_spec
@@ -57,12 +57,15 @@ __all__ = ["OtherProcessFailed", "Trainer"]
 
 
 class Trainer:
-    def __init__(self, run: ResolvedRun, fresh: bool = False, log=None, events: list[StepEvents] = ()):
+    def __init__(self, run: ResolvedRun, fresh: bool = False, log=None, events: list[StepEvents] = (),
+                 restarted: bool = False):
         self.resolved = run
+        self.restarted = restarted  # the launcher restarted the processes (--max-restarts): go on from a checkpoint
         self.cfg = run.cfg  # the static settings; what later stages decide is in self.plan
         self.fresh = fresh
         self.run_dir = RunDir(Path(self.cfg.run.output_dir))
         self.events = Events(events)
+        self.checkpoint_bytes: int | None = None  # about the room one checkpoint takes, once the LoRA is built
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     def log(self, message: str) -> None:
@@ -74,7 +77,7 @@ class Trainer:
         from accelerate import Accelerator, InitProcessGroupKwargs
 
         cfg = self.cfg
-        timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.device.timeout_minutes))
+        timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.device.collective_timeout))
         self.accelerator = Accelerator(cpu=self.resolved.device.backend == "cpu", kwargs_handlers=[timeout],
                                        mixed_precision=MIXED_PRECISION[cfg.train.precision])
         self.procs = Processes(self.accelerator)
@@ -87,6 +90,11 @@ class Trainer:
         try:
             with ExitStack() as exits:  # settings held for the run (the SDPA backend order), undone when it ends
                 return self._train(exits)
+        except Exception as err:  # a full disk under any writer (logs, samples, config.yaml): exit 2, with the room
+            full = as_disk_full(err, self.run_dir.root)
+            if full is None:
+                raise
+            raise full.needing(self.checkpoint_bytes, "the next checkpoint") from None
         finally:
             if self.lock is not None:
                 self.lock.release()
@@ -99,7 +107,8 @@ class Trainer:
         init = Path(cfg.network.init_from) if cfg.network.init_from else None
         init_from = LoraSnapshot(lora_source(init, self.log)) if init is not None and init.exists() else None
         try:
-            start, self.lock = open_run_folder(self.resolved, self.run_dir, self.procs, self.fresh, self.log)
+            start, self.lock = open_run_folder(self.resolved, self.run_dir, self.procs, self.fresh, self.log,
+                                               restarted=self.restarted)
             if start.checkpoint is None and init is not None and init_from is None:
                 lora_source(init)  # raises: it does not exist
             self._setup(start, init_from if start.checkpoint is None else None, exits)
@@ -173,12 +182,12 @@ class Trainer:
         texts = {"config.yaml": config_yaml(self.resolved), "plan.json": self.plan.to_json()}
         if self.is_main:
             write_atomic(self.run_dir.root / "plan.json", texts["plan.json"])
+        n_train = sum(p.numel() for p in self.params)
+        self._check_checkpoint_room(n_train)
         self.checkpointer = Checkpointer(self.run_dir, procs, self.adapter.network, self.adapter.save_lora, self.ema,
                                          self.optimizer, self.scheduler, self.order, self.accelerator.scaler, texts,
                                          config_hash(texts), cfg.save.keep_last, cfg.save.dtype, cfg.run.seed,
-                                         self.log)
-        n_train = sum(p.numel() for p in self.params)
-        self._check_checkpoint_room(n_train)
+                                         self.log, needed=self.checkpoint_bytes)
         self.log(f"model: {cfg.model.family} {cfg.model.name_or_path}; {len(lora_targets(self.adapter.network))} "
                  f"LoRA modules, {n_train:,} trainable parameters; {len(self.dataset)} training samples")
         total = self.batch_size * procs.world_size * self.grad_accum
@@ -207,7 +216,7 @@ class Trainer:
         problem = None
         if self.procs.is_main:
             # fp32 LoRA weights, the EMA's copy, and up to two fp32 optimizer states per weight, plus small files.
-            needed = n_train * 4 * (1 + (self.cfg.train.ema_decay > 0) + 2) + 2**20
+            needed = self.checkpoint_bytes = n_train * 4 * (1 + (self.cfg.train.ema_decay > 0) + 2) + 2**20
             free = free_bytes(self.run_dir.checkpoints)
             if free < needed:
                 problem = (f"not enough room for a checkpoint in {self.run_dir.checkpoints}: one needs about "
@@ -331,7 +340,8 @@ class Trainer:
         # Sampling must not disturb the training RNG streams, or resumed runs would diverge.
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), self._optimizer_eval_mode(), self.planner.eager():
+            with torch.random.fork_rng(devices=devices), self._optimizer_eval_mode(), self.planner.eager(), \
+                    disk_full_named("samples", out_dir):
                 files = self.adapter.sample(out_dir)
         finally:
             if not self.is_main:

@@ -1,0 +1,38 @@
+"""Faults injected into launched training processes (tests only: the tests that use it put this folder on
+PYTHONPATH, and Python imports sitecustomize at start-up).
+
+TOOLKIT_TEST_FAULT holds faults separated by commas, each KIND:RANK:STEP[:ATTEMPT]: the process of rank RANK, in the
+launcher's attempt ATTEMPT (TORCHELASTIC_RESTART_COUNT; 0, the first start, by default), as step STEP begins,
+- kill: SIGKILLs itself (as the kernel's out-of-memory killer would);
+- hang: stops answering (asleep, as a process stuck outside Python would be: SIGTERM ends it at once).
+tests/test_restarts.py uses kill; hang is there for trying a hung rank through the whole trainer by hand
+(TOOLKIT_TEST_FAULT=hang:1:5 device.collective_timeout=5 --gpus 2).
+"""
+
+import os
+
+_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+_STEPS = {}
+for _fault in filter(None, os.environ.get("TOOLKIT_TEST_FAULT", "").split(",")):
+    _kind, _rank, _step, *_attempt = _fault.split(":")
+    if _rank == os.environ.get("RANK") and (_attempt or ["0"])[0] == _ATTEMPT:
+        _STEPS[int(_step)] = _kind
+
+if _STEPS:
+    import signal
+    import time
+
+    from toolkit.models.base import AdapterBase
+
+    _begin_step = AdapterBase.begin_step
+
+    def _faulty_begin_step(self, step: int) -> None:
+        kind = _STEPS.get(step)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "hang":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the trainer's graceful stop would not run either
+            time.sleep(3600)
+        return _begin_step(self, step)
+
+    AdapterBase.begin_step = _faulty_begin_step
