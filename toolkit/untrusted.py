@@ -4,7 +4,7 @@ the Hub): read without running any code they hold.
 A checkpoint's states (optimizer.pt, trainer_state.pt, adapter_state.pt) are unpickled with
 torch.load(weights_only=True), which builds tensors, numbers, strings, None and lists, tuples and dicts of them, and
 nothing else. The toolkit writes nothing else (the numpy RNG state is stored as a tensor and numbers,
-train/rng.py); the one other type older checkpoints hold, numpy's own RNG state (a uint32 array), is allowed by
+rng.py); the one other type older checkpoints hold, numpy's own RNG state (a uint32 array), is allowed by
 name. A file that needs anything more, which is what a pickle that runs code looks like, is refused with a
 UserError naming the file and what it asked for. The libraries that read a pickled LoRA file (a .bin given to
 network.init_from, read by diffusers or PEFT) load it the same way; `pickle_refusal` finds their refusal, which the
