@@ -220,9 +220,10 @@ def test_resume_safe_settings_come_from_the_schema():
         "run.name", "run.output_dir", "save.every", "save.keep_last", "save.dtype", "save.format", "train.steps",
         "train.resume", "train.max_nan_steps", "train.eval_every", "train.optimizer_backend",
         "train.gradient_checkpointing", "train.compile", "train.cuda_graphs", "train.compile_recompute",
-        "train.checkpoint_offload", "train.checkpoint_keeps", "model.attention", "model.kernels", "model.fuse_projections",
-            "model.block_swap"}
-    assert {"device.preset", "device.distributed", "device.collective_timeout", "sample.prompts", "log.wandb"} <= RESUME_SAFE_KEYS
+        "train.compile_regions", "train.checkpoint_offload", "train.checkpoint_keeps", "model.attention",
+        "model.kernels", "model.fuse_projections", "model.block_swap"}
+    assert {"device.preset", "device.distributed", "device.collective_timeout", "device.gradient_sync", "sample.prompts",
+            "log.wandb"} <= RESUME_SAFE_KEYS
     assert not any(is_resume_safe(k) for k in ("train.lr", "train.optimizer", "train.optimizer_args.d_coef",
                                                "network.rank", "data.path", "model.name_or_path", "run.seed"))
     assert is_resume_safe("device.a_setting_since_dropped") and not is_resume_safe("train.a_setting_since_dropped")

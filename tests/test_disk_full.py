@@ -246,7 +246,7 @@ def test_a_tmpfs_that_fills_during_a_real_run_then_resumes_once_freed(tmp_path, 
     disk = tmp_path / "disk"
     if not _mounted_tmpfs(disk, "110m"):
         pytest.skip("mount -t tmpfs failed here")
-    import toolkit.train.trainer as trainer
+    import toolkit.train.checkpointer as trainer  # where the trainer rotates its checkpoints
 
     out, filler = disk / "run", disk / "filler"
     rotate = trainer.rotate_checkpoints

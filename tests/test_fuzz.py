@@ -176,7 +176,7 @@ def at_repo(monkeypatch):
 @bounded(30)
 @given(config=configs())
 def test_the_yaml_loader_and_dotlist_give_a_config_or_a_named_error(at_repo, config):
-    from toolkit.config.run import load_run
+    from toolkit.plan.run import load_run
     from toolkit.preflight import path_checks
 
     text, overrides = config
@@ -245,7 +245,7 @@ def data_files(draw) -> tuple[str, bytes]:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from toolkit.paths import resolve_model_path
+    from toolkit.tiny import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path("tiny:llm"))
 

@@ -90,7 +90,8 @@ def test_a_truncated_gif_is_skipped_as_unreadable(tmp_path):
     messages = []
     items = scan_clips(_image_data(VideoDataSection, tmp_path, num_frames=1), messages.append)
     assert [item.path.name for item in items] == ["ok.png"]
-    assert messages[0].startswith(f"warning: skipped 1 unreadable clip(s) in {tmp_path}: 0.png (")
+    assert messages[0] == f"data: 2 clips in {tmp_path}, 0 with a caption (.txt files), 2 without"
+    assert any(m.startswith(f"warning: skipped 1 unreadable clip(s) in {tmp_path}: 0.png (") for m in messages)
 
 
 def test_a_conversation_that_begins_with_the_assistant_is_named(tmp_path):
@@ -98,7 +99,7 @@ def test_a_conversation_that_begins_with_the_assistant_is_named(tmp_path):
     from transformers import AutoTokenizer
 
     from toolkit.data.text import build_text_data
-    from toolkit.paths import resolve_model_path
+    from toolkit.tiny import resolve_model_path
 
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "assistant", "content": ""}]}) + "\n")

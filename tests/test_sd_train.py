@@ -37,7 +37,8 @@ def _adapter(config: str, shapes: Path, tmp_path: Path, *overrides: str):
     return adapter_for(config, tmp_path, f"data.path={shapes}", *overrides)
 
 
-def test_sd_trains_saves_a_diffusers_lora_and_reuses_its_caches(shapes, tmp_path, run_cli, monkeypatch, capsys):
+def test_sd_trains_saves_a_diffusers_lora_and_reuses_its_caches(shapes, tmp_path, run_cli, monkeypatch, capsys,
+                                                                own_data_caches):
     out = tmp_path / "run"
     assert run_cli(*_args("quickstart_sd.yaml", shapes, out)) == 0
     err = capsys.readouterr().err

@@ -99,18 +99,13 @@ def sample_run(run_dir: str | Path, step: int | None = None, prompts: list[str] 
     with torch.no_grad(), disk_full_named("samples", out_dir, fix="free space on that disk, or give --out DIR on "
                                           "another disk, then run the same command"):
         files = adapter.sample(out_dir)
-<<<<<<< HEAD
-    (out_dir / "source.txt").write_text(f"{source.label}\nseed {cfg.sample.seed}\n", encoding="utf-8")
+        (out_dir / "source.txt").write_text(f"{source.label}\nseed {cfg.sample.seed}\n", encoding="utf-8")
     log(written_files_line(out_dir))
     from toolkit.train.report import refresh_samples
 
     report = refresh_samples(run_dir) if out is None else None  # --out: a folder of the user's, not the run's
     if report is not None:
         log(f"report: {report} (its samples section now shows these too)")
-=======
-        (out_dir / "source.txt").write_text(f"{source.label}\nseed {cfg.sample.seed}\n", encoding="utf-8")
-    log(f"sample: {len(files)} files in {out_dir}")
->>>>>>> faults
     return files
 
 

@@ -22,9 +22,9 @@ if _STEPS:
     import signal
     import time
 
-    from toolkit.models.base import AdapterBase
+    from toolkit.models.base import ModelAdapter
 
-    _begin_step = AdapterBase.begin_step
+    _begin_step = ModelAdapter.begin_step
 
     def _faulty_begin_step(self, step: int) -> None:
         kind = _STEPS.get(step)
@@ -35,4 +35,4 @@ if _STEPS:
             time.sleep(3600)
         return _begin_step(self, step)
 
-    AdapterBase.begin_step = _faulty_begin_step
+    ModelAdapter.begin_step = _faulty_begin_step

@@ -96,6 +96,8 @@ class _MergingLoader(yaml.SafeLoader):
                 value = {**mapping[key], **value}
             mapping[key] = value
         return mapping
+
+
 # Settings renamed since they were introduced: old dotted name -> (new name, what the old value is in the new one's
 # unit). The old name is still read, with a note; both in one layer is an error.
 RENAMED = {"device.timeout_minutes": ("device.collective_timeout", "seconds", lambda minutes: minutes * 60)}
@@ -161,10 +163,10 @@ def read_yaml_layer(path: str | Path, label: str | None = None) -> Layer:
         raise UserError(f"config file not found: {path}\n  fix: check the path (relative paths are taken from {Path.cwd()})")
     text = read_text(path)
     try:
-        data = yaml.load(text, Loader=_MergingLoader)  # noqa: S506 (a SafeLoader)
-        tree = yaml.compose(text) if data else None
+        tree = yaml.compose(text, Loader=yaml.SafeLoader)
         if tree is not None:
-            _check_tree(tree, path)
+            _check_tree(tree, path)  # before constructing: an alias inside its own anchor is named, not recursed into
+        data = yaml.load(text, Loader=_MergingLoader)  # noqa: S506 (a SafeLoader)
         lines = dict(_key_lines(tree)) if tree is not None else {}
         duplicates = list(_duplicate_keys(tree, path)) if tree is not None else []
     except yaml.YAMLError as err:
