@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf.errors import ReadonlyConfigError
 
-from conftest import REPO
+from conftest import REPO, run_toolkit
 from toolkit.plan.decisions import Decision, RunPlan
 from toolkit.plan.run import load_run
 
@@ -80,6 +80,23 @@ def test_plan_json_is_written_once_and_checkpoints_keep_the_config_as_asked(tmp_
         assert (out / "checkpoints" / step / "config.yaml").read_text() == config
     report = (out / "report.html").read_text()
     assert "Plan: what auto became, and why" in report and "device.distributed (loaded)" in report
+
+
+def test_the_precision_a_run_uses_is_said_once_with_its_reason_and_matches_its_files(tmp_path):
+    """bf16 asked on the CPU: the start says once that it trains in bf16 and what that costs there; the plan and
+    the run's config agree with it (nothing claims fp32)."""
+    out = tmp_path / "run"  # a process of its own: accelerate keeps one mixed precision per process
+    done = run_toolkit("train", LLM, f"run.output_dir={out}", "train.steps=1", "train.precision=bf16", *QUICK[2:])
+    assert done.returncode == 0, done.stderr
+    err = done.stderr
+    lines = [line.strip() for line in err.splitlines()
+             if ("precision" in line or "fp32" in line) and str(tmp_path) not in line]
+    assert lines == ["train.precision=bf16: set in command line: the CPU trains in bf16; bf16 matmuls are slower than "
+                     "fp32 on most CPUs (auto chooses fp32 there)",
+                     "model.dtype=bf16: frozen base weights follow train.precision"]
+    plan = RunPlan.from_json((out / "plan.json").read_text())
+    assert plan.value("train.precision") == "bf16" and plan.value("model.dtype") == "bf16"
+    assert "precision: bf16" in (out / "config.yaml").read_text()
 
 
 def test_validate_shows_the_static_stage(run_cli, capsys):

@@ -145,6 +145,10 @@ def test_kill_9_mid_run_then_resume_is_bit_identical(reference, tmp_path):
     assert_bit_identical(final_weights(out), final_weights(ref))
     # metrics.jsonl was appended to: the killed attempt's records, then the resumed run's from its checkpoint on
     assert metric_steps(out) == list(range(1, killed_at + 1)) + list(range(latest.step + 1, STEPS + 1))
+    # the resumed records read as the uninterrupted run's, the smoothed loss included (it continues, not restarts)
+    resumed = read_metrics(out)[killed_at:]
+    assert [(r["loss"], r["loss_smoothed"]) for r in resumed] == \
+        [(r["loss"], r["loss_smoothed"]) for r in read_metrics(ref)[latest.step:]]
 
 
 def test_sigterm_saves_at_the_step_it_stopped_exits_143_and_resumes_bit_identical(reference, tmp_path):

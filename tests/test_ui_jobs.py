@@ -23,7 +23,7 @@ from toolkit.errors import UserError  # noqa: E402
 from toolkit.train.run_lock import RunLock  # noqa: E402
 from toolkit.ui.app import create_app  # noqa: E402
 from toolkit.ui.jobs import JobQueue  # noqa: E402
-from toolkit.ui.runs import lock_holder  # noqa: E402
+from toolkit.train.run_lock import lock_holder  # noqa: E402
 
 LIVE = long_quickstart("live")
 

@@ -103,23 +103,6 @@ def _print_decisions(run) -> None:
         print(f"  {line}", file=sys.stderr)
 
 
-def provenance_rows(run) -> list[tuple[str, str, str]]:
-    """(key, value, source) for every key of a ResolvedRun's config: the layer and line that set it, or the reason
-    an auto value was decided (what `validate` prints; the web UI shows the same)."""
-    from toolkit.config.load import flatten, resolved_container
-
-    decided = {d.key: d for d in run.plan}
-    rows = []
-    for key, value in flatten(resolved_container(run.cfg)):
-        if key in decided:
-            asked = run.asked_value(key)
-            source = f"{'auto' if asked == 'auto' else run.sources.get(key, 'default')}: {decided[key].reason}"
-        else:
-            source = run.sources.get(key, "default")
-        rows.append((key, repr(value) if isinstance(value, str) and not value else str(value), source))
-    return rows
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     from toolkit.plan.run import load_run, split_args
 
@@ -128,7 +111,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     files, overrides = split_args(args.config)
     run = load_run(files, overrides, check_paths=path_checks())
     _print_notes(run)
-    rows = provenance_rows(run)
+    rows = run.provenance()
     width_key = max(len(r[0]) for r in rows)
     width_value = min(max(len(r[1]) for r in rows), 40)
     print(f"# device: {run.device.summary()}; {run.preset_reason}")

@@ -38,6 +38,25 @@ def rng_state() -> dict:
     return state
 
 
+def step_rng_state() -> dict:
+    """The streams a training step draws from (torch's, on the CPU and the current GPU), cheap enough to take at
+    every step (the whole rng_state, numpy's above all, is not): with it a step that failed part-way is undone."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["device_index"] = torch.cuda.current_device()
+        state["device_state"] = torch.cuda.get_rng_state(state["device_index"])
+    return state
+
+
+def with_step_rng(state: dict, step_state: dict) -> dict:
+    """`state` (an rng_state()) with the streams of `step_state` (a step_rng_state()) put back."""
+    state = {**state, "torch": step_state["torch"]}
+    if "device_state" in step_state and "device" in state:
+        state["device"] = list(state["device"])
+        state["device"][step_state["device_index"]] = step_state["device_state"]
+    return state
+
+
 def restore_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     _set_numpy_state(state["numpy"])

@@ -81,6 +81,17 @@ class BatchOrder:
         """(group, items) of every batch this process gets: the distinct shapes its model inputs take."""
         return {(self.groups[b[0]], len(shard(b, self.world_size, self.rank))) for b in self._batches}
 
+    def position_state(self) -> tuple[int, int]:
+        """(epoch, position): where the next batch comes from, taken cheaply at every step."""
+        return self.epoch, self.position
+
+    def rewind(self, position: tuple[int, int]) -> None:
+        """Back to a position_state() of this run (the batches of a step that failed are drawn again)."""
+        epoch, self.position = position[0], position[1]
+        if epoch != self.epoch:
+            self._start_epoch(epoch)
+            self.position = position[1]
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "batch_size": self.batch_size, "num_items": len(self.groups), "world_size": self.world_size}

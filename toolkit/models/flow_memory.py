@@ -100,6 +100,15 @@ class FlowMemory(DiffusionMemory):
 
     def fixes(self) -> list[str]:
         fixes = []
+        a = self.adapter
+        if self.quantize == "none" and not a.shard_base and a.runtime.info.backend != "cpu":
+            name = a.lora_denoiser_names()[0]
+            total = len(repeated_blocks(a.component(name), outermost=True))
+            swapped = len(self.swap_by_name[name].order) if name in self.swap_by_name else 0
+            more = min(total, swapped + max(1, total // 4))
+            if more > swapped:
+                fixes.append(f"model.block_swap={more} ({more} of the {total} frozen blocks wait in CPU memory and "
+                             "stream in ahead of use)")
         if self.quantize in ("none", "8bit"):
             fixes.append(f"model.quantize={'8bit' if self.quantize == 'none' else '4bit'} (a quantized frozen base)")
         fixes.append("data.resolution lower (fewer latent tokens per image)")

@@ -67,6 +67,20 @@ class ResolvedRun:
         """Whether the user left dotted `key` at auto (so a later stage may settle it)."""
         return self.asked_value(key) == "auto"
 
+    def provenance(self) -> list[tuple[str, str, str]]:
+        """(key, value, source) for every key of the config the run uses: the layer and line that set it, or the
+        reason an auto value was decided (what `validate` prints; the web UI shows the same)."""
+        from toolkit.config.load import flatten
+
+        decided = {d.key: d for d in self.plan}
+        rows = []
+        for key, value in flatten(resolved_container(self.cfg)):
+            source = self.sources.get(key, "default")
+            if key in decided:
+                source = f"{'auto' if self.asked_value(key) == 'auto' else source}: {decided[key].reason}"
+            rows.append((key, repr(value) if isinstance(value, str) and not value else str(value), source))
+        return rows
+
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:
     """Command-line arguments: YAML files, and key=value overrides."""

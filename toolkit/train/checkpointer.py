@@ -19,7 +19,7 @@ from toolkit.errors import UserError
 from toolkit.models.base import DTYPES, load_trainable_state_dict, trainable_state_dict
 from toolkit.train.checkpoint import (TRAINABLE, load_checkpoint_files, rotate_checkpoints, save_checkpoint,
                                       trainable_file_state)
-from toolkit.rng import restore_rng_state, rng_state, seed_everything
+from toolkit.rng import restore_rng_state, rng_state, seed_everything, with_step_rng
 from toolkit.train.run_dir import RunDir
 
 
@@ -58,11 +58,11 @@ class Checkpointer:
         with self.ema.applied() if self.ema is not None else nullcontext():
             return self.save_lora(folder, self.save_dtype)
 
-    def save(self, loop: LoopState) -> Path | None:
+    def save(self, loop: LoopState, step_rng: dict | None = None) -> Path | None:
         """A checkpoint of `loop.step` (collective: every process calls it; the main one writes, and tells the
         others whether it could, so that a full disk stops every process at once rather than leaving them
-        waiting)."""
-        trainer_state = self._trainer_state(loop)
+        waiting). `step_rng`: the step streams as the next step began (one that failed part-way, undone)."""
+        trainer_state = self._trainer_state(loop, step_rng)
         if not self.procs.is_main:
             if self.procs.from_main(None) != "ok":
                 raise OtherProcessFailed()
@@ -75,9 +75,9 @@ class Checkpointer:
         self.procs.from_main("ok")
         return path
 
-    def _trainer_state(self, loop: LoopState) -> dict:
+    def _trainer_state(self, loop: LoopState, step_rng: dict | None = None) -> dict:
         """The loop's state; collective: every process contributes its RNG state."""
-        rng_ranks = self.procs.gather(rng_state())
+        rng_ranks = self.procs.gather(rng_state() if step_rng is None else with_step_rng(rng_state(), step_rng))
         return {"step": loop.step, "scheduler": self.scheduler.state_dict(), "rng": rng_ranks[0],
                 "rng_ranks": rng_ranks, "world_size": self.procs.world_size, "data_order": self.order.state_dict(),
                 "nan_streak": loop.nan_streak, "smoothed_loss": loop.smoothed_loss,

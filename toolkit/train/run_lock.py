@@ -44,6 +44,26 @@ def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{since}"
 
 
+def lock_holder(run_root: Path) -> tuple[dict | None, bool]:
+    """The lock file's holder (None when there is no lock) and whether it is alive: a live pid on this host, or a
+    lock from another host, which cannot be proven dead from here. Read only: never flocked, so a run starting at
+    this moment is never refused because someone looked (the web UI's runs page)."""
+    try:
+        holder = json.loads(lock_path(run_root).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, False
+    except (OSError, ValueError):
+        return {}, True  # being written by a run that is starting
+    if not isinstance(holder, dict):
+        return {}, True
+    if holder.get("host") != socket.gethostname():
+        return holder, True
+    try:
+        return holder, _pid_alive(int(holder.get("pid", 0)))
+    except (TypeError, ValueError):
+        return holder, True
+
+
 def live_holder_refusal(run_root: Path) -> UserError | None:
     """The error `RunLock.acquire` would raise for a run folder that a live run holds, found without taking the
     lock (a look must never make a starting run fail); None when no live run holds it."""

@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from toolkit.rng import step_rng_state
 from toolkit.train.events import Events
 
 
@@ -122,6 +123,13 @@ class Stepper:
         # lion8bit) skip a non-finite step on the device, so the trainer never waits for the GPU between steps.
         self.skips_on_device = bool(getattr(p.inner, "_step_supports_amp_scaling", False)
                                     and p.accelerator.scaler is None and p.ema is None)
+        # Where the step in flight is, for a step that runs out of memory (train/out_of_memory.py): the data
+        # position and torch's RNG streams as it began (one process: the trainer then saves the previous step),
+        # the shapes of the micro-batch in flight, and whether the update had begun (it cannot be undone).
+        self.keeps_start = not p.procs.several
+        self.start: tuple | None = None
+        self.shapes: dict | None = None
+        self.updating = False
 
     def _next_batch(self) -> dict:
         """This process's next micro-batch; its epoch keys the data's augmentation draws (data/augment.py)."""
@@ -142,6 +150,8 @@ class Stepper:
         backward is queued."""
         p, events = self.parts, self.events
         events.phase("start")
+        if self.keeps_start:
+            self.start = (p.order.position_state(), step_rng_state())
         batches = [self._next_batch() for _ in range(p.grad_accum)]
         device = p.accelerator.device
         weights = [p.units(batch) for batch in batches]
@@ -164,6 +174,7 @@ class Stepper:
                 # Pinned host memory makes the adapter's non_blocking copies asynchronous: a copy from
                 # pageable memory waits for the GPU to drain, leaving it idle while the next step launches.
                 batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+            self.shapes = batch
             if p.cuda_graphs:  # a new step: the graphs' previous outputs may be overwritten from here on
                 torch.compiler.cudagraph_mark_step_begin()
             with p.procs.no_sync(p.modules, skip=micro < p.grad_accum - 1 and not p.averages):
@@ -173,6 +184,7 @@ class Stepper:
                     events.phase("backward")
                 p.accelerator.backward(loss * scale)
             losses.append(loss.detach().float())
+        self.shapes = None
         if p.averages:  # not DDP-wrapped (the LoRA weights are not sharded either): one all-reduce a step
             p.procs.average_gradients(p.params)
         loss_sum = p.procs.sum(torch.stack(losses).sum())
@@ -204,10 +216,12 @@ class Stepper:
     def _update(self, sums: StepSums) -> None:
         p = self.parts
         self.events.phase("update")
+        self.updating = True
         if p.max_grad_norm > 0:  # a device tensor: MetricsLogger converts it on the steps it logs
             sums.grad_norm = p.accelerator.clip_grad_norm_(p.params, p.max_grad_norm)
         p.optimizer.step()
         p.optimizer.zero_grad(set_to_none=True)
+        self.updating = False
         self.events.phase("updated")
 
     def _loss_scale(self) -> float:

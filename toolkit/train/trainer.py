@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +44,7 @@ from toolkit.train.lora_source import LoraSnapshot, lora_source
 from toolkit.train.memory_plan import MemoryPlanner
 from toolkit.train.metrics import MetricsLogger
 from toolkit.train.model_setup import load_model
+from toolkit.train.out_of_memory import batch_shapes, memory_fixes, out_of_memory_error
 from toolkit.train.report import RunReport
 from toolkit.train.resume import check_resume_plan
 from toolkit.rng import seed_everything
@@ -240,16 +242,19 @@ class Trainer:
             events.subscribe(report)
         self.adapter.network.train()
         step, started = start, time.perf_counter()
+        lagging = None  # (step, sums) launched, not read yet: read once the next step is launched
+        doing = "the step's forward and backward"  # what runs now, named if it runs out of memory
         try:
             with GracefulStop() as stop:
-                lagging = None  # (step, sums) launched, not read yet: read once the next step is launched
                 stopping = False
                 for step in range(start + 1, steps + 1):
                     loop.step = step
                     self.adapter.begin_step(step)
                     events.step_started(step)
                     step_started = time.perf_counter()
+                    doing = "the step's forward and backward"
                     sums = self.stepper.launch(stop.requested is not None)
+                    doing = "the step's bookkeeping"
                     events.step_launched(step, sums)
                     if self.compiled and step == start + 1:
                         self.log(f"train.compile: the first step took {time.perf_counter() - step_started:.1f} s "
@@ -268,6 +273,7 @@ class Trainer:
                         continue
                     stopping = self._record(loop, step, sums) or stopping
                     if evaluating:
+                        doing = "the eval loss"
                         self._eval(step)
                     if stopping or step == steps or (cfg.save.every and step % cfg.save.every == 0):
                         with self._optimizer_eval_mode():
@@ -277,22 +283,27 @@ class Trainer:
                             if stopping or step != steps:
                                 self.metrics.message(f"step {step}: checkpoint {saved}")
                     if sampling and step != steps:
+                        doing = "sampling"
                         self._sample(step)
                     if stopping and step != steps:
                         raise StopRequested(stop.exit_code, f"stopped at step {step}; checkpoint saved, "
                                                             "run the same command to resume")
             elapsed = time.perf_counter() - started
             self._check_processes_agree()
+            doing = "the eval loss"
             if cfg.train.eval_every == 0 or steps % cfg.train.eval_every:
                 self._eval(steps)
+            doing = "sampling"
             self._sample(steps)
+            doing = "the final export"
             with self._optimizer_eval_mode():
                 final = self.checkpointer.export_final() if self.is_main else self.run_dir.final
             events.finished(steps, final)
             if report is not None:
                 self.log(f"report: {report.path}")
-        except torch.OutOfMemoryError:
-            raise self._out_of_memory(step) from None
+        except torch.OutOfMemoryError as err:
+            traceback.clear_frames(err.__traceback__)  # the failed step's activations go now, before saving
+            raise self._out_of_memory(loop, doing, lagging) from None
         finally:
             self.metrics.close()
         done = steps - start
@@ -359,30 +370,48 @@ class Trainer:
             self.events.evaluated(step, loss)
             self.log(f"step {step}: eval loss {loss:.4f}")
 
-    def _out_of_memory(self, step: int) -> UserError:
-        t, plan = self.cfg.train, self.plan
+    def _out_of_memory(self, loop: LoopState, doing: str, lagging) -> UserError:
+        """Out of memory at `loop.step`, in `doing`: the state of the last completed step saved first (one
+        process; with several, the others wait in a collective that will not finish, so the last checkpoint is
+        what remains), then the error naming the step, the batch shapes and the fixes (train/out_of_memory.py)."""
+        stepper, step = self.stepper, loop.step
+        in_step = doing == "the step's forward and backward"
+        shapes = batch_shapes(stepper.shapes) if in_step and stepper.shapes else None
+        stepper.shapes = None
+        if in_step and stepper.updating:
+            doing = "the step's update"
+        kept = self._save_after_out_of_memory(loop, lagging, undo=in_step and not stepper.updating)
+        fixes = memory_fixes(self.cfg, lambda key: self.resolved.setting(self.plan, key), self.batch_size,
+                             self.grad_accum, self.adapter.memory.fixes())
+        device = f"{self.resolved.device.summary()} (preset {self.resolved.preset.name})"
+        return out_of_memory_error(step, doing, shapes, device, kept, fixes)
+
+    def _save_after_out_of_memory(self, loop: LoopState, lagging, undo: bool) -> str:
+        """Save the last completed step (undoing the step that failed part-way when `undo`); what is kept."""
         latest = find_latest_checkpoint(self.run_dir.checkpoints, warn=lambda _: None)
-        fixes, size = [], self.batch_size
-        if size > 1 and t.global_batch_size is not None:
-            fixes.append(f"train.batch_size={max(1, size // 2)} (train.global_batch_size keeps the batch per "
-                         "optimizer step)")
-        elif size > 1:
-            fixes.append(f"train.batch_size={max(1, size // 2)} train.grad_accum={self.grad_accum * 2} "
-                         "(same effective batch)")
-        checkpointing = plan.value("train.gradient_checkpointing") if "train.gradient_checkpointing" in plan \
-            else t.gradient_checkpointing
-        if checkpointing is not True:  # off, or N of the blocks
-            fixes.append("train.gradient_checkpointing=true")
-        if checkpointing is not False and "train.checkpoint_keeps" in plan and \
-                plan.value("train.checkpoint_keeps") == "attention":
-            fixes.append("train.checkpoint_keeps=nothing (checkpointed blocks recompute their attention too)")
-        if not optimizer_spec(t.optimizer).memory_light:
-            fixes.append("train.optimizer=adamw8bit")
-        fixes += self.adapter.memory.fixes()
-        kept = f"the last checkpoint is intact: {latest.path}" if latest else "no checkpoint had been written yet"
-        return UserError(f"out of memory at step {step} on {self.resolved.device.summary()} "
-                         f"(preset {self.resolved.preset.name}); {kept}\n  fix: "
-                         + "\n  or: ".join(fixes or ["a smaller model or data.max_seq_len / data.resolution"]))
+        intact = f"the last checkpoint is intact: {latest.path}" if latest else "no checkpoint had been written yet"
+        if self.procs.several:
+            return intact
+        if self.stepper.updating:
+            return f"the update was partly applied, so nothing was saved; {intact}"
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if lagging is not None:
+            self._record(loop, *lagging)
+        step_rng = None
+        if undo:
+            position, step_rng = self.stepper.start
+            self.order.rewind(position)
+            loop.step -= 1
+        if loop.step == 0:
+            return "no step had completed, so there was nothing to save"
+        if latest is not None and latest.step == loop.step:
+            return f"the state after step {loop.step} is in {latest.path}"
+        with self._optimizer_eval_mode():
+            saved = self.checkpointer.save(loop, step_rng)
+        self.events.saved(loop.step, saved)
+        return f"the state after step {loop.step} is saved: {saved}"
 
     def _check_processes_agree(self) -> None:
         """With several processes, every one must hold the same LoRA weights at the end: compared by checksum,

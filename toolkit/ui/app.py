@@ -56,11 +56,10 @@ def _flat(config: dict) -> dict[str, object]:
 @lru_cache(maxsize=64)
 def _job_sources(config_file: str, overrides: tuple[str, ...]) -> dict[str, str]:
     """Where each value of a UI job's config came from: load_run over the YAML the UI saved and its overrides."""
-    from toolkit.cli import provenance_rows
     from toolkit.plan.run import load_run
 
     label = Path(config_file).name
-    rows = provenance_rows(load_run([config_file], list(overrides)))
+    rows = load_run([config_file], list(overrides)).provenance()
     return {key: configs.UI_LABEL if source == "command line" else source.replace(config_file, label)
             for key, _, source in rows}
 

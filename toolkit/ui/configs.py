@@ -117,7 +117,6 @@ def _source(source: str, path: Path) -> str:
 def validate_text(text: str, root: Path) -> dict:
     """Check YAML text as `validate` would (load_run with the data, model and output checks): {ok, problems (each
     with its line or None), rows (key, value, source), run (the folder's name under the root)}."""
-    from toolkit.cli import provenance_rows
     from toolkit.plan.run import load_run
     from toolkit.preflight import path_checks
 
@@ -130,7 +129,7 @@ def validate_text(text: str, root: Path) -> dict:
             return {"ok": False, "problems": [_located(p, path) for p in err.problems], "rows": [], "run": None}
         except UserError as err:
             return {"ok": False, "problems": [_located(str(err), path)], "rows": [], "run": None}
-        rows = [{"key": k, "value": v, "source": _source(s, path)} for k, v, s in provenance_rows(run)]
+        rows = [{"key": k, "value": v, "source": _source(s, path)} for k, v, s in run.provenance()]
         lines = next((layer.lines for layer in run.layers if layer.label == str(path)), {})
     folder_path = Path(run.cfg.run.output_dir)
     problems = []

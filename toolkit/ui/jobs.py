@@ -17,8 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.train.run_lock import live_holder_refusal
-from toolkit.ui.runs import lock_holder
+from toolkit.train.run_lock import live_holder_refusal, lock_holder
 
 REPO = Path(__file__).resolve().parents[2]
 KEEP_DONE = 200  # finished jobs kept in jobs.json (their logs stay in .ui/jobs/)

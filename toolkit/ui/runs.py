@@ -3,15 +3,13 @@ codes of the runs this UI started, which nothing in a run folder records)."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.train.run_lock import lock_path
+from toolkit.train.run_lock import lock_holder
 from toolkit.ui import run_files
 
 if TYPE_CHECKING:
@@ -33,36 +31,6 @@ def run_names(root: Path) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(p.name for p in children if RUN_NAME.fullmatch(p.name) and is_run_folder(p))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def lock_holder(run: Path) -> tuple[dict | None, bool]:
-    """The lock file's holder (None when there is no lock) and whether it is alive: a live pid on this host, or a
-    lock from another host, which cannot be proven dead from here. Read only: never flocked, so a run starting at
-    this moment is never refused because the UI looked."""
-    try:
-        holder = json.loads(lock_path(run).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None, False
-    except (OSError, ValueError):
-        return {}, True  # being written by a run that is starting
-    if not isinstance(holder, dict):
-        return {}, True
-    if holder.get("host") != socket.gethostname():
-        return holder, True
-    try:
-        return holder, _pid_alive(int(holder.get("pid", 0)))
-    except (TypeError, ValueError):
-        return holder, True
 
 
 @dataclass
