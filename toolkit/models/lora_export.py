@@ -10,6 +10,7 @@ loader and, where the family has one, kohya's sd-scripts or musubi-tuner all rea
 - flux (`diffusers_keys_with_alpha`), qwen_image (`qwen_image_keys`): diffusers module names
   (`transformer.<module>.lora_A.weight`; `diffusion_model.` for Qwen-Image) and a `<module>.alpha`, which
   ComfyUI (comfy/lora.py load_lora) and diffusers' Flux and Qwen-Image readers take as the alpha.
+- chroma (`chroma_keys`): Flux's, for the modules ComfyUI's Flux map names (not the guidance approximator).
 - z_image (`z_image_keys`): as Qwen-Image, diffusers module names under `diffusion_model.` with `.alpha`.
 - sd3 (`diffusers_keys_scaled`), flux2 (`flux2_keys`): diffusers module names with the scale folded into lora_A:
   diffusers' SD3 and Flux.2 readers refuse any key without "lora" in it, so an `.alpha` cannot be written.
@@ -168,6 +169,24 @@ def flux2_keys(factors: Factors) -> dict[str, torch.Tensor]:
     if unmapped:
         raise ValueError(f"no ComfyUI Flux.2 name for the LoRA modules {unmapped[:4]}")
     return diffusers_keys_scaled(factors)
+
+
+# Chroma modules that ComfyUI maps from diffusers names: its Chroma model is a Flux model to the LoRA loader
+# (comfy/lora.py model_lora_keys_unet, comfy.utils.flux_to_diffusers). The approximator (distilled_guidance_layer)
+# has no entry there.
+CHROMA_COMFYUI_MODULES = re.compile(
+    r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+    r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2))"
+    r"|single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out)|x_embedder|context_embedder|proj_out")
+
+
+def chroma_keys(factors: Factors) -> dict[str, torch.Tensor]:
+    """Chroma: Flux's keys, `transformer.<diffusers module>` with `.alpha` (ChromaPipeline reads them with Flux's
+    reader). A module ComfyUI has no name for is a ValueError."""
+    unmapped = sorted(m for m in factors if not CHROMA_COMFYUI_MODULES.fullmatch(m))
+    if unmapped:
+        raise ValueError(f"no ComfyUI Chroma name for the LoRA modules {unmapped[:4]}")
+    return diffusers_keys_with_alpha(factors)
 
 
 def diffusers_keys_scaled(factors: Factors) -> dict[str, torch.Tensor]:
