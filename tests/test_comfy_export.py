@@ -1,4 +1,4 @@
-"""The transformer key styles (Flux, SD3, Qwen-Image, Z-Image, Flux.2, Wan): the written keys, alphas, and a round trip through
+"""The transformer key styles (Flux, SD3, Qwen-Image, Z-Image, Flux.2, Chroma, Wan): the written keys, alphas, and a round trip through
 diffusers' own readers on layouts the quickstarts do not have (Wan image-to-video, every linear layer).
 
 Each test puts a PEFT LoRA (rank 4, non-zero B) on a tiny transformer, reads its factors (peft_factors), writes
@@ -13,13 +13,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from toolkit.models.diffusion_chroma import CHROMA_ALL_LINEAR
 from toolkit.models.diffusion_flux2 import FLUX2_ALL_LINEAR
-from toolkit.models.lora_export import (Factor, diffusers_keys_scaled, diffusers_keys_with_alpha, flux2_keys,
-                                        peft_factors, qwen_image_keys, wan_native_keys, z_image_keys)
+from toolkit.models.lora_export import (Factor, chroma_keys, diffusers_keys_scaled, diffusers_keys_with_alpha,
+                                        flux2_keys, peft_factors, qwen_image_keys, wan_native_keys, z_image_keys)
 
 # Each family's key style, as its adapter names it (transformer_key_style).
 KEYS = {"flux": diffusers_keys_with_alpha, "sd3": diffusers_keys_scaled, "wan21": wan_native_keys,
-        "wan22": wan_native_keys, "qwen_image": qwen_image_keys, "z_image": z_image_keys, "flux2": flux2_keys}
+        "wan22": wan_native_keys, "qwen_image": qwen_image_keys, "z_image": z_image_keys, "flux2": flux2_keys,
+        "chroma": chroma_keys}
 SCALED = {"sd3", "flux2"}  # the scale folded into lora_A: their diffusers readers refuse `.alpha` keys
 
 RANK = 4
@@ -251,6 +253,21 @@ def _flux2_inputs():
             "img_ids": torch.zeros(16, 4), "txt_ids": torch.zeros(5, 4), "guidance": torch.tensor([3.5])}
 
 
+def _tiny_chroma():
+    """Chroma layout (approximator-driven modulation, no modulation layers in the blocks), 1 double + 1 single block."""
+    from toolkit.tiny.chroma import chroma_transformer
+
+    return chroma_transformer(in_channels=8, joint_attention_dim=16)
+
+
+def _chroma_inputs():
+    g = torch.Generator().manual_seed(1)
+    return {"hidden_states": torch.randn(1, 16, 8, generator=g),
+            "encoder_hidden_states": torch.randn(1, 5, 16, generator=g), "timestep": torch.tensor([0.5]),
+            "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(5, 3),
+            "attention_mask": torch.tensor([[True] * 4 + [False] + [True] * 16])}
+
+
 # Every linear layer of each: all of them have a name in ComfyUI's maps (comfy.utils.z_image_to_diffusers; for Flux.2
 # flux_to_diffusers, which has none for the shared modulation and the embedders, hence the adapter's all-linear).
 Z_IMAGE_LINEAR = (r".*(\.\d+\.(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[123]|adaLN_modulation\.0)"
@@ -284,6 +301,7 @@ def _loaded_by_the_pipeline(pipeline_class, make_transformer, file):
     ("qwen_image", _tiny_qwen_image, QWEN_LINEAR, _qwen_image_inputs, "transformer_blocks.1.txt_mod.1"),
     ("z_image", _tiny_z_image, Z_IMAGE_LINEAR, _z_image_inputs, "context_refiner.0.attention.to_out.0"),
     ("flux2", _tiny_flux2, FLUX2_ALL_LINEAR, _flux2_inputs, "single_transformer_blocks.0.attn.to_qkv_mlp_proj"),
+    ("chroma", _tiny_chroma, CHROMA_ALL_LINEAR, _chroma_inputs, "single_transformer_blocks.0.proj_mlp"),
 ])
 def test_mmdit_families_keep_diffusers_module_names_with_their_scale(tmp_path, family, make_transformer, targets,
                                                                       inputs, known_module):
@@ -291,7 +309,7 @@ def test_mmdit_families_keep_diffusers_module_names_with_their_scale(tmp_path, f
 
     pipeline_class = getattr(diffusers, {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline",
                                          "qwen_image": "QwenImagePipeline", "z_image": "ZImagePipeline",
-                                         "flux2": "Flux2Pipeline"}[family])
+                                         "flux2": "Flux2Pipeline", "chroma": "ChromaPipeline"}[family])
     alpha = 6.0
     original = _lora(make_transformer, targets, alpha)
     peft_state, out = _export(tmp_path, original, family, alpha)
@@ -323,3 +341,13 @@ def test_flux2_module_without_comfyui_name_is_an_error():
     with pytest.raises(ValueError, match="no ComfyUI Flux.2 name for the LoRA modules "
                                          "\\['double_stream_modulation_img.linear'\\]"):
         flux2_keys(factors)
+
+
+def test_chroma_approximator_without_comfyui_name_is_an_error():
+    """Chroma's guidance approximator has no diffusers-name entry in ComfyUI's Flux map (its layers are named
+    in_layer / out_layer there): the file falls back to diffusers' own layout rather than writing keys ComfyUI skips."""
+    factors = {"distilled_guidance_layer.layers.0.linear_1": Factor(torch.zeros(RANK, 32), torch.zeros(32, RANK), 8.0),
+               "single_transformer_blocks.0.proj_mlp": Factor(torch.zeros(RANK, 32), torch.zeros(128, RANK), 8.0)}
+    with pytest.raises(ValueError, match="no ComfyUI Chroma name for the LoRA modules "
+                                         "\\['distilled_guidance_layer.layers.0.linear_1'\\]"):
+        chroma_keys(factors)

@@ -85,7 +85,7 @@ def test_image_family_trains_and_its_lora_reloads_in_the_diffusers_pipeline(fami
     assert np.abs(with_lora - trained).max() <= 1
 
 
-@pytest.mark.parametrize("family", ["z_image", "flux2"])
+@pytest.mark.parametrize("family", ["z_image", "flux2", "chroma"])
 def test_resume_from_a_checkpoint_is_bit_identical(family, tmp_path, run_cli):
     common = ("sample.prompts=[]", "save.every=1", "save.format=diffusers")
     full = tmp_path / "full"

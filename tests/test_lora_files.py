@@ -27,6 +27,7 @@ CASES = {
     "qwen_image": ("quickstart_qwen_image.yaml", "QwenImagePipeline", []),
     "z_image": ("quickstart_z_image.yaml", "ZImagePipeline", []),
     "flux2": ("quickstart_flux2.yaml", "Flux2Pipeline", []),
+    "chroma": ("quickstart_chroma.yaml", "ChromaPipeline", []),
     "wan21": ("quickstart_wan21.yaml", "WanPipeline", []),
     "wan22": ("quickstart_wan22.yaml", "WanPipeline", ["train.expert_switch_every=1"]),
 }

@@ -1,5 +1,5 @@
 """Tiny flow-matching pipelines (tiny:flux, tiny:sd3, tiny:wan21, tiny:wan22, tiny:wan22-5b, the image-to-video
-tiny:wan21-i2v and tiny:wan22-i2v, tiny:qwen_image, tiny:z_image, tiny:flux2): written
+tiny:wan21-i2v and tiny:wan22-i2v, tiny:qwen_image, tiny:z_image, tiny:flux2, tiny:chroma): written
 on first use, loaded by their diffusers pipeline class, and able to generate; the family-specific settings are the
 real ones."""
 
@@ -52,6 +52,9 @@ KINDS = {
     "z_image": ("ZImagePipeline", {"text_encoder": "Qwen3Model", "tokenizer": "Qwen2Tokenizer",
                                    "transformer": "ZImageTransformer2DModel", "vae": "AutoencoderKL",
                                    "scheduler": "FlowMatchEulerDiscreteScheduler"}, (1, 64, 64, 3)),
+    "chroma": ("ChromaPipeline", {"text_encoder": "T5EncoderModel", "tokenizer": "T5Tokenizer",
+                                  "transformer": "ChromaTransformer2DModel", "vae": "AutoencoderKL",
+                                  "scheduler": "FlowMatchEulerDiscreteScheduler"}, (1, 64, 64, 3)),
     # FLUX.2-dev's tokenizer is a PixtralProcessor (torchvision for its image half); the tiny one holds its tokenizer
     "flux2": ("Flux2Pipeline", {"text_encoder": "Mistral3ForConditionalGeneration", "tokenizer": "TokenizersBackend",
                                 "transformer": "Flux2Transformer2DModel", "vae": "AutoencoderKLFlux2",
