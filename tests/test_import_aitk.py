@@ -53,6 +53,13 @@ CASES = {
         "sample.height": 480, "sample.negative_prompt": "static, blurry",
         "sample.prompts": ["a red circle moving right on a white background"]},
         ["model.quantize_te"]),
+    # ai-toolkit's arch "chroma" (its ChromaModel); the model a diffusers folder here (Chroma1-HD), not a single file
+    "chroma": ("tiny:chroma", "shapes", {
+        "model.family": "chroma", "model.name_or_path": "lodestones/Chroma1-HD", "model.quantize": "8bit",
+        "network.rank": 16, "network.alpha": 16.0, "data.trigger_word": "sks", "data.resolution": 1024,
+        "train.steps": 2000, "train.optimizer": "adamw8bit", "train.precision": "bf16", "train.ema_decay": 0.99,
+        "sample.negative_prompt": "blurry", "sample.guidance_scale": 4.0, "sample.num_inference_steps": 25},
+        ["datasets[0].resolution"]),
     # only a folder and a model: ai-toolkit's own defaults where they differ from this toolkit's
     "minimal": ("tiny:sd", "shapes", {
         "run.name": "defaults_only", "model.family": "sd", "network.rank": 4, "network.alpha": 1.0,
@@ -106,8 +113,8 @@ def test_changed_values_are_noted(run_cli, capsys):
     ("run: {name: x}\nmodel: {family: sd}\n", "not an ai-toolkit job file: it has no config.process list"),
     ("job: extract\nconfig: {name: x, process: [{type: locon, linear: 64}]}\n",
      "config.process[0].type is 'locon', not a LoRA trainer"),
-    ("config: {name: x, process: [{type: sd_trainer, model: {name_or_path: m, arch: chroma}, datasets: []}]}\n",
-     "model arch 'chroma' has no family in this toolkit"),
+    ("config: {name: x, process: [{type: sd_trainer, model: {name_or_path: m, arch: hidream}, datasets: []}]}\n",
+     "model arch 'hidream' has no family in this toolkit"),
     ("config: {name: x, process: [{type: sd_trainer, model: {name_or_path: m, arch: flux}, train: {steps: 0},"
      " datasets: [{folder_path: /d}]}]}\n", "the translated config does not validate"),
 ])

@@ -19,7 +19,7 @@ from toolkit.errors import ConfigError, UserError
 # ai-toolkit model.arch -> model.family. ai-toolkit's older is_* flags name an arch (toolkit/config_modules.py,
 # ModelConfig); a model without either is sd1.
 ARCHES = {"sd1": "sd", "sd2": "sd", "sdxl": "sdxl", "sd3": "sd3", "flux": "flux", "flex1": "flux", "flux2": "flux2",
-          "qwen_image": "qwen_image", "zimage": "z_image", "wan21": "wan21", "wan22_14b": "wan22", "wan22_5b": "wan22"}
+          "chroma": "chroma", "qwen_image": "qwen_image", "zimage": "z_image", "wan21": "wan21", "wan22_14b": "wan22", "wan22_5b": "wan22"}
 ARCH_FLAGS = (("is_v2", "sd2"), ("is_v3", "sd3"), ("is_xl", "sdxl"), ("is_pixart", "pixart"),
               ("is_pixart_sigma", "pixart_sigma"), ("is_auraflow", "auraflow"), ("is_flux", "flux"),
               ("is_lumina2", "lumina2"), ("is_vega", "vega"), ("is_ssd", "ssd"))
