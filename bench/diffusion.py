@@ -1,7 +1,7 @@
 """Diffusion and video LoRA step time: the toolkit beside the plain diffusers loop a user writes, eager and with
 torch.compile, in one run on one GPU, every row in a fresh process of its own.
 
-    python bench/diffusion.py [--models sd15,sdxl,flux,wan,wan22] [--rows plain,plain-compiled,toolkit] [--steps 6]
+    python bench/diffusion.py [--models sd15,sdxl,flux,chroma,wan,wan22] [--rows plain,plain-compiled,toolkit] [--steps 6]
                               [--warmup 4] [--out result.json] [--tiny] [--profile] [--set KEY=VALUE ...]
 
 Workloads (random weights in the real shapes, bench/diffusion_models.py; nothing downloaded), LoRA r=16 alpha 16
@@ -9,6 +9,9 @@ on the toolkit's default targets (attention for the UNets, attention + feed-forw
 under bf16 autocast, fused AdamW, gradient norm clipped to 1.0:
   sd15  SD1.5 UNet, 512 px, batch 4          sdxl  SDXL UNet, 1024 px, batch 2
   flux  Flux.1-dev transformer, 1024 px, 1   wan   Wan 2.1 1.3B transformer, 81 x 480 x 832, 1 clip
+  chroma  Chroma1-HD transformer (8.9B: Flux's 19 + 38 blocks without their modulation layers, the guidance
+        approximator), 1024 px, batch 1; the plain loop passes the pipeline's 512-token T5 text with its mask (64
+        tokens attended), the toolkit trims the text to the captions' tokens. Not in the default --models
   wan22 Wan 2.2 T2V A14B (two 14B experts), 17 x 480 x 832, 1 clip: the toolkit trains the high-noise expert
         alone (train.experts=high_noise, as A14B LoRAs are trained on 24 GB cards; model.expert_offload=auto),
         the plain loop the high-noise `transformer` at sigmas >= the boundary, 0.875. 17 frames, not 81: at 81
@@ -69,13 +72,15 @@ WORKLOADS = {  # family, batch, resolution (or frames x height x width), images 
     "sd15": dict(family="sd", batch=4, size=512),
     "sdxl": dict(family="sdxl", batch=2, size=1024),
     "flux": dict(family="flux", batch=1, size=1024),
+    "chroma": dict(family="chroma", batch=1, size=1024),
     "wan": dict(family="wan21", batch=1, frames=81, height=480, width=832),
     # 81 x 480 x 832 is 32760 tokens: every block's checkpointed input (12.5 GiB) and one block's backward (~14 GiB)
     # do not fit 24 GiB whatever block swap does; 17 frames (7800 tokens, ~6.5 GiB) leave room for the ~13 GiB of
     # weights block_swap=auto keeps resident under toolkit-swap24
     "wan22": dict(family="wan22", batch=1, frames=17, height=480, width=832),
 }
-TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "wan": dict(frames=5, height=64, width=64),
+TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "chroma": dict(size=64),
+        "wan": dict(frames=5, height=64, width=64),
         "wan22": dict(frames=5, height=64, width=64)}
 ROWS = ("plain", "plain-compiled", "toolkit-eager", "toolkit")
 TOOLKIT_ROWS = ("toolkit", "toolkit-eager", "toolkit-nographs", "toolkit-ckpt", "toolkit-swap24", "toolkit-cap25")
@@ -93,7 +98,7 @@ def device() -> str:
 
 # -- the plain loop ------------------------------------------------------------------------------------------------
 def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
-    from diffusers import FluxTransformer2DModel, UNet2DConditionModel, WanTransformer3DModel
+    from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel, UNet2DConditionModel, WanTransformer3DModel
     from peft import LoraConfig
 
     from toolkit.models.base import repeated_blocks
@@ -104,6 +109,7 @@ def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
     cls, sub, targets = {"sd15": (UNet2DConditionModel, "unet", UNET_TARGETS),
                          "sdxl": (UNet2DConditionModel, "unet", UNET_TARGETS),
                          "flux": (FluxTransformer2DModel, "transformer", FLUX_TARGETS),
+                         "chroma": (ChromaTransformer2DModel, "transformer", FLUX_TARGETS),
                          "wan": (WanTransformer3DModel, "transformer", WAN_TARGETS),
                          "wan22": (WanTransformer3DModel, "transformer", WAN_TARGETS)}[kind]  # the high-noise expert
     torch.manual_seed(0)
@@ -139,7 +145,7 @@ def plain_inputs(kind: str, model, w: dict):
             extra = {"added_cond_kwargs": {"text_embeds": torch.randn(b, pooled, device=dev, dtype=bf16),
                                            "time_ids": time_ids}}
         return latents, lambda noisy, sigma: model(noisy.to(bf16), (sigma * 999).long(), text, **extra).sample
-    if kind == "flux":
+    if kind in ("flux", "chroma"):
         side = w["size"] // 16
         latents = torch.randn(b, side * side, 64, device=dev)
         ids = torch.zeros(side, side, 3, device=dev)
@@ -147,6 +153,12 @@ def plain_inputs(kind: str, model, w: dict):
         ids[..., 2] += torch.arange(side, device=dev)[None, :]
         img_ids, txt_ids = ids.reshape(-1, 3), torch.zeros(512, 3, device=dev)
         text = torch.randn(b, 512, model.config.joint_attention_dim, device=dev, dtype=bf16)
+        if kind == "chroma":  # the pipeline's mask: a caption's tokens and its first padding token, then the image
+            mask = torch.ones(b, 512 + side * side, dtype=torch.bool, device=dev)
+            mask[:, 64:512] = False
+            return latents, lambda noisy, sigma: model(hidden_states=noisy.to(bf16), timestep=sigma,
+                                                       encoder_hidden_states=text, txt_ids=txt_ids, img_ids=img_ids,
+                                                       attention_mask=mask, return_dict=False)[0]
         pooled = torch.randn(b, model.config.pooled_projection_dim, device=dev, dtype=bf16)
         guidance = torch.ones(b, device=dev)
         return latents, lambda noisy, sigma: model(hidden_states=noisy.to(bf16), timestep=sigma, guidance=guidance,
@@ -161,7 +173,7 @@ def plain_inputs(kind: str, model, w: dict):
 def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: bool, compiled: bool) -> dict:
     from toolkit.tiny.flow import WAN22_BOUNDARY_RATIO
 
-    if kind == "flux":  # PyTorch's cuDNN SDPA backend crashes on Flux shapes (FINDINGS.md): a user turns it off
+    if kind in ("flux", "chroma"):  # cuDNN SDPA crashes on Flux shapes (FINDINGS.md): a user turns it off
         torch.backends.cuda.enable_cudnn_sdp(False)
     model = plain_model(kind, folder, ckpt, compiled)
     params = [p for p in model.parameters() if p.requires_grad]

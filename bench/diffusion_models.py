@@ -1,5 +1,5 @@
 """Real-shaped diffusion pipelines with random weights for bench/diffusion.py (nothing downloaded): the denoiser at
-its real size (SD1.5 and SDXL UNets, the Flux.1-dev transformer, the Wan 2.1 1.3B transformer, the Wan 2.2 T2V
+its real size (SD1.5 and SDXL UNets, the Flux.1-dev and Chroma1-HD transformers, the Wan 2.1 1.3B transformer, the Wan 2.2 T2V
 A14B experts); text encoders of the real widths but two layers, and a VAE with the real x8 downsampling but few
 channels (the toolkit caches their outputs, so their size does not change a training step). Also the image
 folders and the clip the toolkit trains on.
@@ -24,6 +24,11 @@ SDXL_UNET = dict(sample_size=128, block_out_channels=(320, 640, 1280),
                  use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
                  projection_class_embeddings_input_dim=2816)
 FLUX_DEV = dict(guidance_embeds=True)   # FluxTransformer2DModel's defaults are Flux.1's shape: 19 + 38 blocks, 3072
+# ChromaTransformer2DModel's defaults are Chroma1-HD's shape (its transformer/config.json): 19 + 38 blocks, 24 heads of
+# 128, T5-XXL's 4096, the approximator 64 channels in, 5 layers of 5120
+CHROMA1_HD = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=4096, axes_dims_rope=(16, 56, 56),
+                  approximator_num_channels=64, approximator_hidden_dim=5120, approximator_layers=5)
 WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
@@ -39,6 +44,8 @@ SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on
                  sample_size=8),
     "flux": dict(num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
                  axes_dims_rope=(4, 6, 6), guidance_embeds=True),
+    "chroma": dict(CHROMA1_HD, num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
+                   axes_dims_rope=(4, 6, 6), approximator_hidden_dim=32, approximator_layers=2),
     "wan": dict(WAN_1P3B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
     "wan22": dict(WAN22_A14B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
 }
@@ -69,7 +76,7 @@ def _build(cls, config: dict, device: str):
 
 
 def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> None:
-    """The pipeline folder of `kind` (sd15, sdxl, flux, wan, wan22) with its denoiser built on `device`, which
+    """The pipeline folder of `kind` (sd15, sdxl, flux, chroma, wan, wan22) with its denoiser built on `device`, which
     gives the GPU memory back afterwards: each row runs in a process of its own and needs all of it."""
     _write_pipeline(kind, folder, device, tiny)
     if device == "cuda":
@@ -85,8 +92,8 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
     from toolkit.tiny.diffusion import write_clip_tokenizer
     from toolkit.tiny.flow import t5_config, write_t5_tokenizer
 
-    config = SHAPES[kind] if tiny else {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "wan": WAN_1P3B,
-                                        "wan22": WAN22_A14B}[kind]
+    config = SHAPES[kind] if tiny else {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "chroma": CHROMA1_HD,
+                                        "wan": WAN_1P3B, "wan22": WAN22_A14B}[kind]
     if kind in ("wan", "wan22"):
         from diffusers import WanPipeline, WanTransformer3DModel
         from transformers import UMT5EncoderModel
@@ -105,6 +112,20 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
             index["transformer_2"] = index["transformer"]
             (folder / "model_index.json").write_text(json.dumps(index, indent=2))
             (folder / "transformer_2").symlink_to("transformer", target_is_directory=True)
+        return
+    if kind == "chroma":
+        from diffusers import ChromaPipeline, ChromaTransformer2DModel
+
+        from toolkit.tiny.chroma import CHROMA_SCHEDULER
+
+        tokenizer = write_t5_tokenizer(folder / "tokenizer")
+        transformer = _build(ChromaTransformer2DModel, config, device)
+        t5 = T5EncoderModel(t5_config(len(tokenizer), d_model=transformer.config.joint_attention_dim))
+        ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**CHROMA_SCHEDULER), tokenizer=tokenizer,
+                       vae=_vae(16, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                                use_post_quant_conv=False),
+                       text_encoder=t5, transformer=transformer, image_encoder=None,
+                       feature_extractor=None).save_pretrained(folder)
         return
     write_clip_tokenizer(folder / "tokenizer")
     tokenizer = CLIPTokenizer.from_pretrained(folder / "tokenizer")
