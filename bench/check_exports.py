@@ -11,7 +11,8 @@ from the checkpoint's exact tensors). Then final/'s file and step 1's checkpoint
   comfy.lora.load_lora and comfy.lora.calculate_weight (what comfy.sd.load_lora_for_models and the ModelPatcher
   run), on stand-ins of ComfyUI's model classes whose weights are the tiny pipeline's, laid out by ComfyUI's own
   converters (comfy.utils.unet_to_diffusers, comfy.model_detection.convert_diffusers_mmdit; Wan: ComfyUI's
-  WanModel names, matched to diffusers' by diffusers' convert_wan_transformer_to_diffusers).
+  WanModel names, matched to diffusers' by diffusers' convert_wan_transformer_to_diffusers; Chroma: Flux's
+  converter, its keys checked against ComfyUI's own Chroma model, comfy.model_base.Chroma as the model class).
 - kohya sd-scripts (sd, sdxl): networks/lora.py create_network_from_weights + merge_to on the diffusers UNet and
   the text encoders, laid out as sd-scripts' transformers 4 has them (text_model.encoder...).
 - musubi-tuner (wan21, wan22): convert_lora.convert_from_diffusers (its documented import of diffusers /
@@ -48,6 +49,7 @@ FAMILIES = {  # quickstart, extra overrides
     "sd": ("quickstart_sd.yaml", ["train.train_text_encoder=true"]),
     "sdxl": ("quickstart_sdxl.yaml", ["train.train_text_encoder=true"]),
     "flux": ("quickstart_flux.yaml", []),
+    "chroma": ("quickstart_chroma.yaml", ["network.target_modules=all-linear"]),  # the embedders and proj_out too
     "sd3": ("quickstart_sd3.yaml", []),
     "qwen_image": ("quickstart_qwen_image.yaml", []),
     "wan21": ("quickstart_wan21.yaml", []),
@@ -187,11 +189,36 @@ class ComfyUI:
             config = comfy.model_detection.detect_unet_config(state, "diffusion_model.")
             cls = comfy.model_base.Flux if family == "flux" else comfy.model_base.SD3
             return self.stand_in(cls, state, config), state
+        if family == "chroma":
+            return self.chroma_layout(adapter.component(name), weights)
         if family == "qwen_image":
             state = {f"diffusion_model.{k}": v for k, v in weights.items()}
             return self.stand_in(comfy.model_base.QwenImage, state, {}), state
         state = {f"diffusion_model.{k}": v for k, v in wan_original_layout(adapter.component(name), weights).items()}
         return self.stand_in(comfy.model_base.WAN21, state, {}), state
+
+    def chroma_layout(self, transformer, weights: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
+        """The diffusers Chroma weights in ComfyUI's layout (convert_diffusers_mmdit's Flux map: ComfyUI's Chroma is
+        a Flux model to its LoRA loader), every key and shape checked against ComfyUI's own Chroma model of the same
+        size (comfy.ldm.chroma.model.Chroma)."""
+        from comfy.ldm.chroma.model import Chroma
+
+        comfy = self.comfy
+        state = comfy.model_detection.convert_diffusers_mmdit(weights, "diffusion_model.")
+        c = transformer.config
+        hidden = c.num_attention_heads * c.attention_head_dim
+        own = Chroma(in_channels=c.in_channels, out_channels=c.in_channels, context_in_dim=c.joint_attention_dim,
+                     hidden_size=hidden, mlp_ratio=4.0, num_heads=c.num_attention_heads, depth=c.num_layers,
+                     depth_single_blocks=c.num_single_layers, axes_dim=list(c.axes_dims_rope), theta=10000,
+                     patch_size=2, qkv_bias=True, in_dim=c.approximator_num_channels, out_dim=hidden,
+                     hidden_dim=c.approximator_hidden_dim, n_layers=c.approximator_layers, txt_ids_dims=[],
+                     vec_in_dim=None, operations=torch.nn).state_dict()
+        shapes = {f"diffusion_model.{k}": v.shape for k, v in own.items()}
+        wrong = sorted(k for k, v in state.items() if shapes.get(k) != v.shape)
+        assert not wrong, f"not in ComfyUI's Chroma (or another shape there): {wrong[:4]}"
+        config = {"image_model": "chroma", "depth": c.num_layers, "depth_single_blocks": c.num_single_layers,
+                  "hidden_size": hidden}  # what comfy.utils.flux_to_diffusers reads of it
+        return self.stand_in(comfy.model_base.Chroma, state, config), state
 
     def clip_layout(self, adapter) -> tuple[object, dict[str, torch.Tensor]]:
         """ComfyUI's CLIP models keep transformers 4's CLIPTextModel names under clip_l.transformer / clip_g.transformer
