@@ -76,14 +76,6 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                tiny={"flux": "toolkit.tiny.flow:write_tiny_flux"}, pipeline_class="FluxPipeline",
                compile_auto="flux-compile",
                keeps_auto="flux-keeps"),
-    # Chroma's blocks are Flux's without their modulation layers: compile and the kept attention are on by Flux's
-    # measurements (not yet measured on Chroma itself).
-    FamilySpec("chroma", "toolkit.models.diffusion_chroma:ChromaAdapter", ImageDataSection,
-               FLOW_SETTINGS | {"sample.negative_prompt"}, "Chroma (Chroma1-HD / Base: Flux-derived, T5 only)",
-               timestep_sampling="logit_normal", batch_cap=2, save_formats=("diffusers", "comfyui"),
-               tiny={"chroma": "toolkit.tiny.chroma:write_tiny_chroma"}, pipeline_class="ChromaPipeline",
-               compile_auto="flux-compile",
-               keeps_auto="flux-keeps"),
     FamilySpec("sd3", "toolkit.models.diffusion_flow:SD3Adapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Stable Diffusion 3 / 3.5",
                timestep_sampling="logit_normal", batch_cap=4, save_formats=("diffusers", "comfyui"),
@@ -114,6 +106,14 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                FLOW_SETTINGS | {"train.guidance"}, "FLUX.2 [dev]", timestep_sampling="logit_normal", batch_cap=1,
                save_formats=("diffusers", "comfyui"), tiny={"flux2": "toolkit.tiny.flux2:write_tiny_flux2"},
                pipeline_class="Flux2Pipeline"),
+    # Chroma's blocks are Flux's without their modulation layers: compile and the kept attention are on by Flux's
+    # measurements (not yet measured on Chroma itself).
+    FamilySpec("chroma", "toolkit.models.diffusion_chroma:ChromaAdapter", ImageDataSection,
+               FLOW_SETTINGS | {"sample.negative_prompt"}, "Chroma (Chroma1-HD / Base: Flux-derived, T5 only)",
+               timestep_sampling="logit_normal", batch_cap=2, save_formats=("diffusers", "comfyui"),
+               tiny={"chroma": "toolkit.tiny.chroma:write_tiny_chroma"}, pipeline_class="ChromaPipeline",
+               compile_auto="flux-compile",
+               keeps_auto="flux-keeps"),
 )}
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
