@@ -102,6 +102,9 @@ def test_t5_padding_is_masked_in_training_as_chroma_masks_it(tmp_path):
 
     adapter, dataset = adapter_for("quickstart_chroma.yaml", tmp_path)
     fresh = _pipeline()  # the run's text encoder is freed once the captions are cached
+    # every forward keeps the tokens of the longest cached text (captions, sample prompts): one text shape a run
+    longest = max(int(t["prompt_attention_mask"].sum()) for t in adapter.prompt_cache.values())
+    assert adapter.text_length == longest < 32
     prompt = adapter.sample_prompts()[0]
     cached = adapter.embeddings_for(prompt)
     own_embeds, own_mask = _encoded(fresh, [prompt])

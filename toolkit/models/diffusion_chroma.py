@@ -4,8 +4,9 @@ What differs from Flux (diffusion_flow.FluxAdapter):
 - Text: T5 alone (no CLIP, no pooled projection), encoded by the pipeline's own encode_prompt, which runs T5 with
   the tokenizer's attention mask and returns the mask Chroma's transformer attends with: each prompt's tokens and
   its first padding token, the rest masked (lodestones' "masking T5 padding tokens"). Both are cached at
-  `max_text_tokens`; predict trims the batch's common trailing padding before the forward (exact, since padded
-  tokens are masked keys and queries whose outputs are dropped, and the text's RoPE ids are all zero).
+  `max_text_tokens`; predict cuts the padding no cached text attends to before the forward, at one length for the
+  whole run (the longest caption or sample prompt), so compiled blocks see one text shape. Exact: the cut tokens
+  are masked keys and queries whose outputs are dropped, and the text's RoPE ids are all zero.
 - The mask reaches the transformer as a boolean mask, in training and in samples alike. ChromaPipeline, given a
   prompt string, builds it in the text encoder's float dtype, and diffusers' attention then adds it to the
   scores as a bias (+1 where both tokens are kept) instead of masking; Chroma's reference code and ComfyUI (which
@@ -30,7 +31,6 @@ import torch
 
 from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FLUX_TARGETS, FlowMatching, unpack_flux
-from toolkit.models.diffusion_qwen import trim_text
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import chroma_keys
 from toolkit.models.objectives import Noised
@@ -43,6 +43,7 @@ class ChromaAdapter(FlowMatching, DiffusionAdapter):
     text_keys = ("prompt_embeds", "prompt_attention_mask")
     max_text_tokens = 512  # the pipeline's default and its maximum
     transformer_key_style = staticmethod(chroma_keys)
+    text_length = 0  # the text tokens every forward keeps: the longest cached text's (prepare_data)
 
     def pipeline_class(self):
         from diffusers import ChromaPipeline
@@ -64,19 +65,31 @@ class ChromaAdapter(FlowMatching, DiffusionAdapter):
                                                       do_classifier_free_guidance=False, max_sequence_length=n)
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask.long()}
 
+    def prepare_data(self):
+        dataset = super().prepare_data()
+        masks = [text["prompt_attention_mask"] for text in self.prompt_cache.values()]  # captions and sample texts
+        self.text_length = max((int(m.nonzero().max()) + 1 for m in masks), default=0)
+        return dataset
+
+    def cut_text(self, embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The text cut to the run's text_length (or the batch's own longest where it is longer: captions encoded
+        every step), its mask as booleans; see the module docstring."""
+        used = int(mask.bool().any(dim=0).nonzero().max()) + 1
+        n = max(used, self.text_length)
+        return embeds[:, :n], mask[:, :n].bool()
+
     def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
                 batch: dict[str, Any]) -> torch.Tensor:
         """The transformer on 2x2-packed latent patches at timestep sigma (the pipeline's t / 1000), the text
-        trimmed to the batch's longest and masked as the pipeline's _prepare_attention_mask extends it over the
+        cut to the run's text_length and masked as the pipeline's _prepare_attention_mask extends it over the
         image tokens; the velocity comes back unpacked."""
         from diffusers import ChromaPipeline
 
         b, c, h, w = noised.noisy.shape
         dtype, device = denoiser.dtype, noised.noisy.device
-        embeds, mask = trim_text(cond["prompt_embeds"], cond.get("prompt_attention_mask"))
+        embeds, mask = self.cut_text(cond["prompt_embeds"], cond["prompt_attention_mask"])
         packed = ChromaPipeline._pack_latents(noised.noisy.to(dtype), b, c, h, w)
-        if mask is not None:
-            mask = torch.cat([mask.bool(), torch.ones(b, packed.shape[1], dtype=torch.bool, device=device)], dim=1)
+        mask = torch.cat([mask, torch.ones(b, packed.shape[1], dtype=torch.bool, device=device)], dim=1)
         pred = denoiser.forward(
             hidden_states=packed, timestep=noised.t.to(dtype), encoder_hidden_states=embeds.to(dtype),
             txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
@@ -93,9 +106,7 @@ class ChromaAdapter(FlowMatching, DiffusionAdapter):
                           negative_prompt_attention_mask=negative["prompt_attention_mask"])
         return self.pipeline_call(seed, **kwargs).images
 
-    @staticmethod
-    def pipeline_text(text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A cached prompt as the pipeline takes it: trimmed to its tokens and first padding token, with its mask
-        as booleans (the pipeline requires a mask beside embeddings)."""
-        embeds, mask = trim_text(text["prompt_embeds"], text["prompt_attention_mask"], keep_full_mask=True)
-        return {"prompt_embeds": embeds, "prompt_attention_mask": mask.bool()}
+    def pipeline_text(self, text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A cached prompt as the pipeline takes it: cut as in training, with its mask as booleans."""
+        embeds, mask = self.cut_text(text["prompt_embeds"], text["prompt_attention_mask"])
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
