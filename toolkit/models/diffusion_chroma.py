@@ -43,7 +43,7 @@ class ChromaAdapter(FlowMatching, DiffusionAdapter):
     text_keys = ("prompt_embeds", "prompt_attention_mask")
     max_text_tokens = 512  # the pipeline's default and its maximum
     transformer_key_style = staticmethod(chroma_keys)
-    text_length = 0  # the text tokens every forward keeps: the longest cached text's (prepare_data)
+    text_length = 0  # the text tokens every forward keeps: the longest cached text's (prepare_data); 0: per batch
 
     def pipeline_class(self):
         from diffusers import ChromaPipeline
@@ -67,15 +67,15 @@ class ChromaAdapter(FlowMatching, DiffusionAdapter):
 
     def prepare_data(self):
         dataset = super().prepare_data()
-        masks = [text["prompt_attention_mask"] for text in self.prompt_cache.values()]  # captions and sample texts
-        self.text_length = max((int(m.nonzero().max()) + 1 for m in masks), default=0)
+        if dataset.text is not None:  # captions cached: no batch is longer than the longest cached text
+            masks = [text["prompt_attention_mask"] for text in self.prompt_cache.values()]  # with the sample texts
+            self.text_length = max(int(m.nonzero().max()) + 1 for m in masks)
         return dataset
 
     def cut_text(self, embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The text cut to the run's text_length (or the batch's own longest where it is longer: captions encoded
-        every step), its mask as booleans; see the module docstring."""
-        used = int(mask.bool().any(dim=0).nonzero().max()) + 1
-        n = max(used, self.text_length)
+        """The text cut to the run's text_length, its mask as booleans; see the module docstring. Without cached
+        captions (encoded every step) each batch is cut to its own longest, which reads the mask on the host."""
+        n = self.text_length or int(mask.bool().any(dim=0).nonzero().max()) + 1
         return embeds[:, :n], mask[:, :n].bool()
 
     def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
