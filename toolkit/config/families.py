@@ -55,7 +55,7 @@ class FamilySpec:
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec("llm", "toolkit.models.llm:LLMAdapter", TextDataSection, LLM_SETTINGS,
-               "any transformers causal LM", save_formats=("peft",),
+               "any transformers causal LM", save_formats=("peft", "gguf"),
                tiny={"llm": "toolkit.tiny.llm:write_tiny_llm"},
                compile_auto="llm-compile",
                recompute_auto="llm-recompute"),

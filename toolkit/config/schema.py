@@ -254,7 +254,8 @@ class SaveSection:
     keep_last: int = opt(3, "Checkpoints kept; older ones are removed.", minimum=1, resume_safe=True)
     dtype: str = opt("bf16", "dtype of the exported LoRA weights.", choices=("fp32", "bf16", "fp16"), resume_safe=True)
     format: str = opt("auto", "Export format: auto (the family's: peft or diffusers), peft, diffusers; kohya (sd, sdxl) "
-                      "or comfyui (every diffusion family) also write a copy named <run>_<format>.safetensors. A "
+                      "or comfyui (every diffusion family) also write a copy named <run>_<format>.safetensors; gguf "
+                      "(llm) also writes <run>.gguf, a llama.cpp LoRA adapter (needs the gguf package). A "
                       "diffusion LoRA file (final/ and every checkpoint) loads at alpha/rank in diffusers, ComfyUI "
                       "and kohya's tools alike.",
                       choices=SAVE_FORMATS, resume_safe=True)
