@@ -67,7 +67,8 @@ class VisionChatEncoder:
                                 "template renders each turn once")
             spans.append((len(start), len(end)))
         if not spans:
-            raise UserError(f"{where(path, record)}: the conversation has no assistant turn to learn from")
+            raise UserError(f"{where(path, record)}: the conversation has no assistant turn to learn from\n  fix: "
+                            "add the assistant's answer, or leave the record out")
         pixel_values = grid = None
         tokens_per_image: list[int] = []
         if images:

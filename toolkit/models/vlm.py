@@ -8,6 +8,7 @@ adapter is PEFT's own folder: PeftModel.from_pretrained over AutoModelForImageTe
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -76,6 +77,8 @@ class VLMAdapter(ModelAdapter):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.encoder = VisionChatEncoder(self.tokenizer, image_processor, model.config.image_token_id, self.cfg.data)
+        # transformers 5 computes the multimodal rotary positions from each token's modality (processors return it)
+        self.takes_token_types = "mm_token_type_ids" in inspect.signature(type(model).forward).parameters
         model.requires_grad_(False)
         model.to(self.runtime.device)
         if self.cfg.train.gradient_checkpointing:
@@ -124,8 +127,16 @@ class VLMAdapter(ModelAdapter):
     def batch_units(self, batch: dict[str, Any]) -> tuple[int, int]:
         return label_tokens(batch["labels"]), batch["input_ids"].numel()
 
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """`batch` on the device, with mm_token_type_ids (1 on image tokens, 0 elsewhere) where the model takes
+        them, as transformers' processors return them."""
+        inputs = {k: v.to(self.runtime.device, non_blocking=True) for k, v in batch.items()}
+        if self.takes_token_types:
+            inputs["mm_token_type_ids"] = (inputs["input_ids"] == self.encoder.image_token_id).int()
+        return inputs
+
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
-        batch = {k: v.to(self.runtime.device, non_blocking=True) for k, v in batch.items()}
+        batch = self.model_inputs(batch)
         # num_items_in_batch=1: transformers' causal-LM loss sums the token losses (the trainer divides by the step's)
         return modules["model"](**batch, use_cache=False, num_items_in_batch=1).loss
 
@@ -156,7 +167,7 @@ class VLMAdapter(ModelAdapter):
         greedy = self.cfg.sample.temperature == 0
         for index, prompt in enumerate(prompts):
             image = images[index] if len(images) == len(prompts) else (images[0] if images else None)
-            inputs = {k: v.to(self.runtime.device) for k, v in self.encoder.prompt(prompt, image).items()}
+            inputs = self.model_inputs(self.encoder.prompt(prompt, image))
             torch.manual_seed(self.cfg.sample.seed)
             with eval_mode(self.network):
                 output = self.network.generate(**inputs, max_new_tokens=self.cfg.sample.max_new_tokens,
