@@ -60,10 +60,6 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                tiny={"llm": "toolkit.tiny.llm:write_tiny_llm"},
                compile_auto="llm-compile",
                recompute_auto="llm-recompute"),
-    FamilySpec("vlm", "toolkit.models.vlm:VLMAdapter", VisionChatDataSection, VLM_SETTINGS,
-               "vision-language chat models through AutoModelForImageTextToText (Qwen2.5-VL, Qwen3-VL)",
-               save_formats=("peft",),
-               tiny={"qwen25_vl": "toolkit.tiny.vlm:write_tiny_qwen25_vl", "qwen3_vl": "toolkit.tiny.vlm:write_tiny_qwen3_vl"}),
     FamilySpec("sd", "toolkit.models.diffusion_sd:StableDiffusionAdapter", ImageDataSection, DDPM_SETTINGS,
                "Stable Diffusion 1.x/2.x", timestep_sampling="uniform",
                save_formats=("diffusers", "kohya", "comfyui"), pipeline_class="StableDiffusionPipeline",
@@ -111,6 +107,10 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                FLOW_SETTINGS | {"train.guidance"}, "FLUX.2 [dev]", timestep_sampling="logit_normal", batch_cap=1,
                save_formats=("diffusers", "comfyui"), tiny={"flux2": "toolkit.tiny.flux2:write_tiny_flux2"},
                pipeline_class="Flux2Pipeline"),
+    FamilySpec("vlm", "toolkit.models.vlm:VLMAdapter", VisionChatDataSection, VLM_SETTINGS,
+               "vision-language chat models through AutoModelForImageTextToText: Qwen2.5-VL, Qwen3-VL",
+               save_formats=("peft",),
+               tiny={"qwen25_vl": "toolkit.tiny.vlm:write_tiny_qwen25_vl", "qwen3_vl": "toolkit.tiny.vlm:write_tiny_qwen3_vl"}),
 )}
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
