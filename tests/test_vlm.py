@@ -87,6 +87,12 @@ def test_quickstart_loss_goes_down_and_resume_is_bit_identical(run_cli, tmp_path
     b = load_file(str(resumed / "final" / "adapter_model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["loss"] for r in read_metrics(resumed)][3:] == losses[3:]
+    # `sample` on the finished run: its LoRA in its model, the prompt asked about the run's sample.images
+    assert run_cli("sample", straight, "--prompt", "describe the image") == 0
+    records = [json.loads(line) for folder in (straight / "samples").iterdir()
+               for line in (folder / "samples.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], Path(r["image"]).name) for r in records] == [("describe the image", IMAGE.name)]
+    assert records[0]["completion"]
 
 
 def test_labels_cover_the_assistant_turns_and_never_an_image_token(tmp_path, tiny_cache):
