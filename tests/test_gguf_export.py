@@ -104,3 +104,30 @@ def test_gguf_without_the_package_is_a_user_error_before_training(tmp_path, monk
     assert "save.format=gguf needs the gguf package" in err and "fix: pip install gguf" in err
     assert "Traceback" not in err
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_qwen2_keeps_peft_row_order_and_an_unmapped_architecture_is_named():
+    """Qwen2 is written without the llama permutation (convert_hf_to_gguf's Qwen2Model has none); a module at
+    another scale than the file's alpha has the ratio folded into its lora_b; an architecture without a mapping
+    is a UserError naming the supported ones."""
+    from transformers import MixtralConfig, Qwen2Config
+
+    from toolkit.errors import UserError
+    from toolkit.models.llm_gguf import gguf_arch, gguf_tensors
+    from toolkit.models.lora_export import Factor
+
+    config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                         intermediate_size=64, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(0)
+    q = Factor(torch.randn(4, 32), torch.randn(32, 4), alpha=8.0)
+    down = Factor(torch.randn(4, 64), torch.randn(32, 4), alpha=2.0)   # scale 0.5 against the file's 2.0
+    alpha, tensors = gguf_tensors({"base_model.model.model.layers.2.self_attn.q_proj": q,
+                                   "base_model.model.model.layers.0.mlp.down_proj": down}, config, gguf_arch(config))
+    assert alpha == 2.0   # the first module in name order (layers.0 down_proj)
+    assert sorted(tensors) == ["blk.0.ffn_down.weight.lora_a", "blk.0.ffn_down.weight.lora_b",
+                               "blk.2.attn_q.weight.lora_a", "blk.2.attn_q.weight.lora_b"]
+    assert torch.equal(tensors["blk.2.attn_q.weight.lora_a"], q.down)
+    torch.testing.assert_close(tensors["blk.2.attn_q.weight.lora_b"], q.up * 4.0)   # 8/4 trained, 2/4 written
+    assert torch.equal(tensors["blk.0.ffn_down.weight.lora_b"], down.up)
+    with pytest.raises(UserError, match="MixtralForCausalLM.*supported: LlamaForCausalLM"):
+        gguf_arch(MixtralConfig(architectures=["MixtralForCausalLM"]))

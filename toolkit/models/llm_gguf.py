@@ -83,7 +83,7 @@ def gguf_tensors(factors: Factors, model_config: Any, arch: GgufArch) -> tuple[f
     """(alpha, {gguf name: tensor}) for `factors` keyed by PEFT module path (base_model.model.model.layers...)."""
     gguf = import_gguf()
     names = gguf.get_tensor_name_map(_arch_enum(gguf, arch.name), model_config.num_hidden_layers)
-    alpha = next(iter(factors.values())).alpha
+    alpha = factors[min(factors)].alpha   # one alpha per file: the first module's in name order
     n_head = model_config.num_attention_heads
     n_kv = getattr(model_config, "num_key_value_heads", None) or n_head
     tensors = {}
@@ -93,7 +93,7 @@ def gguf_tensors(factors: Factors, model_config: Any, arch: GgufArch) -> tuple[f
         if name is None:
             raise UserError(f"save.format=gguf: {hf_name} has no llama.cpp tensor name for the {arch.name} "
                             "architecture\n  fix: leave it out of network.target_modules, or set save.format=peft")
-        # one alpha per file: a module trained at another scale has the ratio folded into its lora_b
+        # a module trained at another scale has the ratio folded into its lora_b
         up = factor.up * (factor.alpha / alpha) if factor.alpha != alpha else factor.up
         if arch.rotary_permuted and hf_name.endswith("q_proj.weight"):
             up = rotary_permute(up, n_head)
