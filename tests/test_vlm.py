@@ -148,3 +148,12 @@ def test_a_bad_record_is_one_message_naming_file_and_line(run_cli, tmp_path, cap
         data.unlink()
     err = capsys.readouterr().err
     assert f"{data}:2: " in err and message in err and "fix:" in err and "Traceback" not in err
+
+
+def test_unsloth_and_llama_factory_names_point_at_the_vlm_keys(run_cli, capsys):
+    assert run_cli("validate", QUICKSTART, "finetune_vision_layers=true", "data.image_max_pixels=50176",
+                   "sample.max_new_tokens=8") == 2
+    err = capsys.readouterr().err
+    assert "invalid config (2 problems)" in err
+    assert "unknown key 'finetune_vision_layers' in command line; did you mean 'network.vision_layers'? " in err
+    assert "unknown key 'data.image_max_pixels' in command line; did you mean 'data.max_pixels'? " in err
