@@ -74,6 +74,22 @@ def test_adapter_loads_with_peft_over_auto_image_text_to_text_to_the_same_logits
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
     assert (theirs - plain).abs().max() > 1e-3     # the LoRA changes the answer
 
+    # the loss the trainer divides is the SUM of the assistant tokens' cross-entropies, over a padded batch of two
+    from toolkit.data.vision_chat import VisionChatDataset
+
+    data = REPO / "configs/examples/data/quickstart_vlm.jsonl"
+    records = [json.loads(line) for line in data.read_text().splitlines()[:2]]
+    dataset = VisionChatDataset([adapter.encoder.encode(r, str(data)) for r in records], adapter.tokenizer.pad_token_id)
+    batch = dataset.collate([0, 1])
+    assert batch["attention_mask"].sum() < batch["attention_mask"].numel()   # one row padded
+    with torch.no_grad():
+        loss = adapter.loss(batch, adapter.trainable_modules())
+        logits = adapter.network(**adapter.model_inputs({k: v for k, v in batch.items() if k != "labels"})).logits
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                                 ignore_index=IGNORE_INDEX, reduction="sum")
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-5)
+    assert adapter.batch_units(batch)[0] == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) > 0
+
 
 def test_quickstart_loss_goes_down_and_resume_is_bit_identical(run_cli, tmp_path, tiny_cache):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
