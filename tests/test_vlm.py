@@ -73,6 +73,12 @@ def test_adapter_loads_with_peft_over_auto_image_text_to_text_to_the_same_logits
             plain = peft(**inputs).logits
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
     assert (theirs - plain).abs().max() > 1e-3     # the LoRA changes the answer
+    # `merge`: a full model folder that AutoModelForImageTextToText loads to the same logits, its image processor beside
+    assert run_cli("merge", out, tmp_path / "merged") == 0
+    assert (tmp_path / "merged" / "preprocessor_config.json").is_file()
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).logits, theirs, atol=1e-4, rtol=1e-4)
 
     # the loss the trainer divides is the SUM of the assistant tokens' cross-entropies, over a padded batch of two
     from toolkit.data.vision_chat import VisionChatDataset
