@@ -73,6 +73,17 @@ def test_adapter_loads_with_peft_over_auto_image_text_to_text_to_the_same_logits
             plain = peft(**inputs).logits
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
     assert (theirs - plain).abs().max() > 1e-3     # the LoRA changes the answer
+    # load_lora (sample, network.init_from): a fresh adapter given the final/ folder answers as the trained one
+    from toolkit.models import build_adapter
+    from toolkit.plan.run import load_run
+
+    run = load_run([out / "config.yaml"], [])
+    fresh = build_adapter(run.cfg, cpu_runtime(run, out))
+    fresh.load()
+    fresh.load_lora(out)
+    fresh.network.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.network(**inputs).logits, ours, atol=1e-5, rtol=1e-5)
     # `merge`: a full model folder that AutoModelForImageTextToText loads to the same logits, its image processor beside
     assert run_cli("merge", out, tmp_path / "merged") == 0
     assert (tmp_path / "merged" / "preprocessor_config.json").is_file()
