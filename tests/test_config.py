@@ -86,7 +86,7 @@ def test_data_section_follows_the_family(tmp_path):
 
 
 def test_unknown_family_suggests(tmp_path):
-    cfg = write(tmp_path / "c.yaml", "model: {family: lmm, name_or_path: x}\n")
+    cfg = write(tmp_path / "c.yaml", "model: {family: llmm, name_or_path: x}\n")
     with pytest.raises(ConfigError, match=r"did you mean 'llm'"):
         load_run([cfg], [], device=CPU)
 
@@ -143,7 +143,7 @@ def test_a_family_setting_another_family_reads_is_an_error(tmp_path):
         load_run([cfg], ["sample.max_new_tokens=32", "train.lrr=1"], device=CPU)
     assert info.value.problems == [
         "unknown key 'train.lrr' in command line; did you mean 'train.lr'?",
-        "'sample.max_new_tokens' in command line has no effect for model.family flux; remove it (it applies to: llm)",
+        "'sample.max_new_tokens' in command line has no effect for model.family flux; remove it (it applies to: llm, vlm)",
         f"'train.noise_offset' in {cfg}:8 has no effect for model.family flux; remove it (it applies to: sd, sdxl)",
     ]
     # The same key where the family reads it, and at its default where it does not, both pass.
@@ -269,7 +269,7 @@ def test_save_format_is_checked_against_the_family(tmp_path, base_yaml):
     with pytest.raises(ConfigError) as info:
         load_run([base_yaml], ["save.format=diffusers"], device=CPU)
     assert info.value.problems == ["'save.format' in command line: diffusers is not available for model.family llm; "
-                                   "use one of auto, peft"]
+                                   "use one of auto, peft, gguf"]
     with pytest.raises(ConfigError, match="'save.format' in command line: kohya is not available for model.family "
                                           "flux; use one of auto, diffusers, comfyui"):
         load_run([flux_yaml(tmp_path)], ["save.format=kohya"], device=CPU)

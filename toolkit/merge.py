@@ -5,7 +5,8 @@
     python -m toolkit merge outputs/my_run/checkpoints/step-000200 merged/
     python -m toolkit merge outputs/my_run merged/ --step 200
 
-The result loads with AutoModelForCausalLM.from_pretrained like any other model.
+The result loads with AutoModelForCausalLM.from_pretrained like any other model (a vision-language base, the vlm
+family: AutoModelForImageTextToText, with its image processor beside the tokenizer).
 """
 
 from __future__ import annotations
@@ -49,11 +50,25 @@ def find_adapter_dir(path: str | Path, step: int | None = None) -> Path:
                     "of an LLM run (diffusion LoRAs are loaded with pipe.load_lora_weights, not merged here)")
 
 
+def model_class_of(base: str) -> tuple[type, bool]:
+    """(the transformers auto class that loads `base`, whether it is a vision-language model): a model type that
+    only AutoModelForImageTextToText maps (Qwen2.5-VL, Qwen3-VL: the vlm family) takes that class; every other,
+    AutoModelForCausalLM (the llm family)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    model_type = AutoConfig.from_pretrained(base).model_type
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForImageTextToText, True
+    return AutoModelForCausalLM, False
+
+
 def merge_lora(adapter: str | Path, out_dir: str | Path, dtype: str = "auto", log=print, step: int | None = None) -> Path:
     """Merge the adapter (with `step`: the run's checkpoint of that step) into its base (in fp32), cast to
     `dtype` and save model + tokenizer into out_dir."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoImageProcessor, AutoTokenizer
 
     adapter_dir = find_adapter_dir(adapter, step)
     out_dir = Path(out_dir)
@@ -66,8 +81,9 @@ def merge_lora(adapter: str | Path, out_dir: str | Path, dtype: str = "auto", lo
     if not base:
         raise UserError(f"merge: {adapter_dir / 'adapter_config.json'} has no base_model_name_or_path")
     try:
+        auto_class, vision = model_class_of(base)
         # Merge in fp32 so the folded weights carry no extra rounding; cast once at the end.
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model = auto_class.from_pretrained(base, dtype=torch.float32)
     except OSError as err:
         raise UserError(f"merge: cannot load the base model '{base}' named in {adapter_dir / 'adapter_config.json'}: "
                         f"{str(err).splitlines()[0]}") from None
@@ -87,6 +103,8 @@ def merge_lora(adapter: str | Path, out_dir: str | Path, dtype: str = "auto", lo
                              "OUT_DIR on another disk, then run the same command"):
             merged.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            if vision:
+                AutoImageProcessor.from_pretrained(base).save_pretrained(tmp)
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         tmp.rename(out_dir)

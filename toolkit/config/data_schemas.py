@@ -1,4 +1,4 @@
-"""The `data` section's schemas: one per kind of training data (text, images, video clips).
+"""The `data` section's schemas: one per kind of training data (text, image + text chats, images, video clips).
 
 Which one a run gets follows its family (toolkit/config/families.py)."""
 
@@ -24,6 +24,28 @@ class TextDataSection:
     eval_path: Optional[str] = opt(None, "Held-out data file for eval loss; else eval_fraction of path is held out.")
     eval_fraction: float = opt(0.0, "Fraction of the training samples held out for eval when eval_path is unset.",
                                minimum=0.0)
+
+
+@dataclass
+class VisionChatDataSection:
+    path: str = opt(MISSING, "Training data: a .jsonl, .json or .parquet file of chats, each {\"messages\": [...], "
+                    "\"images\": [...]} (TRL's vision format): a message's content is a string or a list of parts, "
+                    "{\"type\": \"text\", \"text\": ...} or {\"type\": \"image\"} (the record's next image; or "
+                    "{\"type\": \"image\", \"image\": PATH}). Image paths are taken from the data file's folder.")
+    max_seq_len: int = opt(1024, "Tokens per sequence, image tokens included; longer chats are truncated after their "
+                           "last image (one whose images alone are longer is an error).", minimum=8)
+    min_pixels: int = opt(0, "Smallest image area the processor resizes to (its min_pixels); 0: the model's "
+                          "preprocessor_config.json.", minimum=0)
+    max_pixels: int = opt(0, "Largest image area the processor resizes to (its max_pixels: fewer image tokens); 0: "
+                          "the model's preprocessor_config.json.", minimum=0)
+    train_on_prompt: bool = opt(False, "Also compute the loss on the prompt/user tokens (never on image tokens).")
+    eval_path: Optional[str] = opt(None, "Held-out data file for eval loss; else eval_fraction of path is held out.")
+    eval_fraction: float = opt(0.0, "Fraction of the training samples held out for eval when eval_path is unset.",
+                               minimum=0.0)
+
+
+FILE_DATA_SCHEMAS = (TextDataSection, VisionChatDataSection)
+"""Schemas whose data.path (and data.eval_path) is a file, not a folder."""
 
 
 @dataclass

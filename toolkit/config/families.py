@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from toolkit.config.data_schemas import ImageDataSection, TextDataSection, VideoDataSection
+from toolkit.config.data_schemas import ImageDataSection, TextDataSection, VideoDataSection, VisionChatDataSection
 
 # Settings that only some families read. A family's spec lists the ones it reads (`settings`); a value set for
 # a family that does not read it is a config error, and the resolved config of a run shows only its own.
@@ -28,6 +28,7 @@ DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_o
                                       "sample.negative_prompt"}
 FLOW_SETTINGS = DIFFUSION_SETTINGS | {"train.flow_shift", "model.quantize", "model.quantize_backend",
                                       "model.block_swap"}
+VLM_SETTINGS = frozenset({"network.vision_layers", "sample.max_new_tokens", "sample.temperature", "sample.images"})
 VIDEO_SETTINGS = FLOW_SETTINGS | {"sample.negative_prompt", "sample.num_frames", "sample.fps", "model.task",
                                   "sample.images"}
 
@@ -55,7 +56,7 @@ class FamilySpec:
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec("llm", "toolkit.models.llm:LLMAdapter", TextDataSection, LLM_SETTINGS,
-               "any transformers causal LM", save_formats=("peft",),
+               "any transformers causal LM", save_formats=("peft", "gguf"),
                tiny={"llm": "toolkit.tiny.llm:write_tiny_llm"},
                compile_auto="llm-compile",
                recompute_auto="llm-recompute"),
@@ -114,6 +115,10 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                tiny={"chroma": "toolkit.tiny.chroma:write_tiny_chroma"}, pipeline_class="ChromaPipeline",
                compile_auto="flux-compile",
                keeps_auto="flux-keeps"),
+    FamilySpec("vlm", "toolkit.models.vlm:VLMAdapter", VisionChatDataSection, VLM_SETTINGS,
+               "vision-language chat models through AutoModelForImageTextToText: Qwen2.5-VL, Qwen3-VL",
+               save_formats=("peft",),
+               tiny={"qwen25_vl": "toolkit.tiny.vlm:write_tiny_qwen25_vl", "qwen3_vl": "toolkit.tiny.vlm:write_tiny_qwen3_vl"}),
 )}
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)

@@ -48,6 +48,9 @@ FOREIGN_KEYS: dict[str, ForeignKey] = {
     "lora_target_modules": ForeignKey("network.target_modules", "axolotl"),
     "use_dora": ForeignKey("network.type", "PEFT", "network.type: dora"),
     "use_rslora": ForeignKey("network.rslora", "PEFT"),
+    "finetune_vision_layers": ForeignKey("network.vision_layers", "unsloth"),
+    "freeze_vision_tower": ForeignKey("network.vision_layers", "LLaMA-Factory", "the opposite sense: "
+                                      "network.vision_layers: true trains a LoRA on the vision tower"),
     "network_weights": ForeignKey("network.init_from", KOHYA),
     "pretrained_lora_path": ForeignKey("network.init_from", AITK),
     # data
@@ -75,6 +78,8 @@ FOREIGN_KEYS: dict[str, ForeignKey] = {
     "sequence_len": ForeignKey("data.max_seq_len", "axolotl"),
     "cutoff_len": ForeignKey("data.max_seq_len", "LLaMA-Factory"),
     "dataset_text_field": ForeignKey("data.text_field", "TRL"),
+    "image_max_pixels": ForeignKey("data.max_pixels", "LLaMA-Factory"),
+    "image_min_pixels": ForeignKey("data.min_pixels", "LLaMA-Factory"),
     # train
     "learning_rate": ForeignKey("train.lr", f"{KOHYA}, {DIFFUSERS} and {HF}"),
     "unet_lr": ForeignKey("train.lr", KOHYA, "one learning rate for every LoRA module"),

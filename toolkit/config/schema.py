@@ -131,6 +131,8 @@ class NetworkSection:
     dropout: float = opt(0.0, "Dropout on the LoRA input.", minimum=0.0)
     rslora: bool = opt(False, "Rank-stabilised LoRA scaling (alpha/sqrt(rank)).")
     target_modules: Any = opt("auto", "Modules to adapt: auto (the family's default), all-linear, or a list of module names.")
+    vision_layers: bool = opt(False, "vlm: LoRA also on the vision tower's linear layers (its blocks and the patch "
+                              "merger), besides the language model's (unsloth's finetune_vision_layers).")
     init_from: Optional[str] = opt(None, "Start a new run from an existing LoRA instead of a random one: a LoRA file "
                                    "(the toolkit's, or a diffusers, kohya or ComfyUI .safetensors for the family), a "
                                    "PEFT adapter folder (llm), a run folder (its final/) or a checkpoint folder. Its "
@@ -254,7 +256,8 @@ class SaveSection:
     keep_last: int = opt(3, "Checkpoints kept; older ones are removed.", minimum=1, resume_safe=True)
     dtype: str = opt("bf16", "dtype of the exported LoRA weights.", choices=("fp32", "bf16", "fp16"), resume_safe=True)
     format: str = opt("auto", "Export format: auto (the family's: peft or diffusers), peft, diffusers; kohya (sd, sdxl) "
-                      "or comfyui (every diffusion family) also write a copy named <run>_<format>.safetensors. A "
+                      "or comfyui (every diffusion family) also write a copy named <run>_<format>.safetensors; gguf "
+                      "(llm) also writes <run>.gguf, a llama.cpp LoRA adapter (needs the gguf package). A "
                       "diffusion LoRA file (final/ and every checkpoint) loads at alpha/rank in diffusers, ComfyUI "
                       "and kohya's tools alike.",
                       choices=SAVE_FORMATS, resume_safe=True)
@@ -276,7 +279,9 @@ class SampleSection:
     width: int = opt(0, "Diffusion: sample width; 0 means data.resolution.", minimum=0, resume_safe=True)
     height: int = opt(0, "Diffusion: sample height; 0 means data.resolution.", minimum=0, resume_safe=True)
     images: List[str] = opt([], "Wan image-to-video: the start image of each sample, one per prompt (or one for "
-                            "all), resized to cover the sample size and centre-cropped.", resume_safe=True)
+                            "all), resized to cover the sample size and centre-cropped. vlm: the image each prompt "
+                            "asks about (one per prompt, or one for all), resized by the model's processor.",
+                            resume_safe=True)
 
 
 @dataclass

@@ -17,8 +17,10 @@ from toolkit.data.text import TextData, build_text_data, detect_format, render_c
 from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode
 from toolkit.models.checkpoint_offload import InputOffload, offloading
+from toolkit.models.llm_gguf import check_gguf_export, write_gguf_adapter
 from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for, no_packed_sequence_search
 from toolkit.models.lora import lora_config, target_modules
+from toolkit.models.lora_export import peft_factors
 from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
 from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
 from toolkit.models.shared_input import group_shared_inputs
@@ -169,6 +171,8 @@ class LLMAdapter(ModelAdapter):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         model.requires_grad_(False)
+        if self.cfg.save.format == "gguf":  # the package and the architecture's mapping, before any step
+            check_gguf_export(model.config)
         if plan.after_load:
             count = quantize_linear_layers(model, plan.mode, self.runtime.compute_dtype, self.runtime.device,
                                            backend=plan.library, info=self.runtime.info)
@@ -339,8 +343,8 @@ class LLMAdapter(ModelAdapter):
 
     # -- LoRA files ------------------------------------------------------------------------
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
-        """PEFT format: adapter_model.safetensors + adapter_config.json (PeftModel.from_pretrained loads it)."""
-        # save.format is auto or peft: config validation refuses the others for this family
+        """PEFT format: adapter_model.safetensors + adapter_config.json (PeftModel.from_pretrained loads it); with
+        save.format=gguf also <run.name>.gguf, llama.cpp's LoRA adapter (models/llm_gguf.py)."""
         state = {k: v.detach().to(dtype) for k, v in self.network.state_dict().items() if "lora_" in k}
         self.network.save_pretrained(out_dir, state_dict=state)
         # Record the base the adapter belongs to, as a Hub id or local folder the user gave.
@@ -348,7 +352,12 @@ class LLMAdapter(ModelAdapter):
         config = json.loads(config_path.read_text())
         config["base_model_name_or_path"] = self.model_path
         config_path.write_text(json.dumps(config, indent=2) + "\n")
-        return [out_dir / "adapter_model.safetensors", config_path]
+        written = [out_dir / "adapter_model.safetensors", config_path]
+        if self.cfg.save.format == "gguf":  # llama.cpp's adapter beside the PEFT folder (which resume and merge read)
+            gguf = write_gguf_adapter(out_dir / f"{self.cfg.run.name}.gguf", peft_factors(self.network, dtype),
+                                      self.network.get_base_model().config, dtype, self.cfg.run.name)
+            written.append(gguf)
+        return written
 
     def load_lora(self, path: Path, partial: bool = False, label: str | None = None) -> None:
         """Load a PEFT adapter folder (a run's final/ or checkpoint folder, or any adapter saved by PEFT; a run

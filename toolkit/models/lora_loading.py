@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pickle
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -149,3 +150,26 @@ def reading_lora(label: str, model: str) -> Iterator[None]:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:400]
         raise UserError(f"{label}: cannot be loaded as a LoRA of the {model}: {first}\n  fix: give a LoRA trained "
                         "for this model") from None
+
+
+def load_peft_folder(network: torch.nn.Module, path: Path, partial: bool, label: str | None, model: str,
+                     log: Callable[[str], None]) -> None:
+    """A PEFT adapter folder (a run folder means its final/) loaded with PEFT's load_adapter under LOADED, then
+    copied into the trained adapter (copy_loaded_adapter)."""
+    folder = path
+    if not (folder / "adapter_config.json").is_file() and (folder / "final" / "adapter_config.json").is_file():
+        folder = folder / "final"
+    if not ((folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()):
+        raise UserError(f"{label or path}: not a PEFT adapter folder (adapter_config.json + adapter_model.safetensors),"
+                        " nor a run folder with one in final/\n  fix: give the folder PEFT's save_pretrained wrote (a "
+                        "run's final/ or checkpoint folder), not the .safetensors file alone")
+    label = label or str(folder)
+    with second_adapter():
+        try:
+            with reading_lora(label, model):
+                result = network.load_adapter(str(folder), adapter_name=LOADED)
+            refuse_unplaced(label, [k for k in result.unexpected_keys if ".lora_" in k], model)
+            copy_loaded_adapter(network, label, "model", partial, log)
+        finally:
+            if LOADED in network.peft_config:
+                network.delete_adapter(LOADED)

@@ -82,9 +82,9 @@ def gradient_checkpointing(f: Facts) -> Decision | None:
     if not isinstance(setting, (bool, int)) or (not isinstance(setting, bool) and setting < 0):
         f.problems.append(f"'train.gradient_checkpointing' must be true, false, auto or a number of blocks, got "
                           f"{setting!r}")
-    elif not isinstance(setting, bool) and f.family == "llm":
+    elif not isinstance(setting, bool) and f.family in ("llm", "vlm"):
         f.problems.append(f"'train.gradient_checkpointing': {setting} blocks is read by the diffusion families; an "
-                          "LLM checkpoints all its layers or none (true or false)")
+                          "LLM checkpoints all its layers or none (true or false), and so does a VLM")
     return None
 
 

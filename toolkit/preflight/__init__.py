@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from toolkit.config.data_schemas import TextDataSection
+from toolkit.config.data_schemas import FILE_DATA_SCHEMAS
 from toolkit.config.families import FAMILY_SPECS
 from toolkit.config.load import DEFAULTS_LABEL, PathCheck
 from toolkit.preflight.model_location import model_problems
@@ -26,7 +26,7 @@ def path_checks(check_output: bool = True) -> PathCheck:
         family = _value(cfg, "model.family")
         if family not in FAMILY_SPECS:
             return []
-        problems = data_problems(cfg, sources, FAMILY_SPECS[family].data_schema is TextDataSection)
+        problems = data_problems(cfg, sources, FAMILY_SPECS[family].data_schema in FILE_DATA_SCHEMAS)
         problems += sample_image_problems(cfg, sources)
         name = _value(cfg, "model.name_or_path")
         if isinstance(name, str) and name:
