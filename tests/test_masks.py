@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from helpers import adapter_for, diffusion_train_args
+from toolkit.data.masks import loss_weights
 from toolkit.tiny.fixtures import write_shapes_dataset
 
 pytestmark = pytest.mark.usefixtures("own_data_caches")
@@ -64,25 +65,23 @@ def test_a_mask_that_zeros_half_the_image_halves_the_gradient_s_support(tmp_path
         grads.append(predictions[-1].grad)
         losses.append(loss.detach())
     masked_grad, full_grad = grads
-    latent_width = full_grad.shape[-1]
+    # each sample's white half on the latent grid (a flipped view's mask is flipped: its right half)
+    kept = loss_weights(batch["mask"], full_grad.shape, 0.0).expand_as(full_grad)
+    assert set(kept.unique().tolist()) == {0.0, 1.0}
     assert full_grad.ne(0).sum() == full_grad.numel()
     assert masked_grad.ne(0).sum() * 2 == full_grad.numel()                     # half the support
-    assert masked_grad[..., latent_width // 2:].eq(0).all()                      # the right half gets none
-    torch.testing.assert_close(masked_grad[..., :latent_width // 2], full_grad[..., :latent_width // 2])
+    assert torch.equal(masked_grad.ne(0), kept.bool())                          # exactly the white half
+    torch.testing.assert_close(masked_grad * kept, full_grad * kept)
     # the loss: each sample's mean over all its latent values of mask x squared error. The unmasked gradient is
     # 2 (pred - target) / values per sample, so it gives the error back.
     per_sample = full_grad[0].numel()
     squared = (full_grad * per_sample / 2).pow(2)
-    kept = torch.zeros_like(squared)
-    kept[..., :latent_width // 2] = 1
     torch.testing.assert_close(losses[1], squared.flatten(1).mean(1).sum(), rtol=1e-5, atol=0)
     torch.testing.assert_close(losses[0], (squared * kept).flatten(1).mean(1).sum(), rtol=1e-5, atol=0)
     assert 0.3 < losses[0] / losses[1] < 0.7
 
 
 def test_mask_min_weights_the_rest_and_masks_are_cached(tmp_path, masked, run_cli, capsys):
-    from toolkit.data.masks import loss_weights
-
     weights = loss_weights(torch.tensor([[[[255, 255, 0, 0]] * 2]], dtype=torch.uint8), torch.Size((1, 4, 1, 2)),
                            0.25)
     assert weights.tolist() == [[[[1.0, 0.25]]]]                                # each latent pixel its patch's mean
