@@ -198,6 +198,10 @@ class DiffusionData:
                                 f"{dataset.label.rsplit('.', 1)[0]} has no trigger_word\n  fix: set data.trigger_word "
                                 "(the word the LoRA learns), or unset train.dop_class")
             classes.append(None if dataset.is_regularization else item.caption.replace(trigger, word))
+        kept = sum(c is not None for c in classes)
+        self.log(f"output preservation: {kept} of {len(items)} items with a class caption (their trigger word -> "
+                 f"{word!r}; train.dop_weight={self.cfg.train.dop_weight:g}), the base prediction from the same model "
+                 "with its LoRA off")
         return classes
 
     def cache_texts(self, texts: list[str], root: Path) -> list[dict[str, torch.Tensor]]:
