@@ -127,3 +127,41 @@ def test_several_resolutions_give_each_image_a_bucket_at_each(tmp_path):
     assert buckets == {(64, 64): 2, (96, 96): 2, (128, 128): 2}
     sides = sorted(e[0]["latents"].shape[-1] for e in dataset.encoded)
     assert len(sides) == 6 and sides[0] * 2 == sides[-1] and sides[2] * 4 == sides[0] * 6   # 64 : 96 : 128
+
+
+def test_kill_9_and_resume_with_several_datasets_is_bit_identical(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from conftest import run_toolkit
+    from test_resume import SINGLE_THREAD, assert_bit_identical, kill_9_after_checkpoint
+
+    data, reg, other = tmp_path / "data", tmp_path / "reg", tmp_path / "other"
+    write_shapes_dataset(data, sizes=((64, 64), (96, 64)), count=2)
+    write_shapes_dataset(reg, sizes=((64, 64),), count=3)
+    write_shapes_dataset(other, sizes=((128, 128),), count=2)
+    args = ["train", str(REPO / "configs/examples/quickstart_sd.yaml"), "train.steps=8", "save.every=2",
+            "save.dtype=fp32", "save.keep_last=10", "sample.prompts=[]", "log.every=1", "log.tensorboard=false",
+            "train.batch_size=2", "data.random_flip=true", "data.crop_variants=2", f"data.path={data}",
+            "data.weight=2", "train.prior_loss_weight=0.5", "train.dop_class=shape",
+            f"data.datasets=[{{path: {reg}, is_regularization: true, weight: 1}}, "
+            f"{{path: {other}, repeats: 2, resolutions: [64, 96]}}]"]
+    env = {**SINGLE_THREAD, "TOOLKIT_CACHE": str(tmp_path / "cache")}
+    ref, out = tmp_path / "reference", tmp_path / "run"
+    proc = run_toolkit(*args, f"run.output_dir={ref}", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"dataset 0 (data.path = {data}): 4 items at 96 px, weight 2: 8 of 16 samples an epoch" in proc.stderr
+    assert f"dataset 2 (data.datasets[1].path = {other}): 4 items at 64/96 px, weight 1: 4 of 16" in proc.stderr
+    killed = subprocess.Popen([sys.executable, "-m", "toolkit", *args, f"run.output_dir={out}"], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+    kill_9_after_checkpoint(killed, out, 4)
+    assert killed.returncode == -signal.SIGKILL and not (out / "final").exists()
+    proc = run_toolkit(*args, f"run.output_dir={out}", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed from" in proc.stderr
+    name = "pytorch_lora_weights.safetensors"
+    assert_bit_identical(load_file(str(out / "final" / name)), load_file(str(ref / "final" / name)))
