@@ -48,7 +48,7 @@ def dataset_settings(data: Any) -> list[DatasetSettings]:
                for n, entry in enumerate(entries)]
     settings = []
     for label, values in merged:
-        resolutions = tuple(dict.fromkeys(int(r) for r in values.get("resolutions") or [values["resolution"]]))
+        resolutions = tuple(dict.fromkeys(int(r) for r in values["resolutions"] or [values["resolution"]]))
         if any(r < 64 for r in resolutions):
             raise UserError(f"{label.rsplit('.', 1)[0]}.resolutions: {list(resolutions)} holds a side under 64 px\n"
                             "  fix: give resolutions of at least 64")
