@@ -52,7 +52,7 @@ CASES = {
         "data.repeats": 4, "data.masked_loss": True, "data.mask_folder": "/data/person_masks", "data.mask_min": 0.1,
         "data.random_flip": True,
         "data.datasets": [{"path": "/data/people", "caption_ext": ".caption", "is_regularization": True,
-                           "resolution": 512}],
+                           "resolution": 512, "masked_loss": False}],
         "train.prior_loss_weight": 0.5, "train.dop_class": "person", "train.dop_weight": 0.8},
         ["datasets[1].flip_x", "datasets[1].cache_latents_to_disk"]),
     "wan21": ("tiny:wan21", "clips", {

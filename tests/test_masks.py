@@ -122,3 +122,15 @@ def test_an_empty_regularisation_folder_is_named(tmp_path, run_cli, capsys):
     err = capsys.readouterr().err
     assert f"data.datasets[0].path (regularisation images): no usable images in {empty}" in err
     assert "Traceback" not in err
+
+
+def test_a_dataset_without_masks_beside_a_masked_one_trains_every_pixel(tmp_path, masked):
+    reg = tmp_path / "reg"
+    write_shapes_dataset(reg, sizes=((64, 64),), count=1)
+    adapter, dataset = adapter_for("quickstart_sd.yaml", tmp_path, f"data.path={masked}", "data.masked_loss=true",
+                                   f"data.datasets=[{{path: {reg}, is_regularization: true, masked_loss: false}}]")
+    assert [item.mask is not None for item in dataset.items] == [True, True, False]
+    assert dataset.masks[2][0].shape == (1, 64, 64) and dataset.masks[2][0].eq(255).all()
+    batch = dataset.collate([0, 2])
+    weights = loss_weights(batch["mask"], torch.Size((2, 4, 8, 8)), 0.0)
+    assert weights[0].mean() == 0.5 and weights[1].eq(1).all()

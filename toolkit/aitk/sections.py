@@ -167,6 +167,8 @@ def further_dataset(out: Translation, s: Section, first: dict, trigger: Any) -> 
     if s.has("is_reg"):
         entry["is_regularization"] = bool(s.take("is_reg"))
         out.read(s.key("is_reg"))
+    if first.get("mask_path") and not s.rest.get("mask_path"):
+        entry["masked_loss"] = False  # datasets[0]'s masks are not this dataset's: every pixel trains
     for name in list(s.rest):
         value = s.take(name)
         if name in first and first[name] == value:

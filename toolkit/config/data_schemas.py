@@ -42,6 +42,8 @@ class DatasetEntry:
                         minimum=0.0)
     is_regularization: bool = opt(False, "Regularisation (prior) images: trained with train.prior_loss_weight, "
                                   "not with output preservation.")
+    masked_loss: Optional[bool] = opt(None, "Masks for this dataset's images; unset: data.masked_loss (a "
+                                      "dataset without masks trains every pixel at full weight).")
 
 
 @dataclass
@@ -92,7 +94,7 @@ class ImageDataSection:
                                   "train.prior_loss_weight, not with output preservation.")
     datasets: List[DatasetEntry] = opt([], "More datasets beside data.path, each a mapping with its own path and any of "
                                        "resolution, resolutions, caption_ext, default_caption, trigger_word, repeats, "
-                                       "weight, is_regularization (unset keys: this section's). A `data:` list in the "
+                                       "weight, is_regularization, masked_loss (unset keys: this section's). A `data:` list in the "
                                        "YAML is read as its first entry here and the rest in data.datasets.")
     masked_loss: bool = opt(False, "Weight the loss by a mask per image (white trained, black weighted "
                             "data.mask_min): name.mask.png beside the image, or masks/name.png (data.mask_folder). "

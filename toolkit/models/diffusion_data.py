@@ -78,7 +78,7 @@ class DiffusionData:
             for line in describe(settings, mix):
                 self.log(line)
         root = cache_root() / "diffusion"
-        if data.masked_loss:
+        if any(s.section.masked_loss for s in settings):
             self._fill_masks(dataset, root)
         vae = self.pipe.vae
         vae.to(self.runtime.device)
@@ -112,20 +112,27 @@ class DiffusionData:
                     if (item.path, item.bucket) not in seen:
                         seen.add((item.path, item.bucket))
                         found.append(dataclasses.replace(item, dataset=index))
-            if self.cfg.data.masked_loss:
+            if dataset.section.masked_loss:
                 found = attach_masks(found, dataset, self.cfg.data.mask_folder)
             items += found
         return items
 
     def _fill_masks(self, dataset: DiffusionDataset, root: Path) -> None:
-        """dataset.masks: each view's mask at its bucket's size (uint8), from the mask cache or cut now."""
+        """dataset.masks: each view's mask at its bucket's size (uint8), from the mask cache or cut now; an item of
+        a dataset without masks trains every pixel (all white)."""
         cache = TensorCache(root, "masks")
-        hashes = {item.mask: file_hash(item.mask) for item in dataset.items}
-        entries = [(item, view) for item, views in zip(dataset.items, dataset.views) for view in views]
+        masked = [(i, v) for i, (item, views) in enumerate(zip(dataset.items, dataset.views)) if item.mask is not None
+                  for v in range(len(views))]
+        hashes = {dataset.items[i].mask: file_hash(dataset.items[i].mask) for i, _ in masked}
+        entries = [(dataset.items[i], dataset.views[i][v]) for i, v in masked]
         keys = [cache_key("mask", hashes[item.mask], item.bucket, view.top_left, view.flip) for item, view in entries]
-        cached = iter(cache.fill(keys, lambda idx: [{"mask": load_mask(*entries[i])} for i in idx]))
-        dataset.masks = [[next(cached)["mask"] for _ in views] for views in dataset.views]
-        self.log(f"masks: {cache.hits} cached, {cache.misses} cut (data.mask_min={self.cfg.data.mask_min:g})")
+        cut = dict(zip(masked, cache.fill(keys, lambda idx: [{"mask": load_mask(*entries[i])} for i in idx])))
+        dataset.masks = [[cut[(i, v)]["mask"] if (i, v) in cut else
+                          torch.full((1, item.bucket[1], item.bucket[0]), 255, dtype=torch.uint8)
+                          for v in range(len(views))] for i, (item, views) in enumerate(zip(dataset.items, dataset.views))]
+        unmasked = sum(item.mask is None for item in dataset.items)
+        without = f"; {unmasked} items of datasets without masks train every pixel" if unmasked else ""
+        self.log(f"masks: {cache.hits} cached, {cache.misses} cut (data.mask_min={self.cfg.data.mask_min:g}){without}")
 
     def _fill_latents(self, dataset: DiffusionDataset, root: Path) -> None:
         """dataset.encoded: every view of every item, from the cache or encoded now (one VAE call per view)."""
