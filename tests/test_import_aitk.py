@@ -22,13 +22,13 @@ CASES = {
         "run.name": "shapes_flux_v1", "run.output_dir": "output/${run.name}", "model.family": "flux",
         "model.name_or_path": "black-forest-labs/FLUX.1-dev", "model.quantize": "8bit", "network.rank": 16,
         "network.alpha": 8.0, "data.path": "/data/shapes", "data.caption_ext": ".txt", "data.trigger_word": "sks",
-        "data.caption_dropout": 0.05, "data.resolution": 1024, "train.steps": 1500, "train.lr": 1e-4,
+        "data.caption_dropout": 0.05, "data.resolution": 1024, "data.resolutions": [512, 768, 1024], "train.steps": 1500, "train.lr": 1e-4,
         "train.optimizer": "adamw8bit", "train.eps": 1e-6, "train.weight_decay": 0.01, "train.precision": "bf16",
         "train.ema_decay": 0.99, "train.timestep_sampling": "logit_normal", "train.flow_shift": 1.0,
         "save.dtype": "fp16", "save.every": 200, "save.keep_last": 3, "sample.every": 200,
         "sample.prompts": ["[trigger] a red circle on a white background", "a blue square, [trigger] style"],
         "sample.guidance_scale": 3.5, "sample.num_inference_steps": 28, "sample.seed": 42},
-        ["model.low_vram", "datasets[0].resolution", "train.content_or_style", "performance_log_every"]),
+        ["model.low_vram", "train.content_or_style", "performance_log_every"]),
     "sdxl": ("tiny:sdxl", "shapes", {
         "run.output_dir": "/runs/${run.name}", "model.family": "sdxl", "model.dtype": "fp16", "network.rank": 32,
         "network.alpha": 16.0, "data.path": "/data/sdxl", "data.caption_ext": ".caption", "data.shuffle_tags": True,
@@ -38,14 +38,23 @@ CASES = {
         "train.precision": "fp16", "train.max_grad_norm": 0.5, "train.train_text_encoder": True,
         "train.noise_offset": 0.05, "train.min_snr_gamma": 5.0, "sample.prompts": ["a red circle", "a green triangle"],
         "sample.negative_prompt": "blurry, low quality", "log.every": 5, "log.wandb": True,
-        "log.wandb_project": "shapes", "data.random_flip": True},
-        ["network.conv", "network.conv_alpha", "datasets[0].num_repeats", "sample.samples[1].width"]),
+        "log.wandb_project": "shapes", "data.random_flip": True, "data.repeats": 10},
+        ["network.conv", "network.conv_alpha", "sample.samples[1].width"]),
     "sd15": ("tiny:sd", "shapes", {
         "model.family": "sd", "network.rank": 8, "network.alpha": 1.0, "data.path": "/data/sd15",
         "data.trigger_word": "zxq", "train.steps": 800, "train.optimizer": "prodigy", "train.lr": 1.0,
         "train.precision": "fp32", "save.every": 100, "save.keep_last": 5, "save.dtype": "fp16",
-        "sample.prompts": ["zxq a yellow star", "a purple circle"], "sample.negative_prompt": "text, watermark"},
-        ["device", "network.type", "network.lokr_factor", "datasets[1]", "sample.walk_seed"]),
+        "sample.prompts": ["zxq a yellow star", "a purple circle"], "sample.negative_prompt": "text, watermark",
+        "data.datasets": [{"path": "/data/sd15_extra", "resolution": 512}]},
+        ["device", "network.type", "network.lokr_factor", "sample.walk_seed"]),
+    "datasets": ("tiny:sd", "shapes", {
+        "model.family": "sd", "data.path": "/data/person", "data.trigger_word": "zxq", "data.resolution": 768, "data.resolutions": [512, 768],
+        "data.repeats": 4, "data.masked_loss": True, "data.mask_folder": "/data/person_masks", "data.mask_min": 0.1,
+        "data.random_flip": True,
+        "data.datasets": [{"path": "/data/people", "caption_ext": ".caption", "is_regularization": True,
+                           "resolution": 512, "masked_loss": False}],
+        "train.prior_loss_weight": 0.5, "train.dop_class": "person", "train.dop_weight": 0.8},
+        ["datasets[1].flip_x", "datasets[1].cache_latents_to_disk"]),
     "wan21": ("tiny:wan21", "clips", {
         "model.family": "wan21", "model.name_or_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "network.rank": 32,
         "data.path": "/data/clips", "data.num_frames": 33, "data.resolution": 480, "train.lr": 2e-4,
@@ -92,7 +101,11 @@ def test_job_translates_reports_what_it_cannot_and_validates(job, tmp_path, run_
     assert all(f"# not translated: {key} = " in captured.out for key in untranslated)
 
     translated = tmp_path / "config.yaml"
-    translated.write_text(captured.out)
+    for entry in config.get("data", {}).get("datasets", []):  # validated with folders that exist
+        entry["path"] = str(DATA / data)
+    if "mask_folder" in config.get("data", {}):
+        config["data"]["mask_folder"] = str(DATA / data)
+    translated.write_text(yaml.safe_dump(config))
     run = load_run([translated], [f"model.name_or_path={tiny}", f"data.path={DATA / data}"], device=H100,
                    check_paths=path_checks(check_output=False))
     assert run.cfg.model.family == expected["model.family"] and run.cfg.data.path == str(DATA / data)

@@ -113,13 +113,73 @@ def save(out: Translation, s: Section) -> None:
 
 
 def datasets(out: Translation, items: Any, trigger: Any) -> None:
+    """datasets[0] -> the data section; each further dataset -> an entry of data.datasets (its folder, captions,
+    resolutions, repeats, regularisation), its other settings taken from datasets[0] here."""
     if not isinstance(items, list) or not items or not isinstance(items[0], dict):
         out.skip("datasets", items, "no dataset folder: set data.path")
         return
+    first_dataset(out, Section(out, "datasets[0]", items[0]), trigger)
+    entries = []
     for i, extra in enumerate(items[1:], start=1):
-        where = extra.get("folder_path") if isinstance(extra, dict) else extra
-        out.skip(f"datasets[{i}]", where, "one data folder per run here: merge the folders, or train on it separately")
-    s = Section(out, "datasets[0]", items[0])
+        if not isinstance(extra, dict):
+            out.skip(f"datasets[{i}]", extra, "a dataset is a mapping of settings")
+            continue
+        entry = further_dataset(out, Section(out, f"datasets[{i}]", extra), items[0], trigger)
+        if entry is not None:
+            entries.append(entry)
+    if entries:
+        out.config.setdefault("data", {})["datasets"] = entries
+
+
+# A dataset's own settings here (data.datasets entries); the others are one per run, datasets[0]'s.
+OWN_KEYS = ("folder_path", "caption_ext", "caption_type", "default_caption", "trigger_word", "resolution",
+            "num_repeats", "is_reg")
+
+
+def further_dataset(out: Translation, s: Section, first: dict, trigger: Any) -> dict | None:
+    """One more ai-toolkit dataset as a data.datasets entry; None when it has no folder."""
+    path = s.take("folder_path")
+    if path is None:
+        out.skip(s.key("dataset_path"), s.take("dataset_path"), "no folder_path: add it as a data.datasets entry")
+        s.done()
+        return None
+    entry: dict[str, Any] = {"path": str(path)}
+    out.read(s.key("folder_path"), s.key("caption_type"))
+    ext = s.take("caption_ext", s.take("caption_type"))
+    if ext is not None:
+        entry["caption_ext"] = ext if str(ext).startswith(".") else f".{ext}"
+        out.read(s.key("caption_ext"))
+    for name, key in (("default_caption", "default_caption"), ("trigger_word", "trigger_word")):
+        if s.has(name):
+            entry[key] = str(s.take(name) or "")
+            out.read(s.key(name))
+    if trigger and "trigger_word" in entry and entry["trigger_word"] != trigger:
+        out.note(s.key("trigger_word"), f"this dataset's own trigger word {entry['trigger_word']!r} (the process's is "
+                 f"{trigger!r})")
+    if s.has("resolution"):
+        resolution = s.take("resolution")
+        sizes = [as_int(r, s.key("resolution")) for r in (resolution if isinstance(resolution, list) else [resolution])]
+        entry.update({"resolution": max(sizes)} if len(sizes) == 1 else {"resolutions": sizes})
+        out.read(s.key("resolution"))
+    if s.has("num_repeats"):
+        entry["repeats"] = as_int(s.take("num_repeats"), s.key("num_repeats"))
+        out.read(s.key("num_repeats"))
+    if s.has("is_reg"):
+        entry["is_regularization"] = bool(s.take("is_reg"))
+        out.read(s.key("is_reg"))
+    if first.get("mask_path") and not s.rest.get("mask_path"):
+        entry["masked_loss"] = False  # datasets[0]'s masks are not this dataset's: every pixel trains
+    for name in list(s.rest):
+        value = s.take(name)
+        if name in first and first[name] == value:
+            out.same(s.key(name), value, "the same as datasets[0]'s, which every dataset shares here")
+        else:
+            out.skip(s.key(name), value, f"one {name} for every dataset here: datasets[0]'s "
+                     f"({first.get(name, 'unset')!r})")
+    return entry
+
+
+def first_dataset(out: Translation, s: Section, trigger: Any) -> None:
     s.skip("type", "only image (and video clip) folders train here", when="image")
     path = s.take("folder_path")
     if path is None:
@@ -161,8 +221,7 @@ def datasets(out: Translation, items: Any, trigger: Any) -> None:
     sizes = [as_int(r, s.key("resolution")) for r in (resolution if isinstance(resolution, list) else [resolution])]
     out.set("data.resolution", max(sizes), s.key("resolution"))
     if len(sizes) > 1:
-        out.skip(s.key("resolution"), resolution, f"multi-resolution training (every image at each size): trains at "
-                 f"{max(sizes)} here, in aspect-ratio buckets of that area")
+        out.set("data.resolutions", sizes, s.key("resolution"))
     if s.has("bucket_tolerance"):
         out.set("data.bucket_step", as_int(s.take("bucket_tolerance"), s.key("bucket_tolerance")),
                 s.key("bucket_tolerance"))
@@ -183,21 +242,41 @@ def datasets(out: Translation, items: Any, trigger: Any) -> None:
     else:
         s.skip("num_frames", f"the {out.family} family trains on images", when=1)
         s.same("fps", f"the {out.family} family trains on images (no frame rate)")
-    for name, reason in (("num_repeats", "dataset repeats: training length is train.steps here"),
-                         ("flip_y", "vertical flips are not available here (data.random_flip mirrors left and right)"),
+    if s.has("num_repeats"):
+        out.set("data.repeats", as_int(s.take("num_repeats"), s.key("num_repeats")), s.key("num_repeats"))
+    if s.has("is_reg"):
+        out.set("data.is_regularization", bool(s.take("is_reg")), s.key("is_reg"))
+    masks(out, s)
+    for name, reason in (("flip_y", "vertical flips are not available here (data.random_flip mirrors left and right)"),
                          ("random_scale", "augmentation (random scale) is not available here"),
                          ("scale", "images are scaled to cover their aspect bucket here"),
-                         ("is_reg", "regularisation datasets are not available here"),
                          ("network_weight", "per-dataset loss weights are not available here"),
                          ("loss_multiplier", "per-dataset loss weights are not available here"),
                          ("shrink_video_to_frames", "clips always contribute data.num_frames frames taken evenly"),
                          ("do_i2v", "image-to-video follows the model (model.task: auto)"),
                          ("batch_size", "one batch size per run here: train.batch_size")):
-        s.skip(name, reason, when={"num_repeats": 1, "network_weight": 1.0, "loss_multiplier": 1.0, "scale": 1.0,
+        s.skip(name, reason, when={"network_weight": 1.0, "loss_multiplier": 1.0, "scale": 1.0,
                                    "shrink_video_to_frames": True, "do_i2v": True, "batch_size": None}.get(name, False))
     for name in ("num_workers", "prefetch_factor", "fast_image_size", "debug"):
         s.same(name, "data loading runs its own way here: latents and text embeddings are cached, then read")
     s.done()
+
+
+def masks(out: Translation, s: Section) -> None:
+    """mask_path (a folder of masks named as the images, white trained) -> data.masked_loss with data.mask_folder;
+    mask_min_value -> data.mask_min."""
+    folder = s.take("mask_path")
+    if folder:
+        out.set("data.masked_loss", True, s.key("mask_path"), folder)
+        out.set("data.mask_folder", str(folder), s.key("mask_path"))
+        if s.has("mask_min_value"):
+            out.set("data.mask_min", as_float(s.take("mask_min_value"), s.key("mask_min_value")),
+                    s.key("mask_min_value"))
+    else:
+        s.same("mask_min_value", "no mask_path: the loss is not masked")
+    s.skip("invert_mask", "masks are read white = trained here: invert the mask files", when=False)
+    s.skip("alpha_mask", "masks come from mask files here (name.mask.png or data.mask_folder), not from the image's "
+           "alpha channel", when=False)
 
 
 def train(out: Translation, s: Section) -> None:
@@ -280,6 +359,7 @@ def train(out: Translation, s: Section) -> None:
         value = s.take(name)
         if value:
             out.set(key, as_float(value, s.key(name)), s.key(name))
+    preservation(out, s)
     if s.has("switch_boundary_every"):
         out.set("train.expert_switch_every", as_int(s.take("switch_boundary_every"), s.key("switch_boundary_every")),
                 s.key("switch_boundary_every"))
@@ -297,6 +377,25 @@ def train(out: Translation, s: Section) -> None:
     s.skip("sdp", "attention runs through PyTorch's SDPA", when=True)
     s.skip("attention_backend", "attention runs through PyTorch's SDPA", when="native")
     s.done()
+
+
+def preservation(out: Translation, s: Section) -> None:
+    """reg_weight -> train.prior_loss_weight; diff_output_preservation (with its class and multiplier) ->
+    train.dop_class and train.dop_weight."""
+    if s.has("reg_weight"):
+        out.set("train.prior_loss_weight", as_float(s.take("reg_weight"), s.key("reg_weight")), s.key("reg_weight"))
+    if s.take("diff_output_preservation", False):
+        out.read(s.key("diff_output_preservation"))
+        out.set("train.dop_class", str(s.take("diff_output_preservation_class", "person")),
+                s.key("diff_output_preservation_class"))
+        out.set("train.dop_weight", as_float(s.take("diff_output_preservation_multiplier", 1.0),
+                                             s.key("diff_output_preservation_multiplier")),
+                s.key("diff_output_preservation_multiplier"))
+    else:
+        if "diff_output_preservation" in s.given:
+            out.same(s.key("diff_output_preservation"), False, "no output preservation (train.dop_class unset)")
+        for name in ("diff_output_preservation_class", "diff_output_preservation_multiplier"):
+            s.same(name, "diff_output_preservation is off")
 
 
 def optimizer(out: Translation, s: Section, lr: float) -> None:

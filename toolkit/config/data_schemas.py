@@ -5,7 +5,7 @@ Which one a run gets follows its family (toolkit/config/families.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 from omegaconf import MISSING
 
@@ -49,6 +49,26 @@ FILE_DATA_SCHEMAS = (TextDataSection, VisionChatDataSection)
 
 
 @dataclass
+class DatasetEntry:
+    """One more dataset beside the one data.path names (data.datasets); unset keys take the data section's."""
+
+    path: str = opt(MISSING, "Folder of images with same-name captions (or a metadata.jsonl).")
+    resolution: Optional[int] = opt(None, "Training resolution for this dataset; unset: data.resolution.", minimum=64)
+    resolutions: Optional[List[int]] = opt(None, "Several training resolutions for this dataset; unset: "
+                                           "data.resolutions.")
+    caption_ext: Optional[str] = opt(None, "Caption file extension; unset: data.caption_ext.")
+    default_caption: Optional[str] = opt(None, "Caption for images without one; unset: data.default_caption.")
+    trigger_word: Optional[str] = opt(None, "Trigger word; unset: data.trigger_word.")
+    repeats: int = opt(1, "Times each image of this dataset is trained per epoch (kohya's num_repeats).", minimum=1)
+    weight: float = opt(0.0, "Share of the samples drawn from this dataset (see data.weight); 0: by repeats.",
+                        minimum=0.0)
+    is_regularization: bool = opt(False, "Regularisation (prior) images: trained with train.prior_loss_weight, "
+                                  "not with output preservation.")
+    masked_loss: Optional[bool] = opt(None, "Masks for this dataset's images; unset: data.masked_loss (a "
+                                      "dataset without masks trains every pixel at full weight).")
+
+
+@dataclass
 class ImageDataSection:
     path: str = opt(MISSING, "Folder of images with same-name .txt captions (or a metadata.jsonl).")
     resolution: int = opt(512, "Training resolution (the side of a square of the same area).", minimum=64)
@@ -82,6 +102,30 @@ class ImageDataSection:
                                        "the images the step made much smaller.", minimum=8)
     min_bucket_side: int = opt(0, "Smallest bucket side in pixels; 0 means the bucket step.", minimum=0)
     max_bucket_side: int = opt(0, "Largest bucket side in pixels; 0 means 2 x resolution.", minimum=0)
+    resolutions: List[int] = opt([], "Train every image at each of these resolutions (ai-toolkit's resolution list; "
+                                 "each an item of its own, bucketed and cached at that size; an image smaller than a "
+                                 "resolution trains there at its own size, and a size it already has is not "
+                                 "repeated); empty: data.resolution alone.")
+    repeats: int = opt(1, "Times each image of data.path is trained per epoch (kohya's num_repeats): an epoch holds "
+                       "every image of every dataset its dataset's repeats times.", minimum=1)
+    weight: float = opt(0.0, "Sampling weight of data.path's dataset. When any dataset sets a weight, an epoch keeps its "
+                        "size (every dataset's images x repeats) and dataset d fills round(size x weight_d / the sum "
+                        "of weights) of it, passing over its images in a new order each time round (a dataset left "
+                        "at 0 then weighs 1); 0 everywhere: by repeats alone.", minimum=0.0)
+    is_regularization: bool = opt(False, "data.path holds regularisation (prior) images: trained with "
+                                  "train.prior_loss_weight, not with output preservation.")
+    datasets: List[DatasetEntry] = opt([], "More datasets beside data.path, each a mapping with its own path and any of "
+                                       "resolution, resolutions, caption_ext, default_caption, trigger_word, repeats, "
+                                       "weight, is_regularization, masked_loss (unset keys: this section's). A `data:` list in the "
+                                       "YAML is read as its first entry here and the rest in data.datasets.")
+    masked_loss: bool = opt(False, "Weight the loss by a mask per image (white trained, black weighted "
+                            "data.mask_min): name.mask.png beside the image, or masks/name.png (data.mask_folder). "
+                            "Masks follow their image's bucket, crop and flip and are cached; an image without one "
+                            "is an error.")
+    mask_min: float = opt(0.0, "Loss weight outside the mask (black); 0 ignores what the mask leaves out.",
+                          minimum=0.0, maximum=1.0)
+    mask_folder: Optional[str] = opt(None, "Folder of masks named as the images (name.png); unset: masks/ inside "
+                                     "each dataset's folder. A mask beside the image (name.mask.png) comes first.")
 
 
 @dataclass

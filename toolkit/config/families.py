@@ -22,7 +22,8 @@ LLM_SETTINGS = frozenset({"model.attention", "model.kernels", "model.fuse_projec
                           "train.checkpoint_offload"})
 DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.checkpoint_keeps", "train.timestep_sampling",
                                 "train.logit_mean", "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",
-                                "sample.width", "sample.height"})
+                                "sample.width", "sample.height", "train.prior_loss_weight", "train.dop_class",
+                                "train.dop_weight"})
 DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_offset", "train.min_snr_gamma",
                                       "train.compile_regions",
                                       "sample.negative_prompt"}

@@ -54,6 +54,12 @@ FOREIGN_KEYS: dict[str, ForeignKey] = {
     "network_weights": ForeignKey("network.init_from", KOHYA),
     "pretrained_lora_path": ForeignKey("network.init_from", AITK),
     # data
+    "num_repeats": ForeignKey("data.repeats", f"{KOHYA} and {AITK}"),
+    "is_reg": ForeignKey("data.is_regularization", f"{KOHYA} and {AITK}"),
+    "reg_data_dir": ForeignKey("data.datasets", KOHYA, "a data.datasets entry with is_regularization: true"),
+    "masked_loss": ForeignKey("data.masked_loss", KOHYA),
+    "mask_path": ForeignKey("data.mask_folder", AITK, "with data.masked_loss: true"),
+    "mask_min_value": ForeignKey("data.mask_min", AITK),
     "train_data_dir": ForeignKey("data.path", KOHYA),
     "instance_data_dir": ForeignKey("data.path", DIFFUSERS),
     "dataset_dir": ForeignKey("data.path", "other trainers"),
@@ -81,6 +87,10 @@ FOREIGN_KEYS: dict[str, ForeignKey] = {
     "image_max_pixels": ForeignKey("data.max_pixels", "LLaMA-Factory"),
     "image_min_pixels": ForeignKey("data.min_pixels", "LLaMA-Factory"),
     # train
+    "reg_weight": ForeignKey("train.prior_loss_weight", AITK),
+    "diff_output_preservation_class": ForeignKey("train.dop_class", AITK),
+    "diff_output_preservation_multiplier": ForeignKey("train.dop_weight", AITK),
+    "diff_output_preservation": ForeignKey("train.dop_class", AITK, "setting the class word turns it on"),
     "learning_rate": ForeignKey("train.lr", f"{KOHYA}, {DIFFUSERS} and {HF}"),
     "unet_lr": ForeignKey("train.lr", KOHYA, "one learning rate for every LoRA module"),
     "max_train_steps": ForeignKey("train.steps", f"{KOHYA} and {DIFFUSERS}"),

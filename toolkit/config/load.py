@@ -100,7 +100,7 @@ def _is_section(node: Any) -> bool:
 
 
 def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problems: list[str],
-                 scoped: list[tuple[str, Any]]) -> list[str]:
+                 scoped: list[tuple[str, Any]], prefix: str = "") -> list[str]:
     """Merge one layer into cfg key by key, so every bad key is reported, not just the first; returns the
     dotted keys it set. Settings of other families go to `scoped` (key, value), checked by _check_family_settings."""
     applied: list[str] = []
@@ -130,6 +130,11 @@ def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problem
                     sources[f"{dotted}.{name}"] = layer.where(f"{dotted}.{name}")
                     applied.append(f"{dotted}.{name}")
                 continue
+            element = getattr(getattr(child, "_metadata", None), "element_type", None)
+            if isinstance(value, list) and dataclasses.is_dataclass(element):
+                value = _entries(element, value, dotted, layer, problems)
+                if value is None:
+                    continue
             if _expected_type(node, key) == "a number":
                 value = _as_float(value)
             try:
@@ -142,8 +147,28 @@ def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problem
             sources[dotted] = layer.where(dotted)
             applied.append(dotted)
 
-    walk(cfg, layer.data, "")
+    walk(cfg, layer.data, prefix)
     return applied
+
+
+def _entries(element: type, value: list, dotted: str, layer: Layer, problems: list[str]) -> list | None:
+    """A list of mappings for a list-of-sections field (data.datasets), each checked key by key like a section;
+    None (with the problems said) when any entry is not a mapping."""
+    entries = []
+    for n, item in enumerate(value):
+        where = f"{dotted}[{n}]"
+        if not isinstance(item, dict):
+            problems.append(f"'{where}' in {layer.where(dotted)} must be a mapping of keys, got {item!r}")
+            return None
+        entry = OmegaConf.structured(element)
+        _apply_layer(entry, dataclasses.replace(layer, data=dict(item)), {}, problems, [], prefix=f"{where}.")
+        checked: list[str] = []
+        _check_values(entry, {}, checked)
+        problems += [p.replace("'", f"'{where}.", 1).replace(DEFAULTS_LABEL, layer.label) for p in checked]
+        problems += [f"'{where}.{key}' in {layer.where(dotted)} is required: each dataset names its {key}"
+                     for key in _missing_keys(entry)]
+        entries.append(entry)
+    return entries
 
 
 def _as_float(value: Any) -> Any:
@@ -250,6 +275,17 @@ def _check_save_format(cfg: DictConfig, family: str, sources: dict[str, str], pr
                         "or network.type=lora")
 
 
+def _data_list_as_mapping(layer: Layer) -> Layer:
+    """A `data:` list (several datasets) read as its first entry, with the others in data.datasets."""
+    datasets = layer.data.get("data")
+    if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
+        return layer
+    first = dict(datasets[0])
+    if "datasets" in first:
+        return layer  # reported as a type problem: data.datasets inside a data list
+    return dataclasses.replace(layer, data={**layer.data, "data": {**first, "datasets": [dict(d) for d in datasets[1:]]}})
+
+
 def merge_layers(layers: list[Layer], problems: list[str] | None = None,
                  check_paths: PathCheck | None = None) -> LoadedConfig:
     """Merge layers over the schema defaults and validate; raises ConfigError with every problem (those found
@@ -264,6 +300,7 @@ def merge_layers(layers: list[Layer], problems: list[str] | None = None,
     sources: dict[str, str] = {}
     scoped: list[tuple[str, Any, Layer]] = []  # settings of other families, with the layer that set them
     for layer in layers:
+        layer = _data_list_as_mapping(layer)
         if family is None and "data" in layer.data:
             # Without a family the data section has no schema yet; report the family instead.
             layer = dataclasses.replace(layer, data={k: v for k, v in layer.data.items() if k != "data"})

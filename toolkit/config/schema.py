@@ -235,6 +235,14 @@ class TrainSection:
     noise_offset: float = opt(0.0, "Diffusion: noise offset (per-channel constant added to the noise; 0.05-0.1 helps "
                               "very dark/bright images).", minimum=0.0)
     min_snr_gamma: float = opt(0.0, "Diffusion: Min-SNR loss weighting gamma (5 is usual); 0 turns it off.", minimum=0.0)
+    prior_loss_weight: float = opt(1.0, "Diffusion: loss weight of regularisation images (datasets with "
+                                   "is_regularization; kohya's prior_loss_weight).", minimum=0.0)
+    dop_class: Optional[str] = opt(None, "Diffusion: differential output preservation (ai-toolkit's DOP): the class "
+                                   "word that replaces data.trigger_word in each training caption; the LoRA's "
+                                   "prediction for that class caption is pulled towards the base model's (the adapter "
+                                   "switched off, same step, same noise). Unset: off.")
+    dop_weight: float = opt(1.0, "Diffusion: weight of the output-preservation loss (ai-toolkit's "
+                            "diff_output_preservation_multiplier).", minimum=0.0)
     timestep_sampling: str = opt("auto", "Diffusion: how training timesteps are drawn: uniform, or logit_normal "
                                  "(favours the middle timesteps); auto: uniform for sd/sdxl, logit_normal for the "
                                  "flow-matching families.", choices=("auto", "uniform", "logit_normal"))

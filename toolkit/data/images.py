@@ -23,7 +23,9 @@ from PIL.Image import DecompressionBombError
 from toolkit.data.augment import Augmentation, View, mirrored_left, resized_size
 from toolkit.data.buckets import SHRUNK, bucket_step, bucket_table, choose_bucket, format_bucket_table, shrunk_by_step
 from toolkit.data.captions import CaptionRules
+from toolkit.data.datasets import EpochMix
 from toolkit.data.folder_report import report_captions
+from toolkit.data.masks import is_mask_file
 from toolkit.errors import UserError
 from toolkit.text_files import read_text
 
@@ -37,6 +39,8 @@ class ImageItem:
     size: tuple[int, int]        # original (width, height)
     bucket: tuple[int, int]      # training (width, height)
     content_hash: str = ""
+    dataset: int = 0             # which dataset (data/datasets.py) it came from
+    mask: Path | None = None     # its loss mask (data.masked_loss)
 
 
 def caption_rules(data) -> CaptionRules:
@@ -64,7 +68,7 @@ def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_
             pairs.append((file, text))
         return pairs
     pairs = []
-    for path in sorted(p for p in root.iterdir() if p.suffix.lower() in exts):
+    for path in sorted(p for p in root.iterdir() if p.suffix.lower() in exts and not is_mask_file(p)):
         caption_file = path.with_suffix(caption_ext)
         pairs.append((path, read_text(caption_file, "data.path") if caption_file.is_file() else None))
     return pairs
@@ -110,7 +114,7 @@ def file_hash(path: Path) -> str:
 
 def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ...],
                 probe: Callable[[Path], tuple[tuple[int, int], Any]], kinds: str = "images",
-                add: str = "add .png/.jpg/.webp images") -> list[tuple]:
+                add: str = "add .png/.jpg/.webp images", report: bool = True) -> list[tuple]:
     """(file, caption, size, extra, bucket) for each file under data.path with a suffix in `exts` that fits a bucket.
 
     `probe(file)` gives the displayed (width, height) and anything else the caller keeps (`extra`); the caption
@@ -124,7 +128,8 @@ def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ..
     table = bucket_table(data.resolution, step, data.min_bucket_side, data.max_bucket_side)
     found, skipped, small, sides = [], [], [], []
     pairs = captioned_files(root, data.caption_ext, exts)
-    report_captions(root, pairs, data.caption_ext, rules, noun, log)
+    if report:
+        report_captions(root, pairs, data.caption_ext, rules, noun, log)
     for path, raw in pairs:
         try:
             size, extra = probe(path)
@@ -168,14 +173,15 @@ def all_too_small(data, step: int, root: Path, noun: str, small: list[str], larg
                      f"data.resolution){lower}")
 
 
-def scan_images(data, log: Callable[[str], None]) -> list[ImageItem]:
-    """Every readable image under data.path with its caption and bucket; corrupt files are skipped and named."""
+def scan_images(data, log: Callable[[str], None], report: bool = True) -> list[ImageItem]:
+    """Every readable image under data.path with its caption and bucket; corrupt files are skipped and named
+    (`report`: log the caption report, once per folder)."""
     root = Path(data.path)
     if not root.is_dir():
         raise UserError(f"data.path: {root} is not a folder\n  fix: point data.path at a folder of images "
                         f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
     items = [ImageItem(path, caption, size, bucket, file_hash(path)) for path, caption, size, _, bucket
-             in scan_folder(data, log, "image", IMAGE_EXTS, lambda path: (_image_size(path), None))]
+             in scan_folder(data, log, "image", IMAGE_EXTS, lambda path: (_image_size(path), None), report=report)]
     log(format_bucket_table(Counter(item.bucket for item in items), bucket_step(data.bucket_step, data.resolution)[1]))
     return items
 
@@ -231,6 +237,11 @@ class DiffusionDataset:
     text: list[dict[str, torch.Tensor]] | None = None
     empty_text: dict[str, torch.Tensor] | None = None
     load: Callable[[Any, View], dict[str, torch.Tensor]] = load_image_view
+    mix: EpochMix | None = None                       # several datasets: each epoch's entries (datasets.py)
+    prior_weights: list[float] | None = None          # each item's loss weight (regularisation datasets)
+    masks: list[list[torch.Tensor]] | None = None     # view v of item i's mask, (1, H, W) uint8 (masks.py)
+    dop_text: list[dict[str, torch.Tensor]] | None = None  # each item's class-caption embedding (train.dop_class)
+    dop_captions: list[str | None] | None = None      # each item's class caption; None: no preservation for it
     groups: list[int] = field(init=False)
     views: list[list[View]] = field(init=False)
 
@@ -238,18 +249,26 @@ class DiffusionDataset:
         order = {b: i for i, b in enumerate(sorted({item.bucket for item in self.items}))}
         self.groups = [order[item.bucket] for item in self.items]
         self.views = [self.augment.views(item.size, item.bucket[:2]) for item in self.items]
+        if self.mix is None:
+            self.mix = EpochMix.single(len(self.items))
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def epoch_entries(self, epoch: int) -> Sequence[int]:
+        """The epoch's entries (entry e: item e % len(self)): every item once, or several datasets' mix."""
+        return self.mix.entries(epoch)
 
     def largest_batch(self, size: int) -> list[int]:
         """An item of the largest bucket (width x height, x frames for clips), `size` times."""
         return [max(range(len(self.items)), key=lambda i: math.prod(self.items[i].bucket))] * size
 
-    def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
-        """The batch of `indices`, with each item's view and caption edits drawn for `epoch` (augment.py)."""
+    def collate(self, entries: Sequence[int], epoch: int = 0) -> dict[str, Any]:
+        """The batch of `entries` (entry e: item e % len(self)), with each entry's view and caption edits drawn
+        for `epoch` (augment.py; seeded by the entry, so repeats of an item draw apart)."""
         batch: dict[str, Any] = {}
-        picks = [self.augment.draw_view(i, epoch, len(self.views[i])) for i in indices]
+        indices = [e % len(self.items) for e in entries]
+        picks = [self.augment.draw_view(e, epoch, len(self.views[i])) for e, i in zip(entries, indices)]
         if self.encoded is not None:
             rows = [self.encoded[i][v] for i, v in zip(indices, picks)]
         else:
@@ -257,9 +276,10 @@ class DiffusionDataset:
         for key in rows[0]:
             if key != "crop":
                 batch[key] = torch.stack([row[key] for row in rows])
-        rngs = [self.augment.caption_rng(i, epoch) for i in indices]
+        rngs = [self.augment.caption_rng(e, epoch) for e in entries]
+        dropped = [self.rules.dropped(rng) for rng in rngs] if self.text is not None else None
         if self.text is not None:
-            texts = [self.empty_text if self.rules.dropped(rng) else self.text[i] for i, rng in zip(indices, rngs)]
+            texts = [self.empty_text if drop else self.text[i] for i, drop in zip(indices, dropped)]
             for key in texts[0]:
                 batch[key] = torch.stack([t[key] for t in texts])
         else:
@@ -269,5 +289,20 @@ class DiffusionDataset:
         batch["original_size"] = torch.tensor([(self.items[i].size[1], self.items[i].size[0]) for i in indices])
         batch["crop_top_left"] = torch.stack([torch.as_tensor(row["crop"]).long() for row in rows])
         batch["target_size"] = torch.tensor([(self.items[i].bucket[1], self.items[i].bucket[0]) for i in indices])
+        if self.masks is not None:
+            batch["mask"] = torch.stack([self.masks[i][v] for i, v in zip(indices, picks)])
+        if self.prior_weights is not None:
+            batch["loss_weight"] = torch.tensor([self.prior_weights[i] for i in indices], dtype=torch.float32)
+        if self.dop_captions is not None:
+            self._add_preservation(batch, indices)
         return batch
 
+    def _add_preservation(self, batch: dict[str, Any], indices: list[int]) -> None:
+        """The class captions (train.dop_class) of the batch: `preserve` (B,) marks the items that have one
+        (regularisation images do not); their embeddings under dop.<key>, or their text as dop.captions."""
+        batch["preserve"] = torch.tensor([self.dop_captions[i] is not None for i in indices])
+        if self.dop_text is not None:
+            for key in self.dop_text[indices[0]]:
+                batch[f"dop.{key}"] = torch.stack([self.dop_text[i][key] for i in indices])
+        else:
+            batch["dop.captions"] = [self.dop_captions[i] or "" for i in indices]

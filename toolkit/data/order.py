@@ -6,22 +6,28 @@ world_size items) and shuffles the batches. With several processes each takes it
 of every global batch, so 2 processes x batch b see exactly the items of 1 process x batch 2b, and a run
 resumed on another number of processes with the same global batch draws the same items.
 The state is (epoch, position), so a resumed run draws exactly the batches it would have drawn.
+
+An epoch's entries come from the dataset (`epoch_entries(epoch)`): its items, or with several datasets their
+repeats and weighted draws (datasets.py), entry e standing for item e % items; entries of one epoch are a
+function of (seed, epoch), so the state stays (epoch, position).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 
-def epoch_batches(groups: Sequence[int], batch_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
-    """All batches of one epoch, in order. The last batch of a group may be smaller."""
+def epoch_batches(groups: Sequence[int], batch_size: int, seed: int, epoch: int, shuffle: bool = True,
+                  entries: Sequence[int] | None = None) -> list[list[int]]:
+    """All batches of one epoch, in order (of `entries`, default every item once; entry e is item e % items, in
+    that item's group). The last batch of a group may be smaller."""
     rng = np.random.default_rng([seed, epoch])
     members: dict[int, list[int]] = defaultdict(list)
-    for index, group in enumerate(groups):
-        members[group].append(index)
+    for index in range(len(groups)) if entries is None else entries:
+        members[groups[index % len(groups)]].append(index)
     batches: list[list[int]] = []
     for group in sorted(members):
         items = members[group]
@@ -47,7 +53,7 @@ class BatchOrder:
     """Yields this process's batches of item indices forever, epoch after epoch; `state_dict` marks the position."""
 
     def __init__(self, groups: Sequence[int], batch_size: int, seed: int, shuffle: bool = True,
-                 world_size: int = 1, rank: int = 0):
+                 world_size: int = 1, rank: int = 0, entries: Callable[[int], Sequence[int]] | None = None):
         if len(groups) == 0:
             raise ValueError("BatchOrder needs at least one item")
         self.groups = list(groups)
@@ -56,14 +62,19 @@ class BatchOrder:
         self.shuffle = shuffle
         self.world_size = world_size
         self.rank = rank
+        self.entries = entries
         self.epoch = 0
         self.position = 0  # index of the next global batch in this epoch's list
-        self._batches = epoch_batches(self.groups, self.batch_size, seed, 0, shuffle)
+        self._batches = self._epoch(0)
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        entries = self.entries(epoch) if self.entries is not None else None
+        return epoch_batches(self.groups, self.batch_size, self.seed, epoch, self.shuffle, entries)
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.position = 0
-        self._batches = epoch_batches(self.groups, self.batch_size, self.seed, epoch, self.shuffle)
+        self._batches = self._epoch(epoch)
 
     def next_batch(self) -> list[int]:
         """This process's share of the next global batch."""
@@ -79,7 +90,7 @@ class BatchOrder:
 
     def batch_shapes(self) -> set[tuple[int, int]]:
         """(group, items) of every batch this process gets: the distinct shapes its model inputs take."""
-        return {(self.groups[b[0]], len(shard(b, self.world_size, self.rank))) for b in self._batches}
+        return {(self.groups[b[0] % len(self.groups)], len(shard(b, self.world_size, self.rank))) for b in self._batches}
 
     def position_state(self) -> tuple[int, int]:
         """(epoch, position): where the next batch comes from, taken cheaply at every step."""

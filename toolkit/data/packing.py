@@ -54,6 +54,9 @@ class PackedTextDataset:
     def __len__(self) -> int:
         return len(self.packs)
 
+    def epoch_entries(self, epoch: int) -> Sequence[int]:
+        return range(len(self))
+
     def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, torch.Tensor]:
         """The batch of `indices` (text is not augmented: `epoch` changes nothing)."""
         return flatten_samples([self.samples[i] for pack in indices for i in self.packs[pack]])

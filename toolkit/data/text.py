@@ -172,6 +172,9 @@ class TextDataset:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def epoch_entries(self, epoch: int) -> Sequence[int]:
+        return range(len(self))
+
     def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
         """The batch of `indices` (text is not augmented: `epoch` changes nothing)."""
         return pad_samples([self.samples[i] for i in indices], self.pad_token_id)

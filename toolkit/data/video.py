@@ -41,6 +41,8 @@ class ClipItem:
     content_hash: str = ""
     start_image: Path | None = None  # image-to-video: the image beside the clip that stands for its first frame
     start_hash: str = ""
+    dataset: int = 0                # which dataset (data/datasets.py) it came from
+    mask: Path | None = None        # its loss mask (data.masked_loss)
 
 
 def check_num_frames(num_frames: int) -> None:

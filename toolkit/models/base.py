@@ -64,8 +64,11 @@ class TrainDataset(Protocol):
 
     def __len__(self) -> int: ...
 
+    def epoch_entries(self, epoch: int) -> Sequence[int]:
+        """What `epoch` trains: entry e is item e % len(self) (data/datasets.py: repeats, weighted datasets)."""
+
     def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
-        """A batch (CPU tensors) of the items at `indices`, drawn in `epoch` (which seeds any augmentation)."""
+        """A batch (CPU tensors) of the entries at `indices`, drawn in `epoch` (which seeds any augmentation)."""
 
     def largest_batch(self, size: int) -> list[int]:
         """Indices of a batch of `size` items that takes as much memory as any batch of that size can (items may

@@ -24,7 +24,8 @@ from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode, r
 from toolkit.models.diffusion_data import DiffusionData, unbatch
 from toolkit.models.diffusion_files import DiffusersLoraFiles
 from toolkit.models.lora import lora_config
-from toolkit.models.objectives import Noised
+from toolkit.data.masks import loss_weights
+from toolkit.models.objectives import Noised, per_sample_mse
 from toolkit.tiny import resolve_model_path
 
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -232,14 +233,43 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, ModelAdapter):
         return int((batch["latents"] if "latents" in batch else batch["pixels"]).shape[0]), 0
 
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
-        """Sum over the batch of each sample's loss: noise the latents, let the family predict, weigh."""
+        """Sum over the batch of each sample's loss: noise the latents, let the family predict, weigh (a loss
+        mask, a regularisation image's weight), and add output preservation (train.dop_class)."""
         latents = self.latents_of(batch)
         cond = self.conditioning(batch, modules)
         name = self.active_denoiser()
         noised = self.objective.noise(latents, *self.noise_range())
         component = self.component(name)
-        pred = self.predict(Denoiser(modules[name], component.dtype, component.config), noised, cond, batch)
-        return self.objective.loss(pred, noised).sum()
+        denoiser = Denoiser(modules[name], component.dtype, component.config)
+        pred = self.predict(denoiser, noised, cond, batch)
+        weight = None
+        if "mask" in batch:
+            weight = loss_weights(self.to_device(batch["mask"]), pred.shape, self.cfg.data.mask_min)
+        per_sample = self.objective.loss(pred, noised, weight)
+        if "loss_weight" in batch:
+            per_sample = per_sample * self.to_device(batch["loss_weight"])
+        if "preserve" in batch:
+            per_sample = per_sample + self.preservation_loss(batch, modules, denoiser, noised)
+        return per_sample.sum()
+
+    def preservation_loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module], denoiser: Denoiser,
+                          noised: Noised) -> torch.Tensor:
+        """Differential output preservation (ai-toolkit's DOP), per sample: for the class captions (the trigger
+        word replaced by train.dop_class), the squared distance of the LoRA's prediction from the base model's,
+        both on this step's noised latents; the base prediction comes from the same model with its adapters
+        switched off, without gradients. train.dop_weight times it; regularisation images get none."""
+        class_batch = {**batch, **{key[len("dop."):]: value for key, value in batch.items() if key.startswith("dop.")}}
+        cond = self.conditioning(class_batch, modules)
+        component = self.component(self.active_denoiser())
+        component.disable_adapters()
+        try:
+            with torch.no_grad():
+                base = self.predict(denoiser, noised, cond, class_batch)
+        finally:
+            component.enable_adapters()
+        pred = self.predict(denoiser, noised, cond, class_batch)
+        keep = self.to_device(batch["preserve"]).float()
+        return self.cfg.train.dop_weight * keep * per_sample_mse(pred, base)
 
     # -- conditioning ----------------------------------------------------------------------
     @contextmanager

@@ -16,12 +16,18 @@ cached text-encoder outputs with shuffle_caption for the same reason.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Callable
+
 import torch
 
 from toolkit.data.augment import Augmentation, View
-from toolkit.data.images import DiffusionDataset, caption_rules, load_image_view, scan_images
+from toolkit.data.datasets import DatasetSettings, EpochMix, dataset_settings, describe, named_for
+from toolkit.data.images import DiffusionDataset, caption_rules, file_hash, load_image_view, scan_images
 from toolkit.data.latent_cache import TensorCache, cache_key
+from toolkit.data.masks import attach_masks, load_mask
+from toolkit.errors import UserError
 from toolkit.paths import cache_root
 
 
@@ -33,8 +39,8 @@ def unbatch(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 class DiffusionData:
     # -- family hooks ----------------------------------------------------------------------
-    def scan(self, data) -> list:
-        return scan_images(data, self.log)
+    def scan(self, data, log: Callable[[str], None]) -> list:
+        return scan_images(data, log)
 
     def load_item(self, item, view: View) -> dict[str, torch.Tensor]:
         """One view of an item: {"pixels": CHW (or CFHW) in [-1, 1], "crop": (top, left)} and any extras the
@@ -60,17 +66,73 @@ class DiffusionData:
 
     def _prepare_data(self) -> DiffusionDataset:
         data, rules = self.cfg.data, caption_rules(self.cfg.data)
-        items = self.scan(data)
+        settings = dataset_settings(data)
+        items = self.scan_datasets(settings)
         augment = Augmentation.from_data(data, self.cfg.run.seed)
-        dataset = DiffusionDataset(items, rules, augment, load=self.load_item)
+        mix = EpochMix(tuple(item.dataset for item in items), tuple(s.repeats for s in settings),
+                       tuple(s.weight for s in settings), self.cfg.run.seed)
+        prior = ([self.cfg.train.prior_loss_weight if settings[item.dataset].is_regularization else 1.0
+                  for item in items] if any(s.is_regularization for s in settings) else None)
+        dataset = DiffusionDataset(items, rules, augment, load=self.load_item, mix=mix, prior_weights=prior)
+        if len(settings) > 1 or mix.size() != len(items):
+            for line in describe(settings, mix):
+                self.log(line)
         root = cache_root() / "diffusion"
+        if any(s.section.masked_loss for s in settings):
+            self._fill_masks(dataset, root)
         vae = self.pipe.vae
         vae.to(self.runtime.device)
         if data.cache_latents:
             self._fill_latents(dataset, root)
             vae.to("cpu")  # only sampling needs it again
-        self._prepare_text(dataset, items, rules, root)
+        self._prepare_text(dataset, items, rules, root, settings)
         return dataset
+
+    def scan_datasets(self, settings: list[DatasetSettings]) -> list:
+        """Every dataset's items at each of its resolutions (an image's bucket once per dataset), each marked with
+        its dataset and, with data.masked_loss, its mask."""
+        items = []
+        for index, dataset in enumerate(settings):
+            said: set[str] = set()
+
+            def log_once(line: str) -> None:  # a folder's caption report once, not once per resolution
+                if line not in said:
+                    said.add(line)
+                    self.log(line)
+
+            found, seen = [], set()
+            for resolution in dataset.resolutions:
+                section = dataset.section.copy()
+                section.resolution = resolution
+                try:
+                    scanned = self.scan(section, log_once)
+                except UserError as err:
+                    raise named_for(err, dataset) from None
+                for item in scanned:
+                    if (item.path, item.bucket) not in seen:
+                        seen.add((item.path, item.bucket))
+                        found.append(dataclasses.replace(item, dataset=index))
+            if dataset.section.masked_loss:
+                found = attach_masks(found, dataset, self.cfg.data.mask_folder)
+            items += found
+        return items
+
+    def _fill_masks(self, dataset: DiffusionDataset, root: Path) -> None:
+        """dataset.masks: each view's mask at its bucket's size (uint8), from the mask cache or cut now; an item of
+        a dataset without masks trains every pixel (all white)."""
+        cache = TensorCache(root, "masks")
+        masked = [(i, v) for i, (item, views) in enumerate(zip(dataset.items, dataset.views)) if item.mask is not None
+                  for v in range(len(views))]
+        hashes = {dataset.items[i].mask: file_hash(dataset.items[i].mask) for i, _ in masked}
+        entries = [(dataset.items[i], dataset.views[i][v]) for i, v in masked]
+        keys = [cache_key("mask", hashes[item.mask], item.bucket, view.top_left, view.flip) for item, view in entries]
+        cut = dict(zip(masked, cache.fill(keys, lambda idx: [{"mask": load_mask(*entries[i])} for i in idx])))
+        dataset.masks = [[cut[(i, v)]["mask"] if (i, v) in cut else
+                          torch.full((1, item.bucket[1], item.bucket[0]), 255, dtype=torch.uint8)
+                          for v in range(len(views))] for i, (item, views) in enumerate(zip(dataset.items, dataset.views))]
+        unmasked = sum(item.mask is None for item in dataset.items)
+        without = f"; {unmasked} items of datasets without masks train every pixel" if unmasked else ""
+        self.log(f"masks: {cache.hits} cached, {cache.misses} cut (data.mask_min={self.cfg.data.mask_min:g}){without}")
 
     def _fill_latents(self, dataset: DiffusionDataset, root: Path) -> None:
         """dataset.encoded: every view of every item, from the cache or encoded now (one VAE call per view)."""
@@ -89,7 +151,8 @@ class DiffusionData:
         loaded = self.load_item(item, view)
         return {**self.encode_view(loaded), "crop": torch.as_tensor(loaded["crop"])}
 
-    def _prepare_text(self, dataset: DiffusionDataset, items: list, rules, root: Path) -> None:
+    def _prepare_text(self, dataset: DiffusionDataset, items: list, rules, root: Path,
+                      settings: list[DatasetSettings]) -> None:
         data, train_te = self.cfg.data, self.trains_text_encoders
         per_step = ("train.train_text_encoder is on" if train_te else
                     "data.shuffle_tags changes captions every step" if rules.shuffle_tags else
@@ -98,6 +161,9 @@ class DiffusionData:
         encoders = self.text_encoders
         for encoder in encoders:
             encoder.to(self.runtime.device)
+        classes = self.class_captions(items, settings)
+        if classes is not None:
+            dataset.dop_captions = classes
         if per_step is not None:
             if data.cache_text_embeddings:
                 self.log(f"text embeddings: computed every step, not cached ({per_step}); the text encoders stay "
@@ -105,17 +171,45 @@ class DiffusionData:
             return
         captions = [it.caption for it in items]
         extra = [""] if rules.caption_dropout > 0 else []
+        extra += [c for c in classes or [] if c is not None]
         if not self.samples_need_text_encoders:
             extra += self.sample_texts()
         extra = [p for p in dict.fromkeys(extra) if p not in captions]
         dataset.text = self.cache_texts(captions + extra, root)[:len(captions)]
         dataset.empty_text = self.prompt_cache.get("")
+        if classes is not None:  # an item without a class caption keeps its own (its preservation is masked off)
+            dataset.dop_text = [self.prompt_cache[c] if c is not None else dataset.text[i] for i, c in enumerate(classes)]
         self.log(f"text embeddings: {self.text_cache.hits} cached, {self.text_cache.misses} encoded")
         if self.samples_need_text_encoders:
             for encoder in encoders:
                 encoder.to("cpu")
         else:
             self.free_text_encoders()
+
+    def class_captions(self, items: list, settings: list[DatasetSettings]) -> list[str | None] | None:
+        """train.dop_class: each item's caption with its dataset's trigger word replaced by the class word (None for
+        regularisation images); None when output preservation is off."""
+        word = self.cfg.train.dop_class
+        if not word:
+            return None
+        if self.trains_text_encoders:
+            raise UserError("train.dop_class: output preservation compares with the base model through the text "
+                            "encoders, and train.train_text_encoder puts a LoRA on them\n  fix: set "
+                            "train.train_text_encoder=false, or unset train.dop_class")
+        classes = []
+        for item in items:
+            dataset = settings[item.dataset]
+            trigger = dataset.section.trigger_word
+            if not trigger:
+                raise UserError(f"train.dop_class: output preservation replaces the trigger word, and "
+                                f"{dataset.label.rsplit('.', 1)[0]} has no trigger_word\n  fix: set data.trigger_word "
+                                "(the word the LoRA learns), or unset train.dop_class")
+            classes.append(None if dataset.is_regularization else item.caption.replace(trigger, word))
+        kept = sum(c is not None for c in classes)
+        self.log(f"output preservation: {kept} of {len(items)} items with a class caption (their trigger word -> "
+                 f"{word!r}; train.dop_weight={self.cfg.train.dop_weight:g}), the base prediction from the same model "
+                 "with its LoRA off")
+        return classes
 
     def cache_texts(self, texts: list[str], root: Path) -> list[dict[str, torch.Tensor]]:
         """The text conditioning of `texts` from the disk cache, encoded (and cached) where it is not there;

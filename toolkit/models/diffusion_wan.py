@@ -73,10 +73,10 @@ class Wan(FlowMatching):
             self.log(f"image-to-video: {self.start_images.describe()}")
 
     # -- data ------------------------------------------------------------------------------
-    def scan(self, data) -> list:
+    def scan(self, data, log) -> list:
         from toolkit.data.video import scan_clips
 
-        return scan_clips(data, self.log, self.start_images.items if self.start_images else None)
+        return scan_clips(data, log, self.start_images.items if self.start_images else None)
 
     def load_item(self, item, view: View) -> dict[str, torch.Tensor]:
         from toolkit.data.video import load_clip

@@ -28,9 +28,13 @@ class Noised:
     target: torch.Tensor
 
 
-def per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error of each sample, in fp32."""
-    return (pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)
+def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error of each sample, in fp32; `weight` (broadcast over the error: a loss mask) multiplies
+    each value first."""
+    error = (pred.float() - target.float()).pow(2)
+    if weight is not None:
+        error = error * weight
+    return error.flatten(1).mean(dim=1)
 
 
 def sample_timesteps(kind: str, batch: int, num_train_timesteps: int, device: torch.device,
@@ -81,9 +85,12 @@ class DDPMObjective:
         target = noise if self.prediction_type == "epsilon" else self.scheduler.get_velocity(latents, noise, timesteps)
         return Noised(noisy, timesteps, target)
 
-    def loss(self, pred: torch.Tensor, noised: Noised) -> torch.Tensor:
-        """Per-sample losses (Min-SNR weighted when train.min_snr_gamma is set)."""
-        per_sample = F.mse_loss(pred.float(), noised.target.float(), reduction="none").mean(dim=tuple(range(1, pred.dim())))
+    def loss(self, pred: torch.Tensor, noised: Noised, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-sample losses (Min-SNR weighted when train.min_snr_gamma is set; `weight`: a loss mask)."""
+        error = F.mse_loss(pred.float(), noised.target.float(), reduction="none")
+        if weight is not None:
+            error = error * weight
+        per_sample = error.mean(dim=tuple(range(1, pred.dim())))
         if self.min_snr_gamma:
             per_sample = per_sample * min_snr_weights(self.scheduler.alphas_cumprod, noised.t, self.min_snr_gamma,
                                                       self.prediction_type)
@@ -102,5 +109,5 @@ class FlowObjective:
         sigmas = self.sampler_for(latents).sample(latents.shape[0], latents.device, low, high)
         return Noised(noisy_latents(latents, noise, sigmas), sigmas, noise - latents)
 
-    def loss(self, pred: torch.Tensor, noised: Noised) -> torch.Tensor:
-        return per_sample_mse(pred, noised.target)
+    def loss(self, pred: torch.Tensor, noised: Noised, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return per_sample_mse(pred, noised.target, weight)

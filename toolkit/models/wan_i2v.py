@@ -83,8 +83,8 @@ class FirstFrameGiven:
     def noise(self, latents: torch.Tensor, low: float = 0.0, high: float = 1.0) -> Noised:
         return self.inner.noise(latents, low, high)
 
-    def loss(self, pred: torch.Tensor, noised: Noised) -> torch.Tensor:
-        return self.inner.loss(pred[:, :, 1:], Noised(noised.noisy, noised.t, noised.target[:, :, 1:]))
+    def loss(self, pred: torch.Tensor, noised: Noised, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.loss(pred[:, :, 1:], Noised(noised.noisy, noised.t, noised.target[:, :, 1:]), weight)
 
 
 class StartImages:

@@ -51,11 +51,14 @@ def _value(cfg: DictConfig, key: str) -> Any:
 def data_problems(cfg: DictConfig, sources: dict, files: bool) -> list[str]:
     """data.path (and data.eval_path): a file for text data (`files`), a folder of images or clips otherwise."""
     problems = []
-    for key in ("data.path", "data.eval_path") if files else ("data.path",):
+    keys = ["data.path", "data.eval_path"] if files else ["data.path", "data.mask_folder"]
+    if not files:
+        keys += [f"data.datasets[{n}].path" for n in range(len(_value(cfg, "data.datasets") or []))]
+    for key in keys:
         value = _value(cfg, key)
         if not isinstance(value, str) or not value:
             continue
-        path, where = Path(value), sources.get(key, DEFAULTS_LABEL)
+        path, where = Path(value), sources.get(key.split("[")[0] if "[" in key else key, DEFAULTS_LABEL)
         relative = "" if path.is_absolute() else f" (relative paths are taken from {Path.cwd()})"
         if not path.exists():
             kind = "data file" if files else "data folder"

@@ -95,7 +95,7 @@ class MemoryPlanner:
 
     def _order(self, batch_size: int) -> BatchOrder:
         return BatchOrder(self.dataset.groups, batch_size, self.run.cfg.run.seed, world_size=self.procs.world_size,
-                          rank=self.procs.rank)
+                          rank=self.procs.rank, entries=self.dataset.epoch_entries)
 
     def _probes_batch_size(self) -> bool:
         """Whether train.batch_size=auto is measured now: on a GPU, for a run that does not resume (the CPU keeps
