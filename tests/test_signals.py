@@ -121,7 +121,7 @@ def test_loss_read_a_step_late_trains_exactly_like_reading_it_at_once(monkeypatc
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_out_of_memory_ends_with_the_fixes_and_keeps_the_last_checkpoint(monkeypatch, tmp_path, capsys):
+def test_out_of_memory_saves_the_step_before_and_ends_with_the_fixes(monkeypatch, tmp_path, capsys):
     out = tmp_path / "run"
 
     def out_of_memory(loss):
@@ -132,10 +132,12 @@ def test_out_of_memory_ends_with_the_fixes_and_keeps_the_last_checkpoint(monkeyp
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert "error: out of memory at step 6 on" in err and "(preset cpu)" in err
-    assert f"the last checkpoint is intact: {out / 'checkpoints' / 'step-000004'}" in err
-    assert "fix: train.batch_size=4 train.grad_accum=2 (same effective batch)" in err
-    assert "or: model.quantize=8bit (a quantized frozen base)" in err  # the llm adapter's own remedy
-    assert "or: train.gradient_checkpointing=true" in err and "or: train.optimizer=adamw8bit" in err
+    assert f"the state after step 5 is saved: {out / 'checkpoints' / 'step-000005'}" in err  # step 6 undone
+    assert ("fix (then run the same command with it: the run resumes): train.gradient_checkpointing=true" in err
+            and "or: device.memory_fraction=0.80" in err)
+    assert "or, starting over (--fresh): model.quantize=8bit (a quantized frozen base)" in err  # the llm's own
+    assert "or: train.batch_size=4 train.grad_accum=2 (the same batch per optimizer step)" in err
+    assert "or: train.optimizer=adamw8bit" in err
     latest = find_latest_checkpoint(out / "checkpoints", warn=lambda m: (_ for _ in ()).throw(AssertionError(m)))
-    assert latest.step == 4
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004"]
+    assert latest.step == 5
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
