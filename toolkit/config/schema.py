@@ -241,7 +241,7 @@ class TrainSection:
                             "completion is <think>...</think><answer>...</answer>, or matches "
                             "train.reward_pattern when that is set; regex: 1 when train.reward_pattern is found in "
                             "the completion; length: 1 - |characters - train.reward_length| / train.reward_length, "
-                            "at least 0) or 'module:function', a Python callable (importable from the working "
+                            "1 at the target and lower the further off, never flat) or 'module:function', a Python callable (importable from the working "
                             "folder) called as TRL calls one: f(prompts=, completions=, completion_ids=, "
                             "**the record's other fields) -> a list of floats.")
     reward_pattern: Optional[str] = opt(None, "LLM, grpo: the regular expression of the regex reward (and the "

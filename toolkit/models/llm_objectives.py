@@ -29,6 +29,7 @@ class StatsFile:
     def write(self, **values: float) -> None:
         if self.path is None or not torch.is_grad_enabled():  # eval and no-grad passes are not training steps
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as out:
             out.write(json.dumps({"step": self.step, **{k: round(float(torch.as_tensor(v).detach()), 6) for k, v in values.items()}}) + "\n")
 

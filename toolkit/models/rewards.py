@@ -34,7 +34,7 @@ def regex_reward(pattern: str | None) -> RewardFn:
 
 
 def length_reward(target: int) -> RewardFn:
-    return lambda completions, **_: [max(0.0, 1.0 - abs(len(_text(c)) - target) / target) for c in completions]
+    return lambda completions, **_: [1.0 - abs(len(_text(c)) - target) / target for c in completions]
 
 
 def imported_reward(name: str) -> RewardFn:
