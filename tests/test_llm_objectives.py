@@ -126,6 +126,57 @@ def test_orpo_loss_equals_trl_orpo_formulas(tmp_path):
         assert float(ours) == pytest.approx(float(nll - losses.mean()), abs=1e-5)
 
 
+def test_grpo_loss_and_gradient_equal_trl_grpo_trainer(tmp_path):
+    """One group of completions the toolkit sampled (with the KV cache), its rewards and group advantages: TRL's
+    GRPOTrainer loss (loss_type='grpo', beta as train.kl_coef, its reference: the adapter disabled) and the
+    toolkit's, and their LoRA gradients, agree."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_rewards import low_token_share
+
+    adapter, dataset = adapter_for("quickstart_llm_grpo.yaml", tmp_path, "train.reward=[grpo_rewards:low_token_share]",
+                                   "train.kl_coef=0.04", "train.num_generations=4", "train.max_completion_length=6")
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=4, beta=0.04,
+                      loss_type="grpo", max_completion_length=6, use_cpu=True, bf16=False, report_to=[])
+    trainer = GRPOTrainer(model=adapter.network, reward_funcs=low_token_share, args=args,
+                          train_dataset=Dataset.from_list(records("quickstart_grpo.jsonl")),
+                          processing_class=adapter.tokenizer)
+    trainer.current_gradient_accumulation_steps = 1  # set by its training loop
+    randomize_lora_b(adapter.network)
+    batch = dataset.collate([0])
+    torch.manual_seed(3)
+    completions = adapter.objective.generate(batch["prompts"])
+    assert len(completions) == 4 and all(1 <= len(c) <= 6 for c in completions)
+    adapter.objective.generate = lambda prompts: completions
+    params = [p for p in adapter.network.parameters() if p.requires_grad]
+
+    ours = adapter.loss(batch, adapter.trainable_modules()) / adapter.batch_units(batch)[0]
+    ours_grads = torch.autograd.grad(ours, params)
+
+    rewards = torch.tensor(low_token_share(None, None, completions))
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)   # TRL's scale_rewards='group'
+    width, pad = max(map(len, completions)), adapter.tokenizer.pad_token_id
+    prompt = torch.tensor([batch["prompts"][0]] * 4)
+    completion_ids = torch.tensor([c + [pad] * (width - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
+    mask = torch.cat([torch.ones_like(prompt), completion_mask], 1)
+    inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": advantages}
+    with torch.no_grad(), adapter.network.disable_adapter():
+        inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+            adapter.network, torch.cat([prompt, completion_ids], 1), mask, width)[0]
+    adapter.network.train()
+    theirs = trainer._compute_loss(adapter.network, inputs)
+    theirs_grads = torch.autograd.grad(theirs, params)
+    assert float(ours) == pytest.approx(float(theirs), abs=1e-7)
+    assert float(ours) > 0  # the KL term: the LoRA is not the base
+    scale = max(float(g.abs().max()) for g in theirs_grads)
+    assert scale > 0
+    for mine, trl_grad in zip(ours_grads, theirs_grads):  # fp32 sums in another order: within 1e-3 of the largest
+        torch.testing.assert_close(mine, trl_grad, rtol=1e-3, atol=1e-3 * scale)
+
+
 # -- the quickstarts through the entry point ------------------------------------------------------------------
 
 def sequence_logps(model, batch) -> torch.Tensor:
