@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO
-from helpers import adapter_for
+from helpers import adapter_for, read_metrics
 from toolkit.kernels.linear_cross_entropy import HeadMath
 from toolkit.kernels.linear_logprobs import linear_logprobs
 
@@ -60,14 +60,16 @@ def test_chunked_logprobs_and_their_gradient_equal_full_logits(math_):
 
 # -- the losses against TRL's trainers ------------------------------------------------------------------------
 
-def test_dpo_loss_and_tokens_equal_trl_dpo_trainer(tmp_path):
-    """The same pairs, the same LoRA: TRL's DPOTrainer (its tokenization, its reference: the adapter disabled)
-    and the toolkit give the same rows and the same mean loss."""
+@pytest.mark.parametrize("data", ["quickstart_preference.jsonl", "quickstart_preference_chat.jsonl"])
+def test_dpo_loss_and_tokens_equal_trl_dpo_trainer(data, tmp_path):
+    """The same pairs (plain, or conversational through the chat template), the same LoRA: TRL's DPOTrainer (its
+    tokenization, its reference: the adapter disabled) and the toolkit give the same rows and the same mean loss."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    adapter, dataset = adapter_for("quickstart_llm_dpo.yaml", tmp_path, "train.reference_logps=live")
-    pairs = records("quickstart_preference.jsonl")
+    adapter, dataset = adapter_for("quickstart_llm_dpo.yaml", tmp_path, "train.reference_logps=live",
+                                   f"data.path=configs/examples/data/{data}")
+    pairs = records(data)
     args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(pairs), beta=0.1,
                      report_to=[], use_cpu=True, max_length=None, train_sampling_strategy="sequential")
     trainer = DPOTrainer(model=adapter.network, args=args, train_dataset=Dataset.from_list(pairs),
@@ -282,7 +284,7 @@ def test_resume_is_bit_identical(objective, extra, run_cli, tmp_path, capsys):
     sampled completions follow the restored RNG): the same LoRA, bit for bit."""
     config = f"configs/examples/quickstart_llm_{objective}.yaml"
     whole, halves = tmp_path / "whole", tmp_path / "halves"
-    common = ["save.every=2", "train.batch_size=2", *extra]
+    common = ["save.every=2", "train.batch_size=2", "data.eval_fraction=0.25", "train.eval_every=2", *extra]
     assert run_cli("train", config, f"run.output_dir={whole}", "train.steps=4", *common) == 0
     assert run_cli("train", config, f"run.output_dir={halves}", "train.steps=2", *common) == 0
     capsys.readouterr()
@@ -294,6 +296,12 @@ def test_resume_is_bit_identical(objective, extra, run_cli, tmp_path, capsys):
     assert ours.keys() == reference.keys()
     assert all(torch.equal(ours[k], reference[k]) for k in ours)
     assert not all(torch.equal(ours[k], torch.zeros_like(ours[k])) for k in ours if "lora_B" in k)
+    evals = read_metrics(whole, "eval_loss")
+    if objective == "dpo":  # the mean DPO loss of the held-out pairs: log 2 at zero margin, then it moves
+        assert [r["step"] for r in evals] == [2, 4] and all(0 < r["eval_loss"] < 2 for r in evals)
+        assert evals[0]["eval_loss"] != pytest.approx(0.693147, abs=1e-7)
+    else:
+        assert evals == []  # grpo has no eval loss
 
 
 # -- user errors ----------------------------------------------------------------------------------------------
