@@ -261,7 +261,8 @@ def test_grpo_moves_the_expected_reward_the_way_the_reward_points(sign, run_cli,
     expected reward is exact: it rises for the reward and falls for its negation (the KL term on)."""
     out = tmp_path / "run"
     reward = "grpo_rewards:low_token_share" if sign > 0 else "grpo_rewards:high_token_share"
-    rc = run_cli("train", "configs/examples/quickstart_llm_grpo.yaml", f"run.output_dir={out}", f"train.reward=[{reward}]",
+    rc = run_cli("train", "configs/examples/quickstart_llm_grpo.yaml", f"run.output_dir={out}",
+                 f"train.reward=[{reward}]",
                  "train.max_completion_length=1", "train.num_generations=8", "train.batch_size=4", "train.steps=8",
                  "train.lr=0.05", "train.kl_coef=0.04", "save.every=0")
     assert rc == 0
@@ -276,7 +277,7 @@ def test_grpo_moves_the_expected_reward_the_way_the_reward_points(sign, run_cli,
 # -- resume ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("objective, extra", [
-    ("dpo", ["train.reference_logps=precompute"]),
+    ("dpo", ["train.reference_logps=precompute", "data.eval_fraction=0.25", "train.eval_every=2"]),
     ("grpo", ["train.max_completion_length=4", "train.num_generations=2", "train.kl_coef=0.04"]),
 ])
 def test_resume_is_bit_identical(objective, extra, run_cli, tmp_path, capsys):
@@ -284,7 +285,7 @@ def test_resume_is_bit_identical(objective, extra, run_cli, tmp_path, capsys):
     sampled completions follow the restored RNG): the same LoRA, bit for bit."""
     config = f"configs/examples/quickstart_llm_{objective}.yaml"
     whole, halves = tmp_path / "whole", tmp_path / "halves"
-    common = ["save.every=2", "train.batch_size=2", "data.eval_fraction=0.25", "train.eval_every=2", *extra]
+    common = ["save.every=2", "train.batch_size=2", *extra]
     assert run_cli("train", config, f"run.output_dir={whole}", "train.steps=4", *common) == 0
     assert run_cli("train", config, f"run.output_dir={halves}", "train.steps=2", *common) == 0
     capsys.readouterr()
@@ -300,8 +301,6 @@ def test_resume_is_bit_identical(objective, extra, run_cli, tmp_path, capsys):
     if objective == "dpo":  # the mean DPO loss of the held-out pairs: log 2 at zero margin, then it moves
         assert [r["step"] for r in evals] == [2, 4] and all(0 < r["eval_loss"] < 2 for r in evals)
         assert evals[0]["eval_loss"] != pytest.approx(0.693147, abs=1e-7)
-    else:
-        assert evals == []  # grpo has no eval loss
 
 
 # -- user errors ----------------------------------------------------------------------------------------------
@@ -316,6 +315,11 @@ def test_dpo_config_and_data_errors_exit_2_naming_the_key(overrides, message, ru
                  *overrides)
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_grpo_refuses_held_out_data(run_cli, tmp_path, capsys):
+    rc = run_cli("validate", "configs/examples/quickstart_llm_grpo.yaml", "data.eval_fraction=0.2")
+    assert rc == 2 and "which train.objective=grpo has none of" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("reward, message", [
@@ -333,8 +337,8 @@ def test_grpo_reward_errors_exit_2(reward, message, run_cli, tmp_path, capsys):
 def test_builtin_rewards():
     from toolkit.models.rewards import reward_functions
 
-    (_, fmt), (_, regex), (_, length) = reward_functions(["format", "regex", "length"], None, 4)[:1] + \
-        reward_functions(["regex", "length"], "colour", 4)
+    (_, fmt), = reward_functions(["format"], None, 4)
+    (_, regex), (_, length) = reward_functions(["regex", "length"], "colour", 4)
     completions = ["<think>a</think> <answer>b</answer>", "my colour", [{"role": "assistant", "content": "abcd"}]]
     assert fmt(completions=completions) == [1.0, 0.0, 0.0]
     assert regex(completions=completions) == [0.0, 1.0, 0.0]

@@ -166,8 +166,9 @@ class ExampleDataset:
 
     def largest_batch(self, size: int) -> list[int]:
         """The longest example `size` times."""
-        length = lambda i: len(self.examples[i].prompt) + max((len(c) for c in self.examples[i].completions),  # noqa: E731
-                                                              default=0)
+        def length(i: int) -> int:
+            return len(self.examples[i].prompt) + max((len(c) for c in self.examples[i].completions), default=0)
+
         return [max(range(len(self.examples)), key=length)] * size
 
 

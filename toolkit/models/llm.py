@@ -286,8 +286,9 @@ class LLMAdapter(ModelAdapter):
             from toolkit.models.reference_cache import precompute_reference
 
             batch = train.batch_size if isinstance(train.batch_size, int) else 4
-            precompute_reference(self.examples.train, lambda b: self.objective.reference(b).sums(), batch,
-                                 self.runtime.run_dir, self.model_path, self.log)
+            with self.runtime.main_process_first():  # the main process writes the file, the others read it
+                precompute_reference(self.examples.train, lambda b: self.objective.reference(b).sums(), batch,
+                                     self.runtime.run_dir, self.model_path, self.log, write=self.runtime.is_main)
         return self.examples.train
 
     def begin_step(self, step: int) -> None:

@@ -27,11 +27,13 @@ class StatsFile:
         self.path, self.step = path, 0
 
     def write(self, **values: float) -> None:
-        if self.path is None or not torch.is_grad_enabled():  # eval and no-grad passes are not training steps
+        # eval and no-grad passes are not training steps, nor is the batch-size probe before step 1
+        if self.path is None or self.step == 0 or not torch.is_grad_enabled():
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as out:
-            out.write(json.dumps({"step": self.step, **{k: round(float(torch.as_tensor(v).detach()), 6) for k, v in values.items()}}) + "\n")
+            figures = {k: round(float(torch.as_tensor(v).detach()), 6) for k, v in values.items()}
+            out.write(json.dumps({"step": self.step, **figures}) + "\n")
 
 
 class Objective:

@@ -24,9 +24,9 @@ def fingerprint(dataset: ExampleDataset, model: str) -> str:
 
 
 def precompute_reference(dataset: ExampleDataset, reference_sums: Callable[[dict], torch.Tensor], batch_size: int,
-                         run_dir: Path, model: str, log: Callable[[str], None]) -> None:
+                         run_dir: Path, model: str, log: Callable[[str], None], write: bool = True) -> None:
     """Sets dataset.reference (examples x completions): read from the run folder when its fingerprint matches,
-    else computed in batches of `batch_size` and written there."""
+    else computed in batches of `batch_size` and (`write`: the main process) written there."""
     path, key = run_dir / FILE, fingerprint(dataset, model)
     if path.is_file():
         stored = load_file(str(path))
@@ -41,6 +41,8 @@ def precompute_reference(dataset: ExampleDataset, reference_sums: Callable[[dict
         sums = reference_sums(dataset.collate(indices)).float().cpu()
         values[first:first + len(indices)] = sums.view(columns, len(indices)).t()
     dataset.reference = values
+    if not write:
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
     save_file({"reference": values, "fingerprint": torch.tensor(list(key.encode()), dtype=torch.uint8)}, str(path))
     log(f"train.reference_logps=precompute: {len(dataset)} examples' reference log-probs computed with the LoRA "

@@ -295,6 +295,9 @@ def data_format(f: Facts) -> Decision | None:
     if objective != "sft" and f.asked("data.packing"):
         f.problems.append(f"'data.packing' packs samples for sft; train.objective={objective} compares whole "
                           "sequences: set data.packing=false")
+    if objective == "grpo" and (f.asked("data.eval_fraction") > 0 or f.asked("data.eval_path")):
+        f.problems.append("'data.eval_fraction' / 'data.eval_path' hold out data for an eval loss, which "
+                          "train.objective=grpo has none of: set data.eval_fraction=0 and data.eval_path=null")
     if asked != "auto" or objective == "sft":
         return None
     return _decision("data.format", formats[0], f"train.objective={objective} trains on {formats[0]} data")
