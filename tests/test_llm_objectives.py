@@ -60,8 +60,23 @@ def test_chunked_logprobs_and_their_gradient_equal_full_logits(math_):
 
 # -- the losses against TRL's trainers ------------------------------------------------------------------------
 
+@pytest.fixture
+def trl_trainer_state():
+    """TRL's trainers set accelerate's process-wide state (and its environment variables): both are undone after
+    the test, so that a run later in this process starts as it would alone."""
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    environment = dict(os.environ)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.clear()
+    os.environ.update(environment)
+
+
 @pytest.mark.parametrize("data", ["quickstart_preference.jsonl", "quickstart_preference_chat.jsonl"])
-def test_dpo_loss_and_tokens_equal_trl_dpo_trainer(data, tmp_path):
+def test_dpo_loss_and_tokens_equal_trl_dpo_trainer(data, tmp_path, trl_trainer_state):
     """The same pairs (plain, or conversational through the chat template), the same LoRA: TRL's DPOTrainer (its
     tokenization, its reference: the adapter disabled) and the toolkit give the same rows and the same mean loss."""
     from datasets import Dataset
@@ -88,7 +103,7 @@ def test_dpo_loss_and_tokens_equal_trl_dpo_trainer(data, tmp_path):
     assert abs(float(ours) - 0.693147) > 1e-4  # the LoRA made a margin: not the loss at zero margin
 
 
-def test_kto_loss_equals_trl_kto_trainer(tmp_path):
+def test_kto_loss_equals_trl_kto_trainer(tmp_path, trl_trainer_state):
     """KTO with its KL reference point from the batch's rotated completions, as TRL's KTOTrainer computes it."""
     from datasets import Dataset
     from trl import KTOConfig, KTOTrainer
@@ -128,7 +143,7 @@ def test_orpo_loss_equals_trl_orpo_formulas(tmp_path):
         assert float(ours) == pytest.approx(float(nll - losses.mean()), abs=1e-5)
 
 
-def test_grpo_loss_and_gradient_equal_trl_grpo_trainer(tmp_path):
+def test_grpo_loss_and_gradient_equal_trl_grpo_trainer(tmp_path, trl_trainer_state):
     """One group of completions the toolkit sampled (with the KV cache), its rewards and group advantages: TRL's
     GRPOTrainer loss (loss_type='grpo', beta as train.kl_coef, its reference: the adapter disabled) and the
     toolkit's, and their LoRA gradients, agree."""
