@@ -282,6 +282,10 @@ class LLMAdapter(ModelAdapter):
         stats = StatsFile(self.runtime.run_dir / "objective.jsonl" if self.runtime.is_main else None)
         self.objective = build_objective(train.objective, self.scorer, self.network, self.forward_module, train,
                                          stats, self.tokenizer, self.examples.conversational)
+        uses_reference = train.objective in ("dpo", "kto") or (train.objective == "grpo" and train.kl_coef > 0)
+        if uses_reference and self.cfg.network.init_from:
+            self.log(f"train.objective={train.objective}: the reference is the base model (the LoRA disabled), not "
+                     "the LoRA network.init_from starts from (TRL would load that one as its reference)")
         if train.objective in ("dpo", "kto") and train.reference_logps == "precompute":
             from toolkit.models.reference_cache import precompute_reference
 
