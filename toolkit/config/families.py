@@ -19,7 +19,10 @@ from toolkit.config.data_schemas import ImageDataSection, TextDataSection, Video
 # a family that does not read it is a config error, and the resolved config of a run shows only its own.
 LLM_SETTINGS = frozenset({"model.attention", "model.kernels", "model.fuse_projections", "model.trust_remote_code",
                           "model.quantize", "model.quantize_backend", "sample.max_new_tokens", "sample.temperature",
-                          "train.checkpoint_offload"})
+                          "train.checkpoint_offload", "train.objective", "train.beta", "train.reference_logps",
+                          "train.desirable_weight", "train.undesirable_weight", "train.reward", "train.reward_pattern",
+                          "train.reward_length", "train.num_generations", "train.kl_coef",
+                          "train.max_completion_length", "train.generation_temperature"})
 DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.checkpoint_keeps", "train.timestep_sampling",
                                 "train.logit_mean", "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",
                                 "sample.width", "sample.height", "train.prior_loss_weight", "train.dop_class",

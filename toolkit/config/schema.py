@@ -221,6 +221,42 @@ class TrainSection:
         "train.grad_accum 1 and one process, on a GPU; auto turns it on there on CUDA (not yet on ROCm, unmeasured), "
         "true on ROCm too; the log says why when it cannot apply.",
         resume_safe=True)
+    objective: str = opt("sft", "LLM: what the run optimises (docs/objectives.md). sft: next-token loss on the "
+                         "labelled tokens. dpo, orpo: preference pairs (prompt/chosen/rejected, TRL's format, plain "
+                         "or conversational); dpo against the reference (the base: the same model with the LoRA "
+                         "disabled), orpo without one (NLL on chosen plus the odds-ratio term). kto: unpaired "
+                         "examples (prompt/completion/label). grpo: prompts only; the model samples "
+                         "train.num_generations completions per prompt, train.reward scores them, and each "
+                         "completion's advantage is its reward against its group's.",
+                         choices=("sft", "dpo", "orpo", "kto", "grpo"))
+    beta: float = opt(0.1, "LLM, dpo and kto: the strength of the pull towards the reference (TRL's beta); orpo: the "
+                      "weight of the odds-ratio term (TRL's beta, the paper's lambda).", minimum=0.0)
+    reference_logps: str = opt("live", "LLM, dpo and kto: the reference log-probs (the base: the LoRA disabled). "
+                               "live: a no-grad forward with the adapter disabled each step. precompute: one pass "
+                               "over the training data before the first step, kept in the run folder "
+                               "(reference_logps.safetensors, reused on resume), so each step runs the policy "
+                               "only (TRL's precompute_ref_log_probs). kto's KL estimate is always live.",
+                               choices=("live", "precompute"))
+    desirable_weight: float = opt(1.0, "LLM, kto: weight of the examples labelled true.", minimum=0.0)
+    undesirable_weight: float = opt(1.0, "LLM, kto: weight of the examples labelled false.", minimum=0.0)
+    reward: List[str] = opt(["length"], "LLM, grpo: the reward functions, summed: a built-in (format: 1 when the "
+                            "completion is <think>...</think><answer>...</answer>, or matches "
+                            "train.reward_pattern when that is set; regex: 1 when train.reward_pattern is found in "
+                            "the completion; length: 1 - |characters - train.reward_length| / train.reward_length, "
+                            "1 at the target and lower the further off, never flat) or 'module:function', a Python callable (importable from the working "
+                            "folder) called as TRL calls one: f(prompts=, completions=, completion_ids=, "
+                            "**the record's other fields) -> a list of floats.")
+    reward_pattern: Optional[str] = opt(None, "LLM, grpo: the regular expression of the regex reward (and the "
+                                        "format reward's, in place of its own).")
+    reward_length: int = opt(32, "LLM, grpo: the completion length in characters the length reward is highest at.",
+                             minimum=1)
+    num_generations: int = opt(4, "LLM, grpo: completions sampled per prompt (the group their advantages are "
+                               "measured against; TRL's num_generations).", minimum=2)
+    kl_coef: float = opt(0.0, "LLM, grpo: weight of the KL term against the reference (the LoRA disabled), "
+                         "k3 estimator per token (TRL's beta; 0 skips the reference pass, TRL's default).",
+                         minimum=0.0)
+    max_completion_length: int = opt(64, "LLM, grpo: tokens generated per completion at most.", minimum=1)
+    generation_temperature: float = opt(1.0, "LLM, grpo: sampling temperature of the completions.", minimum=0.01)
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "
                                    "checkpoint path.", resume_safe=True)

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import torch
 from omegaconf import DictConfig
 
+from toolkit.data.preference import ExampleData, build_example_data
 from toolkit.data.records import read_records
 from toolkit.data.samples import IGNORE_INDEX
 from toolkit.data.text import TextData, build_text_data, detect_format, render_chat
@@ -18,7 +19,9 @@ from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode
 from toolkit.models.checkpoint_offload import InputOffload, offloading
 from toolkit.models.llm_gguf import check_gguf_export, write_gguf_adapter
+from toolkit.models.llm_logps import TokenScorer, head_math_for
 from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for, no_packed_sequence_search
+from toolkit.models.llm_objectives import Objective, StatsFile, build_objective
 from toolkit.models.lora import lora_config, target_modules
 from toolkit.models.lora_export import peft_factors
 from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
@@ -137,6 +140,9 @@ class LLMAdapter(ModelAdapter):
         self.data: TextData | None = None
         self.fused_loss = None   # set by load(): the fused output head + cross-entropy, where it applies
         self.drops_padding_mask = False  # set by load()
+        self.objective: Objective | None = None   # train.objective beyond sft (set by prepare_data)
+        self.scorer: TokenScorer | None = None      # its per-token log-probs (set by load)
+        self.examples: ExampleData | None = None
         self.memory = LLMMemory(self)
 
     # -- loading ---------------------------------------------------------------------------
@@ -202,6 +208,9 @@ class LLMAdapter(ModelAdapter):
             self.network.to(self.runtime.device)
         if cfg.fuse_projections is True:
             self._group_projections(plan.mode)
+        if self.cfg.train.objective != "sft":
+            self._score_tokens()
+            return
         self.fused_loss, why = fused_loss_for(self.network, cfg.kernels, bool(self.cfg.train.compile),
                                               self.sums_loss, bool(self.cfg.train.gradient_checkpointing))
         # With the fused loss the trainer runs the decoder alone (hidden states, no logits); with fsdp, the whole
@@ -210,6 +219,17 @@ class LLMAdapter(ModelAdapter):
                                if self.fused_loss else self.network)
         if why:
             self.log(why)
+
+    def _score_tokens(self) -> None:
+        """train.objective beyond sft: per-token log-probs through the decoder and the chunked head where that
+        applies (whatever model.kernels says: a sequence's log-prob needs no logits held), else the model's own."""
+        math_ = head_math_for(self.network)
+        self.forward_module = (DecoderHiddenStates(self.network, through_model=self.shard_base)
+                               if math_ is not None else self.network)
+        self.scorer = TokenScorer(self.network, math_, self.runtime.device)
+        self.log(f"train.objective={self.cfg.train.objective}: " + (
+            "per-token log-probs from the output head in chunks, no full logits" if math_ is not None else
+            "the model's own logits (its output head is not one the chunked log-probs cover)"))
 
     def _group_projections(self, quantized: str) -> None:
         """model.fuse_projections: q/k/v and gate/up LoRA layers as groups (models/shared_input.py), where the base
@@ -254,16 +274,46 @@ class LLMAdapter(ModelAdapter):
     # -- data and loss ---------------------------------------------------------------------
     def prepare_data(self):
         """The text data, tokenized (the model is on the device since load())."""
+        if self.cfg.train.objective != "sft":
+            return self._prepare_examples()
         self.data = build_text_data(self.cfg.data, self.tokenizer, self.cfg.run.seed)
         return self.data.train
+
+    def _prepare_examples(self):
+        """Preference, unpaired or prompt data for the objective; the reference log-probs precomputed if asked."""
+        train = self.cfg.train
+        self.examples = build_example_data(self.cfg.data, self.cfg.data.format, self.tokenizer, self.cfg.run.seed)
+        stats = StatsFile(self.runtime.run_dir / "objective.jsonl" if self.runtime.is_main else None)
+        self.objective = build_objective(train.objective, self.scorer, self.network, self.forward_module, train,
+                                         stats, self.tokenizer, self.examples.conversational)
+        uses_reference = train.objective in ("dpo", "kto") or (train.objective == "grpo" and train.kl_coef > 0)
+        if uses_reference and self.cfg.network.init_from:
+            self.log(f"train.objective={train.objective}: the reference is the base model (the LoRA disabled), not "
+                     "the LoRA network.init_from starts from (TRL would load that one as its reference)")
+        if train.objective in ("dpo", "kto") and train.reference_logps == "precompute":
+            from toolkit.models.reference_cache import precompute_reference
+
+            batch = train.batch_size if isinstance(train.batch_size, int) else 4
+            with self.runtime.main_process_first():  # the main process writes the file, the others read it
+                precompute_reference(self.examples.train, lambda b: self.objective.reference(b).sums(), batch,
+                                     self.runtime.run_dir, self.model_path, self.log, write=self.runtime.is_main)
+        return self.examples.train
+
+    def begin_step(self, step: int) -> None:
+        if self.objective is not None:
+            self.objective.stats.step = step
 
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
         return {"model": self.forward_module}
 
     def batch_units(self, batch: dict[str, Any]) -> tuple[int, int]:
+        if self.objective is not None:
+            return self.objective.units(batch)
         return label_tokens(batch["labels"]), batch["input_ids"].numel()
 
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
+        if self.objective is not None:
+            return self.objective.loss(batch, modules["model"])
         if self.drops_padding_mask and "position_ids" not in batch:  # right-padded, not packed
             with no_packed_sequence_search():
                 return self._loss({k: v for k, v in batch.items() if k != "attention_mask"}, modules)
@@ -283,7 +333,10 @@ class LLMAdapter(ModelAdapter):
 
     @torch.no_grad()
     def eval_loss(self, batch_size: int) -> float | None:
-        """Mean token loss over the held-out set (sum of token losses / token count)."""
+        """Mean token loss over the held-out set (sum of token losses / token count); beyond sft, the objective's
+        mean loss per pair or example (grpo: none)."""
+        if self.examples is not None:
+            return self._eval_objective(batch_size)
         if self.data is None or self.data.eval is None:
             return None
         eval_set = self.data.eval
@@ -297,11 +350,28 @@ class LLMAdapter(ModelAdapter):
                 total, count = total + float(loss), count + label_tokens(batch["labels"])
         return total / count if count else None
 
+    def _eval_objective(self, batch_size: int) -> float | None:
+        eval_set = self.examples.eval
+        if eval_set is None:
+            return None
+        total, count = 0.0, 0
+        with eval_mode(self.network):
+            for first in range(0, len(eval_set), batch_size):
+                batch = eval_set.collate(range(first, min(first + batch_size, len(eval_set))))
+                with torch.autocast(self.runtime.device.type, dtype=self.runtime.compute_dtype,
+                                    enabled=self.runtime.compute_dtype != torch.float32):
+                    total += float(self.objective.loss(batch, self.forward_module))
+                count += self.objective.units(batch)[0]
+        return total / count if count else None
+
     # -- sampling --------------------------------------------------------------------------
     def data_format(self) -> str:
         """The training data's format (read from data.path when dataset() has not run, e.g. for `sample`)."""
         if self.data is not None:
             return self.data.format
+        if self.cfg.train.objective != "sft":  # conversational prompts sample through the chat template
+            prompt = read_records(self.cfg.data.path)[0].get("prompt")
+            return "chat" if isinstance(prompt, list) else self.cfg.data.format
         data = self.cfg.data
         if data.format != "auto":
             return data.format

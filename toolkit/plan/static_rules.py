@@ -152,6 +152,10 @@ def compile_(f: Facts) -> Decision | None:
         return _decision("train.compile", False, "off on the CPU")
     if not spec.compile_auto:
         return _decision("train.compile", False, f"not measured faster for {f.family} yet")
+    if f.reads("train.objective") and f.asked("train.objective") == "grpo":
+        return _decision("train.compile", False, "train.objective=grpo: its generation runs the decoder layers at a "
+                         "new length every token, which compiled layers would recompile for (unmeasured; true "
+                         "compiles anyway)")
     if steps < spec.compile_auto_steps:
         return _decision("train.compile", False, (
             f"a run of train.steps={steps} (in all, a resumed run's steps counted) is too short to repay the first "
@@ -247,6 +251,8 @@ def fuse_projections(f: Facts) -> Decision | None:
         (f"model.quantize={f.asked('model.quantize')} (the frozen weights are quantized)",
          f.asked("model.quantize") in QUANTIZED),
         ("device.distributed=fsdp (the frozen weights are sharded per layer)", f.asked("device.distributed") == "fsdp"),
+        (f"train.objective={f.asked('train.objective')} (its reference pass disables the LoRA layer by layer)",
+         f.asked("train.objective") != "sft"),
     ) if blocks]
     if value is True and blockers:
         f.problems.append(f"'model.fuse_projections'=true cannot apply with {'; '.join(blockers)}: set "
@@ -269,3 +275,29 @@ def attention(f: Facts) -> Decision | None:
     if not f.reads("model.attention") or f.asked("model.attention") != "auto":
         return None
     return _decision("model.attention", "sdpa", "PyTorch scaled_dot_product_attention, the default")
+
+
+OBJECTIVE_FORMATS = {"sft": ("text", "alpaca", "chat"), "dpo": ("preference",), "orpo": ("preference",),
+                     "kto": ("unpaired",), "grpo": ("prompt",)}
+
+
+@rule("data.format", STATIC)
+def data_format(f: Facts) -> Decision | None:
+    """llm: auto takes the objective's format for preference, unpaired and prompt data (sft's is read from the
+    data); a format the objective cannot train on, or packing with a non-sft objective, is refused."""
+    if not f.reads("train.objective"):
+        return None
+    objective, asked = f.asked("train.objective"), f.asked("data.format")
+    formats = OBJECTIVE_FORMATS[objective]
+    if asked != "auto" and asked not in formats:
+        f.problems.append(f"'data.format' is {asked}, which train.objective={objective} cannot train on: set "
+                          f"data.format={' or '.join(formats)} (or auto)")
+    if objective != "sft" and f.asked("data.packing"):
+        f.problems.append(f"'data.packing' packs samples for sft; train.objective={objective} compares whole "
+                          "sequences: set data.packing=false")
+    if objective == "grpo" and (f.asked("data.eval_fraction") > 0 or f.asked("data.eval_path")):
+        f.problems.append("'data.eval_fraction' / 'data.eval_path' hold out data for an eval loss, which "
+                          "train.objective=grpo has none of: set data.eval_fraction=0 and data.eval_path=null")
+    if asked != "auto" or objective == "sft":
+        return None
+    return _decision("data.format", formats[0], f"train.objective={objective} trains on {formats[0]} data")
