@@ -67,8 +67,9 @@ CASES = {
         "model.family": "chroma", "model.name_or_path": "lodestones/Chroma1-HD", "model.quantize": "8bit",
         "network.rank": 16, "network.alpha": 16.0, "data.trigger_word": "sks", "data.resolution": 1024,
         "train.steps": 2000, "train.optimizer": "adamw8bit", "train.precision": "bf16", "train.ema_decay": 0.99,
-        "sample.negative_prompt": "blurry", "sample.guidance_scale": 4.0, "sample.num_inference_steps": 25},
-        ["datasets[0].resolution"]),
+        "sample.negative_prompt": "blurry", "sample.guidance_scale": 4.0, "sample.num_inference_steps": 25,
+        "data.resolutions": [512, 768, 1024]},
+        []),
     # only a folder and a model: ai-toolkit's own defaults where they differ from this toolkit's
     "minimal": ("tiny:sd", "shapes", {
         "run.name": "defaults_only", "model.family": "sd", "network.rank": 4, "network.alpha": 1.0,

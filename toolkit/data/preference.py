@@ -148,6 +148,10 @@ class ExampleDataset:
     def __len__(self) -> int:
         return len(self.examples)
 
+    def epoch_entries(self, epoch: int) -> Sequence[int]:
+        """Every item once an epoch (one dataset: no repeats or weights)."""
+        return range(len(self))
+
     def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
         """The batch of `indices` (not augmented: `epoch` changes nothing)."""
         chosen = [self.examples[i] for i in indices]

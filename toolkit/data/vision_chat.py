@@ -188,6 +188,10 @@ class VisionChatDataset:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def epoch_entries(self, epoch: int) -> Sequence[int]:
+        """Every item once an epoch (one dataset: no repeats or weights)."""
+        return range(len(self))
+
     def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
         """The batch of `indices` (no augmentation: `epoch` changes nothing)."""
         batch = [self.samples[i] for i in indices]
