@@ -125,7 +125,15 @@ class ModelSection:
 
 @dataclass
 class NetworkSection:
-    type: str = opt("lora", "Adapter type: lora or dora (weight-decomposed LoRA).", choices=("lora", "dora"))
+    type: str = opt("lora", "Adapter type: lora, dora (weight-decomposed LoRA), or for the diffusion families lokr "
+                    "(LyCORIS LoKr: the update is the Kronecker product of a small full matrix and a rank-r factor, "
+                    "PEFT's LoKrConfig) or loha (LyCORIS LoHa: the elementwise product of two rank-r updates, PEFT's "
+                    "LoHaConfig). LoKr and LoHa files are written in LyCORIS keys (lokr_w1, lokr_w2_a, hada_w1_a, ... "
+                    "with .alpha), which ComfyUI, kohya's sd-scripts and the LyCORIS library read; their scale is "
+                    "alpha/rank as for LoRA.", choices=("lora", "dora", "lokr", "loha"))
+    lokr_factor: int = opt(-1, "network.type=lokr: the factor each dimension is split by (kohya's factor, "
+                           "ai-toolkit's lokr_factor): the small Kronecker matrix is about factor x factor; -1 "
+                           "splits each dimension as evenly as it divides (the smallest file).", minimum=-1)
     rank: int = opt(16, "LoRA rank r.", minimum=1)
     alpha: float = opt(16.0, "LoRA alpha; the update is scaled by alpha/rank (alpha/sqrt(rank) with rslora).")
     dropout: float = opt(0.0, "Dropout on the LoRA input.", minimum=0.0)

@@ -202,8 +202,10 @@ class ModelAdapter(ABC):
 
 
 def lora_targets(network: torch.nn.Module) -> list[str]:
-    """The names of the modules that carry LoRA weights."""
-    return sorted({n.rsplit(".lora_A", 1)[0] for n, _ in network.named_parameters() if ".lora_A" in n})
+    """The names of the modules that carry adapter weights (PEFT's LoRA, LoKr or LoHa layers)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return sorted(n for n, m in network.named_modules() if isinstance(m, BaseTunerLayer))
 
 
 @contextmanager
