@@ -41,11 +41,12 @@ CASES = {
         "log.wandb_project": "shapes", "data.random_flip": True},
         ["network.conv", "network.conv_alpha", "datasets[0].num_repeats", "sample.samples[1].width"]),
     "sd15": ("tiny:sd", "shapes", {
-        "model.family": "sd", "network.rank": 8, "network.alpha": 1.0, "data.path": "/data/sd15",
+        "model.family": "sd", "network.type": "lokr", "network.lokr_factor": 4, "network.rank": 8,
+        "network.alpha": 1.0, "data.path": "/data/sd15",
         "data.trigger_word": "zxq", "train.steps": 800, "train.optimizer": "prodigy", "train.lr": 1.0,
         "train.precision": "fp32", "save.every": 100, "save.keep_last": 5, "save.dtype": "fp16",
         "sample.prompts": ["zxq a yellow star", "a purple circle"], "sample.negative_prompt": "text, watermark"},
-        ["device", "network.type", "network.lokr_factor", "datasets[1]", "sample.walk_seed"]),
+        ["device", "datasets[1]", "sample.walk_seed"]),
     "wan21": ("tiny:wan21", "clips", {
         "model.family": "wan21", "model.name_or_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "network.rank": 32,
         "data.path": "/data/clips", "data.num_frames": 33, "data.resolution": 480, "train.lr": 2e-4,
@@ -173,3 +174,16 @@ def test_a_key_the_translator_does_not_know_is_listed(tmp_path, run_cli, capsys)
     err = capsys.readouterr().err
     assert "not translated: future_setting = 3: no equivalent setting in this toolkit" in err
     assert "not translated: network.wobble = 2: no equivalent setting in this toolkit" in err
+
+
+def test_a_full_rank_lokr_job_translates(tmp_path, run_cli, capsys):
+    """ai-toolkit's README LoKr (lokr_full_rank, lokr_factor 8): the same keys here; the config validates."""
+    job = tmp_path / "job.yaml"
+    job.write_text("config:\n  name: x\n  process:\n    - type: sd_trainer\n"
+                   "      model: {name_or_path: m, arch: flux}\n      datasets: [{folder_path: /d}]\n"
+                   "      network: {type: lokr, linear: 16, lokr_full_rank: true, lokr_factor: 8}\n")
+    assert run_cli("import-aitk", job) == 0
+    captured = capsys.readouterr()
+    network = yaml.safe_load(captured.out)["network"]
+    assert network == {"type": "lokr", "lokr_full_rank": True, "lokr_factor": 8, "rank": 16, "alpha": 1.0}
+    assert "not translated: network" not in captured.err

@@ -134,6 +134,9 @@ class NetworkSection:
     lokr_factor: int = opt(-1, "network.type=lokr: the factor each dimension is split by (kohya's factor, "
                            "ai-toolkit's lokr_factor): the small Kronecker matrix is about factor x factor; -1 "
                            "splits each dimension as evenly as it divides (the smallest file).", minimum=-1)
+    lokr_full_rank: bool = opt(False, "network.type=lokr: both Kronecker factors full matrices (ai-toolkit's "
+                               "lokr_full_rank): no rank, network.rank and network.alpha unused, the update "
+                               "kron(w1, w2) at scale 1, as LyCORIS and ComfyUI apply a full-rank LoKr.")
     rank: int = opt(16, "LoRA rank r.", minimum=1)
     alpha: float = opt(16.0, "LoRA alpha; the update is scaled by alpha/rank (alpha/sqrt(rank) with rslora).")
     dropout: float = opt(0.0, "Dropout on the LoRA input.", minimum=0.0)

@@ -34,11 +34,17 @@ def lora_config(network: DictConfig, targets: list[str] | str, **extra: Any):
                       target_modules=targets, use_dora=network.type == "dora", use_rslora=network.rslora, **extra)
 
 
+FULL_RANK = 2**30
+
+
 def _lokr_config(network: DictConfig, targets: list[str] | str):
     from peft import LoKrConfig
 
-    return LoKrConfig(r=network.rank, alpha=network.alpha, target_modules=targets,
-                      decompose_factor=network.lokr_factor, init_weights=True)
+    # PEFT keeps w2 a full matrix when the rank is at least half its larger side: a rank no layer reaches, with
+    # alpha equal to it (scale 1), is full rank.
+    rank, alpha = (FULL_RANK, float(FULL_RANK)) if network.lokr_full_rank else (network.rank, network.alpha)
+    return LoKrConfig(r=rank, alpha=alpha, target_modules=targets, decompose_factor=network.lokr_factor,
+                      init_weights=True)
 
 
 def _loha_config(network: DictConfig, targets: list[str] | str):

@@ -10,7 +10,7 @@ sd/sdxl, `transformer.<module>` for Flux, ...) followed by the LyCORIS tensor na
 and an `.alpha`. Every reader takes scale = alpha / rank, where rank is the inner size of a decomposed factor;
 a LoKr module whose w1 and w2 are both full matrices (a rank too large to decompose) has no rank, and every
 reader applies scale 1 (ComfyUI comfy/weight_adapter/lokr.py, LyCORIS modules/lokr.py): its scale is folded into
-w1 and its alpha written as the rank.
+w1 and its alpha written as 1.
 
 Reading such a file back (`sample`, `network.init_from`) inverts the same names: diffusers' load_lora_weights
 reads no LyCORIS keys.
@@ -57,7 +57,7 @@ class LycorisModule:
             return {**self.tensors, "alpha": torch.tensor(self.scale * rank, dtype=torch.float32)}
         out = dict(self.tensors)
         out["lokr_w1"] = (out["lokr_w1"].double() * self.scale).to(out["lokr_w1"].dtype)
-        return {**out, "alpha": torch.tensor(float(out["lokr_w1"].shape[0]), dtype=torch.float32)}
+        return {**out, "alpha": torch.tensor(1.0, dtype=torch.float32)}
 
 
 def read_file_module(tensors: dict[str, torch.Tensor]) -> LycorisModule:

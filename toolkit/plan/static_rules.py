@@ -119,7 +119,10 @@ def network_type_checks(f: Facts) -> None:
                                   f"have: set {key}={str(plain).lower()}, or network.type=lora")
     if f.asked("network.lokr_factor") == 0:
         f.problems.append("'network.lokr_factor'=0 splits nothing: use -1 (even split) or a factor of at least 1")
-    elif f.asked("network.lokr_factor") != -1 and kind != "lokr":
+    if f.asked("network.lokr_full_rank") and kind != "lokr":
+        f.problems.append(f"'network.lokr_full_rank' applies to network.type=lokr only (network.type is {kind}): "
+                          "remove it, or set network.type=lokr")
+    if f.asked("network.lokr_factor") != -1 and kind != "lokr":
         f.problems.append(f"'network.lokr_factor' applies to network.type=lokr only (network.type is {kind}): "
                           "remove it, or set network.type=lokr")
     return None
