@@ -19,10 +19,11 @@ from toolkit.config.data_schemas import ImageDataSection, TextDataSection, Video
 # a family that does not read it is a config error, and the resolved config of a run shows only its own.
 LLM_SETTINGS = frozenset({"model.attention", "model.kernels", "model.fuse_projections", "model.trust_remote_code",
                           "model.quantize", "model.quantize_backend", "sample.max_new_tokens", "sample.temperature",
-                          "train.checkpoint_offload"})
+                          "train.checkpoint_offload", "train.eval_every"})
+EVAL_SETTINGS = frozenset({"eval.path", "eval.every", "eval.timesteps", "eval.seed"})
 DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.checkpoint_keeps", "train.timestep_sampling",
                                 "train.logit_mean", "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",
-                                "sample.width", "sample.height"})
+                                "sample.width", "sample.height"}) | EVAL_SETTINGS
 DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_offset", "train.min_snr_gamma",
                                       "train.compile_regions",
                                       "sample.negative_prompt"}

@@ -233,7 +233,8 @@ class TrainSection:
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "
                                    "checkpoint path.", resume_safe=True)
-    eval_every: int = opt(0, "Compute the eval loss every N steps, when the family has eval data (0: only at the end).",
+    eval_every: int = opt(0, "llm: compute the eval loss every N steps, when there is eval data (0: only at the end); "
+                          "the diffusion families: eval.every.",
                           minimum=0, resume_safe=True)
     max_nan_steps: int = opt(5, "Stop after this many non-finite losses in a row (each one skips its step).", minimum=1,
                              resume_safe=True)
@@ -301,6 +302,22 @@ class LogSection:
 
 
 @dataclass
+class EvalSection:
+    path: Optional[str] = opt(None, "Diffusion: a held-out folder of images (or clips) with captions, laid out as "
+                              "data.path (same caption, resolution and bucket settings; no flips or crops). Its "
+                              "denoising loss is computed at eval.timesteps fixed noise levels with fixed noise, so "
+                              "every evaluation of every run (resumed or not) sees the same inputs; logged as "
+                              "eval_loss and plotted in report.html beside the training loss.")
+    every: int = opt(0, "Diffusion: compute the eval loss every N steps when eval.path is set (0: only at the end).",
+                     minimum=0, resume_safe=True)
+    timesteps: int = opt(4, "Diffusion: the fixed noise levels each eval image is scored at, spread evenly over the "
+                         "noise schedule ((i + 0.5) / N of it; the flow families' shift applied as in training); "
+                         "the eval loss is the mean over images and levels.", minimum=1)
+    seed: int = opt(0, "Diffusion: the seed of the eval noise (one draw per image and level, independent of "
+                    "run.seed and of the training's random streams).")
+
+
+@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     device: DeviceSection = field(default_factory=DeviceSection)
@@ -311,6 +328,7 @@ class RunConfig:
     save: SaveSection = field(default_factory=SaveSection)
     sample: SampleSection = field(default_factory=SampleSection)
     log: LogSection = field(default_factory=LogSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
 
 @functools.cache

@@ -188,6 +188,10 @@ class ModelAdapter(ABC):
     def begin_step(self, step: int) -> None:
         """Called before optimizer step `step` (1-based), for state that follows the step number."""
 
+    def eval_interval(self) -> int:
+        """Steps between eval losses (0: only at the end): train.eval_every (the diffusion families: eval.every)."""
+        return int(self.cfg.train.eval_every)
+
     def eval_loss(self, batch_size: int) -> float | None:
         """Mean loss on held-out data in batches of `batch_size`, or None when the family/config has none."""
         return None

@@ -68,6 +68,8 @@ class DiffusionData:
         vae.to(self.runtime.device)
         if data.cache_latents:
             self._fill_latents(dataset, root)
+        self.eval_set = self.prepare_eval(root)  # diffusion_eval.py: eval.path's latents, always cached
+        if data.cache_latents:
             vae.to("cpu")  # only sampling needs it again
         self._prepare_text(dataset, items, rules, root)
         return dataset
@@ -104,12 +106,13 @@ class DiffusionData:
                          "on the device")
             return
         captions = [it.caption for it in items]
-        extra = [""] if rules.caption_dropout > 0 else []
+        extra = ([""] if rules.caption_dropout > 0 else []) + self.eval_texts()
         if not self.samples_need_text_encoders:
             extra += self.sample_texts()
         extra = [p for p in dict.fromkeys(extra) if p not in captions]
         dataset.text = self.cache_texts(captions + extra, root)[:len(captions)]
         dataset.empty_text = self.prompt_cache.get("")
+        self.attach_eval_texts()
         self.log(f"text embeddings: {self.text_cache.hits} cached, {self.text_cache.misses} encoded")
         if self.samples_need_text_encoders:
             for encoder in encoders:

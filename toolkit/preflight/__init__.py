@@ -49,9 +49,10 @@ def _value(cfg: DictConfig, key: str) -> Any:
 
 
 def data_problems(cfg: DictConfig, sources: dict, files: bool) -> list[str]:
-    """data.path (and data.eval_path): a file for text data (`files`), a folder of images or clips otherwise."""
+    """data.path (and data.eval_path / eval.path): a file for text data (`files`), a folder of images or clips
+    otherwise."""
     problems = []
-    for key in ("data.path", "data.eval_path") if files else ("data.path",):
+    for key in ("data.path", "data.eval_path") if files else ("data.path", "eval.path"):
         value = _value(cfg, key)
         if not isinstance(value, str) or not value:
             continue
