@@ -131,7 +131,7 @@ def test_lycoris_library_merges_the_trained_update(run_cli, tmp_path, own_data_c
     assert worst < 1e-5, worst
 
 
-def test_sample_and_init_from_read_the_lycoris_file_back(run_cli, tmp_path, own_data_caches):
+def test_init_from_reads_the_lycoris_file_back_at_the_file_s_scale(run_cli, tmp_path, own_data_caches):
     """network.init_from of a LoKr file trained at alpha 3 into a run at alpha 6: the run's first update equals the
     file's (its w1 halved, since the run's scale is twice the file's)."""
     out = _train(run_cli, tmp_path / "run", "lokr", 2)
