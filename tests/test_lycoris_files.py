@@ -18,9 +18,14 @@ from safetensors.torch import load_file
 
 from toolkit.models.base import load_trainable_state_dict
 
-if os.environ.get("TOOLKIT_LYCORIS_DEPS"):
-    sys.path.append(os.environ["TOOLKIT_LYCORIS_DEPS"])
-lycoris_kohya = pytest.importorskip("lycoris.kohya", reason="lycoris-lora (the test extra) is not installed")
+
+
+@pytest.fixture
+def lycoris_kohya():
+    """The LyCORIS library's kohya module (the test extra's lycoris-lora, or TOOLKIT_LYCORIS_DEPS)."""
+    if os.environ.get("TOOLKIT_LYCORIS_DEPS") and os.environ["TOOLKIT_LYCORIS_DEPS"] not in sys.path:
+        sys.path.append(os.environ["TOOLKIT_LYCORIS_DEPS"])
+    return pytest.importorskip("lycoris.kohya", reason="lycoris-lora (the test extra) is not installed")
 
 RUN = ["train.steps=2", "train.batch_size=2", "train.lr=5e-2", "save.every=1", "sample.prompts=[]",
        "network.alpha=3", "save.dtype=fp32", "train.optimizer=adamw"]
@@ -69,7 +74,8 @@ def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
-def _lycoris_merged(file: Path, unet: torch.nn.Module, text_encoder: torch.nn.Module | None, monkeypatch):
+def _lycoris_merged(lycoris_kohya, file: Path, unet: torch.nn.Module, text_encoder: torch.nn.Module | None,
+                    monkeypatch):
     """(weights before, after) of the UNet and text encoder once the LyCORIS library has merged `file` into them.
     The network's default targets are emptied first: create_network_from_weights builds its modules from the
     file's keys, but first constructs a default network, whose preset matches tiny:sd's time_embedding twice."""
@@ -101,8 +107,8 @@ def _lycoris_merged(file: Path, unet: torch.nn.Module, text_encoder: torch.nn.Mo
     ("lokr", 4, ()),                                        # w1 and w2 full: the scale 3/4 folded into w1
     ("loha", 2, ("network.alpha=2", "train.train_text_encoder=true")),  # the text encoder too (lora_te_ names)
 ])
-def test_lycoris_library_merges_the_trained_update(run_cli, tmp_path, own_data_caches, monkeypatch, kind, rank,
-                                                  extra):
+def test_lycoris_library_merges_the_trained_update(run_cli, tmp_path, own_data_caches, monkeypatch, lycoris_kohya,
+                                                  kind, rank, extra):
     out = _train(run_cli, tmp_path / "run", kind, rank, *extra)
     file = out / "final" / "pytorch_lora_weights.safetensors"
     with safe_open(str(file), "pt") as f:
@@ -122,7 +128,7 @@ def test_lycoris_library_merges_the_trained_update(run_cli, tmp_path, own_data_c
         expected.update({f"te.{k}": v for k, v in _peft_updates(adapter.network["text_encoder"]).items()})
     unet = _plain_copy(adapter.component("unet"))
     encoder = _plain_copy(adapter.component("text_encoder")) if "train.train_text_encoder=true" in extra else None
-    before, after = _lycoris_merged(file, unet, encoder, monkeypatch)
+    before, after = _lycoris_merged(lycoris_kohya, file, unet, encoder, monkeypatch)
 
     changed = {k for k in after if not torch.equal(after[k], before[k])}
     assert changed == set(expected) and len(expected) == len(keys) // len(expected_suffixes)

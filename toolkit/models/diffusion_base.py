@@ -161,6 +161,7 @@ class DiffusionAdapter(DiffusionData, DiffusionEval, DiffusersLoraFiles, ModelAd
                 encoder.add_adapter(lora_config(net, TEXT_ENCODER_TARGETS, init_lora_weights="gaussian"))
                 modules[name] = encoder
         self.network = torch.nn.ModuleDict(modules)
+        self.check_lycoris_names()
         for p in self.network.parameters():  # LoRA weights train in fp32 over a bf16/fp16 base
             if p.requires_grad:
                 p.data = p.data.float()

@@ -69,6 +69,16 @@ class DiffusersLoraFiles:
         paths = {name: list(peft_modules(self.network[name], kind, torch.float32)) for name in names}
         return module_names(self.lora_key_style, paths)
 
+    def check_lycoris_names(self) -> None:
+        """At load, before any step: every LoKr / LoHa module has a name in the family's files."""
+        if self.cfg.network.type not in TENSORS:
+            return
+        try:
+            self.lycoris_names(list(self.network.keys()))
+        except ValueError as err:
+            raise UserError(f"network.type={self.cfg.network.type}: {err}\n  fix: leave network.target_modules at "
+                            "auto, or name modules the family's LoRA files can hold") from None
+
     def lycoris_state(self, dtype: torch.dtype, names: list[str]) -> dict[str, torch.Tensor]:
         """The file's tensors for the LoKr / LoHa of the components `names` in `dtype`."""
         kind = self.cfg.network.type
@@ -90,10 +100,7 @@ class DiffusersLoraFiles:
                 state = self.lycoris_state(dtype, names)
             else:
                 state = self.lora_key_style(self.lora_factors(dtype, names))
-        except ValueError as err:
-            if self.cfg.network.type in TENSORS:  # no other layout holds a LoKr / LoHa that its tools read
-                raise UserError(f"network.type={self.cfg.network.type}: {err}\n  fix: leave network.target_modules "
-                                "at auto, or name modules the family's LoRA files can hold") from None
+        except ValueError as err:  # a LoKr / LoHa was checked at load (check_lycoris_names)
             self.write_diffusers_layout(folder, names, dtype)
             self.log(f"warning: {file}: written in diffusers' own layout, which diffusers loads but ComfyUI and "
                      f"kohya's tools do not: {err}")
