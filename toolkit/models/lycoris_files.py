@@ -157,11 +157,12 @@ def load_lycoris_file(file: Path, kind: str, models: dict[str, torch.nn.Module],
     """Copy a LyCORIS file's modules into the trained modules (`names` as module_names gives them); returns how
     many. Modules the file has that the run does not train are an error; trained modules it lacks are too,
     unless `partial` (network.init_from), where they keep their initial weights with a note."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
         state = load_file(str(file))
-    except Exception as err:  # safetensors raises its own error types for a file that is not one
+    except (OSError, SafetensorError) as err:
         raise UserError(f"{label}: cannot be read as a safetensors file: {str(err).splitlines()[0]}\n  fix: give "
                         "the LoKr / LoHa .safetensors file") from None
     try:
