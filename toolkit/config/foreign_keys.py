@@ -48,6 +48,10 @@ FOREIGN_KEYS: dict[str, ForeignKey] = {
     "lora_target_modules": ForeignKey("network.target_modules", "axolotl"),
     "use_dora": ForeignKey("network.type", "PEFT", "network.type: dora"),
     "use_rslora": ForeignKey("network.rslora", "PEFT"),
+    "lokr_factor": ForeignKey("network.lokr_factor", AITK),
+    "lokr_full_rank": ForeignKey("network.lokr_full_rank", AITK),
+    "validate_every_n_steps": ForeignKey("eval.every", KOHYA, "the diffusion families; eval.path names the images"),
+    "validation_seed": ForeignKey("eval.seed", KOHYA),
     "network_weights": ForeignKey("network.init_from", KOHYA),
     "pretrained_lora_path": ForeignKey("network.init_from", AITK),
     # data
