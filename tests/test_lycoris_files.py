@@ -160,7 +160,14 @@ def test_a_lora_file_into_a_lokr_run_is_a_named_error(run_cli, tmp_path, own_dat
     assert code == 2 and "it is a loha file, network.type is lokr" in err and "fix: set network.type=loha" in err
 
 
-def test_lokr_is_refused_for_the_llm_family(run_cli, capsys):
-    code = run_cli("validate", "configs/examples/quickstart_llm.yaml", "network.type=lokr")
+@pytest.mark.parametrize("config,overrides,message", [
+    ("quickstart_llm.yaml", ["network.type=lokr"], "'network.type'=lokr is for the diffusion families"),
+    ("quickstart_sd.yaml", ["network.type=loha", "network.dropout=0.1"],
+     "'network.dropout'=0.1 is a LoRA setting that PEFT's loha adapter does not have"),
+    ("quickstart_sd.yaml", ["network.lokr_factor=4"], "'network.lokr_factor' applies to network.type=lokr only"),
+    ("quickstart_sd.yaml", ["network.type=lokr", "network.lokr_factor=0"], "'network.lokr_factor'=0 splits nothing"),
+])
+def test_lycoris_settings_that_cannot_apply_are_named(run_cli, capsys, config, overrides, message):
+    code = run_cli("validate", f"configs/examples/{config}", *overrides)
     err = capsys.readouterr().err
-    assert code == 2 and "'network.type'=lokr is for the diffusion families" in err
+    assert code == 2 and message in err and "Traceback" not in err
