@@ -41,12 +41,13 @@ CASES = {
         "log.wandb_project": "shapes", "data.random_flip": True, "data.repeats": 10},
         ["network.conv", "network.conv_alpha", "sample.samples[1].width"]),
     "sd15": ("tiny:sd", "shapes", {
-        "model.family": "sd", "network.rank": 8, "network.alpha": 1.0, "data.path": "/data/sd15",
+        "model.family": "sd", "network.type": "lokr", "network.lokr_factor": 4, "network.rank": 8,
+        "network.alpha": 1.0, "data.path": "/data/sd15",
         "data.trigger_word": "zxq", "train.steps": 800, "train.optimizer": "prodigy", "train.lr": 1.0,
         "train.precision": "fp32", "save.every": 100, "save.keep_last": 5, "save.dtype": "fp16",
         "sample.prompts": ["zxq a yellow star", "a purple circle"], "sample.negative_prompt": "text, watermark",
         "data.datasets": [{"path": "/data/sd15_extra", "resolution": 512}]},
-        ["device", "network.type", "network.lokr_factor", "sample.walk_seed"]),
+        ["device", "sample.walk_seed"]),
     "datasets": ("tiny:sd", "shapes", {
         "model.family": "sd", "data.path": "/data/person", "data.trigger_word": "zxq", "data.resolution": 768, "data.resolutions": [512, 768],
         "data.repeats": 4, "data.masked_loss": True, "data.mask_folder": "/data/person_masks", "data.mask_min": 0.1,
@@ -194,3 +195,16 @@ def test_a_key_the_translator_does_not_know_is_listed(tmp_path, run_cli, capsys)
     err = capsys.readouterr().err
     assert "not translated: future_setting = 3: no equivalent setting in this toolkit" in err
     assert "not translated: network.wobble = 2: no equivalent setting in this toolkit" in err
+
+
+def test_a_full_rank_lokr_job_translates(tmp_path, run_cli, capsys):
+    """ai-toolkit's README LoKr (lokr_full_rank, lokr_factor 8): the same keys here; the config validates."""
+    job = tmp_path / "job.yaml"
+    job.write_text("config:\n  name: x\n  process:\n    - type: sd_trainer\n"
+                   "      model: {name_or_path: m, arch: flux}\n      datasets: [{folder_path: /d}]\n"
+                   "      network: {type: lokr, linear: 16, lokr_full_rank: true, lokr_factor: 8}\n")
+    assert run_cli("import-aitk", job) == 0
+    captured = capsys.readouterr()
+    network = yaml.safe_load(captured.out)["network"]
+    assert network == {"type": "lokr", "lokr_full_rank": True, "lokr_factor": 8, "rank": 16, "alpha": 1.0}
+    assert "not translated: network" not in captured.err

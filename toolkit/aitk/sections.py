@@ -49,17 +49,35 @@ def clip_frames(frames: int, key: str, out: Translation) -> int:
     return usable
 
 
+def lokr_network(out: Translation, s: Section) -> None:
+    """ai-toolkit's LoKr: lokr_factor (-1 auto) and lokr_full_rank (both Kronecker factors full, scale 1; linear
+    and linear_alpha then unused), the same keys here; old_lokr_format is how ai-toolkit names its own file's keys."""
+    full = s.take("lokr_full_rank", False)
+    if not isinstance(full, bool):
+        out.skip(s.key("lokr_full_rank"), full, "expected true or false")
+    elif full:
+        out.set("network.lokr_full_rank", True, s.key("lokr_full_rank"))
+    factor = s.take("lokr_factor", -1)
+    if factor != -1:
+        out.set("network.lokr_factor", as_int(factor, s.key("lokr_factor")), s.key("lokr_factor"))
+    s.skip("old_lokr_format", "ai-toolkit's older LoKr key names: the file here has LyCORIS keys (lokr_w1, "
+           "lokr_w2, ...), which ComfyUI and kohya read", when=False)
+
+
 def network(out: Translation, s: Section) -> None:
     kind = str(s.take("type", "lora")).lower()
     if kind == "lora" and "type" in s.given:
         out.same(s.key("type"), kind, "a LoRA is trained here")
+    elif kind == "lokr":
+        out.set("network.type", kind, s.key("type"))
     elif kind != "lora":
-        reason = {"lokr": "LoKr (Kronecker-factored) adapters are not available here",
-                  "locon": "LoCon's convolution layers are not adapted here (linear layers only)"}
-        out.skip(s.key("type"), kind, reason.get(kind, "only LoRA (and DoRA) adapters are available here") +
-                 "; a LoRA of the same rank and alpha is trained instead")
+        reason = {"locon": "LoCon's convolution layers are not adapted here (linear layers only)"}
+        out.skip(s.key("type"), kind, reason.get(kind, "only LoRA, DoRA, LoKr and LoHa adapters are available "
+                                                       "here") + "; a LoRA of the same rank and alpha is trained instead")
+    if kind == "lokr":
+        lokr_network(out, s)
     for lokr in ("lokr_full_rank", "lokr_factor", "old_lokr_format"):
-        s.skip(lokr, "LoKr settings; a LoRA is trained instead" if kind == "lokr" else "applies to LoKr only")
+        s.skip(lokr, "applies to LoKr only")
     out.read(s.key("rank"), s.key("alpha"))  # ai-toolkit's older names of linear and linear_alpha
     rank = s.take("rank", s.take("linear"))
     rank = 4 if rank is None else as_int(rank, s.key("linear"))

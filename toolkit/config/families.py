@@ -19,14 +19,15 @@ from toolkit.config.data_schemas import ImageDataSection, TextDataSection, Video
 # a family that does not read it is a config error, and the resolved config of a run shows only its own.
 LLM_SETTINGS = frozenset({"model.attention", "model.kernels", "model.fuse_projections", "model.trust_remote_code",
                           "model.quantize", "model.quantize_backend", "sample.max_new_tokens", "sample.temperature",
-                          "train.checkpoint_offload", "train.objective", "train.beta", "train.reference_logps",
+                          "train.checkpoint_offload", "train.eval_every", "train.objective", "train.beta", "train.reference_logps",
                           "train.desirable_weight", "train.undesirable_weight", "train.reward", "train.reward_pattern",
                           "train.reward_length", "train.num_generations", "train.kl_coef",
                           "train.max_completion_length", "train.generation_temperature"})
+EVAL_SETTINGS = frozenset({"eval.path", "eval.every", "eval.timesteps", "eval.seed"})
 DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.checkpoint_keeps", "train.timestep_sampling",
                                 "train.logit_mean", "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",
                                 "sample.width", "sample.height", "train.prior_loss_weight", "train.dop_class",
-                                "train.dop_weight"})
+                                "train.dop_weight"}) | EVAL_SETTINGS
 DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_offset", "train.min_snr_gamma",
                                       "train.compile_regions",
                                       "sample.negative_prompt"}
@@ -93,7 +94,8 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                compile_auto="wan21-compile",
                keeps_auto="wan21-keeps"),
     FamilySpec("wan22", "toolkit.models.diffusion_wan:Wan22Adapter", VideoDataSection,
-               VIDEO_SETTINGS | {"train.experts", "train.expert_switch_every", "model.expert_offload"},
+               # no eval.*: its eval loss would have to score each noise level with that level's expert
+               (VIDEO_SETTINGS - EVAL_SETTINGS) | {"train.experts", "train.expert_switch_every", "model.expert_offload"},
                "Wan 2.2 A14B (two experts; text- or image-to-video) and TI2V-5B", timestep_sampling="logit_normal",
                batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"wan22": "toolkit.tiny.flow:write_tiny_wan22", "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b",

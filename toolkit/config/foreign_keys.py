@@ -51,6 +51,10 @@ FOREIGN_KEYS: dict[str, ForeignKey] = {
     "finetune_vision_layers": ForeignKey("network.vision_layers", "unsloth"),
     "freeze_vision_tower": ForeignKey("network.vision_layers", "LLaMA-Factory", "the opposite sense: "
                                       "network.vision_layers: true trains a LoRA on the vision tower"),
+    "lokr_factor": ForeignKey("network.lokr_factor", AITK),
+    "lokr_full_rank": ForeignKey("network.lokr_full_rank", AITK),
+    "validate_every_n_steps": ForeignKey("eval.every", KOHYA, "the diffusion families; eval.path names the images"),
+    "validation_seed": ForeignKey("eval.seed", KOHYA),
     "network_weights": ForeignKey("network.init_from", KOHYA),
     "pretrained_lora_path": ForeignKey("network.init_from", AITK),
     # data

@@ -125,7 +125,18 @@ class ModelSection:
 
 @dataclass
 class NetworkSection:
-    type: str = opt("lora", "Adapter type: lora or dora (weight-decomposed LoRA).", choices=("lora", "dora"))
+    type: str = opt("lora", "Adapter type: lora, dora (weight-decomposed LoRA), or for the diffusion families lokr "
+                    "(LyCORIS LoKr: the update is the Kronecker product of a small full matrix and a rank-r factor, "
+                    "PEFT's LoKrConfig) or loha (LyCORIS LoHa: the elementwise product of two rank-r updates, PEFT's "
+                    "LoHaConfig). LoKr and LoHa files are written in LyCORIS keys (lokr_w1, lokr_w2_a, hada_w1_a, ... "
+                    "with .alpha), which ComfyUI, kohya's sd-scripts and the LyCORIS library read; their scale is "
+                    "alpha/rank as for LoRA.", choices=("lora", "dora", "lokr", "loha"))
+    lokr_factor: int = opt(-1, "network.type=lokr: the factor each dimension is split by (kohya's factor, "
+                           "ai-toolkit's lokr_factor): the small Kronecker matrix is about factor x factor; -1 "
+                           "splits each dimension as evenly as it divides (the smallest file).", minimum=-1)
+    lokr_full_rank: bool = opt(False, "network.type=lokr: both Kronecker factors full matrices (ai-toolkit's "
+                               "lokr_full_rank): no rank, network.rank and network.alpha unused, the update "
+                               "kron(w1, w2) at scale 1, as LyCORIS and ComfyUI apply a full-rank LoKr.")
     rank: int = opt(16, "LoRA rank r.", minimum=1)
     alpha: float = opt(16.0, "LoRA alpha; the update is scaled by alpha/rank (alpha/sqrt(rank) with rslora).")
     dropout: float = opt(0.0, "Dropout on the LoRA input.", minimum=0.0)
@@ -260,7 +271,8 @@ class TrainSection:
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "
                                    "checkpoint path.", resume_safe=True)
-    eval_every: int = opt(0, "Compute the eval loss every N steps, when the family has eval data (0: only at the end).",
+    eval_every: int = opt(0, "llm: compute the eval loss every N steps, when there is eval data (0: only at the end); "
+                          "the diffusion families: eval.every.",
                           minimum=0, resume_safe=True)
     max_nan_steps: int = opt(5, "Stop after this many non-finite losses in a row (each one skips its step).", minimum=1,
                              resume_safe=True)
@@ -339,6 +351,22 @@ class LogSection:
 
 
 @dataclass
+class EvalSection:
+    path: Optional[str] = opt(None, "Diffusion: a held-out folder of images (or clips) with captions, laid out as "
+                              "data.path (same caption, resolution and bucket settings; no flips or crops). Its "
+                              "denoising loss is computed at eval.timesteps fixed noise levels with fixed noise, so "
+                              "every evaluation of every run (resumed or not) sees the same inputs; logged as "
+                              "eval_loss and plotted in report.html beside the training loss.")
+    every: int = opt(0, "Diffusion: compute the eval loss every N steps when eval.path is set (0: only at the end).",
+                     minimum=0, resume_safe=True)
+    timesteps: int = opt(4, "Diffusion: the fixed noise levels each eval image is scored at, spread evenly over the "
+                         "noise schedule ((i + 0.5) / N of it; the flow families' shift applied as in training); "
+                         "the eval loss is the mean over images and levels.", minimum=1)
+    seed: int = opt(0, "Diffusion: the seed of the eval noise (one draw per image and level, independent of "
+                    "run.seed and of the training's random streams).")
+
+
+@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     device: DeviceSection = field(default_factory=DeviceSection)
@@ -349,6 +377,7 @@ class RunConfig:
     save: SaveSection = field(default_factory=SaveSection)
     sample: SampleSection = field(default_factory=SampleSection)
     log: LogSection = field(default_factory=LogSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
 
 @functools.cache

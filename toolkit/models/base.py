@@ -191,6 +191,10 @@ class ModelAdapter(ABC):
     def begin_step(self, step: int) -> None:
         """Called before optimizer step `step` (1-based), for state that follows the step number."""
 
+    def eval_interval(self) -> int:
+        """Steps between eval losses (0: only at the end): train.eval_every (the diffusion families: eval.every)."""
+        return int(self.cfg.train.eval_every)
+
     def eval_loss(self, batch_size: int) -> float | None:
         """Mean loss on held-out data in batches of `batch_size`, or None when the family/config has none."""
         return None
@@ -205,8 +209,10 @@ class ModelAdapter(ABC):
 
 
 def lora_targets(network: torch.nn.Module) -> list[str]:
-    """The names of the modules that carry LoRA weights."""
-    return sorted({n.rsplit(".lora_A", 1)[0] for n, _ in network.named_parameters() if ".lora_A" in n})
+    """The names of the modules that carry adapter weights (PEFT's LoRA, LoKr or LoHa layers)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return sorted(n for n, m in network.named_modules() if isinstance(m, BaseTunerLayer))
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from toolkit.data.captions import apply_trigger
 from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode, repeated_blocks
 from toolkit.models.diffusion_data import DiffusionData, unbatch
+from toolkit.models.diffusion_eval import DiffusionEval
 from toolkit.models.diffusion_files import DiffusersLoraFiles
 from toolkit.models.lora import lora_config
 from toolkit.data.masks import loss_weights
@@ -65,7 +66,7 @@ class DiffusionMemory(ModelMemory):
         return ["data.resolution lower (fewer latent tokens per image)"]
 
 
-class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, ModelAdapter):
+class DiffusionAdapter(DiffusionData, DiffusionEval, DiffusersLoraFiles, ModelAdapter):
     denoiser_names: tuple[str, ...] = ("unet",)      # pipeline components that carry the LoRA
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     text_keys: tuple[str, ...] = ("prompt_embeds",)   # the cached text tensors the denoiser takes
@@ -161,6 +162,7 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, ModelAdapter):
                 encoder.add_adapter(lora_config(net, TEXT_ENCODER_TARGETS, init_lora_weights="gaussian"))
                 modules[name] = encoder
         self.network = torch.nn.ModuleDict(modules)
+        self.check_lycoris_names()
         for p in self.network.parameters():  # LoRA weights train in fp32 over a bf16/fp16 base
             if p.requires_grad:
                 p.data = p.data.float()
@@ -270,6 +272,16 @@ class DiffusionAdapter(DiffusionData, DiffusersLoraFiles, ModelAdapter):
         pred = self.predict(denoiser, noised, cond, class_batch)
         keep = self.to_device(batch["preserve"]).float()
         return self.cfg.train.dop_weight * keep * per_sample_mse(pred, base)
+
+    def loss_at(self, batch: dict[str, Any], latents: torch.Tensor, cond: dict[str, torch.Tensor],
+                noise: torch.Tensor, level: float) -> torch.Tensor:
+        """Each sample's loss with `noise` at the fixed noise `level` (the eval loss: diffusion_eval.py), through
+        the pipeline's own denoiser."""
+        name = self.active_denoiser()
+        noised = self.objective.noise_at(latents, noise, level)
+        component = self.component(name)
+        pred = self.predict(Denoiser(component, component.dtype, component.config), noised, cond, batch)
+        return self.objective.loss(pred, noised)
 
     # -- conditioning ----------------------------------------------------------------------
     @contextmanager

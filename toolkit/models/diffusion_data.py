@@ -84,6 +84,8 @@ class DiffusionData:
         vae.to(self.runtime.device)
         if data.cache_latents:
             self._fill_latents(dataset, root)
+        self.eval_set = self.prepare_eval(root)  # diffusion_eval.py: eval.path's latents, always cached
+        if data.cache_latents:
             vae.to("cpu")  # only sampling needs it again
         self._prepare_text(dataset, items, rules, root, settings)
         return dataset
@@ -170,7 +172,7 @@ class DiffusionData:
                          "on the device")
             return
         captions = [it.caption for it in items]
-        extra = [""] if rules.caption_dropout > 0 else []
+        extra = ([""] if rules.caption_dropout > 0 else []) + self.eval_texts()
         extra += [c for c in classes or [] if c is not None]
         if not self.samples_need_text_encoders:
             extra += self.sample_texts()
@@ -179,6 +181,7 @@ class DiffusionData:
         dataset.empty_text = self.prompt_cache.get("")
         if classes is not None:  # an item without a class caption keeps its own (its preservation is masked off)
             dataset.dop_text = [self.prompt_cache[c] if c is not None else dataset.text[i] for i, c in enumerate(classes)]
+        self.attach_eval_texts()
         self.log(f"text embeddings: {self.text_cache.hits} cached, {self.text_cache.misses} encoded")
         if self.samples_need_text_encoders:
             for encoder in encoders:

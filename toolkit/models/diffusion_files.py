@@ -11,6 +11,7 @@ loads exactly; the log says that other tools cannot read it.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 
 from toolkit.errors import UserError
 from toolkit.models.lora_export import Factors, peft_factors
+from toolkit.models.lycoris_files import TENSORS, load_lycoris_file, lycoris_state, module_names, peft_modules
 from toolkit.models.lora_loading import (DEFAULT, LOADED, copy_loaded_adapter, has_loaded, reading_lora,
                                          refuse_unplaced, second_adapter, unplaced_lora_keys)
 
@@ -50,10 +52,38 @@ class DiffusersLoraFiles:
 
     def lora_metadata(self) -> dict[str, str]:
         """safetensors metadata in the ss_* keys kohya's tools and ComfyUI show."""
+        network = self.cfg.network
+        lycoris = {"ss_network_module": "lycoris.kohya",
+                   "ss_network_args": json.dumps({"algo": network.type, "factor": network.lokr_factor})
+                   } if network.type in TENSORS else {"ss_network_module": "networks.lora"}
         return {"ss_base_model": str(self.cfg.model.name_or_path), "toolkit_family": self.family,
-                "ss_network_dim": str(self.cfg.network.rank), "ss_network_alpha": str(self.cfg.network.alpha),
+                "ss_network_dim": str(network.rank), "ss_network_alpha": str(network.alpha),
                 "ss_steps": str(self.cfg.train.steps), "ss_trigger_word": str(self.cfg.data.trigger_word or ""),
-                "ss_network_module": "networks.lora"}
+                **lycoris}
+
+    # -- LoKr / LoHa (toolkit/models/lycoris_files.py) -----------------------------------------------------------
+    def lycoris_names(self, names: list[str]) -> dict[tuple[str, str], str]:
+        """{(component, module path): its name in the file} for the LoKr / LoHa modules of the components `names`:
+        the family's LoRA key style's names."""
+        kind = self.cfg.network.type
+        paths = {name: list(peft_modules(self.network[name], kind, torch.float32)) for name in names}
+        return module_names(self.lora_key_style, paths)
+
+    def check_lycoris_names(self) -> None:
+        """At load, before any step: every LoKr / LoHa module has a name in the family's files."""
+        if self.cfg.network.type not in TENSORS:
+            return
+        try:
+            self.lycoris_names(list(self.network.keys()))
+        except ValueError as err:
+            raise UserError(f"network.type={self.cfg.network.type}: {err}\n  fix: leave network.target_modules at "
+                            "auto, or name modules the family's LoRA files can hold") from None
+
+    def lycoris_state(self, dtype: torch.dtype, names: list[str]) -> dict[str, torch.Tensor]:
+        """The file's tensors for the LoKr / LoHa of the components `names` in `dtype`."""
+        kind = self.cfg.network.type
+        modules = {name: peft_modules(self.network[name], kind, dtype) for name in names}
+        return lycoris_state(modules, self.lycoris_names(names))
 
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
         """pytorch_lora_weights.safetensors, plus a copy named for save.format (kohya, comfyui) when asked."""
@@ -66,8 +96,11 @@ class DiffusersLoraFiles:
         file, fmt = folder / LORA_FILE, self.cfg.save.format  # checked against the family's save_formats
         copy = copy_stem.with_name(f"{copy_stem.name}_{fmt}.safetensors")
         try:
-            state = self.lora_key_style(self.lora_factors(dtype, names))
-        except ValueError as err:
+            if self.cfg.network.type in TENSORS:
+                state = self.lycoris_state(dtype, names)
+            else:
+                state = self.lora_key_style(self.lora_factors(dtype, names))
+        except ValueError as err:  # a LoKr / LoHa was checked at load (check_lycoris_names)
             self.write_diffusers_layout(folder, names, dtype)
             self.log(f"warning: {file}: written in diffusers' own layout, which diffusers loads but ComfyUI and "
                      f"kohya's tools do not: {err}")
@@ -110,6 +143,10 @@ class DiffusersLoraFiles:
         knows) under a second adapter name, then copy each module's update into the trained adapter of the
         components `names` (toolkit/models/lora_loading.py)."""
         model = f"{self.family} model ({self.cfg.model.name_or_path})"
+        if self.cfg.network.type in TENSORS:  # diffusers reads no LyCORIS keys
+            load_lycoris_file(file, self.cfg.network.type, {name: self.component(name) for name in names},
+                              self.lycoris_names(names), partial, label, self.log)
+            return
         with second_adapter():
             self._load_lora_file(file, names, partial, label, model, load_kwargs)
 

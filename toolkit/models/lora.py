@@ -23,8 +23,34 @@ def target_modules(value: Any, auto: list[str] | str, all_linear: list[str] | st
 
 
 def lora_config(network: DictConfig, targets: list[str] | str, **extra: Any):
-    """The PEFT LoraConfig for the `network` section (rank, alpha, dropout, DoRA, rsLoRA) on `targets`."""
+    """The PEFT config for the `network` section on `targets`: LoraConfig (rank, alpha, dropout, DoRA, rsLoRA), or
+    for network.type lokr / loha, LoKrConfig / LoHaConfig (rank, alpha; PEFT's own initialisation, one factor zero).
+    `extra` are LoraConfig arguments (task_type, init_lora_weights)."""
+    if network.type in ADAPTER_CONFIGS:
+        return ADAPTER_CONFIGS[network.type](network, targets)
     from peft import LoraConfig
 
     return LoraConfig(r=network.rank, lora_alpha=network.alpha, lora_dropout=network.dropout,
                       target_modules=targets, use_dora=network.type == "dora", use_rslora=network.rslora, **extra)
+
+
+FULL_RANK = 2**30
+
+
+def _lokr_config(network: DictConfig, targets: list[str] | str):
+    from peft import LoKrConfig
+
+    # PEFT keeps w2 a full matrix when the rank is at least half its larger side: a rank no layer reaches, with
+    # alpha equal to it (scale 1), is full rank.
+    rank, alpha = (FULL_RANK, float(FULL_RANK)) if network.lokr_full_rank else (network.rank, network.alpha)
+    return LoKrConfig(r=rank, alpha=alpha, target_modules=targets, decompose_factor=network.lokr_factor,
+                      init_weights=True)
+
+
+def _loha_config(network: DictConfig, targets: list[str] | str):
+    from peft import LoHaConfig
+
+    return LoHaConfig(r=network.rank, alpha=network.alpha, target_modules=targets, init_weights=True)
+
+
+ADAPTER_CONFIGS = {"lokr": _lokr_config, "loha": _loha_config}  # network.type -> PEFT config; else a LoraConfig

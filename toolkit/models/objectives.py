@@ -85,6 +85,15 @@ class DDPMObjective:
         target = noise if self.prediction_type == "epsilon" else self.scheduler.get_velocity(latents, noise, timesteps)
         return Noised(noisy, timesteps, target)
 
+    def noise_at(self, latents: torch.Tensor, noise: torch.Tensor, level: float) -> Noised:
+        """`latents` noised with `noise` at the timestep `level` of the way through the schedule (the eval loss's
+        fixed levels; no noise offset)."""
+        steps = self.scheduler.config.num_train_timesteps
+        timesteps = torch.full((latents.shape[0],), min(int(level * steps), steps - 1), device=latents.device)
+        noisy = self.scheduler.add_noise(latents, noise, timesteps)
+        target = noise if self.prediction_type == "epsilon" else self.scheduler.get_velocity(latents, noise, timesteps)
+        return Noised(noisy, timesteps, target)
+
     def loss(self, pred: torch.Tensor, noised: Noised, weight: torch.Tensor | None = None) -> torch.Tensor:
         """Per-sample losses (Min-SNR weighted when train.min_snr_gamma is set; `weight`: a loss mask)."""
         error = F.mse_loss(pred.float(), noised.target.float(), reduction="none")
@@ -107,6 +116,13 @@ class FlowObjective:
     def noise(self, latents: torch.Tensor, low: float = 0.0, high: float = 1.0) -> Noised:
         noise = torch.randn_like(latents)
         sigmas = self.sampler_for(latents).sample(latents.shape[0], latents.device, low, high)
+        return Noised(noisy_latents(latents, noise, sigmas), sigmas, noise - latents)
+
+    def noise_at(self, latents: torch.Tensor, noise: torch.Tensor, level: float) -> Noised:
+        """`latents` noised with `noise` at the sigma the family's shift maps `level` to (the eval loss's fixed
+        levels)."""
+        u = torch.full((latents.shape[0],), level, device=latents.device, dtype=torch.float32)
+        sigmas = self.sampler_for(latents).shifted(u).clamp(1e-5, 1.0)
         return Noised(noisy_latents(latents, noise, sigmas), sigmas, noise - latents)
 
     def loss(self, pred: torch.Tensor, noised: Noised, weight: torch.Tensor | None = None) -> torch.Tensor:

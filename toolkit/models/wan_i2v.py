@@ -83,6 +83,9 @@ class FirstFrameGiven:
     def noise(self, latents: torch.Tensor, low: float = 0.0, high: float = 1.0) -> Noised:
         return self.inner.noise(latents, low, high)
 
+    def noise_at(self, latents: torch.Tensor, noise: torch.Tensor, level: float) -> Noised:
+        return self.inner.noise_at(latents, noise, level)
+
     def loss(self, pred: torch.Tensor, noised: Noised, weight: torch.Tensor | None = None) -> torch.Tensor:
         return self.inner.loss(pred[:, :, 1:], Noised(noised.noisy, noised.t, noised.target[:, :, 1:]), weight)
 

@@ -102,6 +102,32 @@ def block_swap_checks(f: Facts) -> None:
     return None
 
 
+LYCORIS_TYPES = ("lokr", "loha")
+
+
+@rule("network.type", STATIC)
+def network_type_checks(f: Facts) -> None:
+    """LoKr and LoHa are diffusion adapters (their files are LyCORIS files for ComfyUI and kohya)."""
+    kind = f.asked("network.type")
+    if kind in LYCORIS_TYPES and f.family == "llm":
+        f.problems.append(f"'network.type'={kind} is for the diffusion families (LyCORIS files for ComfyUI and "
+                          "kohya); an llm trains lora or dora: set network.type=lora")
+    if kind in LYCORIS_TYPES:
+        for key, plain in (("network.dropout", 0.0), ("network.rslora", False)):
+            if f.asked(key) != plain:
+                f.problems.append(f"'{key}'={f.asked(key)} is a LoRA setting that PEFT's {kind} adapter does not "
+                                  f"have: set {key}={str(plain).lower()}, or network.type=lora")
+    if f.asked("network.lokr_factor") == 0:
+        f.problems.append("'network.lokr_factor'=0 splits nothing: use -1 (even split) or a factor of at least 1")
+    if f.asked("network.lokr_full_rank") and kind != "lokr":
+        f.problems.append(f"'network.lokr_full_rank' applies to network.type=lokr only (network.type is {kind}): "
+                          "remove it, or set network.type=lokr")
+    if f.asked("network.lokr_factor") != -1 and kind != "lokr":
+        f.problems.append(f"'network.lokr_factor' applies to network.type=lokr only (network.type is {kind}): "
+                          "remove it, or set network.type=lokr")
+    return None
+
+
 @rule("model.quantize", STATIC)
 def quantize_checks(f: Facts) -> None:
     """Checks only: auto is settled once the model's size is known (loaded stage)."""

@@ -49,9 +49,10 @@ def _value(cfg: DictConfig, key: str) -> Any:
 
 
 def data_problems(cfg: DictConfig, sources: dict, files: bool) -> list[str]:
-    """data.path (and data.eval_path): a file for text data (`files`), a folder of images or clips otherwise."""
+    """data.path (and data.eval_path / eval.path): a file for text data (`files`), a folder of images or clips
+    otherwise."""
     problems = []
-    keys = ["data.path", "data.eval_path"] if files else ["data.path", "data.mask_folder"]
+    keys = ["data.path", "data.eval_path"] if files else ["data.path", "data.mask_folder", "eval.path"]
     if not files:
         keys += [f"data.datasets[{n}].path" for n in range(len(_value(cfg, "data.datasets") or []))]
     for key in keys:

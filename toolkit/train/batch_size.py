@@ -41,7 +41,8 @@ FRAGMENTATION = 0.10    # share of the budget left free for the allocator's frag
 REFINE_TRIES = 4        # sizes tried between the largest that fit and the first that did not
 GiB = 2**30
 # Resolved config keys whose values change a micro-step's memory (besides the batch's shapes, keyed separately).
-MEMORY_SETTINGS = ("model", "network.type", "network.rank", "network.target_modules", "train.precision",
+MEMORY_SETTINGS = ("model", "network.type", "network.rank", "network.lokr_factor",
+                   "network.lokr_full_rank", "network.target_modules", "train.precision",
                    "train.gradient_checkpointing", "train.compile", "train.train_text_encoder", "train.experts",
                    "data.resolution", "data.num_frames", "data.max_seq_len", "device.sdpa_backend")
 

@@ -145,7 +145,9 @@ class RunReport(StepEvents):
         metrics_path = self.run_dir.logs / "metrics.jsonl"
         with disk_full_named("the loss plot", self.run_dir.logs, remove=self.loss_png.with_name(".loss.png.tmp")):
             plot = plot_loss(metrics_path, self.loss_png)
-        records = [r for r in read_metrics(metrics_path) if "loss" in r]
+        everything = read_metrics(metrics_path)
+        records = [r for r in everything if "loss" in r]
+        evals = [r for r in everything if "eval_loss" in r]
         last = records[-1] if records else {}
         name = self.run.cfg.run.name
         status = "finished" if finished else "in progress"
@@ -161,6 +163,9 @@ class RunReport(StepEvents):
             timings.append((f"peak memory ({last.get('memory_kind', '')})", f"{last['memory_mb']:,.0f} MB"))
         if "loss_smoothed" in last and last["loss_smoothed"] is not None:
             timings.append(("loss (smoothed)", f"{last['loss_smoothed']:.4f}"))
+        if evals:
+            timings.append(("eval loss (last, plotted beside the loss)",
+                            f"{evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}"))
         device = self.run.device
         device_rows = [("device", device.summary()), ("preset", self.run.preset_reason)]
         device_rows += [("", reason) for reason in device.reasons]

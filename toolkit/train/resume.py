@@ -91,7 +91,7 @@ def checkpoint_processes(checkpoint: Checkpoint) -> int:
 # A refused resume suggests starting over from the checkpoint's LoRA (network.init_from) unless what changed is
 # one of these: a LoRA does not carry over to another model, rank or type, and init_from is then what changed.
 INIT_FROM_FIXED = frozenset({"model.family", "model.name_or_path", "model.revision", "network.rank", "network.type",
-                             "network.init_from"})
+                             "network.lokr_factor", "network.lokr_full_rank", "network.init_from"})
 
 
 def check_resume_config(checkpoint: Checkpoint, saved: dict, current: dict, notice: Callable[[str], None],

@@ -232,6 +232,7 @@ class Trainer:
     def _loop(self, loop: LoopState) -> Path:
         cfg, events = self.cfg, self.events
         start, steps = loop.step, cfg.train.steps
+        eval_every = self.adapter.eval_interval()
         self.metrics = MetricsLogger(self.run_dir.logs, steps, start, cfg.log.every, cfg.log.tensorboard, self.is_main,
                                      wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project, run_name=cfg.run.name,
                                      config=self.plan.effective(resolved_container(self.resolved.asked)),
@@ -266,7 +267,7 @@ class Trainer:
                     if not self.procs.several:  # a signal that arrived during the step still counts
                         stopping = stopping or stop.requested is not None
                     saving = stopping or step == steps or (cfg.save.every and step % cfg.save.every == 0)
-                    evaluating = cfg.train.eval_every and step % cfg.train.eval_every == 0
+                    evaluating = eval_every and step % eval_every == 0
                     sampling = cfg.sample.every and step % cfg.sample.every == 0
                     if self.stepper.skips_on_device and not (saving or evaluating or sampling):
                         lagging = (step, sums)
@@ -291,7 +292,7 @@ class Trainer:
             elapsed = time.perf_counter() - started
             self._check_processes_agree()
             doing = "the eval loss"
-            if cfg.train.eval_every == 0 or steps % cfg.train.eval_every:
+            if eval_every == 0 or steps % eval_every:
                 self._eval(steps)
             doing = "sampling"
             self._sample(steps)
