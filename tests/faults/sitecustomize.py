@@ -6,8 +6,9 @@ launcher's attempt ATTEMPT (TORCHELASTIC_RESTART_COUNT; 0, the first start, by d
 - kill: SIGKILLs itself (as the kernel's out-of-memory killer would);
 - hang: stops answering (asleep, as a process stuck outside Python would be: SIGTERM ends it at once);
 - oom: runs out of memory in the step's first backward (torch.OutOfMemoryError, after the forward drew its noise).
-tests/test_restarts.py uses kill, tests/test_out_of_memory.py oom; hang is there for trying a hung rank through the whole trainer by hand
-(TOOLKIT_TEST_FAULT=hang:1:5 device.collective_timeout=5 --gpus 2).
+tests/test_restarts.py uses kill, tests/test_out_of_memory.py oom; hang is there for trying a hung rank through the
+whole trainer by hand (TOOLKIT_TEST_FAULT=hang:1:5 device.collective_timeout=5 --gpus 2). The hook is the loop's
+step_started event (train/events.py), which every family passes through.
 """
 
 import os
@@ -23,11 +24,11 @@ if _STEPS:
     import signal
     import time
 
-    from toolkit.models.base import ModelAdapter
+    from toolkit.train.events import Events
 
-    _begin_step = ModelAdapter.begin_step
+    _step_started = Events.step_started
 
-    def _faulty_begin_step(self, step: int) -> None:
+    def _faulty_step_started(self, step: int) -> None:
         kind = _STEPS.get(step)
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -36,9 +37,9 @@ if _STEPS:
         if kind == "hang":
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the trainer's graceful stop would not run either
             time.sleep(3600)
-        return _begin_step(self, step)
+        return _step_started(self, step)
 
-    ModelAdapter.begin_step = _faulty_begin_step
+    Events.step_started = _faulty_step_started
 
     import torch
     from accelerate import Accelerator

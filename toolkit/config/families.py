@@ -33,7 +33,7 @@ DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_o
                                       "sample.negative_prompt"}
 FLOW_SETTINGS = DIFFUSION_SETTINGS | {"train.flow_shift", "model.quantize", "model.quantize_backend",
                                       "model.block_swap"}
-VLM_SETTINGS = frozenset({"network.vision_layers", "sample.max_new_tokens", "sample.temperature", "sample.images"})
+VLM_SETTINGS = frozenset({"train.eval_every", "network.vision_layers", "sample.max_new_tokens", "sample.temperature", "sample.images"})
 VIDEO_SETTINGS = FLOW_SETTINGS | {"sample.negative_prompt", "sample.num_frames", "sample.fps", "model.task",
                                   "sample.images"}
 

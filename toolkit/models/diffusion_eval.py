@@ -54,7 +54,7 @@ class DiffusionEval:
                                  **{k: v for k, v in PLAIN_VIEW.items() if k in self.cfg.data}})
         self.log(f"eval: {path}")
         try:
-            items = self.scan(data)
+            items = self.scan(data, self.log)
         except UserError as err:
             raise UserError(f"eval.path: {str(err).removeprefix('data.path: ')}") from None
         if not items:

@@ -152,7 +152,14 @@ class WanAdapter(Wan, DiffusionAdapter):
 
 class Wan22Adapter(Wan, DiffusionAdapter):
     """A14B (two experts: `transformer` for high noise, `transformer_2` for low) or TI2V-5B (one transformer);
-    which one is resolved once, from the pipeline, in setup_training."""
+    which one is resolved once, from the pipeline, in setup_training. No eval.* settings: its eval loss would have
+    to score each noise level with that level's expert (config/families.py)."""
+
+    def eval_interval(self) -> int:
+        return 0
+
+    def prepare_eval(self, root):
+        return None
 
     def setup_training(self) -> None:
         self.experts = [n for n in ("transformer", "transformer_2") if getattr(self.pipe, n, None) is not None]
