@@ -25,11 +25,16 @@ from toolkit.data.buckets import SHRUNK, bucket_step, bucket_table, choose_bucke
 from toolkit.data.captions import CaptionRules
 from toolkit.data.datasets import EpochMix
 from toolkit.data.folder_report import report_captions
-from toolkit.data.masks import is_mask_file
 from toolkit.errors import UserError
 from toolkit.text_files import read_text
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+MASK_SUFFIX = ".mask"  # name.mask.png beside name.png: its loss mask (data/masks.py)
+
+
+def is_mask_file(path: Path) -> bool:
+    """A `name.mask.png` file: a mask, never a training image."""
+    return Path(path.stem).suffix == MASK_SUFFIX
 
 
 @dataclass

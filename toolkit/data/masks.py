@@ -20,14 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from toolkit.data.images import IMAGE_EXTS, MASK_SUFFIX, oriented_size
 from toolkit.errors import UserError
 
-MASK_SUFFIX = ".mask"
-
-
-def is_mask_file(path: Path) -> bool:
-    """A `name.mask.png` file: a mask, never a training image."""
-    return Path(path.stem).suffix == MASK_SUFFIX
 
 
 def find_mask(image: Path, folder: Path, exts: tuple[str, ...]) -> Path | None:
@@ -88,7 +83,6 @@ def attach_masks(items: list, dataset, mask_folder: str | None) -> list:
 
     from PIL import Image
 
-    from toolkit.data.images import IMAGE_EXTS, oriented_size
 
     folder = Path(mask_folder) if mask_folder else Path(dataset.section.path) / "masks"
     found, missing = [], []
