@@ -317,7 +317,7 @@ def test_loss_is_the_sum_of_token_losses_for_builtin_and_remote_code_models(tmp_
     import torch.nn.functional as F
 
     from helpers import adapter_for
-    from toolkit.models.llm import label_tokens
+    from toolkit.models.token_loss import label_tokens
 
     adapter, dataset = adapter_for("quickstart_llm.yaml", tmp_path)
     assert adapter.sums_loss  # LlamaForCausalLM ships with transformers

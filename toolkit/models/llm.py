@@ -13,7 +13,6 @@ from omegaconf import DictConfig
 
 from toolkit.data.preference import ExampleData, build_example_data
 from toolkit.data.records import read_records
-from toolkit.data.samples import IGNORE_INDEX
 from toolkit.data.text import TextData, build_text_data, detect_format, render_chat
 from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode
@@ -27,6 +26,7 @@ from toolkit.models.lora_export import peft_factors
 from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
 from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
 from toolkit.models.shared_input import group_shared_inputs
+from toolkit.models.token_loss import label_tokens, mean_token_loss
 from toolkit.tiny import resolve_model_path
 
 
@@ -122,11 +122,6 @@ def checkpoint_layers(model, offload: InputOffload | None = None) -> int:
             module._gradient_checkpointing_func = offloading(module._gradient_checkpointing_func, offload)
             layers += not isinstance(module, PreTrainedModel)
     return layers
-
-
-def label_tokens(labels: torch.Tensor) -> int:
-    """Tokens a causal-LM loss counts: labels after the one-token shift that are not IGNORE_INDEX."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
 class LLMAdapter(ModelAdapter):
@@ -339,16 +334,8 @@ class LLMAdapter(ModelAdapter):
             return self._eval_objective(batch_size)
         if self.data is None or self.data.eval is None:
             return None
-        eval_set = self.data.eval
-        total, count = 0.0, 0
-        with eval_mode(self.network):
-            for first in range(0, len(eval_set), batch_size):
-                batch = eval_set.collate(range(first, min(first + batch_size, len(eval_set))))
-                with torch.autocast(self.runtime.device.type, dtype=self.runtime.compute_dtype,
-                                    enabled=self.runtime.compute_dtype != torch.float32):
-                    loss = self.loss(batch, self.trainable_modules())
-                total, count = total + float(loss), count + label_tokens(batch["labels"])
-        return total / count if count else None
+        return mean_token_loss(self.data.eval, batch_size, lambda batch: self.loss(batch, self.trainable_modules()),
+                               self.network, self.runtime)
 
     def _eval_objective(self, batch_size: int) -> float | None:
         eval_set = self.examples.eval

@@ -17,18 +17,13 @@ from typing import Any, Mapping
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.data.samples import IGNORE_INDEX
 from toolkit.data.vision_chat import VisionChatEncoder, build_vision_chat_data
 from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode
 from toolkit.models.lora import lora_config
 from toolkit.models.lora_loading import load_peft_folder
+from toolkit.models.token_loss import label_tokens, mean_token_loss
 from toolkit.tiny import resolve_model_path
-
-
-def label_tokens(labels: torch.Tensor) -> int:
-    """Tokens the causal-LM loss counts: labels after the one-token shift that are not IGNORE_INDEX."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
 def linear_pattern(model: torch.nn.Module, roots: list[torch.nn.Module], names: list[str] | None) -> str:
@@ -145,16 +140,8 @@ class VLMAdapter(ModelAdapter):
         """Mean token loss over the held-out chats."""
         if self.data is None or self.data.eval is None:
             return None
-        eval_set = self.data.eval
-        total, count = 0.0, 0
-        with eval_mode(self.network):
-            for first in range(0, len(eval_set), batch_size):
-                batch = eval_set.collate(range(first, min(first + batch_size, len(eval_set))))
-                with torch.autocast(self.runtime.device.type, dtype=self.runtime.compute_dtype,
-                                    enabled=self.runtime.compute_dtype != torch.float32):
-                    total += float(self.loss(batch, self.trainable_modules()))
-                count += label_tokens(batch["labels"])
-        return total / count if count else None
+        return mean_token_loss(self.data.eval, batch_size, lambda batch: self.loss(batch, self.trainable_modules()),
+                               self.network, self.runtime)
 
     # -- sampling --------------------------------------------------------------------------
     @torch.no_grad()
