@@ -5,6 +5,7 @@ same logits, the vision tower's LoRA, a bit-identical resume, and data mistakes 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -172,7 +173,8 @@ def test_labels_cover_the_assistant_turns_and_never_an_image_token(tmp_path, tin
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
 ])
 def test_a_bad_record_is_one_message_naming_file_and_line(run_cli, tmp_path, capsys, tiny_cache, record, message):
-    data = REPO / "configs/examples/data" / f".test_vlm_{tmp_path.name}.jsonl"   # beside the images it names
+    # beside the images it names; the pid keeps the pytest workers' files apart (their tmp_path names repeat)
+    data = REPO / "configs/examples/data" / f".test_vlm_{os.getpid()}_{tmp_path.name}.jsonl"
     good = json.loads((REPO / "configs/examples/data/quickstart_vlm.jsonl").read_text().splitlines()[0])
     data.write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
     try:
