@@ -17,7 +17,7 @@ import torch
 
 from toolkit.data.records import read_records, where
 from toolkit.data.samples import IGNORE_INDEX, long_tensor
-from toolkit.data.text import split_eval
+from toolkit.data.text import TextDataset, split_eval
 from toolkit.errors import UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -177,20 +177,9 @@ class VisionChatEncoder:
                             f"an image file ({', '.join(IMAGE_SUFFIXES)}) relative to the data file's folder") from None
 
 
-class VisionChatDataset:
-    """Encoded chats; collate pads the tokens on the right and concatenates the batch's image patches."""
-
-    def __init__(self, samples: list[VisionSample], pad_token_id: int):
-        self.samples = samples
-        self.pad_token_id = pad_token_id
-        self.groups = [0] * len(samples)
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def epoch_entries(self, epoch: int) -> Sequence[int]:
-        """Every item once an epoch (one dataset: no repeats or weights)."""
-        return range(len(self))
+class VisionChatDataset(TextDataset):
+    """Encoded chats (a TextDataset's samples, with their images); collate pads the tokens on the right and
+    concatenates the batch's image patches."""
 
     def collate(self, indices: Sequence[int], epoch: int = 0) -> dict[str, Any]:
         """The batch of `indices` (no augmentation: `epoch` changes nothing)."""
