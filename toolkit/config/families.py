@@ -94,8 +94,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                compile_auto="wan21-compile",
                keeps_auto="wan21-keeps"),
     FamilySpec("wan22", "toolkit.models.diffusion_wan:Wan22Adapter", VideoDataSection,
-               # no eval.*: its eval loss would have to score each noise level with that level's expert
-               (VIDEO_SETTINGS - EVAL_SETTINGS) | {"train.experts", "train.expert_switch_every", "model.expert_offload"},
+               VIDEO_SETTINGS | {"train.experts", "train.expert_switch_every", "model.expert_offload"},
                "Wan 2.2 A14B (two experts; text- or image-to-video) and TI2V-5B", timestep_sampling="logit_normal",
                batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"wan22": "toolkit.tiny.flow:write_tiny_wan22", "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b",

@@ -10,7 +10,7 @@ families (diffusion_flow.py, diffusion_wan.py) build on this class.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -212,6 +212,11 @@ class DiffusionAdapter(DiffusionData, DiffusionEval, DiffusersLoraFiles, ModelAd
     def place_for_training(self) -> None:
         """The denoisers onto the device once the caches are filled (sd/sdxl put theirs there at load)."""
 
+    def denoisers_on_demand(self) -> AbstractContextManager:
+        """Inside: every denoiser runs on the device when called (an offloaded Wan 2.2 expert is brought in),
+        and the trained one is placed back after; the others have them all there."""
+        return nullcontext()
+
     def prepare_data(self):
         """The data with its latent and text caches filled (diffusion_data.py), then the denoisers placed."""
         dataset = self.fill_caches()
@@ -273,11 +278,10 @@ class DiffusionAdapter(DiffusionData, DiffusionEval, DiffusersLoraFiles, ModelAd
         keep = self.to_device(batch["preserve"]).float()
         return self.cfg.train.dop_weight * keep * per_sample_mse(pred, base)
 
-    def loss_at(self, batch: dict[str, Any], latents: torch.Tensor, cond: dict[str, torch.Tensor],
+    def loss_at(self, name: str, batch: dict[str, Any], latents: torch.Tensor, cond: dict[str, torch.Tensor],
                 noise: torch.Tensor, level: float) -> torch.Tensor:
         """Each sample's loss with `noise` at the fixed noise `level` (the eval loss: diffusion_eval.py), through
-        the pipeline's own denoiser."""
-        name = self.active_denoiser()
+        the pipeline's own denoiser `name`."""
         noised = self.objective.noise_at(latents, noise, level)
         component = self.component(name)
         pred = self.predict(Denoiser(component, component.dtype, component.config), noised, cond, batch)

@@ -73,8 +73,14 @@ class DiffusionEval:
         if self.eval_set is not None:
             self.eval_set.text = [self.prompt_cache[item.caption] for item in self.eval_set.items]
 
+    def eval_experts(self, levels: int) -> list[tuple[str, list[int]]]:
+        """Which denoiser scores which of the `levels` fixed levels: one denoiser scores them all (Wan 2.2 A14B
+        gives each level to the expert that owns its sigma)."""
+        return [(self.active_denoiser(), list(range(levels)))]
+
     def eval_loss(self, batch_size: int) -> float | None:
-        """The mean loss over the eval images and fixed levels, in batches of `batch_size` images of one bucket."""
+        """The mean loss over the eval images and fixed levels, in batches of `batch_size` images of one bucket;
+        each denoiser's levels together (an offloaded expert comes to the device once per evaluation)."""
         if self.eval_set is None:
             return None
         eval_set, levels, seed = self.eval_set, int(self.cfg.eval.timesteps), int(self.cfg.eval.seed)
@@ -83,17 +89,18 @@ class DiffusionEval:
             by_bucket.setdefault(group, []).append(index)
         modules = dict(self.network.items())
         total, count = 0.0, 0
-        with torch.no_grad(), eval_mode(self.network):
-            for indices in by_bucket.values():
-                for first in range(0, len(indices), batch_size):
-                    chunk = indices[first:first + batch_size]
-                    batch = eval_set.collate(chunk)
-                    latents = self.latents_of(batch)
-                    cond = self.conditioning(batch, modules)
-                    for level in range(levels):
-                        noise = torch.stack([eval_noise(seed, i, level, latents.shape[1:]) for i in chunk])
-                        losses = self.loss_at(batch, latents, cond, noise.to(latents.device, latents.dtype),
-                                              (level + 0.5) / levels)
-                        total += float(losses.double().sum())
-                        count += len(chunk)
+        with torch.no_grad(), eval_mode(self.network), self.denoisers_on_demand():
+            for name, owned in self.eval_experts(levels):
+                for indices in by_bucket.values():
+                    for first in range(0, len(indices), batch_size):
+                        chunk = indices[first:first + batch_size]
+                        batch = eval_set.collate(chunk)
+                        latents = self.latents_of(batch)
+                        cond = self.conditioning(batch, modules)
+                        for level in owned:
+                            noise = torch.stack([eval_noise(seed, i, level, latents.shape[1:]) for i in chunk])
+                            losses = self.loss_at(name, batch, latents, cond,
+                                                  noise.to(latents.device, latents.dtype), (level + 0.5) / levels)
+                            total += float(losses.double().sum())
+                            count += len(chunk)
         return total / count

@@ -152,14 +152,8 @@ class WanAdapter(Wan, DiffusionAdapter):
 
 class Wan22Adapter(Wan, DiffusionAdapter):
     """A14B (two experts: `transformer` for high noise, `transformer_2` for low) or TI2V-5B (one transformer);
-    which one is resolved once, from the pipeline, in setup_training. No eval.* settings: its eval loss would have
-    to score each noise level with that level's expert (config/families.py)."""
-
-    def eval_interval(self) -> int:
-        return 0
-
-    def prepare_eval(self, root):
-        return None
+    which one is resolved once, from the pipeline, in setup_training. Its eval loss scores each fixed level with
+    the expert that owns the level's sigma (eval_experts), whichever experts train."""
 
     def setup_training(self) -> None:
         self.experts = [n for n in ("transformer", "transformer_2") if getattr(self.pipe, n, None) is not None]
@@ -213,6 +207,19 @@ class Wan22Adapter(Wan, DiffusionAdapter):
             return 0.0, 1.0
         return (self.boundary, 1.0) if self.active == "transformer" else (0.0, self.boundary)
 
+    def eval_experts(self, levels: int) -> list[tuple[str, list[int]]]:
+        """A14B: the high-noise expert scores the levels whose sigma is at or above the boundary, the low-noise
+        expert the others (the pipeline's own split at boundary_ratio, and training's); the resident expert first."""
+        if not self.two_experts:
+            return super().eval_experts(levels)
+        sampler = self.sampler_for(None)  # Wan's shift is fixed: a level's sigma does not depend on the latents
+        owned: dict[str, list[int]] = {"transformer": [], "transformer_2": []}
+        for level in range(levels):
+            sigma = float(sampler.shifted(torch.tensor((level + 0.5) / levels)))
+            owned["transformer" if sigma >= self.boundary else "transformer_2"].append(level)
+        order = sorted(owned, key=lambda name: name != self.resident)
+        return [(name, owned[name]) for name in order if owned[name]]
+
     def place_for_training(self) -> None:
         self.place_experts(self.active)
 
@@ -222,8 +229,9 @@ class Wan22Adapter(Wan, DiffusionAdapter):
         self.resident = resident
 
     @contextmanager
-    def _experts_on_demand(self):
-        """While sampling with offload, each expert comes to the device when the pipeline calls it."""
+    def denoisers_on_demand(self):
+        """While sampling or evaluating with offload, each expert comes to the device when it is called; the
+        trained one is placed back after."""
         if not self.memory.offload:
             yield
             return
@@ -241,7 +249,7 @@ class Wan22Adapter(Wan, DiffusionAdapter):
             self.place_experts(name)
 
     def generate(self, prompt: str, seed: int) -> list:
-        with self._experts_on_demand():
+        with self.denoisers_on_demand():
             return super().generate(prompt, seed)
 
     # -- LoRA files ------------------------------------------------------------------------
