@@ -101,7 +101,8 @@ def _lycoris_merged(lycoris_kohya, file: Path, unet: torch.nn.Module, text_encod
 
 # Decomposed factors are checked at alpha = rank: LyCORIS 4.1.3's LokrModule and LohaModule multiply by alpha / rank
 # twice when they merge (in get_weight and again in get_diff_weight: at alpha 3, rank 2 the merged update is 1.5 x
-# PEFT's), where ComfyUI (comfy/weight_adapter/lokr.py, loha.py), PEFT and the toolkit apply it once.
+# PEFT's), where ComfyUI (comfy/weight_adapter/lokr.py, loha.py), PEFT and the toolkit apply it once; ComfyUI's
+# loader is checked at alpha 3, rank 2 in test_lycoris_comfyui.py.
 @pytest.mark.parametrize("kind,rank,extra", [
     ("lokr", 2, ("network.alpha=2",)),                      # w1 full, w2 decomposed (rank 2 < 8 / 2)
     ("lokr", 4, ()),                                        # w1 and w2 full: the scale 3/4 folded into w1
