@@ -88,7 +88,8 @@ def test_two_datasets_train_with_their_repeats_and_the_prior_weight(tmp_path, fo
     out = tmp_path / "run"
     rc = run_cli(*diffusion_train_args("quickstart_sd.yaml", out, f"data.path={a}", "train.batch_size=1",
                                        "train.steps=9", f"data.datasets=[{{path: {b}, repeats: 3, "
-                                       "is_regularization: true}]", "train.prior_loss_weight=0.5"))
+                                       "is_regularization: true}]", "train.prior_loss_weight=0.5",
+                                       "data.balance_regularization=false"))
     log = capsys.readouterr().err
     assert rc == 0, log
     assert f"dataset 0 (data.path = {a}): 2 items at 96 px, repeats 1: 2 of 8 samples an epoch" in log
@@ -99,6 +100,59 @@ def test_two_datasets_train_with_their_repeats_and_the_prior_weight(tmp_path, fo
     first_epoch = Counter(batch[0] % 4 for batch in drawn[:8])
     assert first_epoch == {0: 1, 1: 1, 2: 3, 3: 3}   # items 0, 1 from a; 2, 3 from b (3 repeats each)
     assert len({batch[0] for batch in drawn[:8]}) == 8  # every repeat its own entry
+
+
+def test_regularisation_balanced_as_kohya_does_it():
+    # dataset 0: 5 training items x 2 repeats = 10; dataset 1: 2 regularisation items x 1, cycled up to 10
+    cycled = EpochMix((0, 0, 0, 0, 0, 1, 1), (2, 1), (0.0, 0.0), 0, (False, True), balance=True)
+    assert cycled.item_repeats() == [2, 2, 2, 2, 2, 5, 5] and cycled.counts() == [10, 10]
+    assert Counter(e % 7 for e in cycled.entries(0)) == {0: 2, 1: 2, 2: 2, 3: 2, 4: 2, 5: 5, 6: 5}
+    # 3 regularisation items x 2 repeats for 3 training samples: the first two (kohya's overshoot), the third unused
+    trimmed = EpochMix((0, 0, 0, 1, 1, 1), (1, 2), (0.0, 0.0), 0, (False, True), balance=True)
+    assert trimmed.item_repeats() == [1, 1, 1, 2, 2, 0] and trimmed.counts() == [3, 4]
+    # an odd count: one more repeat each, in order, stopping as soon as the count is reached
+    assert EpochMix((0,) * 7 + (1, 1, 1), (1, 1), (0.0, 0.0), 0, (False, True), True).item_repeats()[7:] == [3, 2, 2]
+    # off, or weights set: each dataset by its own repeats / share
+    assert EpochMix((0, 0, 0, 1), (1, 1), (0.0, 0.0), 0, (False, True), balance=False).counts() == [3, 1]
+    assert EpochMix((0, 0, 0, 1), (1, 1), (1.0, 1.0), 0, (False, True), balance=True).counts() == [2, 2]
+    # no regularisation dataset: nothing to balance
+    assert EpochMix((0, 0, 1), (1, 3), (0.0, 0.0), 0, (False, False), balance=True).counts() == [2, 3]
+
+
+def test_regularisation_images_balanced_through_the_entry_point(tmp_path, run_cli, capsys, monkeypatch):
+    """data.balance_regularization (on by default): 2 training images x 3 repeats against 4 regularisation images
+    (repeats 1) trains each epoch 6 training samples and 6 regularisation samples, the first two regularisation
+    images twice (kohya's cycling); and 2 training images x 1 against the same 4 use only the first two of them."""
+    subject, reg = tmp_path / "subject", tmp_path / "reg"
+    write_shapes_dataset(subject, sizes=((64, 64),), count=2)
+    write_shapes_dataset(reg, sizes=((64, 64),), count=4)
+    drawn: list[list[int]] = []
+    collate = DiffusionDataset.collate
+    monkeypatch.setattr(DiffusionDataset, "collate",
+                        lambda self, entries, epoch=0: drawn.append(list(entries)) or collate(self, entries, epoch))
+    rc = run_cli(*diffusion_train_args("quickstart_sd.yaml", tmp_path / "run", f"data.path={subject}",
+                                       "data.repeats=3", "train.batch_size=2", "train.steps=12",
+                                       f"data.datasets=[{{path: {reg}, is_regularization: true}}]"))
+    log = capsys.readouterr().err
+    assert rc == 0, log
+    assert f"dataset 0 (data.path = {subject}): 2 items at 96 px, repeats 3: 6 of 12 samples an epoch" in log
+    assert (f"dataset 1 (data.datasets[0].path = {reg}): 4 items at 96 px, repeats 1, balanced with the training "
+            "images (data.balance_regularization): 6 of 12 samples an epoch, regularisation "
+            "(train.prior_loss_weight)") in log
+    assert len(drawn) == 12 and all(len(batch) == 2 for batch in drawn)
+    for epoch in (drawn[:6], drawn[6:]):  # two epochs of 6 batches of 2
+        counts = Counter(entry % 6 for batch in epoch for entry in batch)
+        assert counts == {0: 3, 1: 3, 2: 2, 3: 2, 4: 1, 5: 1}  # items 0, 1: subject; 2-5: reg in scan order
+
+    drawn.clear()
+    rc = run_cli(*diffusion_train_args("quickstart_sd.yaml", tmp_path / "trimmed", f"data.path={subject}",
+                                       "train.batch_size=1", "train.steps=8", f"data.datasets=[{{path: {reg}, "
+                                       "is_regularization: true}]"))
+    log = capsys.readouterr().err
+    assert rc == 0, log
+    assert ("repeats 1, balanced with the training images (data.balance_regularization): 2 of 4 samples an epoch, "
+            "regularisation (train.prior_loss_weight); 2 of its 4 items unused (more than the training images)") in log
+    assert Counter(batch[0] % 6 for batch in drawn) == {0: 2, 1: 2, 2: 2, 3: 2}  # 2 epochs; reg items 4, 5 unused
 
 
 def test_prior_loss_weight_scales_the_regularisation_images_loss(tmp_path, folders):

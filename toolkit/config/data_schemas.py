@@ -117,6 +117,13 @@ class ImageDataSection:
                         "at 0 then weighs 1); 0 everywhere: by repeats alone.", minimum=0.0)
     is_regularization: bool = opt(False, "data.path holds regularisation (prior) images: trained with "
                                   "train.prior_loss_weight, not with output preservation.")
+    balance_regularization: bool = opt(True, "With regularisation datasets (is_regularization) and repeats (no "
+                                       "weight), train as many regularisation samples an epoch as training samples "
+                                       "(the training datasets' images x repeats), as kohya's sd-scripts does: the "
+                                       "regularisation images in order, each with its repeats, until the count is "
+                                       "reached (the rest unused), then one more repeat each in order until it is. "
+                                       "false: every dataset by its own repeats. Not applied when a dataset sets a "
+                                       "weight (the weights set the shares).")
     datasets: List[DatasetEntry] = opt([], "More datasets beside data.path, each a mapping with its own path and any of "
                                        "resolution, resolutions, caption_ext, default_caption, trigger_word, repeats, "
                                        "weight, is_regularization, masked_loss (unset keys: this section's). A `data:` list in the "

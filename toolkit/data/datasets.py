@@ -11,6 +11,10 @@ before datasets existed.
 - weight: when any dataset sets one, the epoch keeps its size (sum over datasets of items x repeats) and
   dataset d fills round(size x w_d / sum w) of it (a dataset left at 0 weighs 1), passing over its items in a
   new seeded order each pass, so no item comes up twice before every item of its dataset has come up once.
+- balance (data.balance_regularization, repeats only): the regularisation items come up as often in an epoch as
+  the training items do (the sum of their items x repeats), by kohya's rule (sd-scripts train_util.py,
+  DreamBoothDataset): in order, each regularisation item with its own repeats until the count is reached (the
+  rest unused: more regularisation than training images), then one more repeat each, in order, until it is.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class EpochMix:
     repeats: tuple[int, ...]
     weights: tuple[float, ...]
     seed: int = 0
+    regularization: tuple[bool, ...] = ()   # per dataset: is_regularization
+    balance: bool = False                   # data.balance_regularization
 
     @classmethod
     def single(cls, items: int) -> "EpochMix":
@@ -84,26 +90,56 @@ class EpochMix:
             found[dataset].append(item)
         return found
 
+    def balances(self) -> bool:
+        """Whether the regularisation items are balanced against the training items: asked, by repeats (weights set
+        each dataset's share themselves), with items of both kinds."""
+        kinds = {self.regularization[d] for d in self.item_dataset} if self.regularization else set()
+        return self.balance and not any(self.weights) and kinds == {True, False}
+
+    def item_repeats(self) -> list[int]:
+        """Each item's times an epoch: its dataset's repeats, or for a balanced regularisation item kohya's count
+        (0: unused)."""
+        repeats = [self.repeats[d] for d in self.item_dataset]
+        if not self.balances():
+            return repeats
+        regular = [i for i, d in enumerate(self.item_dataset) if self.regularization[d]]
+        target = sum(r for i, r in enumerate(repeats) if not self.regularization[self.item_dataset[i]])
+        balanced = {i: 0 for i in regular}
+        count, first = 0, True
+        while count < target:
+            for i in regular:
+                added = repeats[i] if first else 1
+                balanced[i] += added
+                count += added
+                if count >= target:
+                    break
+            first = False
+        return [balanced.get(i, r) for i, r in enumerate(repeats)]
+
     def size(self) -> int:
-        """Entries per epoch: every dataset's items x repeats."""
-        return sum(len(m) * r for m, r in zip(self.members(), self.repeats))
+        """Entries per epoch."""
+        return sum(self.counts())
 
     def counts(self) -> list[int]:
         """Entries per epoch of each dataset."""
         members = self.members()
         if not any(self.weights):
-            return [len(m) * r for m, r in zip(members, self.repeats)]
+            repeats = self.item_repeats()
+            return [sum(repeats[i] for i in m) for m in members]
+        size = sum(len(m) * r for m, r in zip(members, self.repeats))
         weights = [w or 1.0 for w in self.weights]
-        return [round(self.size() * w / sum(weights)) for w in weights]
+        return [round(size * w / sum(weights)) for w in weights]
 
     def entries(self, epoch: int) -> Sequence[int]:
         """The entry numbers of `epoch` (item + k x items), dataset by dataset."""
         n = len(self.item_dataset)
         members = self.members()
         if not any(self.weights):
-            if all(r == 1 for r in self.repeats):
+            repeats = self.item_repeats()
+            if all(r == 1 for r in repeats):
                 return range(n)
-            return [item + k * n for m, r in zip(members, self.repeats) for k in range(r) for item in m]
+            return [item + k * n for m in members for k in range(max((repeats[i] for i in m), default=0))
+                    for item in m if k < repeats[item]]
         out: list[int] = []
         for dataset, (m, count) in enumerate(zip(members, self.counts())):
             rng = np.random.default_rng([self.seed % 2**64, epoch, dataset, MIX_STREAM])
@@ -120,9 +156,16 @@ def describe(settings: Sequence[DatasetSettings], mix: EpochMix) -> list[str]:
     counts = mix.counts()
     total = max(1, sum(counts))
     members = mix.members()
+    repeats = mix.item_repeats()
     for d, (s, m, count) in enumerate(zip(settings, members, counts)):
         how = f"weight {s.weight or 1.0:g}" if any(mix.weights) else f"repeats {s.repeats}"
         role = ", regularisation (train.prior_loss_weight)" if s.is_regularization else ""
+        if s.is_regularization and mix.balances():
+            unused = sum(1 for i in m if repeats[i] == 0)
+            how += ", balanced with the training images (data.balance_regularization)"
+            role += f"; {unused} of its {len(m)} items unused (more than the training images)" if unused else ""
         lines.append(f"dataset {d} ({s.label} = {s.section.path}): {len(m)} items at "
                      f"{'/'.join(map(str, s.resolutions))} px, {how}: {count} of {total} samples an epoch{role}")
+    if mix.balance and any(mix.weights) and any(mix.regularization):
+        lines.append("data.balance_regularization: not applied: the datasets' weights set each one's share of an epoch")
     return lines

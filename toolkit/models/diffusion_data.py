@@ -70,7 +70,8 @@ class DiffusionData:
         items = self.scan_datasets(settings)
         augment = Augmentation.from_data(data, self.cfg.run.seed)
         mix = EpochMix(tuple(item.dataset for item in items), tuple(s.repeats for s in settings),
-                       tuple(s.weight for s in settings), self.cfg.run.seed)
+                       tuple(s.weight for s in settings), self.cfg.run.seed,
+                       tuple(s.is_regularization for s in settings), bool(data.balance_regularization))
         prior = ([self.cfg.train.prior_loss_weight if settings[item.dataset].is_regularization else 1.0
                   for item in items] if any(s.is_regularization for s in settings) else None)
         dataset = DiffusionDataset(items, rules, augment, load=self.load_item, mix=mix, prior_weights=prior)
