@@ -152,3 +152,11 @@ def assert_optim_unchanged(optimizer, params, snapshot) -> None:
         for key, value in state.items():
             now = optimizer.state[p][key]
             assert torch.equal(now, value) if torch.is_tensor(value) else now == value, key
+
+
+def per_sample_generators(batch: dict) -> list:
+    """A CPU generator per sample, seeded by the batch's draw_seeds: what a training batch's noise, noise offset
+    and noise level are drawn from, in that order (models/sample_draws.py), rebuilt for a reference loss."""
+    import torch
+
+    return [torch.Generator().manual_seed(int(seed)) for seed in batch["draw_seeds"]]

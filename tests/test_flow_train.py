@@ -12,7 +12,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import REPO
-from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
+from helpers import adapter_for, diffusion_train_args, mean_loss, per_sample_generators, read_metrics
 from toolkit.data.images import load_pixels
 from toolkit.models.flow_matching import SigmaSampler, flux_mu
 from toolkit.tiny import resolve_model_path
@@ -163,17 +163,17 @@ def test_flux_loss_is_the_velocity_mse_with_resolution_dependent_shift(tmp_path)
 
     adapter, dataset = adapter_for("quickstart_flux.yaml", tmp_path, "train.guidance=2.0")
     batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 1][:2])  # 128x64 bucket
-    torch.manual_seed(0)
     with torch.no_grad():
         loss = mean_loss(adapter, batch)
-        torch.manual_seed(0)
         latents = batch["latents"]
         b, c, h, w = latents.shape
-        noise = torch.randn_like(latents)
+        generators = per_sample_generators(batch)  # each sample's noise, then its sigma's uniform draw
+        noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in generators])
         config = adapter.pipe.scheduler.config
         mu = flux_mu(h // 2 * w // 2, config.base_image_seq_len, config.max_image_seq_len, config.base_shift,
                      config.max_shift)
-        u = torch.sigmoid(torch.special.ndtri(torch.rand(b).clamp(1e-7, 1 - 1e-7)))
+        p = torch.stack([torch.rand((), generator=g) for g in generators])
+        u = torch.sigmoid(torch.special.ndtri(p.clamp(1e-7, 1 - 1e-7)))
         sigma = (np.exp(mu) * u / (1 + (np.exp(mu) - 1) * u)).view(-1, 1, 1, 1)
         noisy = (1 - sigma) * latents + sigma * noise
         pred = adapter.pipe.transformer(

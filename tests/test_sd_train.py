@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import REPO
-from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
+from helpers import adapter_for, diffusion_train_args, mean_loss, per_sample_generators, read_metrics
 from toolkit.plan.run import load_run
 from toolkit.models.diffusion_sd import StableDiffusionAdapter
 from toolkit.models.objectives import min_snr_weights, sample_timesteps
@@ -162,15 +162,16 @@ def test_loss_is_the_mse_against_the_scheduler_target(shapes, tmp_path, model, p
                                 f"train.noise_offset={noise_offset}")
     assert adapter.objective.prediction_type == prediction_type
     batch = dataset.collate([i for i, g in enumerate(dataset.groups) if g == 0])
-    torch.manual_seed(0)
     with torch.no_grad():
         loss = mean_loss(adapter, batch)
-        torch.manual_seed(0)
         latents = batch["latents"]
-        noise = torch.randn_like(latents)
+        # each sample's noise, offset and (uniform) timestep from its own generator, in that order
+        generators = per_sample_generators(batch)
+        noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in generators])
         if noise_offset:
-            noise = noise + noise_offset * torch.randn(latents.shape[0], latents.shape[1], 1, 1)
-        timesteps = torch.randint(0, 1000, (latents.shape[0],))
+            noise = noise + noise_offset * torch.stack([torch.randn(latents.shape[1], 1, 1, generator=g)
+                                                        for g in generators])
+        timesteps = torch.stack([(torch.rand((), generator=g) * 1000).long() for g in generators])
         scheduler = adapter.objective.scheduler
         pred = adapter.pipe.unet(scheduler.add_noise(latents, noise, timesteps), timesteps, batch["prompt_embeds"]).sample
         target = noise if prediction_type == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 VIEW_STREAM, CAPTION_STREAM = 0, 1
+NOISE_STREAM = 4  # the seed of an entry's noise generator (models/sample_draws.py); datasets.py's mix is 3
 
 
 @dataclass(frozen=True)
@@ -108,3 +109,7 @@ class Augmentation:
     def caption_rng(self, index: int, epoch: int) -> np.random.Generator:
         """The generator of item `index`'s caption edits in `epoch` (CaptionRules.vary / dropped)."""
         return self._rng(index, epoch, CAPTION_STREAM)
+
+    def noise_seed(self, index: int, epoch: int) -> int:
+        """The seed of entry `index`'s noise, noise offset and noise level in `epoch` (models/sample_draws.py)."""
+        return int(self._rng(index, epoch, NOISE_STREAM).integers(2**63))

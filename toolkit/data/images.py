@@ -300,6 +300,8 @@ class DiffusionDataset:
             batch["loss_weight"] = torch.tensor([self.prior_weights[i] for i in indices], dtype=torch.float32)
         if self.dop_captions is not None:
             self._add_preservation(batch, indices)
+        # each sample's noise and noise level from a generator of its own (models/sample_draws.py)
+        batch["draw_seeds"] = [self.augment.noise_seed(e, epoch) for e in entries]
         return batch
 
     def _add_preservation(self, batch: dict[str, Any], indices: list[int]) -> None:

@@ -23,6 +23,7 @@ from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode, repeated_blocks
 from toolkit.models.diffusion_data import DiffusionData, unbatch
 from toolkit.models.diffusion_eval import DiffusionEval
+from toolkit.models.sample_draws import SampleDraws
 from toolkit.models.diffusion_files import DiffusersLoraFiles
 from toolkit.models.lora import lora_config
 from toolkit.data.masks import loss_weights
@@ -245,7 +246,8 @@ class DiffusionAdapter(DiffusionData, DiffusionEval, DiffusersLoraFiles, ModelAd
         latents = self.latents_of(batch)
         cond = self.conditioning(batch, modules)
         name = self.active_denoiser()
-        noised = self.objective.noise(latents, *self.noise_range())
+        draws = SampleDraws(batch["draw_seeds"], latents.device) if "draw_seeds" in batch else None
+        noised = self.objective.noise(latents, *self.noise_range(), draws)
         component = self.component(name)
         denoiser = Denoiser(modules[name], component.dtype, component.config)
         pred = self.predict(denoiser, noised, cond, batch)

@@ -40,10 +40,13 @@ class SigmaSampler:
         s = self.factor
         return sigma / (s - (s - 1) * sigma)
 
-    def sample(self, n: int, device: torch.device, low: float = 0.0, high: float = 1.0) -> torch.Tensor:
-        """n sigmas from the shifted distribution restricted to [low, high) (a Wan 2.2 expert's range)."""
+    def sample(self, n: int, device: torch.device, low: float = 0.0, high: float = 1.0,
+               p: torch.Tensor | None = None) -> torch.Tensor:
+        """n sigmas from the shifted distribution restricted to [low, high) (a Wan 2.2 expert's range), by inverse
+        transform of `p` (n uniform values; unset: drawn from torch's global stream)."""
         u_low, u_high = self.unshifted(low), self.unshifted(high)
-        p = torch.rand(n, device=device, dtype=torch.float32)
+        if p is None:
+            p = torch.rand(n, device=device, dtype=torch.float32)
         if self.distribution == "uniform":
             u = u_low + (u_high - u_low) * p
         elif self.distribution == "logit_normal":

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from toolkit.errors import UserError
 from toolkit.models.flow_matching import SigmaSampler, noisy_latents
+from toolkit.models.sample_draws import SampleDraws
 
 
 @dataclass
@@ -38,13 +39,16 @@ def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
 
 
 def sample_timesteps(kind: str, batch: int, num_train_timesteps: int, device: torch.device,
-                     logit_mean: float = 0.0, logit_std: float = 1.0) -> torch.Tensor:
+                     logit_mean: float = 0.0, logit_std: float = 1.0, draws: SampleDraws | None = None) -> torch.Tensor:
     """uniform over [0, T); logit_normal: the sigmoid of a normal(logit_mean, logit_std), which favours the
-    middle timesteps."""
+    middle timesteps. `draws`: each sample's own generator (sample_draws.py), else torch's global stream."""
     if kind == "uniform":
+        if draws is not None:
+            return (draws.uniform() * num_train_timesteps).long().clamp(max=num_train_timesteps - 1)
         return torch.randint(0, num_train_timesteps, (batch,), device=device)
     if kind == "logit_normal":
-        u = torch.sigmoid(logit_mean + logit_std * torch.randn(batch, device=device))
+        normal = draws.normal(()) if draws is not None else torch.randn(batch, device=device)
+        u = torch.sigmoid(logit_mean + logit_std * normal)
         return (u * num_train_timesteps).long().clamp(max=num_train_timesteps - 1)
     raise UserError(f"train.timestep_sampling: unknown '{kind}'; available: uniform, logit_normal")
 
@@ -75,12 +79,16 @@ class DDPMObjective:
         self.noise_offset = train_cfg.noise_offset
         self.min_snr_gamma = train_cfg.min_snr_gamma
 
-    def noise(self, latents: torch.Tensor, low: float = 0.0, high: float = 1.0) -> Noised:
-        noise = torch.randn_like(latents)
+    def noise(self, latents: torch.Tensor, low: float = 0.0, high: float = 1.0,
+              draws: SampleDraws | None = None) -> Noised:
+        """The latents noised at random timesteps; `draws`: each sample's own generator, else the global stream."""
+        noise = draws.normal(latents.shape[1:], latents.dtype) if draws is not None else torch.randn_like(latents)
         if self.noise_offset:
-            noise = noise + self.noise_offset * torch.randn(latents.shape[0], latents.shape[1], 1, 1, device=latents.device)
+            offset = (draws.normal((latents.shape[1], 1, 1)) if draws is not None else
+                      torch.randn(latents.shape[0], latents.shape[1], 1, 1, device=latents.device))
+            noise = noise + self.noise_offset * offset
         timesteps = sample_timesteps(self.sampling, latents.shape[0], self.scheduler.config.num_train_timesteps,
-                                     latents.device, self.logit_mean, self.logit_std)
+                                     latents.device, self.logit_mean, self.logit_std, draws)
         noisy = self.scheduler.add_noise(latents, noise, timesteps)
         target = noise if self.prediction_type == "epsilon" else self.scheduler.get_velocity(latents, noise, timesteps)
         return Noised(noisy, timesteps, target)
@@ -113,9 +121,12 @@ class FlowObjective:
     def __init__(self, sampler_for: Callable[[torch.Tensor], SigmaSampler]):
         self.sampler_for = sampler_for
 
-    def noise(self, latents: torch.Tensor, low: float = 0.0, high: float = 1.0) -> Noised:
-        noise = torch.randn_like(latents)
-        sigmas = self.sampler_for(latents).sample(latents.shape[0], latents.device, low, high)
+    def noise(self, latents: torch.Tensor, low: float = 0.0, high: float = 1.0,
+              draws: SampleDraws | None = None) -> Noised:
+        """The latents noised at random sigmas; `draws`: each sample's own generator, else the global stream."""
+        noise = draws.normal(latents.shape[1:], latents.dtype) if draws is not None else torch.randn_like(latents)
+        sigmas = self.sampler_for(latents).sample(latents.shape[0], latents.device, low, high,
+                                                  draws.uniform() if draws is not None else None)
         return Noised(noisy_latents(latents, noise, sigmas), sigmas, noise - latents)
 
     def noise_at(self, latents: torch.Tensor, noise: torch.Tensor, level: float) -> Noised:

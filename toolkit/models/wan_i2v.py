@@ -80,8 +80,8 @@ class FirstFrameGiven:
     def __init__(self, inner):
         self.inner = inner
 
-    def noise(self, latents: torch.Tensor, low: float = 0.0, high: float = 1.0) -> Noised:
-        return self.inner.noise(latents, low, high)
+    def noise(self, latents: torch.Tensor, low: float = 0.0, high: float = 1.0, draws=None) -> Noised:
+        return self.inner.noise(latents, low, high, draws)
 
     def noise_at(self, latents: torch.Tensor, noise: torch.Tensor, level: float) -> Noised:
         return self.inner.noise_at(latents, noise, level)
