@@ -17,6 +17,7 @@ from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
 from toolkit.tiny import resolve_model_path
 from toolkit.train.checkpoint import trainable_from_file
 from toolkit.models.base import load_trainable_state_dict
+from toolkit.models.sample_draws import SampleDraws
 
 DATA = REPO / "configs/examples/data/clips_i2v"
 START = DATA / "green_circle.png"   # the start image beside green_circle.webp, 128x128
@@ -118,7 +119,9 @@ def test_wan22_i2v_and_ti2v_5b_train_sample_and_reload(model, task, tmp_path, ru
     frames = pipe(prompt=PROMPT, image=_frame(START), num_frames=5, width=64, height=64, num_inference_steps=2,
                   guidance_scale=3.0, output_type="np", generator=torch.Generator("cpu").manual_seed(42)).frames[0]
     middle = np.asarray(Image.open(out / "samples" / "step-000002" / "00.png"), dtype=np.float32)
-    assert np.abs(frames[2] * 255 - middle).max() <= 1.5
+    # within 2 of 255: float rounding through 2 guided steps of the two experts, plus the png's; 1.3 to 1.7 over
+    # run.seed 0-2 for the A14B layout (it depends on the trained LoRA)
+    assert np.abs(frames[2] * 255 - middle).max() <= 2.0
 
 
 def test_the_cached_condition_is_the_pipelines_for_every_view(two_clips, tmp_path):
@@ -168,8 +171,7 @@ def test_ti2v_5b_sees_the_start_latent_at_timestep_0_and_no_loss_there(two_clips
     expected = (mask[0, 0, :, ::2, ::2].flatten() * seen["timestep"][0, -1])[None]
     assert torch.equal(seen["timestep"], expected) and seen["timestep"][0, :4].eq(0).all()
     # the loss is the velocity MSE over the two later latent frames only
-    torch.manual_seed(0)
-    noised = adapter.objective.noise(batch["latents"])
+    noised = adapter.objective.noise(batch["latents"], draws=SampleDraws(batch["draw_seeds"], "cpu"))
     pred = seen["output"] = adapter.predict(*_denoiser(adapter), noised,
                                             adapter.conditioning(batch, adapter.trainable_modules()), batch)
     torch.testing.assert_close(loss, (pred[:, :, 1:] - noised.target[:, :, 1:]).pow(2).mean())
