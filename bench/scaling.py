@@ -133,6 +133,10 @@ def toolkit_run(name: str, config_yaml: str, overrides: list[str], work: Path, g
     """One `python -m toolkit train` run (with `--gpus N` when N > 1): units/s, per-rank peak GiB, rank check."""
     tag = f"toolkit-{name}-{gpus}"
     out, memory, log = work / f"run-{tag}", work / f"memory-{tag}", work / f"{tag}.log"
+    for again in range(2, 100):  # a --work folder reused: a fresh run folder (the toolkit resumes an existing one)
+        if not out.exists():
+            break
+        out, memory, log = (work / f"run-{tag}-{again}", work / f"memory-{tag}-{again}", work / f"{tag}-{again}.log")
     memory.mkdir(parents=True, exist_ok=True)
     hook = work / "hook"
     hook.mkdir(exist_ok=True)
@@ -665,7 +669,8 @@ def main() -> None:
             model_dir = Path(resolve_model_path("tiny:sdxl"))
         else:
             model_dir = work / "sdxl"
-            write_sdxl(model_dir)
+            if not (model_dir / "model_index.json").is_file():  # a --work folder reused: written by the last run
+                write_sdxl(model_dir)
         images = work / "images"
         write_images(images, count=sdxl_batch * n * (sdxl_warmup + sdxl_steps), side=px)  # no epoch ends mid-run
         print(f"SDXL pipeline and images written in {time.perf_counter() - t0:.0f}s", flush=True)
