@@ -20,7 +20,7 @@ audio-video transformer (LTX2VideoTransformer3DModel), text-to-video.
   audio VAE; the toolkit's clip loading reads frames only.)
 - LoRA targets: the video stream's self-attention, text cross-attention and feed-forward layers of every block;
   all-linear adds the audio-to-video cross-attention (video queries). The file has the original LTX-2 names under
-  `diffusion_model.` with `.alpha` (lora_export.ltx2_keys): ComfyUI reads them, and LTX2Pipeline.load_lora_weights
+  `diffusion_model.`, the scale folded into lora_A (lora_export.ltx2_keys): ComfyUI reads them, and LTX2Pipeline.load_lora_weights
   converts them.
 - Low memory: model.quantize=fp8 quantizes the blocks' linear layers, model.block_swap streams whole blocks
   (LTX2VideoTransformerBlock; diffusers lists them as the model's _repeated_blocks, which the adapter names as its

@@ -15,8 +15,8 @@ loader and, where the family has one, kohya's sd-scripts or musubi-tuner all rea
 - sd3 (`diffusers_keys_scaled`), flux2 (`flux2_keys`): diffusers module names with the scale folded into lora_A:
   diffusers' SD3 and Flux.2 readers refuse any key without "lora" in it, so an `.alpha` cannot be written.
 - wan21, wan22 (`wan_native_keys`): ComfyUI's and the original Wan module names under `diffusion_model.`.
-- ltx2 (`ltx2_keys`): the original LTX-2 module names under `diffusion_model.` with `.alpha`, as LTX-2 LoRAs are
-  published; for the blocks' attention and feed-forward layers they are diffusers' names.
+- ltx2 (`ltx2_keys`): the original LTX-2 module names under `diffusion_model.`, as LTX-2 LoRAs are published (for
+  the blocks' attention and feed-forward layers they are diffusers' names), the scale folded into lora_A.
 
 A format that cannot hold a module (a Wan module without an original name, DoRA magnitudes) is a ValueError.
 """
@@ -262,9 +262,15 @@ LTX2_NATIVE_MODULES = re.compile(
 
 
 def ltx2_keys(factors: Factors) -> dict[str, torch.Tensor]:
-    """LTX-2: `diffusion_model.<module>.lora_A/lora_B.weight` and `.alpha`. A module without the same name in the
-    original model is a ValueError (the file then falls back to diffusers' own layout)."""
+    """LTX-2: `diffusion_model.<module>.lora_A/lora_B.weight`, the scale folded into lora_A as for SD3: diffusers'
+    LTX-2 reader refuses any key without "lora" in it (an `.alpha`), and ComfyUI, finding no alpha, applies B @ A. A
+    module without the same name in the original model is a ValueError (the file then falls back to diffusers' own
+    layout)."""
     unmapped = sorted(m for m in factors if not LTX2_NATIVE_MODULES.fullmatch(m))
     if unmapped:
         raise ValueError(f"no ComfyUI LTX-2 name for the LoRA modules {unmapped[:4]}")
-    return diffusers_keys_with_alpha(factors, prefix="diffusion_model")
+    out = {}
+    for module, factor in factors.items():
+        out[f"diffusion_model.{module}.lora_A.weight"] = _folded(factor)
+        out[f"diffusion_model.{module}.lora_B.weight"] = factor.up
+    return out
