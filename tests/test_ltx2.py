@@ -158,6 +158,24 @@ def test_predict_is_the_velocity_the_pipeline_steps_with(tmp_path, monkeypatch):
     torch.testing.assert_close(dataset.collate([0])["latents"], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_eval_loss_draws_the_audio_noise_from_its_own_generator(tmp_path):
+    """The eval loss at a level is the same twice and leaves the training's random stream where it was."""
+    adapter, dataset = adapter_for("quickstart_ltx2.yaml", tmp_path)
+    batch = dataset.collate([0, 1])
+    latents = batch["latents"]
+    cond = adapter.conditioning(batch, adapter.trainable_modules())
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(123)
+    with torch.no_grad():
+        first = adapter.loss_at(batch, latents, cond, noise, 0.5)
+        drawn = torch.rand(1)
+        torch.manual_seed(123)
+        again = adapter.loss_at(batch, latents, cond, noise, 0.5)
+        other = adapter.loss_at(batch, latents, cond, noise, 0.25)
+    assert torch.equal(first, again) and torch.equal(torch.rand(1), drawn)  # the global stream untouched
+    assert first.shape == (2,) and torch.isfinite(first).all() and not torch.equal(first, other)
+
+
 def test_resume_from_a_checkpoint_is_bit_identical(tmp_path, run_cli):
     common = ("sample.prompts=[]", "save.every=1")
     full = tmp_path / "full"

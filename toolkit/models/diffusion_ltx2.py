@@ -69,6 +69,7 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
     text_keys = ("prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
     max_text_tokens = 1024  # the pipeline's default: the connectors' registers fill the padding up to it
     transformer_key_style = staticmethod(ltx2_keys)
+    audio_generator: torch.Generator | None = None  # the eval loss's audio noise (loss_at); None: the training streams
 
     def pipeline_class(self):
         from diffusers import LTX2Pipeline
@@ -156,7 +157,20 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
         """Pure noise for the untrained audio stream, packed as the pipeline packs audio latents [B, L, C * mel]."""
         audio_vae = self.pipe.audio_vae
         width = audio_vae.config.latent_channels * (audio_vae.config.mel_bins // self.pipe.audio_vae_mel_compression_ratio)
-        return torch.randn(batch, self.audio_tokens(latent_frames), width, device=device)
+        shape = (batch, self.audio_tokens(latent_frames), width)
+        if self.audio_generator is not None:
+            return torch.randn(shape, generator=self.audio_generator).to(device)
+        return torch.randn(shape, device=device)
+
+    def loss_at(self, batch: dict[str, Any], latents: torch.Tensor, cond: dict[str, torch.Tensor],
+                noise: torch.Tensor, level: float) -> torch.Tensor:
+        """The eval loss (diffusion_eval.py): the audio stream's noise too is drawn from a generator seeded by eval.seed
+        and the level, so that evaluating touches none of the training's random streams."""
+        self.audio_generator = torch.Generator("cpu").manual_seed(int(self.cfg.eval.seed) * 1000 + round(level * 999))
+        try:
+            return super().loss_at(batch, latents, cond, noise, level)
+        finally:
+            self.audio_generator = None
 
     def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
                 batch: dict[str, Any]) -> torch.Tensor:
