@@ -52,7 +52,8 @@ SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on
     "wan": dict(WAN_1P3B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
     "wan22": dict(WAN22_A14B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
     "ltx2": dict(LTX2_19B, num_layers=2, num_attention_heads=2, attention_head_dim=16, audio_num_attention_heads=2,
-                 audio_attention_head_dim=16, cross_attention_dim=32, audio_cross_attention_dim=32, caption_channels=256),
+                 audio_attention_head_dim=16, cross_attention_dim=32, audio_cross_attention_dim=32,
+                 caption_channels=256),
 }
 
 

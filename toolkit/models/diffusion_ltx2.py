@@ -20,8 +20,8 @@ audio-video transformer (LTX2VideoTransformer3DModel), text-to-video.
   audio VAE; the toolkit's clip loading reads frames only.)
 - LoRA targets: the video stream's self-attention, text cross-attention and feed-forward layers of every block;
   all-linear adds the audio-to-video cross-attention (video queries). The file has the original LTX-2 names under
-  `diffusion_model.`, the scale folded into lora_A (lora_export.ltx2_keys): ComfyUI reads them, and LTX2Pipeline.load_lora_weights
-  converts them.
+  `diffusion_model.`, the scale folded into lora_A (lora_export.ltx2_keys): ComfyUI reads them, and
+  LTX2Pipeline.load_lora_weights converts them.
 - Low memory: model.quantize=fp8 quantizes the blocks' linear layers, model.block_swap streams whole blocks
   (LTX2VideoTransformerBlock; diffusers lists them as the model's _repeated_blocks, which the adapter names as its
   _no_split_modules, the list the toolkit's block code reads).
@@ -45,8 +45,10 @@ from toolkit.models.lora_export import ltx2_keys
 from toolkit.models.objectives import Noised
 
 _BLOCK = r"transformer_blocks\.\d+\."
-LTX2_TARGETS = f"{_BLOCK}(attn1|attn2)\\.(to_q|to_k|to_v|to_out\\.0)|{_BLOCK}ff\\.net\\.(0\\.proj|2)"
-LTX2_ALL_LINEAR = f"{_BLOCK}(attn1|attn2|audio_to_video_attn)\\.(to_q|to_k|to_v|to_out\\.0)|{_BLOCK}ff\\.net\\.(0\\.proj|2)"
+_PROJECTIONS = r"\.(to_q|to_k|to_v|to_out\.0)"
+_FEED_FORWARD = _BLOCK + r"ff\.net\.(0\.proj|2)"
+LTX2_TARGETS = f"{_BLOCK}(attn1|attn2){_PROJECTIONS}|{_FEED_FORWARD}"
+LTX2_ALL_LINEAR = f"{_BLOCK}(attn1|attn2|audio_to_video_attn){_PROJECTIONS}|{_FEED_FORWARD}"
 AUDIO_SIGMA = 1.0  # the untrained audio stream: pure noise
 
 
@@ -155,8 +157,8 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
 
     def audio_noise(self, batch: int, latent_frames: int, device: torch.device) -> torch.Tensor:
         """Pure noise for the untrained audio stream, packed as the pipeline packs audio latents [B, L, C * mel]."""
-        audio_vae = self.pipe.audio_vae
-        width = audio_vae.config.latent_channels * (audio_vae.config.mel_bins // self.pipe.audio_vae_mel_compression_ratio)
+        config, pipe = self.pipe.audio_vae.config, self.pipe
+        width = config.latent_channels * (config.mel_bins // pipe.audio_vae_mel_compression_ratio)
         shape = (batch, self.audio_tokens(latent_frames), width)
         if self.audio_generator is not None:
             return torch.randn(shape, generator=self.audio_generator).to(device)
@@ -186,7 +188,8 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
         audio = self.audio_noise(b, f, device)
         mask = cond["prompt_attention_mask"]
         video, _ = denoiser.forward(
-            hidden_states=LTX2Pipeline._pack_latents(noised.noisy.to(dtype), p, pt), audio_hidden_states=audio.to(dtype),
+            hidden_states=LTX2Pipeline._pack_latents(noised.noisy.to(dtype), p, pt),
+            audio_hidden_states=audio.to(dtype),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             audio_encoder_hidden_states=cond["audio_prompt_embeds"].to(dtype), timestep=timestep,
             audio_timestep=audio_timestep, sigma=timestep, audio_sigma=audio_timestep, encoder_attention_mask=mask,
@@ -215,7 +218,8 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
 
         frames = self.cfg.sample.num_frames or self.cfg.data.num_frames
         with self._cached_connectors(text["prompt_embeds"].shape[-1]):
-            out = self.pipeline_call(seed, prompt_embeds=joined(text), prompt_attention_mask=text["prompt_attention_mask"],
+            out = self.pipeline_call(seed, prompt_embeds=joined(text),
+                                     prompt_attention_mask=text["prompt_attention_mask"],
                                      negative_prompt_embeds=joined(negative),
                                      negative_prompt_attention_mask=negative["prompt_attention_mask"],
                                      num_frames=frames, frame_rate=float(self.cfg.sample.fps),

@@ -23,7 +23,8 @@ VIDEO_CHANNELS = 8                  # the video VAE's latent channels (the real 
 REGISTERS = 8                       # the connectors' learnable registers (the real ones: 128): text length % 8 == 0
 # Lightricks/LTX-2 scheduler/scheduler_config.json: a resolution-dependent shift between 0.95 and 2.05.
 LTX2_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
-                      base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1, time_shift_type="exponential")
+                      base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1,
+                      time_shift_type="exponential")
 
 
 def write_gemma_tokenizer(out: Path):
