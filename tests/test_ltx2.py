@@ -226,6 +226,24 @@ def test_num_frames_must_be_8k_plus_1(tmp_path, run_cli, capsys, frames, message
     assert message in err and "Traceback" not in err
 
 
+def test_clips_train_on_8k_plus_1_frames(tmp_path, capsys):
+    """A 13-frame clip (4k+1, what the clip scan keeps of it) trains on 9 frames with data.num_frames=17; 17-frame
+    clips on 17 (3 latent frames)."""
+    from toolkit.tiny.fixtures import write_clips_dataset
+
+    write_clips_dataset(tmp_path / "short", count=2, frames=13, stills=0)
+    write_clips_dataset(tmp_path / "long", count=1, frames=17, stills=0)
+    for clip in (tmp_path / "long").iterdir():
+        clip.rename(tmp_path / "short" / f"long_{clip.name}")
+    adapter, dataset = adapter_for("quickstart_ltx2.yaml", tmp_path / "run", f"data.path={tmp_path / 'short'}",
+                                   "data.num_frames=17")
+    frames = sorted(item.bucket[2] for item in dataset.items)
+    assert frames == [9, 9, 17]
+    assert "frames: 2 clips shorter than data.num_frames train on the largest 8k+1 frames" in capsys.readouterr().err
+    latent_frames = sorted(dataset.collate([i])["latents"].shape[2] for i in range(3))
+    assert latent_frames == [2, 2, 3]
+
+
 # -- ComfyUI's own loader -----------------------------------------------------------------------------------------
 
 COMFYUI_CHECK = r'''

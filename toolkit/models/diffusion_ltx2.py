@@ -34,9 +34,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
 from toolkit.data.augment import View
 from toolkit.errors import UserError
+from toolkit.models.base import Runtime
 from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.flow_matching import SigmaSampler, flux_mu
@@ -50,6 +52,15 @@ _FEED_FORWARD = _BLOCK + r"ff\.net\.(0\.proj|2)"
 LTX2_TARGETS = f"{_BLOCK}(attn1|attn2){_PROJECTIONS}|{_FEED_FORWARD}"
 LTX2_ALL_LINEAR = f"{_BLOCK}(attn1|attn2|audio_to_video_attn){_PROJECTIONS}|{_FEED_FORWARD}"
 AUDIO_SIGMA = 1.0  # the untrained audio stream: pure noise
+TIME_COMPRESSION = 8  # LTX-2's video VAE (2.0 and 2.3): latent frames = 1 + (frames - 1) / 8
+
+
+def check_num_frames(frames: int, time_factor: int = TIME_COMPRESSION) -> None:
+    """Raise a UserError unless `frames` is 8k+1 (what the LTX-2 VAE compresses)."""
+    if (frames - 1) % time_factor:
+        below = max(1, (frames - 1) // time_factor * time_factor + 1)
+        raise UserError(f"data.num_frames: {frames} is not {time_factor}k+1 (the LTX-2 VAE compresses time by "
+                        f"{time_factor})\n  fix: set data.num_frames to {below} or {below + time_factor}")
 
 
 class CachedConnectors(torch.nn.Module):
@@ -72,6 +83,10 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
     max_text_tokens = 1024  # the pipeline's default: the connectors' registers fill the padding up to it
     transformer_key_style = staticmethod(ltx2_keys)
     audio_generator: torch.Generator | None = None  # the eval loss's audio noise (loss_at); None: the training streams
+
+    def __init__(self, cfg: DictConfig, runtime: Runtime):
+        super().__init__(cfg, runtime)
+        check_num_frames(cfg.data.num_frames)  # before the model loads: a 19B transformer takes minutes
 
     def pipeline_class(self):
         from diffusers import LTX2Pipeline
@@ -114,12 +129,14 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
         from toolkit.data.video import scan_clips
 
         t, s = self.time_factor, self.space_factor
-        if (data.num_frames - 1) % t:
-            below = max(1, (data.num_frames - 1) // t * t + 1)
-            raise UserError(f"data.num_frames: {data.num_frames} is not {t}k+1 (the LTX-2 VAE compresses time by {t})\n"
-                            f"  fix: set data.num_frames to {below} or {below + t}")
+        check_num_frames(data.num_frames, t)
+        scanned = scan_clips(data, log)
         items = [dataclasses.replace(item, bucket=(*item.bucket[:2], (item.bucket[2] - 1) // t * t + 1))
-                 for item in scan_clips(data, log)]
+                 for item in scanned]
+        shortened = sum(a.bucket[2] != b.bucket[2] for a, b in zip(scanned, items))
+        if shortened:
+            log(f"frames: {shortened} clip{'s' if shortened > 1 else ''} shorter than data.num_frames train on the "
+                f"largest {t}k+1 frames they hold, not the 4k+1 above")
         uneven = sorted({item.bucket[:2] for item in items if item.bucket[0] % s or item.bucket[1] % s})
         if uneven:
             w, h = uneven[0]
