@@ -12,7 +12,8 @@ from the checkpoint's exact tensors). Then final/'s file and step 1's checkpoint
   run), on stand-ins of ComfyUI's model classes whose weights are the tiny pipeline's, laid out by ComfyUI's own
   converters (comfy.utils.unet_to_diffusers, comfy.model_detection.convert_diffusers_mmdit; Wan: ComfyUI's
   WanModel names, matched to diffusers' by diffusers' convert_wan_transformer_to_diffusers; Chroma: Flux's
-  converter, its keys checked against ComfyUI's own Chroma model, comfy.model_base.Chroma as the model class).
+  converter, its keys checked against ComfyUI's own Chroma model, comfy.model_base.Chroma as the model class;
+  LTX-2: the blocks' names, checked against ComfyUI's own LTXAV model, comfy.model_base.LTXAV as the class).
 - kohya sd-scripts (sd, sdxl): networks/lora.py create_network_from_weights + merge_to on the diffusers UNet and
   the text encoders, laid out as sd-scripts' transformers 4 has them (text_model.encoder...).
 - musubi-tuner (wan21, wan22): convert_lora.convert_from_diffusers (its documented import of diffusers /
@@ -32,6 +33,7 @@ from toolkit.models.base import load_trainable_state_dict
 import argparse
 import logging
 import os
+import re
 import sys
 import tempfile
 import types
@@ -54,6 +56,7 @@ FAMILIES = {  # quickstart, extra overrides
     "qwen_image": ("quickstart_qwen_image.yaml", []),
     "wan21": ("quickstart_wan21.yaml", []),
     "wan22": ("quickstart_wan22.yaml", ["train.expert_switch_every=1"]),
+    "ltx2": ("quickstart_ltx2.yaml", ["network.target_modules=all-linear"]),  # the audio-to-video attention too
 }
 EXPERTS = {"transformer": "high_noise", "transformer_2": "low_noise"}
 
@@ -163,6 +166,7 @@ class ComfyUI:
         import comfy.lora_convert
         import comfy.model_base
         import comfy.model_detection
+        import comfy.ops
         import comfy.utils
 
         self.comfy = comfy
@@ -191,6 +195,8 @@ class ComfyUI:
             return self.stand_in(cls, state, config), state
         if family == "chroma":
             return self.chroma_layout(adapter.component(name), weights)
+        if family == "ltx2":
+            return self.ltx2_layout(adapter.component(name), weights)
         if family == "qwen_image":
             state = {f"diffusion_model.{k}": v for k, v in weights.items()}
             return self.stand_in(comfy.model_base.QwenImage, state, {}), state
@@ -219,6 +225,24 @@ class ComfyUI:
         config = {"image_model": "chroma", "depth": c.num_layers, "depth_single_blocks": c.num_single_layers,
                   "hidden_size": hidden}  # what comfy.utils.flux_to_diffusers reads of it
         return self.stand_in(comfy.model_base.Chroma, state, config), state
+
+    def ltx2_layout(self, transformer, weights: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
+        """The diffusers LTX-2 weights of the blocks' attention and feed-forward layers under the names ComfyUI's own
+        LTX-2 model of the same size has for them (comfy.ldm.lightricks.av_model.LTXAVModel; the same names), every
+        key and shape checked against it; comfy.model_base.LTXAV is the model class the key map is made for."""
+        from comfy.ldm.lightricks.av_model import LTXAVModel
+
+        comfy, c = self.comfy, transformer.config
+        sizes = ("in_channels", "audio_in_channels", "cross_attention_dim", "audio_cross_attention_dim",
+                 "attention_head_dim", "audio_attention_head_dim", "num_attention_heads", "audio_num_attention_heads",
+                 "caption_channels", "num_layers")
+        own = LTXAVModel(**{k: c[k] for k in sizes}, operations=comfy.ops.disable_weight_init).state_dict()
+        shapes = {f"diffusion_model.{k}": v.shape for k, v in own.items()}
+        linear = re.compile(r"transformer_blocks\.\d+\.(\w*attn\d?|(audio_)?ff)\..+\.(weight|bias)")
+        state = {f"diffusion_model.{k}": v for k, v in weights.items() if linear.fullmatch(k) and "norm" not in k}
+        wrong = sorted(k for k, v in state.items() if shapes.get(k) != v.shape)
+        assert not wrong, f"not in ComfyUI's LTXAV model (or another shape there): {wrong[:4]}"
+        return self.stand_in(comfy.model_base.LTXAV, state, {}), state
 
     def clip_layout(self, adapter) -> tuple[object, dict[str, torch.Tensor]]:
         """ComfyUI's CLIP models keep transformers 4's CLIPTextModel names under clip_l.transformer / clip_g.transformer

@@ -71,6 +71,13 @@ CASES = {
         "sample.negative_prompt": "blurry", "sample.guidance_scale": 4.0, "sample.num_inference_steps": 25,
         "data.resolutions": [512, 768, 1024]},
         []),
+    # ai-toolkit's arch "ltx2" (its LTX2Model): the dataset's fps is the transformer's frame rate there; 8k+1 frames
+    "ltx2": ("tiny:ltx2", "clips", {
+        "model.family": "ltx2", "model.name_or_path": "Lightricks/LTX-2", "model.quantize": "8bit",
+        "data.num_frames": 121, "train.frame_rate": 24.0, "sample.num_frames": 97, "sample.fps": 24,
+        "sample.width": 768, "sample.height": 512, "sample.negative_prompt": "worst quality, blurry, jittery",
+        "train.timestep_sampling": "logit_normal"},
+        ["datasets[0].do_audio"]),
     # only a folder and a model: ai-toolkit's own defaults where they differ from this toolkit's
     "minimal": ("tiny:sd", "shapes", {
         "run.name": "defaults_only", "model.family": "sd", "network.rank": 4, "network.alpha": 1.0,

@@ -30,6 +30,7 @@ CASES = {
     "chroma": ("quickstart_chroma.yaml", "ChromaPipeline", []),
     "wan21": ("quickstart_wan21.yaml", "WanPipeline", []),
     "wan22": ("quickstart_wan22.yaml", "WanPipeline", ["train.expert_switch_every=1"]),
+    "ltx2": ("quickstart_ltx2.yaml", "LTX2Pipeline", []),
 }
 # Wan 2.2 A14B: each expert's file in its own folder, the second loaded into transformer_2
 EXPERT_FILES = {"transformer": ("high_noise", {}), "transformer_2": ("low_noise", {"load_into_transformer_2": True})}

@@ -30,7 +30,8 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
 TIMESTEP_TYPES = {"sigmoid": ("logit_normal", 1.0), "linear": ("uniform", 1.0), "shift": ("uniform", None),
                   "flux_shift": ("uniform", None), "lumina2_shift": ("uniform", None)}
 SD_FAMILIES = ("sd", "sdxl")
-VIDEO_FAMILIES = ("wan21", "wan22")
+VIDEO_FAMILIES = ("wan21", "wan22", "ltx2")
+FRAME_STEPS = {"ltx2": 8}  # clips are step*k+1 frames: the VAE's time compression (Wan's 4 where not listed)
 RANDOM_CROPS = 3  # datasets' random_crop -> data.crop_variants: this many crops, each encoded once and cached
 
 
@@ -42,10 +43,12 @@ def dtype(value: Any, key: str, out: Translation) -> str | None:
 
 
 def clip_frames(frames: int, key: str, out: Translation) -> int:
-    """The largest 4k+1 frame count up to `frames` (Wan's VAE compresses 4 frames into one after the first)."""
-    usable = (max(frames, 1) - 1) // 4 * 4 + 1
+    """The largest 4k+1 frame count up to `frames` (Wan's VAE compresses 4 frames into one after the first; LTX-2's
+    8: 8k+1)."""
+    step = FRAME_STEPS.get(out.family, 4)
+    usable = (max(frames, 1) - 1) // step * step + 1
     if usable != frames:
-        out.note(key, f"{frames} frames -> {usable} (clips here are 4k+1 frames)")
+        out.note(key, f"{frames} frames -> {usable} (clips here are {step}k+1 frames)")
     return usable
 
 
@@ -255,8 +258,11 @@ def first_dataset(out: Translation, s: Section, trigger: Any) -> None:
         if frames is not None:
             out.set("data.num_frames", clip_frames(as_int(frames, s.key("num_frames")), s.key("num_frames"), out),
                     s.key("num_frames"), frames)
+        if out.family == "ltx2" and s.has("fps"):  # ai-toolkit's LTX-2 gives the transformer the dataset's fps
+            out.set("train.frame_rate", as_float(s.take("fps"), s.key("fps")), s.key("fps"))
         s.skip("fps", "clips always contribute data.num_frames frames taken evenly, whatever their frame rate",
                when=16)
+        s.skip("do_audio", "the ltx2 family trains LTX-2's video branch; its audio stream runs on noise", when=False)
     else:
         s.skip("num_frames", f"the {out.family} family trains on images", when=1)
         s.same("fps", f"the {out.family} family trains on images (no frame rate)")

@@ -121,6 +121,12 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                tiny={"chroma": "toolkit.tiny.chroma:write_tiny_chroma"}, pipeline_class="ChromaPipeline",
                compile_auto="flux-compile",
                keeps_auto="flux-keeps"),
+    # LTX-2: the video branch of the audio-video transformer is trained (the audio tokens are pure noise at sigma 1).
+    FamilySpec("ltx2", "toolkit.models.diffusion_ltx2:LTX2Adapter", VideoDataSection,
+               (VIDEO_SETTINGS - {"model.task", "sample.images"}) | {"train.frame_rate"},
+               "LTX-2 text-to-video (Lightricks/LTX-2, the video branch of the audio-video model; Gemma 3 text)",
+               timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
+               tiny={"ltx2": "toolkit.tiny.ltx2:write_tiny_ltx2"}, pipeline_class="LTX2Pipeline"),
     FamilySpec("vlm", "toolkit.models.vlm:VLMAdapter", VisionChatDataSection, VLM_SETTINGS,
                "vision-language chat models through AutoModelForImageTextToText: Qwen2.5-VL, Qwen3-VL",
                save_formats=("peft",),

@@ -304,6 +304,9 @@ class TrainSection:
                        "model's boundary) or low_noise.", choices=("both", "high_noise", "low_noise"))
     expert_switch_every: int = opt(10, "Wan 2.2 A14B with experts=both: optimizer steps on one expert before "
                                    "switching to the other (larger values move weights less often).", minimum=1)
+    frame_rate: float = opt(24.0, "LTX-2: the frame rate the transformer is told the training clips play at (its "
+                            "time positions; LTX-2 was trained at 24-25 fps). Samples play at sample.fps.",
+                            minimum=1.0)
 
 
 @dataclass

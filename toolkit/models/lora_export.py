@@ -15,6 +15,8 @@ loader and, where the family has one, kohya's sd-scripts or musubi-tuner all rea
 - sd3 (`diffusers_keys_scaled`), flux2 (`flux2_keys`): diffusers module names with the scale folded into lora_A:
   diffusers' SD3 and Flux.2 readers refuse any key without "lora" in it, so an `.alpha` cannot be written.
 - wan21, wan22 (`wan_native_keys`): ComfyUI's and the original Wan module names under `diffusion_model.`.
+- ltx2 (`ltx2_keys`): the original LTX-2 module names under `diffusion_model.`, as LTX-2 LoRAs are published (for
+  the blocks' attention and feed-forward layers they are diffusers' names), the scale folded into lora_A.
 
 A format that cannot hold a module (a Wan module without an original name, DoRA magnitudes) is a ValueError.
 """
@@ -245,4 +247,30 @@ def wan_native_keys(factors: Factors) -> dict[str, torch.Tensor]:
     if unmapped:
         raise ValueError(f"no ComfyUI Wan name for the LoRA modules {sorted(unmapped)[:4]}; exportable modules are "
                          f"blocks.N.{{{', '.join(WAN_BLOCK_MODULES)}}} and {', '.join(WAN_TOP_MODULES)}")
+    return out
+
+
+# -- ltx2: the original LTX-2 names -----------------------------------------------------------------------------
+# LTX-2 LoRAs (Lightricks' trainer, ComfyUI) use the original model's names under `diffusion_model.`: ComfyUI's
+# LTXAV model has them, and its LoRA loader maps them through its generic "diffusion_model.<module>" key (comfy/lora.py
+# model_lora_keys_unet); diffusers' LTX-2 reader (_convert_non_diffusers_ltx2_lora_to_diffusers) renames them back.
+# The blocks' attention and feed-forward layers have the same name in both models, so those are the modules a file
+# holds (video and audio streams alike).
+LTX2_NATIVE_MODULES = re.compile(
+    r"transformer_blocks\.\d+\.((audio_)?attn[12]|audio_to_video_attn|video_to_audio_attn)\.(to_q|to_k|to_v|to_out\.0)"
+    r"|transformer_blocks\.\d+\.(audio_)?ff\.net\.(0\.proj|2)")
+
+
+def ltx2_keys(factors: Factors) -> dict[str, torch.Tensor]:
+    """LTX-2: `diffusion_model.<module>.lora_A/lora_B.weight`, the scale folded into lora_A as for SD3: diffusers'
+    LTX-2 reader refuses any key without "lora" in it (an `.alpha`), and ComfyUI, finding no alpha, applies B @ A. A
+    module without the same name in the original model is a ValueError (the file then falls back to diffusers' own
+    layout)."""
+    unmapped = sorted(m for m in factors if not LTX2_NATIVE_MODULES.fullmatch(m))
+    if unmapped:
+        raise ValueError(f"no ComfyUI LTX-2 name for the LoRA modules {unmapped[:4]}")
+    out = {}
+    for module, factor in factors.items():
+        out[f"diffusion_model.{module}.lora_A.weight"] = _folded(factor)
+        out[f"diffusion_model.{module}.lora_B.weight"] = factor.up
     return out
