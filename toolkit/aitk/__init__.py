@@ -13,10 +13,11 @@ from typing import Any
 import yaml
 
 from toolkit.aitk.job import Section, Translation, account_for_every_key, as_float, as_int, read_job
-from toolkit.aitk.sections import clip_frames, datasets, dtype, network, save, train
+from toolkit.aitk.sections import VIDEO_FAMILIES, clip_frames, datasets, dtype, network, save, train
 from toolkit.errors import ConfigError, UserError
 
-# ai-toolkit model.arch -> model.family. ai-toolkit's older is_* flags name an arch (toolkit/config_modules.py,
+# ai-toolkit model.arch -> model.family (ai-toolkit has no HunyuanVideo 1.5 arch: its extensions_built_in models,
+# 2026, list none). ai-toolkit's older is_* flags name an arch (toolkit/config_modules.py,
 # ModelConfig); a model without either is sd1.
 ARCHES = {"sd1": "sd", "sd2": "sd", "sdxl": "sdxl", "sd3": "sd3", "flux": "flux", "flex1": "flux", "flux2": "flux2",
           "chroma": "chroma", "qwen_image": "qwen_image", "zimage": "z_image", "wan21": "wan21", "wan22_14b": "wan22", "wan22_5b": "wan22"}
@@ -169,7 +170,7 @@ def sample(out: Translation, s: Section) -> None:
     out.set("sample.num_inference_steps", as_int(s.take("sample_steps", 20), s.key("sample_steps")),
             s.key("sample_steps"))
     frames, fps = s.take("num_frames", 1), s.take("fps")
-    if out.family in ("wan21", "wan22"):
+    if out.family in VIDEO_FAMILIES:
         frames = as_int(frames, s.key("num_frames"))
         out.set("sample.num_frames", clip_frames(frames, s.key("num_frames"), out), s.key("num_frames"))
         if fps is not None:
