@@ -33,6 +33,9 @@ WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 WAN22_A14B = dict(WAN_1P3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)  # each expert: 5120 wide
+# HunyuanVideo15Transformer3DModel's defaults are the 480p models' shape (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v
+# transformer/config.json): 54 blocks, 16 heads of 128, Qwen2.5-VL-7B's 3584, ByT5's 1472, SigLIP's 1152, patch 1
+HUNYUAN15_480P = dict(num_layers=54)
 SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on the CPU (--tiny)
     "sd15": dict(block_out_channels=(32, 64), layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=768, attention_head_dim=4,
@@ -48,6 +51,7 @@ SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on
                    axes_dims_rope=(4, 6, 6), approximator_hidden_dim=32, approximator_layers=2),
     "wan": dict(WAN_1P3B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
     "wan22": dict(WAN22_A14B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
+    "hunyuan15": dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, rope_axes_dim=(4, 6, 6)),
 }
 
 
@@ -76,7 +80,7 @@ def _build(cls, config: dict, device: str):
 
 
 def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> None:
-    """The pipeline folder of `kind` (sd15, sdxl, flux, chroma, wan, wan22) with its denoiser built on `device`, which
+    """The pipeline folder of `kind` (sd15, sdxl, flux, chroma, wan, wan22, hunyuan15) with its denoiser built on `device`, which
     gives the GPU memory back afterwards: each row runs in a process of its own and needs all of it."""
     _write_pipeline(kind, folder, device, tiny)
     if device == "cuda":
@@ -93,7 +97,7 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
     from toolkit.tiny.flow import t5_config, write_t5_tokenizer
 
     config = SHAPES[kind] if tiny else {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "chroma": CHROMA1_HD,
-                                        "wan": WAN_1P3B, "wan22": WAN22_A14B}[kind]
+                                        "wan": WAN_1P3B, "wan22": WAN22_A14B, "hunyuan15": HUNYUAN15_480P}[kind]
     if kind in ("wan", "wan22"):
         from diffusers import WanPipeline, WanTransformer3DModel
         from transformers import UMT5EncoderModel
@@ -112,6 +116,15 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
             index["transformer_2"] = index["transformer"]
             (folder / "model_index.json").write_text(json.dumps(index, indent=2))
             (folder / "transformer_2").symlink_to("transformer", target_is_directory=True)
+        return
+    if kind == "hunyuan15":
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        from toolkit.tiny.hunyuan15 import write_hunyuan15
+
+        transformer = _build(HunyuanVideo15Transformer3DModel, config, device)
+        write_hunyuan15(folder, transformer, text_width=transformer.config.text_embed_dim,
+                        glyph_width=transformer.config.text_embed_2_dim)
         return
     if kind == "chroma":
         from diffusers import ChromaPipeline, ChromaTransformer2DModel

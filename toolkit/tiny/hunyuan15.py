@@ -63,6 +63,14 @@ def _siglip():
 
 
 def _write(out: Path, image_to_video: bool) -> None:
+    torch.manual_seed(0)
+    write_hunyuan15(out, None, image_to_video=image_to_video)
+
+
+def write_hunyuan15(out: Path, transformer, text_width: int = 32, glyph_width: int = 32,
+                    image_to_video: bool = False) -> None:
+    """The pipeline folder around `transformer` (None: the tiny one) with 2-layer text encoders of the widths it
+    takes (bench/diffusion_models.py writes the real-shaped transformer with them)."""
     from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextModel, T5EncoderModel
 
@@ -70,10 +78,11 @@ def _write(out: Path, image_to_video: bool) -> None:
     tokenizer = write_qwen_tokenizer(out / "tokenizer", extra_words=tuple(_SYSTEM_WORDS), chat_template=CHAT_TEMPLATE)
     tokenizer_2 = ByT5Tokenizer()
     tokenizer_2.save_pretrained(out / "tokenizer_2")
-    torch.manual_seed(0)
-    text_encoder = Qwen2_5_VLTextModel(qwen25_vl_config(tokenizer, hidden_size=32).text_config)
-    text_encoder_2 = T5EncoderModel(t5_config(len(tokenizer_2), d_model=32))
-    transformer = hunyuan15_transformer()
+    text_config = qwen25_vl_config(tokenizer, hidden_size=text_width).text_config
+    text_config.num_attention_heads = text_width // 16  # heads of 16: the RoPE sections (2/3/3) span half of one
+    text_encoder = Qwen2_5_VLTextModel(text_config)
+    text_encoder_2 = T5EncoderModel(t5_config(len(tokenizer_2), d_model=glyph_width))
+    transformer = transformer if transformer is not None else hunyuan15_transformer()
     parts = dict(text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
                  tokenizer_2=tokenizer_2, transformer=transformer, vae=_vae(),
                  scheduler=FlowMatchEulerDiscreteScheduler(shift=SCHEDULER_SHIFT),
