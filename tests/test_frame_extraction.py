@@ -160,3 +160,15 @@ def test_a_run_trains_on_extracted_clips_one_bucket_a_batch(tmp_path, run_cli, c
     assert "latents: 0 cached, 23 encoded" in log
     assert len(read_metrics(out)) == 3
     assert re.search(r"model: hunyuan_video15 .*; 23 training samples", log)
+
+
+def test_ai_toolkits_and_musubis_names_suggest_the_keys(run_cli, capsys):
+    from helpers import REPO
+
+    assert run_cli("validate", REPO / "configs/examples/quickstart_hunyuan15.yaml", "data.shrink_video_to_frames=false",
+                   "data.video_directory=clips") == 2
+    err = capsys.readouterr().err
+    assert ("unknown key 'data.shrink_video_to_frames' in command line; did you mean 'data.frame_extraction'? "
+            "(shrink_video_to_frames: the name in ai-toolkit; true is data.frame_extraction: spread (the default); "
+            "false: head)") in err
+    assert "unknown key 'data.video_directory' in command line; did you mean 'data.path'?" in err
