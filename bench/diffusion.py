@@ -14,7 +14,8 @@ under bf16 autocast, fused AdamW, gradient norm clipped to 1.0:
         tokens attended), the toolkit trims the text to the captions' tokens. Not in the default --models
   hunyuan15 HunyuanVideo 1.5 480p T2V transformer (8.3B: 54 dual-stream blocks, 2048 wide), 33 x 480 x 832, 1 clip
         (9 x 30 x 52 = 14040 latent tokens, patch 1); the text as the pipeline passes it: 1000 Qwen2.5-VL tokens
-        (64 attended), 256 ByT5 tokens (none: no quoted text), 729 zero image tokens (masked out). Its 16-bit
+        (64 attended), 256 ByT5 tokens (none: no quoted text), 729 zero image tokens (masked out); the toolkit
+        leaves the masked tokens out (the captions' own, one ByT5 and one image token). Its 16-bit
         weights (16.7 GB) leave toolkit-swap24 ~5 GiB for activations: block_swap=auto swaps what does not fit.
         Not in the default --models
   wan22 Wan 2.2 T2V A14B (two 14B experts), 17 x 480 x 832, 1 clip: the toolkit trains the high-noise expert

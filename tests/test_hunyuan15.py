@@ -2,7 +2,7 @@
 both quickstarts train, the LoRA file loads with the transformer's own load_lora_adapter (diffusers' PEFT loader;
 the pipelines have no load_lora_weights) and moves the output as the trained model does, the sample is the
 pipeline's video with that LoRA, predict is the velocity one step of each pipeline moves by (the I2V condition
-included), the ComfyUI file's fused qkv holds the same updates, block swap trains the same LoRA, and a resumed
+included: the masked text padding and image tokens left out), the ComfyUI file's fused qkv holds the same updates, block swap trains the same LoRA, and a resumed
 run ends bit-identical."""
 
 from __future__ import annotations
@@ -122,6 +122,9 @@ def test_predict_is_the_velocity_the_pipeline_steps_with(tmp_path, task):
                                    *(["sample.images=[configs/examples/data/clips_i2v/green_circle.png]"]
                                      if task == "i2v" else []))
     text = adapter.embeddings_for(adapter.sample_prompts()[0])
+    # predict keeps the longest cached text's tokens (1 ByT5 token: no caption quotes text); the pipeline all
+    assert adapter.text_lengths[0] < 100 and adapter.text_lengths[1] == 1
+    assert text["prompt_embeds"].shape[1] == 1000 and text["prompt_embeds_2"].shape[1] == 256
     pipe, steps = adapter.pipe, 50
     x = torch.randn((1, 32, 3, 4, 4), generator=torch.Generator().manual_seed(0))
     seen, extra, cond = [], {}, dict(text)

@@ -14,6 +14,10 @@ What the pipelines do, and so what training does:
   image's VAE latent (the posterior mode, as the pipeline's `_get_image_latents`) fills the first latent frame of
   the condition, the mask is 1 there, and the image tokens are SigLIP's last hidden state of the start image
   (the pipeline's `_get_image_embeds`); both are cached with the clip's latents. The loss covers every frame.
+- Masked tokens are left out of the forward: the Qwen and ByT5 texts are cut to the longest cached text's
+  tokens (their padding is at the end and masked; the transformer places its text tokens without positions), and
+  text-to-video passes one zero image token, not the pipeline's 729 (all masked out). Exact, and one text shape a
+  run for compiled blocks; `tests/test_hunyuan15.py` checks predict against the pipeline's full-length step.
 - Timestep: 1000 * sigma, sigmas shifted by the scheduler's fixed shift (train.flow_shift to override).
 - Samples: the pipeline's own call on the cached embeddings, classifier-free guidance by its guider at
   sample.guidance_scale with sample.negative_prompt. Image-to-video samples take their size from the start image
@@ -52,11 +56,18 @@ HUNYUAN15_ALL_LINEAR = f"{_BLOCK}({_ATTENTION_FF}|norm1\\.linear|norm1_context\\
 TEXT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 
 
+def kept_tokens(mask: torch.Tensor) -> int:
+    """The tokens a cached text keeps when cut: its attended ones when they lead (padding at the end), else all."""
+    n = int(mask.sum())
+    return n if bool(mask[:n].all()) else mask.shape[-1]
+
+
 class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
     text_encoder_names = ("text_encoder", "text_encoder_2")
     text_keys = TEXT_KEYS
     transformer_key_style = staticmethod(diffusers_keys_scaled)  # the transformer's PEFT loader takes no `.alpha`
     task = "t2v"
+    text_lengths: tuple[int, int] | None = None  # the Qwen and ByT5 tokens a forward keeps (prepare_data); None: all
 
     def load(self, shard_base: bool = False) -> None:
         self.task, why = resolve_task(self.cfg.model.task, self.model_path, self.cfg.model.revision, I2V_PIPELINE)
@@ -152,6 +163,16 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask.long(), "prompt_embeds_2": embeds_2,
                 "prompt_embeds_mask_2": mask_2.long()}
 
+    def prepare_data(self):
+        dataset = super().prepare_data()
+        if dataset.text is not None:  # captions cached: no batch has more text tokens than the cached texts
+            texts = list(self.prompt_cache.values())  # the captions and the sample prompts
+            self.text_lengths = tuple(max(max(kept_tokens(t[key]) for t in texts), 1)
+                                      for key in ("prompt_embeds_mask", "prompt_embeds_mask_2"))
+            self.log(f"text: {self.text_lengths[0]} Qwen2.5-VL and {self.text_lengths[1]} ByT5 tokens a forward "
+                     "(the longest cached text's; the rest is masked padding)")
+        return dataset
+
     # -- loss ------------------------------------------------------------------------------
     def conditioning(self, batch: dict[str, Any], modules) -> dict[str, torch.Tensor]:
         cond = super().conditioning(batch, modules)
@@ -172,9 +193,9 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
             condition[:, :, :1] = cond["start_latent"].to(noisy.dtype)
             mask[:, :, 0] = 1.0
             image_embeds = cond["image_embeds"]
-        else:
+        else:  # one zero token: the model masks text-to-video's image tokens out, however many
             image_embeds = self.constant(("image_embeds", b, noisy.dtype),
-                                         lambda: torch.zeros(b, *self.image_tokens, dtype=noisy.dtype))
+                                         lambda: torch.zeros(b, 1, self.image_tokens[1], dtype=noisy.dtype))
         return torch.cat([noisy, condition, mask], dim=1), image_embeds
 
     def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
@@ -182,11 +203,12 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
         """The flow velocity at timestep 1000 * sigma, as the pipeline's transformer call."""
         dtype = denoiser.dtype
         hidden, image_embeds = self.model_inputs(noised.noisy.to(dtype), cond)
+        n, n_2 = self.text_lengths or (cond["prompt_embeds"].shape[1], cond["prompt_embeds_2"].shape[1])
         return denoiser.forward(hidden_states=hidden, timestep=(noised.t * 1000).to(dtype),
-                                encoder_hidden_states=cond["prompt_embeds"].to(dtype),
-                                encoder_attention_mask=cond["prompt_embeds_mask"],
-                                encoder_hidden_states_2=cond["prompt_embeds_2"].to(dtype),
-                                encoder_attention_mask_2=cond["prompt_embeds_mask_2"],
+                                encoder_hidden_states=cond["prompt_embeds"][:, :n].to(dtype),
+                                encoder_attention_mask=cond["prompt_embeds_mask"][:, :n],
+                                encoder_hidden_states_2=cond["prompt_embeds_2"][:, :n_2].to(dtype),
+                                encoder_attention_mask_2=cond["prompt_embeds_mask_2"][:, :n_2],
                                 image_embeds=image_embeds.to(dtype), return_dict=False)[0]
 
     # -- sampling --------------------------------------------------------------------------
