@@ -230,3 +230,10 @@ def test_fp8_quantizes_the_dual_stream_blocks(tmp_path, run_cli, capsys):
     assert "model: quantized 28 linear layers of the transformer to fp8 (toolkit)" in capsys.readouterr().err
     assert keys["fp8"] == keys["plain"]
     assert losses["fp8"] != losses["plain"] and np.allclose(losses["fp8"], losses["plain"], rtol=0.05)
+
+
+def test_i2v_on_a_text_to_video_folder_is_a_short_error(tmp_path, run_cli, capsys):
+    assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], tmp_path / "run", "model.task=i2v")) == 2
+    err = capsys.readouterr().err
+    assert "model.task=i2v: tiny:hunyuan15 has no image_encoder (SigLIP)" in err and "fix: use an image-to-video" in err
+    assert "Traceback" not in err

@@ -72,7 +72,19 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
     def load(self, shard_base: bool = False) -> None:
         self.task, why = resolve_task(self.cfg.model.task, self.model_path, self.cfg.model.revision, I2V_PIPELINE)
         self.log(f"model.task: {self.task} ({why})")
+        if self.task == "i2v":
+            self.check_image_encoder()
         super().load(shard_base)
+
+    def check_image_encoder(self) -> None:
+        """Image-to-video needs the folder's SigLIP image encoder: a UserError before the pipeline loads."""
+        from diffusers import DiffusionPipeline
+
+        index = DiffusionPipeline.load_config(self.model_path, revision=self.cfg.model.revision)
+        if not (index.get("image_encoder") or [None])[0]:
+            raise UserError(f"model.task=i2v: {self.cfg.model.name_or_path} has no image_encoder (SigLIP)\n"
+                            "  fix: use an image-to-video folder (hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v), "
+                            "or model.task=t2v")
 
     def pipeline_class(self):
         from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
@@ -89,7 +101,9 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
     def setup_training(self) -> None:
         super().setup_training()
         transformer = self.pipe.transformer
-        self.check_task(transformer)
+        if self.task == "t2v" and transformer.config.get("task_type") == "i2v":
+            self.log(f"note: {self.cfg.model.name_or_path}'s transformer was trained for image-to-video "
+                     "(task_type i2v); training it text-to-video")
         self.shift = self.configured_shift(self.pipe.scheduler.config.get("shift", 1.0))
         self.log(f"flow matching: {self.timestep_sampling} sigmas shifted by {self.shift:g}"
                  + (" (train.flow_shift)" if self.cfg.train.flow_shift != "auto" else " (the scheduler's shift)"))
@@ -99,16 +113,6 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
         if self.task == "i2v":
             self.log("image-to-video: the start image's latent as the first condition frame (mask 1 there), "
                      "its SigLIP tokens cross-attended")
-
-    def check_task(self, transformer) -> None:
-        """A UserError when the folder cannot train the task: i2v needs the SigLIP image encoder."""
-        name = self.cfg.model.name_or_path
-        if self.task == "i2v" and getattr(self.pipe, "image_encoder", None) is None:
-            raise UserError(f"model.task=i2v: {name} has no image_encoder (SigLIP)\n  fix: use an image-to-video "
-                            "folder (hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v), or model.task=t2v")
-        if self.task == "t2v" and transformer.config.get("task_type") == "i2v" and self.cfg.model.task == "t2v":
-            self.log(f"note: {name}'s transformer was trained for image-to-video (task_type i2v); "
-                     "training it text-to-video")
 
     # -- data ------------------------------------------------------------------------------
     def scan(self, data, log) -> list:

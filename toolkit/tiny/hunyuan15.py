@@ -42,7 +42,8 @@ def _vae():
                                        layers_per_block=1, spatial_compression_ratio=16, temporal_compression_ratio=4)
 
 
-def hunyuan15_transformer(image_embed_dim: int = SIGLIP_WIDTH, text_embed_dim: int = 32, text_embed_2_dim: int = 32):
+def hunyuan15_transformer(image_embed_dim: int = SIGLIP_WIDTH, text_embed_dim: int = 32, text_embed_2_dim: int = 32,
+                          task_type: str = "t2v"):
     """2 dual-stream blocks, 2 heads of 16, on latents + condition + mask (2 x 32 + 1 channels)."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
@@ -50,7 +51,7 @@ def hunyuan15_transformer(image_embed_dim: int = SIGLIP_WIDTH, text_embed_dim: i
         in_channels=2 * LATENT_CHANNELS + 1, out_channels=LATENT_CHANNELS, num_attention_heads=2,
         attention_head_dim=16, num_layers=2, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1,
         text_embed_dim=text_embed_dim, text_embed_2_dim=text_embed_2_dim, image_embed_dim=image_embed_dim,
-        rope_axes_dim=(4, 6, 6), target_size=TARGET_SIZE)
+        rope_axes_dim=(4, 6, 6), target_size=TARGET_SIZE, task_type=task_type)
 
 
 def _siglip():
@@ -82,7 +83,8 @@ def write_hunyuan15(out: Path, transformer, text_width: int = 32, glyph_width: i
     text_config.num_attention_heads = text_width // 16  # heads of 16: the RoPE sections (2/3/3) span half of one
     text_encoder = Qwen2_5_VLTextModel(text_config)
     text_encoder_2 = T5EncoderModel(t5_config(len(tokenizer_2), d_model=glyph_width))
-    transformer = transformer if transformer is not None else hunyuan15_transformer()
+    if transformer is None:
+        transformer = hunyuan15_transformer(task_type="i2v" if image_to_video else "t2v")
     parts = dict(text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
                  tokenizer_2=tokenizer_2, transformer=transformer, vae=_vae(),
                  scheduler=FlowMatchEulerDiscreteScheduler(shift=SCHEDULER_SHIFT),
