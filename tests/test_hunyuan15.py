@@ -237,3 +237,32 @@ def test_i2v_on_a_text_to_video_folder_is_a_short_error(tmp_path, run_cli, capsy
     err = capsys.readouterr().err
     assert "model.task=i2v: tiny:hunyuan15 has no image_encoder (SigLIP)" in err and "fix: use an image-to-video" in err
     assert "Traceback" not in err
+
+
+def test_dora_file_loads_in_the_pipelines_transformer_as_trained(tmp_path, run_cli):
+    """network.type=dora: the file (PEFT keys under transformer., each scale folded into lora_A, the magnitudes
+    beside) loads with load_lora_adapter and gives the trained model's output."""
+    from toolkit.models import build_adapter
+    from toolkit.models.base import load_trainable_state_dict
+    from toolkit.plan.run import load_run
+    from toolkit.train.checkpoint import trainable_from_file
+
+    out = tmp_path / "run"
+    assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], out, "network.type=dora", "network.alpha=16",
+                                         "save.every=2")) == 0
+    weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    assert sum(k.endswith(".lora_magnitude_vector") for k in weights) == 24
+    run = load_run([out / "config.yaml"], [])
+    adapter = build_adapter(run.cfg, cpu_runtime(run, out))
+    adapter.load()
+    state = load_file(str(out / "checkpoints" / "step-000002" / "trainable_state.safetensors"))
+    load_trainable_state_dict(adapter.network, trainable_from_file(state))
+    pipe = _pipeline("t2v")
+    with torch.no_grad():
+        inputs = _transformer_inputs(pipe, PROMPT)
+        base = pipe.transformer(**inputs)[0]
+        pipe.transformer.load_lora_adapter(weights, prefix="transformer")
+        loaded = pipe.transformer(**inputs)[0]
+        trained = adapter.pipe.transformer(**inputs)[0]
+    assert (trained - base).abs().max() > 1e-2
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)

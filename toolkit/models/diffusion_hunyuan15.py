@@ -259,6 +259,24 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
         save_file(state, str(comfy), metadata=self.lora_metadata())
         return files
 
+    def write_diffusers_layout(self, folder: Path, names: list[str], dtype: torch.dtype) -> None:
+        """What the key style cannot hold (DoRA's magnitudes): PEFT's own keys under `transformer.`, each scale
+        folded into lora_A, which load_lora_adapter reads at scale 1 (the pipelines have no save_lora_weights)."""
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        from toolkit.models.diffusion_files import LORA_FILE
+
+        (name,) = names
+        model = self.network[name]
+        state = {}
+        for key, tensor in get_peft_model_state_dict(model).items():
+            tensor = tensor.detach().to("cpu", torch.float32)
+            if key.endswith(".lora_A.weight"):
+                tensor = tensor * model.get_submodule(key[:-len(".lora_A.weight")]).scaling["default"]
+            state[f"transformer.{key}"] = tensor.to(dtype).contiguous()
+        save_file(state, str(folder / LORA_FILE), metadata=self.lora_metadata())
+
     def _load_lora_file(self, file: Path, names: list[str], partial: bool, label: str, model: str,
                         load_kwargs: dict) -> None:
         """The transformer's own load_lora_adapter reads the file (the pipelines have no load_lora_weights)."""
