@@ -247,8 +247,13 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
 
         files = super().save_lora(out_dir, dtype)
         comfy = out_dir / f"{self.cfg.run.name}_comfyui.safetensors"
-        if comfy not in files or self.cfg.network.type in TENSORS:  # LoKr / LoHa: their LyCORIS keys, copied
+        if comfy not in files:
             return files
+        if self.cfg.network.type in TENSORS:  # LyCORIS keys under diffusers' names, which ComfyUI does not map here
+            comfy.unlink()
+            self.log(f"warning: save.format=comfyui: {comfy.name} not written: ComfyUI maps no diffusers names for "
+                     f"HunyuanVideo 1.5, and network.type={self.cfg.network.type} has no ComfyUI-named writer here")
+            return [f for f in files if f != comfy]
         (transformer,) = self.lora_factors(dtype).values()
         try:
             state = hunyuan15_comfy_keys(transformer)
