@@ -14,6 +14,8 @@ from the checkpoint's exact tensors). Then final/'s file and step 1's checkpoint
   WanModel names, matched to diffusers' by diffusers' convert_wan_transformer_to_diffusers; Chroma: Flux's
   converter, its keys checked against ComfyUI's own Chroma model, comfy.model_base.Chroma as the model class;
   LTX-2: the blocks' names, checked against ComfyUI's own LTXAV model, comfy.model_base.LTXAV as the class).
+  HunyuanVideo 1.5: the save.format=comfyui file on ComfyUI's own HunyuanVideo model's block keys, each fused
+  qkv the diffusers q, k and v stacked, comfy.model_base.HunyuanVideo15 as the model class).
 - kohya sd-scripts (sd, sdxl): networks/lora.py create_network_from_weights + merge_to on the diffusers UNet and
   the text encoders, laid out as sd-scripts' transformers 4 has them (text_model.encoder...).
 - musubi-tuner (wan21, wan22): convert_lora.convert_from_diffusers (its documented import of diffusers /
@@ -57,7 +59,11 @@ FAMILIES = {  # quickstart, extra overrides
     "wan21": ("quickstart_wan21.yaml", []),
     "wan22": ("quickstart_wan22.yaml", ["train.expert_switch_every=1"]),
     "ltx2": ("quickstart_ltx2.yaml", ["network.target_modules=all-linear"]),  # the audio-to-video attention too
+    # every linear layer of the blocks: the modulation too; its ComfyUI file is the save.format=comfyui one
+    "hunyuan_video15": ("quickstart_hunyuan15.yaml", ["network.target_modules=all-linear", "save.format=comfyui",
+                                                      "train.batch_size=1"]),
 }
+COMFYUI_COPY = {"hunyuan_video15": "quickstart_hunyuan15_comfyui.safetensors"}  # diffusers' names in the main file
 EXPERTS = {"transformer": "high_noise", "transformer_2": "low_noise"}
 
 
@@ -104,7 +110,8 @@ def sd3_as_comfyui_sizes_it(folder: Path) -> Path:
 def lora_files(out: Path, step: int, name: str, family: str) -> dict[str, Path]:
     """{label: file} of final/ and checkpoint `step` for component `name`."""
     sub = EXPERTS[name] if family == "wan22" else ""
-    return {where: folder / sub / "pytorch_lora_weights.safetensors"
+    file = COMFYUI_COPY.get(family, "pytorch_lora_weights.safetensors")
+    return {where: folder / sub / file
             for where, folder in (("final", out / "final"), (f"step-{step}", out / "checkpoints" / f"step-{step:06d}"))}
 
 
@@ -197,6 +204,8 @@ class ComfyUI:
             return self.chroma_layout(adapter.component(name), weights)
         if family == "ltx2":
             return self.ltx2_layout(adapter.component(name), weights)
+        if family == "hunyuan_video15":
+            return self.hunyuan15_layout(adapter.component(name), weights)
         if family == "qwen_image":
             state = {f"diffusion_model.{k}": v for k, v in weights.items()}
             return self.stand_in(comfy.model_base.QwenImage, state, {}), state
@@ -243,6 +252,39 @@ class ComfyUI:
         wrong = sorted(k for k, v in state.items() if shapes.get(k) != v.shape)
         assert not wrong, f"not in ComfyUI's LTXAV model (or another shape there): {wrong[:4]}"
         return self.stand_in(comfy.model_base.LTXAV, state, {}), state
+
+    def hunyuan15_layout(self, transformer, weights: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
+        """ComfyUI's own HunyuanVideo 1.5 model of the tiny one's size (comfy.ldm.hunyuan_video.model), its double
+        blocks holding the diffusers weights: each stream's qkv the diffusers q, k and v stacked (Flux's order),
+        the rest one to one; every such key and shape must be ComfyUI's."""
+        from comfy.ldm.hunyuan_video.model import HunyuanVideo
+
+        c = transformer.config
+        hidden = c.num_attention_heads * c.attention_head_dim
+        own = HunyuanVideo(in_channels=c.in_channels, out_channels=c.out_channels, vec_in_dim=None,
+                           context_in_dim=c.text_embed_dim, hidden_size=hidden, mlp_ratio=c.mlp_ratio,
+                           num_heads=c.num_attention_heads, depth=c.num_layers, depth_single_blocks=0,
+                           axes_dim=list(c.rope_axes_dim), theta=256, patch_size=[1, 1, 1], qkv_bias=True,
+                           guidance_embed=False, byt5=True, meanflow=False, use_cond_type_embedding=True,
+                           vision_in_dim=c.image_embed_dim, meanflow_sum=False, operations=torch.nn).state_dict()
+        state = {f"diffusion_model.{k}": v.float() for k, v in own.items()}
+        one_to_one = {"attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj", "ff.net.0.proj": "img_mlp.0",
+                      "ff.net.2": "img_mlp.2", "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+                      "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin"}
+        fused = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+                 "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+        placed = {}
+        for i in range(c.num_layers):
+            ours, theirs = f"transformer_blocks.{i}.", f"diffusion_model.double_blocks.{i}."
+            for kind in ("weight", "bias"):
+                placed.update({f"{theirs}{comfy}.{kind}": weights[f"{ours}{module}.{kind}"]
+                               for module, comfy in one_to_one.items()})
+                placed.update({f"{theirs}{comfy}.{kind}": torch.cat([weights[f"{ours}{p}.{kind}"] for p in parts])
+                               for comfy, parts in fused.items()})
+        wrong = sorted(k for k, v in placed.items() if k not in state or state[k].shape != v.shape)
+        assert not wrong, f"not in ComfyUI's HunyuanVideo 1.5 (or another shape there): {wrong[:4]}"
+        state.update(placed)
+        return self.stand_in(self.comfy.model_base.HunyuanVideo15, state, {}), state
 
     def clip_layout(self, adapter) -> tuple[object, dict[str, torch.Tensor]]:
         """ComfyUI's CLIP models keep transformers 4's CLIPTextModel names under clip_l.transformer / clip_g.transformer

@@ -36,6 +36,10 @@ WAN22_A14B = dict(WAN_1P3B, num_attention_heads=40, ffn_dim=13824, num_layers=40
 # LTX2VideoTransformer3DModel's defaults are LTX-2's 19B shape (Lightricks/LTX-2 transformer/config.json, which also
 # says rope_type split): 48 audio-video blocks, video 32 heads of 128, audio 32 heads of 64, Gemma 3's 3840 in
 LTX2_19B = dict(rope_type="split")
+
+# HunyuanVideo15Transformer3DModel's defaults are the 480p models' shape (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v
+# transformer/config.json): 54 blocks, 16 heads of 128, Qwen2.5-VL-7B's 3584, ByT5's 1472, SigLIP's 1152, patch 1
+HUNYUAN15_480P = dict(num_layers=54)
 SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on the CPU (--tiny)
     "sd15": dict(block_out_channels=(32, 64), layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=768, attention_head_dim=4,
@@ -54,6 +58,7 @@ SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on
     "ltx2": dict(LTX2_19B, num_layers=2, num_attention_heads=2, attention_head_dim=16, audio_num_attention_heads=2,
                  audio_attention_head_dim=16, cross_attention_dim=32, audio_cross_attention_dim=32,
                  caption_channels=256),
+    "hunyuan15": dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, rope_axes_dim=(4, 6, 6)),
 }
 
 
@@ -82,7 +87,7 @@ def _build(cls, config: dict, device: str):
 
 
 def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> None:
-    """The pipeline folder of `kind` (sd15, sdxl, flux, chroma, wan, wan22, ltx2) with its denoiser built on `device`, which
+    """The pipeline folder of `kind` (sd15, sdxl, flux, chroma, wan, wan22, ltx2, hunyuan15) with its denoiser built on `device`, which
     gives the GPU memory back afterwards: each row runs in a process of its own and needs all of it."""
     _write_pipeline(kind, folder, device, tiny)
     if device == "cuda":
@@ -99,7 +104,8 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
     from toolkit.tiny.flow import t5_config, write_t5_tokenizer
 
     config = SHAPES[kind] if tiny else {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "chroma": CHROMA1_HD,
-                                        "wan": WAN_1P3B, "wan22": WAN22_A14B, "ltx2": LTX2_19B}[kind]
+                                        "wan": WAN_1P3B, "wan22": WAN22_A14B, "ltx2": LTX2_19B,
+                                        "hunyuan15": HUNYUAN15_480P}[kind]
     if kind == "ltx2":
         _write_ltx2(folder, _build(_ltx2_transformer_class(), config, device))
         return
@@ -121,6 +127,15 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
             index["transformer_2"] = index["transformer"]
             (folder / "model_index.json").write_text(json.dumps(index, indent=2))
             (folder / "transformer_2").symlink_to("transformer", target_is_directory=True)
+        return
+    if kind == "hunyuan15":
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        from toolkit.tiny.hunyuan15 import write_hunyuan15
+
+        transformer = _build(HunyuanVideo15Transformer3DModel, config, device)
+        write_hunyuan15(folder, transformer, text_width=transformer.config.text_embed_dim,
+                        glyph_width=transformer.config.text_embed_2_dim)
         return
     if kind == "chroma":
         from diffusers import ChromaPipeline, ChromaTransformer2DModel

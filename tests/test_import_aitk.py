@@ -215,3 +215,22 @@ def test_a_full_rank_lokr_job_translates(tmp_path, run_cli, capsys):
     network = yaml.safe_load(captured.out)["network"]
     assert network == {"type": "lokr", "lokr_full_rank": True, "lokr_factor": 8, "rank": 16, "alpha": 1.0}
     assert "not translated: network" not in captured.err
+
+
+@pytest.mark.parametrize("shrink, expected", [(False, "head"), (True, None)])
+def test_shrink_video_to_frames_translates_to_frame_extraction(shrink, expected, tmp_path, run_cli, capsys):
+    """ai-toolkit's video dataset keys: num_frames with shrink_video_to_frames (true: spread over the whole video,
+    this toolkit's default; false: consecutive frames, data.frame_extraction=head)."""
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"config": {"name": "clips", "process": [{
+        "type": "sd_trainer", "model": {"name_or_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "arch": "wan21"},
+        "train": {"steps": 100}, "datasets": [{"folder_path": "/data/clips", "num_frames": 33,
+                                               "shrink_video_to_frames": shrink}]}]}}))
+    assert run_cli("import-aitk", job) == 0
+    captured = capsys.readouterr()
+    data = yaml.safe_load(captured.out)["data"]
+    assert data["num_frames"] == 33 and data.get("frame_extraction") == expected
+    if shrink:
+        assert "not translated: datasets[0].shrink_video_to_frames" not in captured.err
+    else:
+        assert "datasets[0].shrink_video_to_frames: data.frame_extraction=head" in captured.err

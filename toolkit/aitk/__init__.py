@@ -16,7 +16,8 @@ from toolkit.aitk.job import Section, Translation, account_for_every_key, as_flo
 from toolkit.aitk.sections import VIDEO_FAMILIES, clip_frames, datasets, dtype, network, save, train
 from toolkit.errors import ConfigError, UserError
 
-# ai-toolkit model.arch -> model.family. ai-toolkit's older is_* flags name an arch (toolkit/config_modules.py,
+# ai-toolkit model.arch -> model.family (ai-toolkit has no HunyuanVideo 1.5 arch: its extensions_built_in models,
+# 2026, list none). ai-toolkit's older is_* flags name an arch (toolkit/config_modules.py,
 # ModelConfig); a model without either is sd1.
 ARCHES = {"sd1": "sd", "sd2": "sd", "sdxl": "sdxl", "sd3": "sd3", "flux": "flux", "flex1": "flux", "flux2": "flux2",
           "chroma": "chroma", "qwen_image": "qwen_image", "zimage": "z_image", "wan21": "wan21", "wan22_14b": "wan22", "wan22_5b": "wan22",

@@ -30,7 +30,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
 TIMESTEP_TYPES = {"sigmoid": ("logit_normal", 1.0), "linear": ("uniform", 1.0), "shift": ("uniform", None),
                   "flux_shift": ("uniform", None), "lumina2_shift": ("uniform", None)}
 SD_FAMILIES = ("sd", "sdxl")
-VIDEO_FAMILIES = ("wan21", "wan22", "ltx2")
+VIDEO_FAMILIES = ("wan21", "wan22", "ltx2", "hunyuan_video15")
 FRAME_STEPS = {"ltx2": 8}  # clips are step*k+1 frames: the VAE's time compression (Wan's 4 where not listed)
 RANDOM_CROPS = 3  # datasets' random_crop -> data.crop_variants: this many crops, each encoded once and cached
 
@@ -260,7 +260,16 @@ def first_dataset(out: Translation, s: Section, trigger: Any) -> None:
                     s.key("num_frames"), frames)
         if out.family == "ltx2" and s.has("fps"):  # ai-toolkit's LTX-2 gives the transformer the dataset's fps
             out.set("train.frame_rate", as_float(s.take("fps"), s.key("fps")), s.key("fps"))
-        s.skip("fps", "clips always contribute data.num_frames frames taken evenly, whatever their frame rate",
+        key = s.key("shrink_video_to_frames")
+        if s.take("shrink_video_to_frames", True) is False:
+            out.set("data.frame_extraction", "head", key, False)
+            out.note(key, "data.frame_extraction=head: num_frames consecutive frames from each video's first "
+                     "(ai-toolkit steps by the source-to-dataset fps ratio; a video shorter than num_frames gives "
+                     "no clip here, where ai-toolkit spreads it)")
+        elif "shrink_video_to_frames" in s.given:
+            out.same(key, True, "clips take data.num_frames frames spread over each whole video "
+                     "(data.frame_extraction=spread, the default)")
+        s.skip("fps", "clips contribute data.num_frames frames by data.frame_extraction, whatever their frame rate",
                when=16)
         s.skip("do_audio", "the ltx2 family trains LTX-2's video branch; its audio stream runs on noise", when=False)
     else:
@@ -276,7 +285,7 @@ def first_dataset(out: Translation, s: Section, trigger: Any) -> None:
                          ("scale", "images are scaled to cover their aspect bucket here"),
                          ("network_weight", "per-dataset loss weights are not available here"),
                          ("loss_multiplier", "per-dataset loss weights are not available here"),
-                         ("shrink_video_to_frames", "clips always contribute data.num_frames frames taken evenly"),
+                         ("shrink_video_to_frames", f"the {out.family} family trains on images"),
                          ("do_i2v", "image-to-video follows the model (model.task: auto)"),
                          ("batch_size", "one batch size per run here: train.batch_size")):
         s.skip(name, reason, when={"network_weight": 1.0, "loss_multiplier": 1.0, "scale": 1.0,

@@ -127,6 +127,14 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                "LTX-2 text-to-video (Lightricks/LTX-2, the video branch of the audio-video model; Gemma 3 text)",
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"ltx2": "toolkit.tiny.ltx2:write_tiny_ltx2"}, pipeline_class="LTX2Pipeline"),
+    # HunyuanVideo 1.5 T2V and I2V (one family, model.task as Wan's); diffusers' pipelines have no LoRA loader
+    # mixin, so the file is read by the transformer's load_lora_adapter (models/diffusion_hunyuan15.py).
+    FamilySpec("hunyuan_video15", "toolkit.models.diffusion_hunyuan15:HunyuanVideo15Adapter", VideoDataSection,
+               VIDEO_SETTINGS, "HunyuanVideo 1.5 text-to-video and image-to-video (480p / 720p)",
+               timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
+               tiny={"hunyuan15": "toolkit.tiny.hunyuan15:write_tiny_hunyuan15",
+                     "hunyuan15-i2v": "toolkit.tiny.hunyuan15:write_tiny_hunyuan15_i2v"},
+               pipeline_class="HunyuanVideo15Pipeline"),
     FamilySpec("vlm", "toolkit.models.vlm:VLMAdapter", VisionChatDataSection, VLM_SETTINGS,
                "vision-language chat models through AutoModelForImageTextToText: Qwen2.5-VL, Qwen3-VL",
                save_formats=("peft",),

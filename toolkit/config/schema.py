@@ -119,7 +119,9 @@ class ModelSection:
     trust_remote_code: bool = opt(False, "Allow model code from the Hub repository (transformers trust_remote_code).")
     task: str = opt("auto", "Wan: t2v (text-to-video) or i2v (image-to-video: each clip's start image conditions the "
                     "model as WanImageToVideoPipeline does); auto reads the model folder (a WanImageToVideoPipeline "
-                    "is i2v, anything else t2v). TI2V-5B does both: set i2v to train it on start images.",
+                    "is i2v, anything else t2v). TI2V-5B does both: set i2v to train it on start images. "
+                    "hunyuan_video15 alike: a HunyuanVideo15ImageToVideoPipeline folder is i2v (the start image's "
+                    "latent and SigLIP tokens condition the model).",
                     choices=("auto", "t2v", "i2v"))
 
 
