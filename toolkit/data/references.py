@@ -204,7 +204,10 @@ def load_references(item, flip: bool) -> list[torch.Tensor]:
 
 def sample_references(paths: list[list[str]], prompts: list[str], required: bool) -> list[list[Path]]:
     """sample.references checked against the prompts: one list of image paths per prompt (an edit family needs
-    one for every prompt); each path must be an image file."""
+    one for every prompt); each path must be an image file. Without prompts nothing is sampled, and the
+    references are not read."""
+    if not prompts:
+        return []
     if paths and len(paths) != len(prompts):
         raise UserError(f"sample.references: {len(paths)} lists for {len(prompts)} prompts\n  fix: give one list of "
                         "reference images per prompt, in the order of sample.prompts")
