@@ -182,3 +182,132 @@ def test_edit_resume_from_a_checkpoint_is_bit_identical(tmp_path, run_cli):
     assert [r["loss"] for r in read_metrics(resumed)] == losses[1:]
     a, b = (load_file(str(run / "final" / "pytorch_lora_weights.safetensors")) for run in (full, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _first_transformer_call(pipe, **call) -> tuple[dict, torch.Tensor]:
+    """The keyword arguments and output of the pipeline's first transformer call (of two denoising steps: one step
+    would end Qwen-Image's stretched schedule at 0 / 0)."""
+    seen = {}
+
+    def before(module, args, kwargs):
+        seen.setdefault("kwargs", {k: v for k, v in kwargs.items()})
+
+    def after(module, args, kwargs, output):
+        seen.setdefault("output", output[0])
+
+    hooks = [pipe.transformer.register_forward_pre_hook(before, with_kwargs=True),
+             pipe.transformer.register_forward_hook(after, with_kwargs=True)]
+    try:
+        with torch.no_grad():
+            pipe(num_inference_steps=2, width=64, height=64, generator=torch.Generator().manual_seed(0), **call)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["kwargs"], seen["output"]
+
+
+def test_qwen_image_edit_conditions_as_the_pipeline_does(tmp_path, monkeypatch):
+    """What the trainer caches and feeds is what QwenImageEditPlusPipeline computes for the same target and
+    references: the references' packed latents after the target's tokens, the prompt encoded with the references by
+    the Qwen2.5-VL encoder, img_shapes, and the prediction for the target's tokens. (The pipeline's reference area,
+    1024 x 1024, is set to the quickstart's 64 x 64.)"""
+    from diffusers import QwenImagePipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    from toolkit.models.diffusion_base import Denoiser
+    from toolkit.models.objectives import Noised
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+    adapter, dataset = adapter_for("quickstart_qwen_image_edit.yaml", tmp_path)
+    index = next(i for i, item in enumerate(dataset.items) if item.path.name == "blue_circle.png")
+    item, cached = dataset.items[index], dataset.encoded[index][0]
+    pipe = adapter.pipe
+    for encoder in adapter.text_encoders:
+        encoder.to("cpu")
+    kwargs, output = _first_transformer_call(pipe, prompt=item.caption,
+                                             image=[Image.open(p).convert("RGB") for p in item.references])
+    pack = QwenImagePipeline._pack_latents
+    refs = [cached[f"reference_latents.{i}"][None] for i in range(2)]
+    target_tokens = 16  # 64 x 64 px: 8 x 8 latents, 4 x 4 patches
+    packed_refs = torch.cat([pack(r, 1, 16, 8, 8) for r in refs], dim=1)
+    assert torch.allclose(kwargs["hidden_states"][:, target_tokens:], packed_refs, atol=1e-5)
+    assert kwargs["img_shapes"] == [[(1, 4, 4), (1, 4, 4), (1, 4, 4)]]
+    length = int(cached["prompt_embeds_mask"].sum())
+    assert torch.allclose(kwargs["encoder_hidden_states"][0], cached["prompt_embeds"][:length], atol=1e-5)
+
+    x = QwenImagePipeline._unpack_latents(kwargs["hidden_states"][:, :target_tokens], 64, 64, 8)[:, :, 0]
+    cond = {"prompt_embeds": cached["prompt_embeds"][None], "prompt_embeds_mask": cached["prompt_embeds_mask"][None]}
+    transformer = pipe.transformer
+    with torch.no_grad():
+        pred = adapter.predict(Denoiser(transformer, transformer.dtype, transformer.config),
+                               Noised(x, kwargs["timestep"], None), cond,
+                               {f"reference_latents.{i}": r for i, r in enumerate(refs)})
+    expected = QwenImagePipeline._unpack_latents(output[:, :target_tokens], 64, 64, 8)[:, :, 0]
+    assert torch.allclose(pred, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["flux_kontext", "flux2"])
+def test_flux_references_are_placed_as_the_pipeline_places_them(family, tmp_path):
+    """flux_kontext and flux2: the cached reference latents, packed, are the pipeline's reference tokens for the
+    same image; the ids the trainer gives them are the pipeline's; the prediction for the image's tokens is the
+    pipeline's transformer output (Kontext's auto-resize off, so the reference keeps its 64 x 64)."""
+    from toolkit.models.diffusion_base import Denoiser
+    from toolkit.models.objectives import Noised
+
+    config = FAMILIES[family][0]
+    adapter, dataset = adapter_for(config, tmp_path)
+    item, cached = dataset.items[0], dataset.encoded[0][0]
+    refs = [cached[k][None] for k in sorted(k for k in cached if k.startswith("reference_latents."))]
+    images = [Image.open(p).convert("RGB") for p in item.references]
+    text = dataset.text[0]
+    pipe = adapter.pipe
+    seen = {}
+    original = adapter.predict
+
+    if family == "flux_kontext":
+        call = dict(image=images[0], _auto_resize=False, max_area=64 * 64, guidance_scale=2.5,
+                    prompt_embeds=text["prompt_embeds"][None], pooled_prompt_embeds=text["pooled_prompt_embeds"][None])
+    else:
+        call = dict(image=images, guidance_scale=1.0, prompt_embeds=text["prompt_embeds"][None])
+    kwargs, output = _first_transformer_call(pipe, **call)
+    hidden = kwargs["hidden_states"]
+    target_tokens = hidden.shape[1] - sum(r.shape[-2] * r.shape[-1] // (1 if family == "flux2" else 4) for r in refs)
+
+    def capture(module, args, kw):
+        seen["img_ids"] = kw["img_ids"]
+
+    hook = pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
+    if family == "flux_kontext":
+        from diffusers import FluxPipeline
+
+        from toolkit.models.diffusion_flow import unpack_flux
+
+        packed = torch.cat([FluxPipeline._pack_latents(r, 1, 16, 8, 8) for r in refs], dim=1)
+        x = unpack_flux(hidden[:, :target_tokens], 1, 16, 8, 8)
+        expected = unpack_flux(output[:, :target_tokens], 1, 16, 8, 8)
+        cond = {k: text[k][None] for k in ("prompt_embeds", "pooled_prompt_embeds")}
+    else:
+        from diffusers import Flux2Pipeline
+
+        from toolkit.models.diffusion_flux2 import unpack_flux2
+
+        packed = torch.cat([Flux2Pipeline._pack_latents(r) for r in refs], dim=1)
+        x = unpack_flux2(hidden[:, :target_tokens], 4, 4)
+        expected = unpack_flux2(output[:, :target_tokens], 4, 4)
+        cond = {"prompt_embeds": text["prompt_embeds"][None]}
+    # the same pixels (checked equal) through the VAE: equal but for the convolutions' summation order (the pipeline's
+    # image tensor has other strides): a few 1e-4 on the tiny random VAE's latents, up to 2e-3 after FLUX.2's
+    # batch-norm scaling
+    assert float((hidden[:, target_tokens:] - packed).abs().max()) < 5e-3
+    assert adapter.cfg.train.guidance == call["guidance_scale"]  # the quickstart's: what the pipeline was given
+    transformer = pipe.transformer
+    try:
+        with torch.no_grad():
+            pred = original(Denoiser(transformer, transformer.dtype, transformer.config),
+                            Noised(x, kwargs["timestep"], None), cond,
+                            {f"reference_latents.{i}": r for i, r in enumerate(refs)})
+    finally:
+        hook.remove()
+    ids = kwargs["img_ids"]
+    assert torch.equal(seen["img_ids"].reshape(ids.shape).to(ids.dtype), ids)
+    assert torch.allclose(pred, expected, atol=1e-5)

@@ -93,7 +93,7 @@ class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
         images = []
         for path in item.references:
             image = open_image(path)
-            image = image.resize(condition_size(image.size))
+            image = image.resize(condition_size(image.size), Image.Resampling.LANCZOS)  # the pipeline's resample
             images.append(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view.flip else image)
         return {**loaded, "caption": item.caption, "condition_images": images}
 
