@@ -167,8 +167,16 @@ def test_reference_folders_like_ai_toolkit_control_paths(tmp_path, run_cli, caps
     assert run_cli(*args) == 0
     assert "references: 12 for 6 targets (6 with 2), from data.reference_paths" in capsys.readouterr().err
     (second / "red_square.png").unlink()
-    assert run_cli(*args[:2], *args[2:], "train.resume=false", "--fresh") == 2
+    assert run_cli(*args, "--fresh") == 2
     assert f"{second}: no reference 1 for red_square.png" in capsys.readouterr().err
+    assert run_cli(*args, f"data.datasets=[{{path: {EDIT}}}]", "--fresh") == 2
+    assert "data.reference_paths: its folders hold data.path's references, and data.datasets adds" in \
+        capsys.readouterr().err
+    (data / "blue_circle_ref0.png").write_bytes((first / "blue_circle.png").read_bytes())  # one target has one
+    assert run_cli(*diffusion_train_args("quickstart_flux2_references.yaml", tmp_path / "beside",
+                                         f"data.path={data}")) == 2
+    assert "blue_square.png: reference 0 is missing (other targets of this dataset have references" in \
+        capsys.readouterr().err
 
 
 def test_edit_resume_from_a_checkpoint_is_bit_identical(tmp_path, run_cli):
@@ -295,7 +303,7 @@ def test_flux_references_are_placed_as_the_pipeline_places_them(family, tmp_path
         x = unpack_flux2(hidden[:, :target_tokens], 4, 4)
         expected = unpack_flux2(output[:, :target_tokens], 4, 4)
         cond = {"prompt_embeds": text["prompt_embeds"][None]}
-    # the same pixels (checked equal) through the VAE: equal but for the convolutions' summation order (the pipeline's
+    # the same pixels through the VAE: equal but for the convolutions' summation order (the pipeline's
     # image tensor has other strides): a few 1e-4 on the tiny random VAE's latents, up to 2e-3 after FLUX.2's
     # batch-norm scaling
     assert float((hidden[:, target_tokens:] - packed).abs().max()) < 5e-3

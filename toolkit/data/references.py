@@ -164,7 +164,8 @@ def attach_references(items: list, data, sizing: ReferenceSizing, log: Callable[
         if len(refs) < want:
             expected = (f"data.reference_paths[{len(refs)}]" if folders else
                         f"{item.path.stem}_ref{len(refs)}.png beside it or in {REFERENCE_FOLDER}/")
-            why = f"data.references={declared}" if declared != "auto" else "every target needs at least one"
+            why = (f"data.references={declared}" if declared != "auto" else "every target needs at least one"
+                   if required else "other targets of this dataset have references, so each needs one")
             raise UserError(f"{item.path}: reference {len(refs)} is missing ({why}; expected {expected})\n  fix: add "
                             "it, or remove the target from the dataset")
         if declared != "auto" and len(refs) > int(declared):

@@ -73,7 +73,7 @@ class Flux2Adapter(FlowMatching, DiffusionAdapter):
         self.scheduler_shift()  # dynamic (the config says so) unless train.flow_shift is a number
         self.guidance_embeds = bool(self.pipe.transformer.config.guidance_embeds)
         self.references = References(ReferenceSizing(multiple=16, upscale=False), self.encode_pixels, self.to_device,
-                                     required=False)
+                                     required=False, data=self.cfg.data)
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
                                              required=False)
 

@@ -34,7 +34,7 @@ class FluxKontextAdapter(Flux, DiffusionAdapter):
     def setup_training(self) -> None:
         super().setup_training()
         self.references = References(ReferenceSizing(multiple=16, max_references=1), self.encode_pixels,
-                                     self.to_device, required=True)
+                                     self.to_device, required=True, data=self.cfg.data)
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
                                              required=True)
 

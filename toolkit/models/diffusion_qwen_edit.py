@@ -62,7 +62,7 @@ class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
         super().setup_training()
         self.refuse_varying_text()
         self.references = References(ReferenceSizing(multiple=32, max_references=MAX_REFERENCES),
-                                     self.encode_pixels, self.to_device, required=True)
+                                     self.encode_pixels, self.to_device, required=True, data=self.cfg.data)
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
                                              required=True)
 

@@ -15,6 +15,7 @@ import torch
 
 from toolkit.data.references import ReferenceSizing, attach_references, is_reference_file, load_references
 from toolkit.data.images import is_mask_file, scan_images
+from toolkit.errors import UserError
 
 LATENTS, PIXELS = "reference_latents.", "reference."
 
@@ -29,8 +30,13 @@ class References:
     families); `encode`: images [B, 3, H, W] in [-1, 1] -> the family's normalised latents."""
 
     def __init__(self, sizing: ReferenceSizing, encode: Callable[[torch.Tensor], torch.Tensor],
-                 to_device: Callable[[torch.Tensor], torch.Tensor], required: bool):
+                 to_device: Callable[[torch.Tensor], torch.Tensor], required: bool, data):
         self.sizing, self.encode, self.to_device, self.required = sizing, encode, to_device, required
+        if data.reference_paths and data.datasets:
+            raise UserError("data.reference_paths: its folders hold data.path's references, and data.datasets adds "
+                            "more datasets, whose references they are not\n  fix: put each dataset's references in "
+                            "a references/ folder inside it (or beside its images as name_ref0.png, ...) and unset "
+                            "data.reference_paths")
 
     def scan(self, data, log: Callable[[str], None]) -> list:
         """The dataset's targets (reference files are not targets), each with its references."""
