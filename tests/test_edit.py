@@ -319,3 +319,17 @@ def test_flux_references_are_placed_as_the_pipeline_places_them(family, tmp_path
     ids = kwargs["img_ids"]
     assert torch.equal(seen["img_ids"].reshape(ids.shape).to(ids.dtype), ids)
     assert torch.allclose(pred, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting, fix", [
+    ("data.caption_dropout=0.1", "fix: set data.caption_dropout=0"),
+    ("data.shuffle_tags=true", "fix: set data.shuffle_tags=false"),
+    ("data.cache_latents=false", "fix: set data.cache_latents=true"),
+])
+def test_qwen_image_edit_refuses_captions_that_change_per_step(setting, fix, tmp_path, run_cli, capsys):
+    """Its text is encoded with each target's references and cached with the latents: settings that would change
+    it per step are refused by name before any data is read."""
+    assert run_cli(*diffusion_train_args("quickstart_qwen_image_edit.yaml", tmp_path / "run", setting)) == 2
+    err = capsys.readouterr().err
+    assert f"{setting.split('=')[0]}: qwen_image_edit encodes each caption with its reference images once" in err
+    assert fix in err and "Traceback" not in err
