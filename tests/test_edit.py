@@ -303,10 +303,16 @@ def test_flux_references_are_placed_as_the_pipeline_places_them(family, tmp_path
         x = unpack_flux2(hidden[:, :target_tokens], 4, 4)
         expected = unpack_flux2(output[:, :target_tokens], 4, 4)
         cond = {"prompt_embeds": text["prompt_embeds"][None]}
-    # the same pixels through the VAE: equal but for the convolutions' summation order (the pipeline's
-    # image tensor has other strides): a few 1e-4 on the tiny random VAE's latents, up to 2e-3 after FLUX.2's
-    # batch-norm scaling
-    assert float((hidden[:, target_tokens:] - packed).abs().max()) < 5e-3
+    # The pipeline's own encoding of the same pixels is the cached one; in its call the pixels come as a tensor of
+    # other strides, and the tiny random VAE's convolutions then sum in another order (up to about 1e-2 after
+    # FLUX.2's batch-norm scaling, with the thread count): the tokens there are compared loosely.
+    from toolkit.data.references import load_references
+
+    with torch.no_grad():
+        own = [pipe._encode_vae_image(pixels[None], None) for pixels in load_references(item, flip=False)]
+    assert all(torch.allclose(o, r, atol=1e-5) for o, r in zip(own, refs))
+    assert hidden[:, target_tokens:].shape == packed.shape
+    assert float((hidden[:, target_tokens:] - packed).abs().max()) < 5e-2
     assert adapter.cfg.train.guidance == call["guidance_scale"]  # the quickstart's: what the pipeline was given
     transformer = pipe.transformer
     try:
