@@ -197,9 +197,9 @@ def scan_images(data, log: Callable[[str], None], report: bool = True,
     if not root.is_dir():
         raise UserError(f"data.path: {root} is not a folder\n  fix: point data.path at a folder of images "
                         f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
-    items = [ImageItem(path, caption, size, bucket, file_hash(path)) for path, caption, size, _, bucket
-             in scan_folder(data, log, "image", IMAGE_EXTS, lambda path: (_image_size(path), None), report=report,
-                                       skip=skip)]
+    found = scan_folder(data, log, "image", IMAGE_EXTS, lambda path: (_image_size(path), None), report=report,
+                        skip=skip)
+    items = [ImageItem(path, caption, size, bucket, file_hash(path)) for path, caption, size, _, bucket in found]
     log(format_bucket_table(Counter(item.bucket for item in items), bucket_step(data.bucket_step, data.resolution)[1]))
     return items
 
