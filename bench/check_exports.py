@@ -56,6 +56,8 @@ FAMILIES = {  # quickstart, extra overrides
     "chroma": ("quickstart_chroma.yaml", ["network.target_modules=all-linear"]),  # the embedders and proj_out too
     "sd3": ("quickstart_sd3.yaml", []),
     "qwen_image": ("quickstart_qwen_image.yaml", []),
+    "qwen_image_edit": ("quickstart_qwen_image_edit.yaml", []),   # Qwen-Image's file: ComfyUI's QwenImage model
+    "flux_kontext": ("quickstart_flux_kontext.yaml", []),         # Flux's file: ComfyUI's Flux model
     "wan21": ("quickstart_wan21.yaml", []),
     "wan22": ("quickstart_wan22.yaml", ["train.expert_switch_every=1"]),
     "ltx2": ("quickstart_ltx2.yaml", ["network.target_modules=all-linear"]),  # the audio-to-video attention too
@@ -195,10 +197,10 @@ class ComfyUI:
             state = {f"diffusion_model.{mapping[k]}": v for k, v in weights.items() if k in mapping}
             cls = comfy.model_base.SDXL if family == "sdxl" else comfy.model_base.BaseModel
             return self.stand_in(cls, state, config), state
-        if family in ("flux", "sd3"):
+        if family in ("flux", "flux_kontext", "sd3"):
             state = comfy.model_detection.convert_diffusers_mmdit(weights, "diffusion_model.")
             config = comfy.model_detection.detect_unet_config(state, "diffusion_model.")
-            cls = comfy.model_base.Flux if family == "flux" else comfy.model_base.SD3
+            cls = comfy.model_base.SD3 if family == "sd3" else comfy.model_base.Flux
             return self.stand_in(cls, state, config), state
         if family == "chroma":
             return self.chroma_layout(adapter.component(name), weights)
@@ -206,7 +208,7 @@ class ComfyUI:
             return self.ltx2_layout(adapter.component(name), weights)
         if family == "hunyuan_video15":
             return self.hunyuan15_layout(adapter.component(name), weights)
-        if family == "qwen_image":
+        if family in ("qwen_image", "qwen_image_edit"):
             state = {f"diffusion_model.{k}": v for k, v in weights.items()}
             return self.stand_in(comfy.model_base.QwenImage, state, {}), state
         state = {f"diffusion_model.{k}": v for k, v in wan_original_layout(adapter.component(name), weights).items()}

@@ -32,6 +32,8 @@ TIMESTEP_TYPES = {"sigmoid": ("logit_normal", 1.0), "linear": ("uniform", 1.0), 
 SD_FAMILIES = ("sd", "sdxl")
 VIDEO_FAMILIES = ("wan21", "wan22", "ltx2", "hunyuan_video15")
 FRAME_STEPS = {"ltx2": 8}  # clips are step*k+1 frames: the VAE's time compression (Wan's 4 where not listed)
+REFERENCE_FAMILIES = ("qwen_image_edit", "flux_kontext", "flux2")  # data.reference_paths (docs/edit.md)
+CONTROL_PATHS = ("control_path", "control_path_1", "control_path_2", "control_path_3")
 RANDOM_CROPS = 3  # datasets' random_crop -> data.crop_variants: this many crops, each encoded once and cached
 
 
@@ -280,6 +282,7 @@ def first_dataset(out: Translation, s: Section, trigger: Any) -> None:
     if s.has("is_reg"):
         out.set("data.is_regularization", bool(s.take("is_reg")), s.key("is_reg"))
     masks(out, s)
+    controls(out, s)
     for name, reason in (("flip_y", "vertical flips are not available here (data.random_flip mirrors left and right)"),
                          ("random_scale", "augmentation (random scale) is not available here"),
                          ("scale", "images are scaled to cover their aspect bucket here"),
@@ -293,6 +296,30 @@ def first_dataset(out: Translation, s: Section, trigger: Any) -> None:
     for name in ("num_workers", "prefetch_factor", "fast_image_size", "debug"):
         s.same(name, "data loading runs its own way here: latents and text embeddings are cached, then read")
     s.done()
+
+
+def controls(out: Translation, s: Section) -> None:
+    """control_path (a folder, or a list of them) or control_path_1 .. _3 (the multi-control models' folders), each
+    holding one control image per target under its name -> data.reference_paths, in that order, for the families
+    that take reference images; the other families train without them."""
+    given = {name: s.take(name) for name in CONTROL_PATHS if s.has(name)}
+    folders = [str(f) for value in given.values() for f in (value if isinstance(value, list) else [value]) if f]
+    s.skip("controls", "reference images come from data.reference_paths here, not from a list of control types")
+    for name in ("full_size_control_images", "control_transparent_color"):
+        s.skip(name, "references are sized as the family's pipeline sizes them (docs/edit.md)")
+    if not folders:
+        for name, value in given.items():
+            out.same(s.key(name), value, "no control images")
+    elif out.family not in REFERENCE_FAMILIES:
+        for name, value in given.items():
+            out.skip(s.key(name), value, f"the {out.family} family trains without control images (reference "
+                     f"images train with {', '.join(REFERENCE_FAMILIES)})")
+    else:
+        first, *others = given
+        out.read(*(s.key(name) for name in others))
+        out.set("data.reference_paths", folders, s.key(first))
+        out.note(s.key(first), f"data.reference_paths {folders}: reference i of name.png is folder i's image with "
+                 "its name (docs/edit.md); every target needs one in each folder")
 
 
 def masks(out: Translation, s: Section) -> None:

@@ -132,6 +132,20 @@ class ImageDataSection:
 
 
 @dataclass
+class ReferenceImageDataSection(ImageDataSection):
+    """Images with reference images (edit / control training: docs/edit.md)."""
+
+    reference_paths: List[str] = opt([], "Folders of reference images (ai-toolkit's control_path, control_path_1 .. "
+                                     "_3): reference i of name.png is folder i's image with the stem name. Empty: "
+                                     "references/name_ref0.png, name_ref1.png, ... (or references/name.png) inside "
+                                     "the dataset folder, else name_ref0.png, name_ref1.png, ... beside the target.")
+    references: Union[int, str] = opt("auto", "References per target: a number (a target with fewer or more is an "
+                                      "error naming it), or auto: each target has the ones it has (at least one for "
+                                      "the edit families; FLUX.2 trains plain when the dataset has none).",
+                                      minimum=1)
+
+
+@dataclass
 class VideoDataSection(ImageDataSection):
     num_frames: int = opt(17, "Frames per clip (4k+1: 1, 5, 9, ... 81) under frame_extraction=spread, taken evenly "
                           "from each whole video (ai-toolkit's num_frames with shrink_video_to_frames); shorter "

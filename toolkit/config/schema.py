@@ -343,6 +343,10 @@ class SampleSection:
                             "all), resized to cover the sample size and centre-cropped. vlm: the image each prompt "
                             "asks about (one per prompt, or one for all), resized by the model's processor.",
                             resume_safe=True)
+    references: List[List[str]] = opt([], "Edit families (qwen_image_edit, flux_kontext, flux2): the reference images "
+                                      "of each sample, one list per prompt (the edit pipeline's `image`), e.g. "
+                                      "[[ref0.png, ref1.png], [other.png]]; required for the edit families.",
+                                      resume_safe=True)
 
 
 @dataclass
