@@ -12,7 +12,10 @@ from the checkpoint's exact tensors). Then final/'s file and step 1's checkpoint
   run), on stand-ins of ComfyUI's model classes whose weights are the tiny pipeline's, laid out by ComfyUI's own
   converters (comfy.utils.unet_to_diffusers, comfy.model_detection.convert_diffusers_mmdit; Wan: ComfyUI's
   WanModel names, matched to diffusers' by diffusers' convert_wan_transformer_to_diffusers; Chroma: Flux's
-  converter, its keys checked against ComfyUI's own Chroma model, comfy.model_base.Chroma as the model class).
+  converter, its keys checked against ComfyUI's own Chroma model, comfy.model_base.Chroma as the model class;
+  LTX-2: the blocks' names, checked against ComfyUI's own LTXAV model, comfy.model_base.LTXAV as the class).
+  HunyuanVideo 1.5: the save.format=comfyui file on ComfyUI's own HunyuanVideo model's block keys, each fused
+  qkv the diffusers q, k and v stacked, comfy.model_base.HunyuanVideo15 as the model class).
 - kohya sd-scripts (sd, sdxl): networks/lora.py create_network_from_weights + merge_to on the diffusers UNet and
   the text encoders, laid out as sd-scripts' transformers 4 has them (text_model.encoder...).
 - musubi-tuner (wan21, wan22): convert_lora.convert_from_diffusers (its documented import of diffusers /
@@ -32,6 +35,7 @@ from toolkit.models.base import load_trainable_state_dict
 import argparse
 import logging
 import os
+import re
 import sys
 import tempfile
 import types
@@ -52,9 +56,16 @@ FAMILIES = {  # quickstart, extra overrides
     "chroma": ("quickstart_chroma.yaml", ["network.target_modules=all-linear"]),  # the embedders and proj_out too
     "sd3": ("quickstart_sd3.yaml", []),
     "qwen_image": ("quickstart_qwen_image.yaml", []),
+    "qwen_image_edit": ("quickstart_qwen_image_edit.yaml", []),   # Qwen-Image's file: ComfyUI's QwenImage model
+    "flux_kontext": ("quickstart_flux_kontext.yaml", []),         # Flux's file: ComfyUI's Flux model
     "wan21": ("quickstart_wan21.yaml", []),
     "wan22": ("quickstart_wan22.yaml", ["train.expert_switch_every=1"]),
+    "ltx2": ("quickstart_ltx2.yaml", ["network.target_modules=all-linear"]),  # the audio-to-video attention too
+    # every linear layer of the blocks: the modulation too; its ComfyUI file is the save.format=comfyui one
+    "hunyuan_video15": ("quickstart_hunyuan15.yaml", ["network.target_modules=all-linear", "save.format=comfyui",
+                                                      "train.batch_size=1"]),
 }
+COMFYUI_COPY = {"hunyuan_video15": "quickstart_hunyuan15_comfyui.safetensors"}  # diffusers' names in the main file
 EXPERTS = {"transformer": "high_noise", "transformer_2": "low_noise"}
 
 
@@ -101,7 +112,8 @@ def sd3_as_comfyui_sizes_it(folder: Path) -> Path:
 def lora_files(out: Path, step: int, name: str, family: str) -> dict[str, Path]:
     """{label: file} of final/ and checkpoint `step` for component `name`."""
     sub = EXPERTS[name] if family == "wan22" else ""
-    return {where: folder / sub / "pytorch_lora_weights.safetensors"
+    file = COMFYUI_COPY.get(family, "pytorch_lora_weights.safetensors")
+    return {where: folder / sub / file
             for where, folder in (("final", out / "final"), (f"step-{step}", out / "checkpoints" / f"step-{step:06d}"))}
 
 
@@ -163,6 +175,7 @@ class ComfyUI:
         import comfy.lora_convert
         import comfy.model_base
         import comfy.model_detection
+        import comfy.ops
         import comfy.utils
 
         self.comfy = comfy
@@ -184,14 +197,18 @@ class ComfyUI:
             state = {f"diffusion_model.{mapping[k]}": v for k, v in weights.items() if k in mapping}
             cls = comfy.model_base.SDXL if family == "sdxl" else comfy.model_base.BaseModel
             return self.stand_in(cls, state, config), state
-        if family in ("flux", "sd3"):
+        if family in ("flux", "flux_kontext", "sd3"):
             state = comfy.model_detection.convert_diffusers_mmdit(weights, "diffusion_model.")
             config = comfy.model_detection.detect_unet_config(state, "diffusion_model.")
-            cls = comfy.model_base.Flux if family == "flux" else comfy.model_base.SD3
+            cls = comfy.model_base.SD3 if family == "sd3" else comfy.model_base.Flux
             return self.stand_in(cls, state, config), state
         if family == "chroma":
             return self.chroma_layout(adapter.component(name), weights)
-        if family == "qwen_image":
+        if family == "ltx2":
+            return self.ltx2_layout(adapter.component(name), weights)
+        if family == "hunyuan_video15":
+            return self.hunyuan15_layout(adapter.component(name), weights)
+        if family in ("qwen_image", "qwen_image_edit"):
             state = {f"diffusion_model.{k}": v for k, v in weights.items()}
             return self.stand_in(comfy.model_base.QwenImage, state, {}), state
         state = {f"diffusion_model.{k}": v for k, v in wan_original_layout(adapter.component(name), weights).items()}
@@ -219,6 +236,57 @@ class ComfyUI:
         config = {"image_model": "chroma", "depth": c.num_layers, "depth_single_blocks": c.num_single_layers,
                   "hidden_size": hidden}  # what comfy.utils.flux_to_diffusers reads of it
         return self.stand_in(comfy.model_base.Chroma, state, config), state
+
+    def ltx2_layout(self, transformer, weights: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
+        """The diffusers LTX-2 weights of the blocks' attention and feed-forward layers under the names ComfyUI's own
+        LTX-2 model of the same size has for them (comfy.ldm.lightricks.av_model.LTXAVModel; the same names), every
+        key and shape checked against it; comfy.model_base.LTXAV is the model class the key map is made for."""
+        from comfy.ldm.lightricks.av_model import LTXAVModel
+
+        comfy, c = self.comfy, transformer.config
+        sizes = ("in_channels", "audio_in_channels", "cross_attention_dim", "audio_cross_attention_dim",
+                 "attention_head_dim", "audio_attention_head_dim", "num_attention_heads", "audio_num_attention_heads",
+                 "caption_channels", "num_layers")
+        own = LTXAVModel(**{k: c[k] for k in sizes}, operations=comfy.ops.disable_weight_init).state_dict()
+        shapes = {f"diffusion_model.{k}": v.shape for k, v in own.items()}
+        linear = re.compile(r"transformer_blocks\.\d+\.(\w*attn\d?|(audio_)?ff)\..+\.(weight|bias)")
+        state = {f"diffusion_model.{k}": v for k, v in weights.items() if linear.fullmatch(k) and "norm" not in k}
+        wrong = sorted(k for k, v in state.items() if shapes.get(k) != v.shape)
+        assert not wrong, f"not in ComfyUI's LTXAV model (or another shape there): {wrong[:4]}"
+        return self.stand_in(comfy.model_base.LTXAV, state, {}), state
+
+    def hunyuan15_layout(self, transformer, weights: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
+        """ComfyUI's own HunyuanVideo 1.5 model of the tiny one's size (comfy.ldm.hunyuan_video.model), its double
+        blocks holding the diffusers weights: each stream's qkv the diffusers q, k and v stacked (Flux's order),
+        the rest one to one; every such key and shape must be ComfyUI's."""
+        from comfy.ldm.hunyuan_video.model import HunyuanVideo
+
+        c = transformer.config
+        hidden = c.num_attention_heads * c.attention_head_dim
+        own = HunyuanVideo(in_channels=c.in_channels, out_channels=c.out_channels, vec_in_dim=None,
+                           context_in_dim=c.text_embed_dim, hidden_size=hidden, mlp_ratio=c.mlp_ratio,
+                           num_heads=c.num_attention_heads, depth=c.num_layers, depth_single_blocks=0,
+                           axes_dim=list(c.rope_axes_dim), theta=256, patch_size=[1, 1, 1], qkv_bias=True,
+                           guidance_embed=False, byt5=True, meanflow=False, use_cond_type_embedding=True,
+                           vision_in_dim=c.image_embed_dim, meanflow_sum=False, operations=torch.nn).state_dict()
+        state = {f"diffusion_model.{k}": v.float() for k, v in own.items()}
+        one_to_one = {"attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj", "ff.net.0.proj": "img_mlp.0",
+                      "ff.net.2": "img_mlp.2", "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+                      "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin"}
+        fused = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+                 "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+        placed = {}
+        for i in range(c.num_layers):
+            ours, theirs = f"transformer_blocks.{i}.", f"diffusion_model.double_blocks.{i}."
+            for kind in ("weight", "bias"):
+                placed.update({f"{theirs}{comfy}.{kind}": weights[f"{ours}{module}.{kind}"]
+                               for module, comfy in one_to_one.items()})
+                placed.update({f"{theirs}{comfy}.{kind}": torch.cat([weights[f"{ours}{p}.{kind}"] for p in parts])
+                               for comfy, parts in fused.items()})
+        wrong = sorted(k for k, v in placed.items() if k not in state or state[k].shape != v.shape)
+        assert not wrong, f"not in ComfyUI's HunyuanVideo 1.5 (or another shape there): {wrong[:4]}"
+        state.update(placed)
+        return self.stand_in(self.comfy.model_base.HunyuanVideo15, state, {}), state
 
     def clip_layout(self, adapter) -> tuple[object, dict[str, torch.Tensor]]:
         """ComfyUI's CLIP models keep transformers 4's CLIPTextModel names under clip_l.transformer / clip_g.transformer

@@ -1,7 +1,7 @@
 """Diffusion and video LoRA step time: the toolkit beside the plain diffusers loop a user writes, eager and with
 torch.compile, in one run on one GPU, every row in a fresh process of its own.
 
-    python bench/diffusion.py [--models sd15,sdxl,flux,chroma,wan,wan22] [--rows plain,plain-compiled,toolkit] [--steps 6]
+    python bench/diffusion.py [--models sd15,sdxl,flux,chroma,wan,wan22,ltx2,hunyuan15] [--rows plain,plain-compiled,toolkit] [--steps 6]
                               [--warmup 4] [--out result.json] [--tiny] [--profile] [--set KEY=VALUE ...]
 
 Workloads (random weights in the real shapes, bench/diffusion_models.py; nothing downloaded), LoRA r=16 alpha 16
@@ -12,11 +12,21 @@ under bf16 autocast, fused AdamW, gradient norm clipped to 1.0:
   chroma  Chroma1-HD transformer (8.9B: Flux's 19 + 38 blocks without their modulation layers, the guidance
         approximator), 1024 px, batch 1; the plain loop passes the pipeline's 512-token T5 text with its mask (64
         tokens attended), the toolkit trims the text to the captions' tokens. Not in the default --models
+  hunyuan15 HunyuanVideo 1.5 480p T2V transformer (8.3B: 54 dual-stream blocks, 2048 wide), 33 x 480 x 832, 1 clip
+        (9 x 30 x 52 = 14040 latent tokens, patch 1); the text as the pipeline passes it: 1000 Qwen2.5-VL tokens
+        (64 attended), 256 ByT5 tokens (none: no quoted text), 729 zero image tokens (masked out); the toolkit
+        leaves the masked tokens out (the captions' own, one ByT5 and one image token). Its 16-bit
+        weights (16.7 GB) leave toolkit-swap24 ~5 GiB for activations: block_swap=auto swaps what does not fit.
+        Not in the default --models
   wan22 Wan 2.2 T2V A14B (two 14B experts), 17 x 480 x 832, 1 clip: the toolkit trains the high-noise expert
         alone (train.experts=high_noise, as A14B LoRAs are trained on 24 GB cards; model.expert_offload=auto),
         the plain loop the high-noise `transformer` at sigmas >= the boundary, 0.875. 17 frames, not 81: at 81
         the activations alone (~27 GiB) exceed toolkit-swap24's cap. Not in the default --models: it writes
         ~29 GB to the temporary folder (the two experts share their files)
+  ltx2  LTX-2 19B audio-video transformer (48 blocks), 121 x 512 x 768 (LTX2Pipeline's default shape: 6144 video
+        tokens, 126 audio tokens of noise), 1024 text tokens, 1 clip; the video branch trains. Its bf16 weights
+        (~38 GB) exceed the 24 GiB of toolkit-swap24, where model.block_swap=auto swaps blocks. Not in the default
+        --models: it writes ~38 GB to the temporary folder
 
 Rows (--rows):
   plain                 diffusers + PEFT + torch.optim.AdamW(fused=True), a hand-written loop, eager
@@ -78,10 +88,13 @@ WORKLOADS = {  # family, batch, resolution (or frames x height x width), images 
     # do not fit 24 GiB whatever block swap does; 17 frames (7800 tokens, ~6.5 GiB) leave room for the ~13 GiB of
     # weights block_swap=auto keeps resident under toolkit-swap24
     "wan22": dict(family="wan22", batch=1, frames=17, height=480, width=832),
+    "ltx2": dict(family="ltx2", batch=1, frames=121, height=512, width=768),
+    "hunyuan15": dict(family="hunyuan_video15", batch=1, frames=33, height=480, width=832),
 }
 TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "chroma": dict(size=64),
         "wan": dict(frames=5, height=64, width=64),
-        "wan22": dict(frames=5, height=64, width=64)}
+        "wan22": dict(frames=5, height=64, width=64), "ltx2": dict(frames=9, height=64, width=64),
+        "hunyuan15": dict(frames=5, height=64, width=64)}
 ROWS = ("plain", "plain-compiled", "toolkit-eager", "toolkit")
 TOOLKIT_ROWS = ("toolkit", "toolkit-eager", "toolkit-nographs", "toolkit-ckpt", "toolkit-swap24", "toolkit-cap25")
 CAP_GIB = 24
@@ -98,11 +111,15 @@ def device() -> str:
 
 # -- the plain loop ------------------------------------------------------------------------------------------------
 def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
-    from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel, UNet2DConditionModel, WanTransformer3DModel
+    from diffusers import (ChromaTransformer2DModel, FluxTransformer2DModel, HunyuanVideo15Transformer3DModel,
+                           LTX2VideoTransformer3DModel,
+                           UNet2DConditionModel, WanTransformer3DModel)
     from peft import LoraConfig
 
     from toolkit.models.base import repeated_blocks
     from toolkit.models.diffusion_flow import FLUX_TARGETS
+    from toolkit.models.diffusion_hunyuan15 import HUNYUAN15_TARGETS
+    from toolkit.models.diffusion_ltx2 import LTX2_TARGETS
     from toolkit.models.diffusion_sd import UNET_TARGETS
     from toolkit.models.diffusion_wan import WAN_TARGETS
 
@@ -111,7 +128,9 @@ def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
                          "flux": (FluxTransformer2DModel, "transformer", FLUX_TARGETS),
                          "chroma": (ChromaTransformer2DModel, "transformer", FLUX_TARGETS),
                          "wan": (WanTransformer3DModel, "transformer", WAN_TARGETS),
-                         "wan22": (WanTransformer3DModel, "transformer", WAN_TARGETS)}[kind]  # the high-noise expert
+                         "wan22": (WanTransformer3DModel, "transformer", WAN_TARGETS),  # the high-noise expert
+                         "ltx2": (LTX2VideoTransformer3DModel, "transformer", LTX2_TARGETS),
+                         "hunyuan15": (HunyuanVideo15Transformer3DModel, "transformer", HUNYUAN15_TARGETS)}[kind]
     torch.manual_seed(0)
     model = cls.from_pretrained(folder / sub, torch_dtype=torch.bfloat16).to(device())
     model.requires_grad_(False)
@@ -124,8 +143,10 @@ def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
     if compiled:
         if kind in ("sd15", "sdxl"):
             model.compile()
-        else:
-            for block in repeated_blocks(model, outermost=True):
+        else:  # LTX-2's and HunyuanVideo 1.5's _no_split_modules name more than their blocks: the blocks alone
+            blocks = (model.transformer_blocks if kind in ("ltx2", "hunyuan15")
+                      else repeated_blocks(model, outermost=True))
+            for block in blocks:
                 block.compile()
     return model
 
@@ -164,10 +185,50 @@ def plain_inputs(kind: str, model, w: dict):
         return latents, lambda noisy, sigma: model(hidden_states=noisy.to(bf16), timestep=sigma, guidance=guidance,
                                                    pooled_projections=pooled, encoder_hidden_states=text,
                                                    txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+    if kind == "ltx2":
+        return ltx2_plain_inputs(model, w)
+    if kind == "hunyuan15":  # [noisy | zero condition | zero mask], the pipeline's text-to-video inputs
+        c = model.config
+        latents = torch.randn(b, c.out_channels, (w["frames"] - 1) // 4 + 1, w["height"] // 16, w["width"] // 16,
+                              device=dev)
+        cond = torch.zeros(b, c.in_channels - c.out_channels, *latents.shape[2:], device=dev, dtype=bf16)
+        text = torch.randn(b, 1000, c.text_embed_dim, device=dev, dtype=bf16)
+        mask = torch.zeros(b, 1000, device=dev, dtype=torch.long)
+        mask[:, :64] = 1
+        glyphs = torch.zeros(b, 256, c.text_embed_2_dim, device=dev, dtype=bf16)
+        image = torch.zeros(b, 729, c.image_embed_dim, device=dev, dtype=bf16)
+        return latents, lambda noisy, sigma: model(
+            hidden_states=torch.cat([noisy.to(bf16), cond], dim=1), timestep=sigma * 1000,
+            encoder_hidden_states=text, encoder_attention_mask=mask, encoder_hidden_states_2=glyphs,
+            encoder_attention_mask_2=torch.zeros(b, 256, device=dev, dtype=torch.long), image_embeds=image,
+            return_dict=False)[0]
     latents = torch.randn(b, 16, (w["frames"] - 1) // 4 + 1, w["height"] // 8, w["width"] // 8, device=dev)
     text = torch.randn(b, 512, model.config.text_dim, device=dev, dtype=bf16)
     return latents, lambda noisy, sigma: model(hidden_states=noisy.to(bf16), timestep=sigma * 1000,
                                                encoder_hidden_states=text, return_dict=False)[0]
+
+
+def ltx2_plain_inputs(model, w: dict):
+    """Packed video latents (time / 8, space / 32), the audio stream's noise at sigma 1 (its length the clip's
+    duration at 24 fps) and 1024 text tokens per stream, as the toolkit's ltx2 adapter feeds the transformer."""
+    from diffusers import LTX2Pipeline
+
+    dev, b, bf16, c = device(), w["batch"], torch.bfloat16, model.config
+    f, h, wd = (w["frames"] - 1) // 8 + 1, w["height"] // 32, w["width"] // 32
+    latents = LTX2Pipeline._pack_latents(torch.randn(b, c.in_channels, f, h, wd, device=dev))
+    audio_len = round(w["frames"] / 24 * 25)
+    audio = torch.randn(b, audio_len, c.audio_in_channels, device=dev, dtype=bf16)
+    text = torch.randn(b, 1024, c.caption_channels, device=dev, dtype=bf16)
+    mask = torch.ones(b, 1024, device=dev, dtype=torch.long)
+    one = torch.full((b,), 1000.0, device=dev)
+
+    def forward(noisy, sigma):
+        return model(hidden_states=noisy.to(bf16), audio_hidden_states=audio, encoder_hidden_states=text,
+                     audio_encoder_hidden_states=text, timestep=sigma * 1000, audio_timestep=one, sigma=sigma * 1000,
+                     audio_sigma=one, encoder_attention_mask=mask, audio_encoder_attention_mask=mask, num_frames=f,
+                     height=h, width=wd, fps=24.0, audio_num_frames=audio_len, return_dict=False)[0]
+
+    return latents, forward
 
 
 def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: bool, compiled: bool) -> dict:

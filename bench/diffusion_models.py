@@ -1,6 +1,6 @@
 """Real-shaped diffusion pipelines with random weights for bench/diffusion.py (nothing downloaded): the denoiser at
 its real size (SD1.5 and SDXL UNets, the Flux.1-dev and Chroma1-HD transformers, the Wan 2.1 1.3B transformer, the Wan 2.2 T2V
-A14B experts); text encoders of the real widths but two layers, and a VAE with the real x8 downsampling but few
+A14B experts, the LTX-2 19B audio-video transformer); text encoders of the real widths but two layers, and a VAE with the real x8 downsampling but few
 channels (the toolkit caches their outputs, so their size does not change a training step). Also the image
 folders and the clip the toolkit trains on.
 
@@ -33,6 +33,13 @@ WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 WAN22_A14B = dict(WAN_1P3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)  # each expert: 5120 wide
+# LTX2VideoTransformer3DModel's defaults are LTX-2's 19B shape (Lightricks/LTX-2 transformer/config.json, which also
+# says rope_type split): 48 audio-video blocks, video 32 heads of 128, audio 32 heads of 64, Gemma 3's 3840 in
+LTX2_19B = dict(rope_type="split")
+
+# HunyuanVideo15Transformer3DModel's defaults are the 480p models' shape (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v
+# transformer/config.json): 54 blocks, 16 heads of 128, Qwen2.5-VL-7B's 3584, ByT5's 1472, SigLIP's 1152, patch 1
+HUNYUAN15_480P = dict(num_layers=54)
 SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on the CPU (--tiny)
     "sd15": dict(block_out_channels=(32, 64), layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=768, attention_head_dim=4,
@@ -48,6 +55,10 @@ SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on
                    axes_dims_rope=(4, 6, 6), approximator_hidden_dim=32, approximator_layers=2),
     "wan": dict(WAN_1P3B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
     "wan22": dict(WAN22_A14B, num_layers=4, num_attention_heads=2, attention_head_dim=16, ffn_dim=32),
+    "ltx2": dict(LTX2_19B, num_layers=2, num_attention_heads=2, attention_head_dim=16, audio_num_attention_heads=2,
+                 audio_attention_head_dim=16, cross_attention_dim=32, audio_cross_attention_dim=32,
+                 caption_channels=256),
+    "hunyuan15": dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, rope_axes_dim=(4, 6, 6)),
 }
 
 
@@ -76,7 +87,7 @@ def _build(cls, config: dict, device: str):
 
 
 def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> None:
-    """The pipeline folder of `kind` (sd15, sdxl, flux, chroma, wan, wan22) with its denoiser built on `device`, which
+    """The pipeline folder of `kind` (sd15, sdxl, flux, chroma, wan, wan22, ltx2, hunyuan15) with its denoiser built on `device`, which
     gives the GPU memory back afterwards: each row runs in a process of its own and needs all of it."""
     _write_pipeline(kind, folder, device, tiny)
     if device == "cuda":
@@ -93,7 +104,11 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
     from toolkit.tiny.flow import t5_config, write_t5_tokenizer
 
     config = SHAPES[kind] if tiny else {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "chroma": CHROMA1_HD,
-                                        "wan": WAN_1P3B, "wan22": WAN22_A14B}[kind]
+                                        "wan": WAN_1P3B, "wan22": WAN22_A14B, "ltx2": LTX2_19B,
+                                        "hunyuan15": HUNYUAN15_480P}[kind]
+    if kind == "ltx2":
+        _write_ltx2(folder, _build(_ltx2_transformer_class(), config, device))
+        return
     if kind in ("wan", "wan22"):
         from diffusers import WanPipeline, WanTransformer3DModel
         from transformers import UMT5EncoderModel
@@ -112,6 +127,15 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
             index["transformer_2"] = index["transformer"]
             (folder / "model_index.json").write_text(json.dumps(index, indent=2))
             (folder / "transformer_2").symlink_to("transformer", target_is_directory=True)
+        return
+    if kind == "hunyuan15":
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        from toolkit.tiny.hunyuan15 import write_hunyuan15
+
+        transformer = _build(HunyuanVideo15Transformer3DModel, config, device)
+        write_hunyuan15(folder, transformer, text_width=transformer.config.text_embed_dim,
+                        glyph_width=transformer.config.text_embed_2_dim)
         return
     if kind == "chroma":
         from diffusers import ChromaPipeline, ChromaTransformer2DModel
@@ -155,6 +179,47 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
                                                    use_post_quant_conv=False),
                      text_encoder=clip, tokenizer=tokenizer, text_encoder_2=t5, tokenizer_2=tokenizer_2,
                      transformer=transformer, image_encoder=None, feature_extractor=None).save_pretrained(folder)
+
+
+def _ltx2_transformer_class():
+    from diffusers import LTX2VideoTransformer3DModel
+
+    return LTX2VideoTransformer3DModel
+
+
+def _write_ltx2(folder: Path, transformer) -> None:
+    """LTX2Pipeline around `transformer`: a 2-layer Gemma 3 of the real width (3840) and the real connectors (they
+    run once per caption, then are freed), a video VAE with the real factors (time / 8, space / 32, 128 channels) but
+    8 channels a level, the real audio VAE's factors (64 mel bins / 4, 8 channels) and a small vocoder."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler, LTX2Pipeline
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from toolkit.tiny.ltx2 import LTX2_SCHEDULER, write_gemma_tokenizer
+
+    tokenizer = write_gemma_tokenizer(folder / "tokenizer")
+    width = transformer.config.caption_channels
+    n = len(tokenizer)
+    text = dict(vocab_size=n, hidden_size=width, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, sliding_window=64, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    encoder = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                          image_token_index=n, boi_token_index=n + 1,
+                                                          eoi_token_index=n + 2))
+    connectors = LTX2TextConnectors(caption_channels=width, text_proj_in_factor=3, rope_type="split",
+                                    video_connector_num_attention_heads=width // 128,
+                                    audio_connector_num_attention_heads=width // 128)
+    vae = AutoencoderKLLTX2Video(block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8),
+                                 layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+                                 spatial_compression_ratio=32, temporal_compression_ratio=8)  # as LTX-2's config.json
+    audio_vae = AutoencoderKLLTX2Audio(base_channels=8, num_res_blocks=1)
+    vocoder = LTX2Vocoder(in_channels=2 * 64, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+                          upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]])
+    LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER), vae=vae, audio_vae=audio_vae,
+                 text_encoder=encoder, tokenizer=tokenizer, connectors=connectors, transformer=transformer,
+                 vocoder=vocoder).save_pretrained(folder, safe_serialization=True)
 
 
 def write_images(folder: Path, count: int, size: int) -> None:

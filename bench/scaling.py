@@ -21,9 +21,10 @@ Each workload runs, every run a fresh process (group):
 - --fsdp: the toolkit on N GPUs with device.distributed=ddp, then fsdp, on a 12B-class base (bench/llm.py's
   nemo-12b shape; gradient checkpointing, 1 x 1024 tokens per GPU, compile off): per-GPU peak memory and the ratio.
 
-Throughput: wall clock between the end of the warm-up steps and the last step, for both stacks. The toolkit's
-comes from its own logs/metrics.jsonl (log.every = warm-up steps, so a record is written at the last warm-up step
-and at the last step; the trainer syncs with the GPU once per step through its loss all-reduce); the plain loop
+Throughput: the time from the end of the warm-up steps to the end of the last step. The toolkit's comes from its
+own logs/metrics.jsonl (log.every = warm-up steps): each record's steps_per_s, timed between the CUDA events that
+end the logged steps, so the GPU's time (the records' host clock, "host_seconds", is kept beside it: with CUDA
+graphs the host may run steps ahead of the GPU, and it wrote the records when it read them); the plain loop
 synchronises the GPU at both ends. Units per step are per-GPU batch x GPUs (tokens: x sequence length).
 Memory: torch.cuda.max_memory_allocated of every rank (the toolkit's processes report theirs at exit through a
 sitecustomize hook that this script puts on PYTHONPATH for its child processes only; without a report the
@@ -133,6 +134,10 @@ def toolkit_run(name: str, config_yaml: str, overrides: list[str], work: Path, g
     """One `python -m toolkit train` run (with `--gpus N` when N > 1): units/s, per-rank peak GiB, rank check."""
     tag = f"toolkit-{name}-{gpus}"
     out, memory, log = work / f"run-{tag}", work / f"memory-{tag}", work / f"{tag}.log"
+    for again in range(2, 100):  # a --work folder reused: a fresh run folder (the toolkit resumes an existing one)
+        if not out.exists():
+            break
+        out, memory, log = (work / f"run-{tag}-{again}", work / f"memory-{tag}-{again}", work / f"{tag}-{again}.log")
     memory.mkdir(parents=True, exist_ok=True)
     hook = work / "hook"
     hook.mkdir(exist_ok=True)
@@ -151,9 +156,15 @@ def toolkit_run(name: str, config_yaml: str, overrides: list[str], work: Path, g
     first, last = logged.get(warmup), logged.get(warmup + steps)
     if first is None or last is None:
         raise RunFailed(f"metrics.jsonl has no record at step {warmup} and {warmup + steps}: {sorted(logged)}")
-    seconds = last["time"] - first["time"]
     timed = [r for s, r in logged.items() if s > warmup]
-    result = {"stack": "toolkit", "gpus": gpus, "seconds": seconds, "steps": steps,
+    # Each record's steps_per_s covers the steps since the record before, timed between the CUDA events that end
+    # them (the host clock on a CPU): the GPU's time, whatever the host was doing when it wrote the record.
+    seconds, previous = 0.0, warmup
+    for s in sorted(r["step"] for r in timed):
+        seconds += (s - previous) / logged[s]["steps_per_s"]
+        previous = s
+    host_seconds = last["time"] - first["time"]
+    result = {"stack": "toolkit", "gpus": gpus, "seconds": seconds, "host_seconds": host_seconds, "steps": steps,
               "units_per_s": steps * units_per_gpu_step * gpus / seconds, "process_wall_s": wall,
               "metrics_tokens_per_s": (sum(r.get("tokens_per_s", 0) for r in timed) / len(timed)) or None}
 
@@ -665,7 +676,8 @@ def main() -> None:
             model_dir = Path(resolve_model_path("tiny:sdxl"))
         else:
             model_dir = work / "sdxl"
-            write_sdxl(model_dir)
+            if not (model_dir / "model_index.json").is_file():  # a --work folder reused: written by the last run
+                write_sdxl(model_dir)
         images = work / "images"
         write_images(images, count=sdxl_batch * n * (sdxl_warmup + sdxl_steps), side=px)  # no epoch ends mid-run
         print(f"SDXL pipeline and images written in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -691,8 +703,8 @@ def main() -> None:
         fsdp_rows = fsdp_memory(args, work, n, tiny, tiny_overrides, measure)
 
     print(f"\n== {device}; torch {torch.__version__}; whole run {time.perf_counter() - started:.0f}s ==")
-    print("throughput: wall clock over the timed steps (toolkit: its logs/metrics.jsonl records at the last warm-up "
-          "step and the last step; plain: GPU synchronised at both ends)")
+    print("throughput: the timed steps' time (toolkit: the steps_per_s of its logs/metrics.jsonl records, timed by "
+          "CUDA events; plain: GPU synchronised at both ends)")
     if llm_rows:
         shape = "tiny:llm" if tiny else f"Llama-3.2-1B shape ({args.layers} layers)"
         print_table(f"LLM: {shape}, LoRA r=16 all-linear, {'fp32, AdamW' if tiny else 'bf16, fused AdamW'}, "

@@ -71,6 +71,25 @@ CASES = {
         "sample.negative_prompt": "blurry", "sample.guidance_scale": 4.0, "sample.num_inference_steps": 25,
         "data.resolutions": [512, 768, 1024]},
         []),
+    # ai-toolkit's arch "ltx2" (its LTX2Model): the dataset's fps is the transformer's frame rate there; 8k+1 frames
+    "ltx2": ("tiny:ltx2", "clips", {
+        "model.family": "ltx2", "model.name_or_path": "Lightricks/LTX-2", "model.quantize": "8bit",
+        "data.num_frames": 121, "train.frame_rate": 24.0, "sample.num_frames": 97, "sample.fps": 24,
+        "sample.width": 768, "sample.height": 512, "sample.negative_prompt": "worst quality, blurry, jittery",
+        "train.timestep_sampling": "logit_normal"},
+        ["datasets[0].do_audio"]),
+    # the edit families: control_path_1 .. _3 (or control_path) -> data.reference_paths, ctrl_img_* -> sample.references
+    "qwen_image_edit_plus": ("tiny:qwen_image_edit", "edit", {
+        "model.family": "qwen_image_edit", "model.name_or_path": "Qwen/Qwen-Image-Edit-2509",
+        "data.path": "/data/edit/targets", "data.reference_paths": ["/data/edit/outlines", "/data/edit/colours"],
+        "sample.prompts": ["[trigger] fill the circle with blue"],
+        "sample.references": [["/data/edit/outlines/green_circle.png", "/data/edit/colours/blue_square.png"]]},
+        []),
+    "flux_kontext": ("tiny:flux_kontext", "kontext", {
+        "model.family": "flux_kontext", "data.path": "/data/kontext/targets",
+        "data.reference_paths": ["/data/kontext/originals"],
+        "sample.references": [["/data/kontext/originals/blue_circle.png"]]},
+        []),
     # only a folder and a model: ai-toolkit's own defaults where they differ from this toolkit's
     "minimal": ("tiny:sd", "shapes", {
         "run.name": "defaults_only", "model.family": "sd", "network.rank": 4, "network.alpha": 1.0,
@@ -130,6 +149,8 @@ def test_changed_values_are_noted(run_cli, capsys):
      "config.process[0].type is 'locon', not a LoRA trainer"),
     ("config: {name: x, process: [{type: sd_trainer, model: {name_or_path: m, arch: hidream}, datasets: []}]}\n",
      "model arch 'hidream' has no family in this toolkit"),
+    ("config: {name: x, process: [{type: sd_trainer, model: {name_or_path: m, arch: qwen_image_edit}, datasets: []}]}\n",
+     "model arch 'qwen_image_edit' does not translate: the first Qwen-Image-Edit conditions on one image"),
     ("config: {name: x, process: [{type: sd_trainer, model: {name_or_path: m, arch: flux}, train: {steps: 0},"
      " datasets: [{folder_path: /d}]}]}\n", "the translated config does not validate"),
 ])
@@ -208,3 +229,33 @@ def test_a_full_rank_lokr_job_translates(tmp_path, run_cli, capsys):
     network = yaml.safe_load(captured.out)["network"]
     assert network == {"type": "lokr", "lokr_full_rank": True, "lokr_factor": 8, "rank": 16, "alpha": 1.0}
     assert "not translated: network" not in captured.err
+
+
+@pytest.mark.parametrize("shrink, expected", [(False, "head"), (True, None)])
+def test_shrink_video_to_frames_translates_to_frame_extraction(shrink, expected, tmp_path, run_cli, capsys):
+    """ai-toolkit's video dataset keys: num_frames with shrink_video_to_frames (true: spread over the whole video,
+    this toolkit's default; false: consecutive frames, data.frame_extraction=head)."""
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"config": {"name": "clips", "process": [{
+        "type": "sd_trainer", "model": {"name_or_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "arch": "wan21"},
+        "train": {"steps": 100}, "datasets": [{"folder_path": "/data/clips", "num_frames": 33,
+                                               "shrink_video_to_frames": shrink}]}]}}))
+    assert run_cli("import-aitk", job) == 0
+    captured = capsys.readouterr()
+    data = yaml.safe_load(captured.out)["data"]
+    assert data["num_frames"] == 33 and data.get("frame_extraction") == expected
+    if shrink:
+        assert "not translated: datasets[0].shrink_video_to_frames" not in captured.err
+    else:
+        assert "datasets[0].shrink_video_to_frames: data.frame_extraction=head" in captured.err
+
+
+def test_control_paths_of_a_family_without_references_are_listed(tmp_path, run_cli, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text("config: {name: x, process: [{type: sd_trainer, model: {name_or_path: m, arch: flux},"
+                   " datasets: [{folder_path: /d, control_path: /c}]}]}\n")
+    assert run_cli("import-aitk", job) == 0
+    captured = capsys.readouterr()
+    assert "not translated: datasets[0].control_path = '/c': the flux family trains without control images" \
+        in captured.err
+    assert "reference_paths" not in captured.out.split("# not translated")[0]

@@ -25,11 +25,14 @@ CASES = {
     "flux": ("quickstart_flux.yaml", "FluxPipeline", []),
     "sd3": ("quickstart_sd3.yaml", "StableDiffusion3Pipeline", []),
     "qwen_image": ("quickstart_qwen_image.yaml", "QwenImagePipeline", []),
+    "qwen_image_edit": ("quickstart_qwen_image_edit.yaml", "QwenImageEditPlusPipeline", []),
+    "flux_kontext": ("quickstart_flux_kontext.yaml", "FluxKontextPipeline", []),
     "z_image": ("quickstart_z_image.yaml", "ZImagePipeline", []),
     "flux2": ("quickstart_flux2.yaml", "Flux2Pipeline", []),
     "chroma": ("quickstart_chroma.yaml", "ChromaPipeline", []),
     "wan21": ("quickstart_wan21.yaml", "WanPipeline", []),
     "wan22": ("quickstart_wan22.yaml", "WanPipeline", ["train.expert_switch_every=1"]),
+    "ltx2": ("quickstart_ltx2.yaml", "LTX2Pipeline", []),
 }
 # Wan 2.2 A14B: each expert's file in its own folder, the second loaded into transformer_2
 EXPERT_FILES = {"transformer": ("high_noise", {}), "transformer_2": ("low_noise", {"load_into_transformer_2": True})}
@@ -55,7 +58,11 @@ def applied_updates(pipeline_name: str, family: str, folder: Path, names: list[s
     """{component: (modules matched, max abs diff)} after load_lora_weights(folder) and fuse_lora in a fresh pipeline."""
     import diffusers
 
-    pipe = getattr(diffusers, pipeline_name).from_pretrained(resolve_model_path(f"tiny:{family}"))
+    from toolkit.models.qwen_vl_processor import processor_override
+
+    path = resolve_model_path(f"tiny:{family}")
+    extra = processor_override(path) if pipeline_name == "QwenImageEditPlusPipeline" else {}  # no torchvision here
+    pipe = getattr(diffusers, pipeline_name).from_pretrained(path, **extra)
     before = {name: plain_weights(getattr(pipe, name)) for name in names}
     if family == "wan22":
         for name in names:

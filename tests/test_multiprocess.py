@@ -86,10 +86,12 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(tmp_pa
     assert "device.distributed=ddp (auto: the CPU is never sharded automatically)" in two.stderr
     assert "device.distributed=fsdp (set in the config): the frozen base is sharded over 2 processes" in sharded.stderr
     assert sharded.stderr.count("processes: LoRA weights identical on all 2") == 1
-    # fsdp: the untied embeddings and head of tiny:llm are units of their own, and the fused loss gathers the head
+    # fsdp: the untied embeddings and head of tiny:llm are units of their own, and the fused loss reads the head
+    # block by block from the processes' shards (kernels/sharded_cross_entropy.py): the same LoRA as one process
     assert ("device.distributed=fsdp: sharded model: 2 blocks (LlamaDecoderLayer) + input embeddings and output "
             "head, each its own unit") in sharded.stderr
-    assert "model.kernels=fused: output head and cross-entropy in chunks" in sharded.stderr
+    assert ("model.kernels=fused: output head and cross-entropy in chunks, no full logits; an output head sharded as "
+            "a unit of its own is read block by block from the processes' shards, never gathered whole") in sharded.stderr
     # the same mean loss at every step (the loss is the mean over every token of the global batch)
     losses_one = [r["loss"] for r in read_metrics(tmp_path / "one")]
     losses_two = [r["loss"] for r in read_metrics(tmp_path / "two")]

@@ -1,5 +1,5 @@
 """Tiny flow-matching pipelines (tiny:flux, tiny:sd3, tiny:wan21, tiny:wan22, tiny:wan22-5b, the image-to-video
-tiny:wan21-i2v and tiny:wan22-i2v, tiny:qwen_image, tiny:z_image, tiny:flux2, tiny:chroma): written
+tiny:wan21-i2v and tiny:wan22-i2v, tiny:qwen_image, tiny:z_image, tiny:flux2, tiny:chroma, tiny:ltx2): written
 on first use, loaded by their diffusers pipeline class, and able to generate; the family-specific settings are the
 real ones."""
 
@@ -55,6 +55,12 @@ KINDS = {
     "chroma": ("ChromaPipeline", {"text_encoder": "T5EncoderModel", "tokenizer": "T5Tokenizer",
                                   "transformer": "ChromaTransformer2DModel", "vae": "AutoencoderKL",
                                   "scheduler": "FlowMatchEulerDiscreteScheduler"}, (1, 64, 64, 3)),
+    # LTX-2: Gemma 3 (its tokenizer GemmaTokenizer), the text connectors, the audio VAE and vocoder beside the video's
+    "ltx2": ("LTX2Pipeline", {"text_encoder": "Gemma3ForConditionalGeneration", "tokenizer": "GemmaTokenizer",
+                              "connectors": "LTX2TextConnectors", "transformer": "LTX2VideoTransformer3DModel",
+                              "vae": "AutoencoderKLLTX2Video", "audio_vae": "AutoencoderKLLTX2Audio",
+                              "vocoder": "LTX2Vocoder", "scheduler": "FlowMatchEulerDiscreteScheduler"},
+             (1, 9, 64, 64, 3)),
     # FLUX.2-dev's tokenizer is a PixtralProcessor (torchvision for its image half); the tiny one holds its tokenizer
     "flux2": ("Flux2Pipeline", {"text_encoder": "Mistral3ForConditionalGeneration", "tokenizer": "TokenizersBackend",
                                 "transformer": "Flux2Transformer2DModel", "vae": "AutoencoderKLFlux2",
@@ -97,6 +103,8 @@ def test_tiny_flow_pipeline_loads_and_generates(kind):
                 generator=torch.Generator().manual_seed(0), output_type="np")
     if pipeline_name == "WanPipeline":
         output = pipe(**call, num_frames=5).frames
+    elif pipeline_name == "LTX2Pipeline":
+        output = pipe(**call, num_frames=9, max_sequence_length=64).frames
     elif pipeline_name == "WanImageToVideoPipeline":
         from PIL import Image
 
@@ -116,6 +124,23 @@ def test_t5_tokenizer_ids_like_t5(kind):
     assert tokenizer.convert_ids_to_tokens(ids[:3]) == ["▁a", "▁sks", "▁dog"]
     assert ids[3:] == [1, 0, 0]  # </s> then padding
     assert tokenizer.decode(tokenizer("a Squirrel").input_ids, skip_special_tokens=True) == "a Squirrel"  # spelled out
+
+
+def test_ltx2_keeps_the_real_layout():
+    """Gemma 3's states of every layer feed the connectors (left padding); the VAE compresses time by 8 with
+    per-channel latent statistics; LTX-2's dynamic shift; the audio stream's width is the audio VAE's."""
+    pipe = _load("ltx2")
+    assert pipe.tokenizer.padding_side == "left" and pipe.tokenizer.pad_token_id == 0
+    text = pipe.text_encoder.config.text_config
+    assert pipe.connectors.config.text_proj_in_factor == text.num_hidden_layers + 1
+    assert pipe.connectors.config.caption_channels == text.hidden_size == pipe.transformer.config.caption_channels
+    assert (pipe.vae_temporal_compression_ratio, pipe.vae_spatial_compression_ratio) == (8, 8)
+    assert pipe.vae.latents_std.min() < 1 < pipe.vae.latents_std.max() and pipe.vae.latents_mean.abs().max() > 0
+    assert pipe.transformer.config.audio_in_channels == pipe.audio_vae.config.latent_channels * (
+        pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio)
+    s = pipe.scheduler.config
+    assert (s.use_dynamic_shifting, s.base_shift, s.max_shift, s.base_image_seq_len, s.max_image_seq_len) == \
+        (True, 0.95, 2.05, 1024, 4096)
 
 
 def test_flux_is_dev_like():

@@ -13,13 +13,20 @@ from typing import Any
 import yaml
 
 from toolkit.aitk.job import Section, Translation, account_for_every_key, as_float, as_int, read_job
-from toolkit.aitk.sections import clip_frames, datasets, dtype, network, save, train
+from toolkit.aitk.sections import VIDEO_FAMILIES, clip_frames, datasets, dtype, network, save, train
 from toolkit.errors import ConfigError, UserError
 
-# ai-toolkit model.arch -> model.family. ai-toolkit's older is_* flags name an arch (toolkit/config_modules.py,
+# ai-toolkit model.arch -> model.family (ai-toolkit has no HunyuanVideo 1.5 arch: its extensions_built_in models,
+# 2026, list none). ai-toolkit's older is_* flags name an arch (toolkit/config_modules.py,
 # ModelConfig); a model without either is sd1.
 ARCHES = {"sd1": "sd", "sd2": "sd", "sdxl": "sdxl", "sd3": "sd3", "flux": "flux", "flex1": "flux", "flux2": "flux2",
-          "chroma": "chroma", "qwen_image": "qwen_image", "zimage": "z_image", "wan21": "wan21", "wan22_14b": "wan22", "wan22_5b": "wan22"}
+          "chroma": "chroma", "qwen_image": "qwen_image", "zimage": "z_image", "wan21": "wan21", "wan22_14b": "wan22", "wan22_5b": "wan22",
+          "ltx2": "ltx2", "ltx2.3": "ltx2", "qwen_image_edit_plus": "qwen_image_edit", "flux_kontext": "flux_kontext"}
+# Arches whose family here would train another conditioning than the job's model was made for.
+NOT_HERE = {"qwen_image_edit": "the first Qwen-Image-Edit conditions on one image through QwenImageEditPipeline; the "
+                               "qwen_image_edit family here trains Qwen-Image-Edit-2509 / 2511 as "
+                               "QwenImageEditPlusPipeline does\n  fix: train Qwen/Qwen-Image-Edit-2509 (ai-toolkit's "
+                               "arch qwen_image_edit_plus), or translate the job by hand"}
 ARCH_FLAGS = (("is_v2", "sd2"), ("is_v3", "sd3"), ("is_xl", "sdxl"), ("is_pixart", "pixart"),
               ("is_pixart_sigma", "pixart_sigma"), ("is_auraflow", "auraflow"), ("is_flux", "flux"),
               ("is_lumina2", "lumina2"), ("is_vega", "vega"), ("is_ssd", "ssd"))
@@ -35,6 +42,8 @@ def arch_of(model: dict[str, Any], path: str) -> tuple[str, str]:
         arch = next((name for flag, name in ARCH_FLAGS if model.get(flag)), "sd1")
     arch = str(arch).split(":")[0]  # ai-toolkit's UI may append ":tag"
     arch = "flux" if arch == "flex1" else arch
+    if arch in NOT_HERE:
+        raise UserError(f"{path}: model arch {arch!r} does not translate: {NOT_HERE[arch]}")
     if arch not in ARCHES:
         raise UserError(f"{path}: model arch {arch!r} has no family in this toolkit; the arches that translate: "
                         f"{', '.join(sorted(ARCHES))}")
@@ -143,15 +152,19 @@ def sample(out: Translation, s: Section) -> None:
     for name in ("width", "height"):
         out.set(f"sample.{name}", as_int(s.take(name, 512), s.key(name)), s.key(name))
     prompts = [str(p) for p in s.take("prompts") or []]
+    references: list[list[str]] = [[] for _ in prompts]
     for i, item in enumerate(s.take("samples") or []):
         entry = Section(out, s.key(f"samples[{i}]"), item if isinstance(item, dict) else {"prompt": item})
         if entry.has("prompt"):
             out.read(entry.key("prompt") if isinstance(item, dict) else s.key(f"samples[{i}]"))
             prompts.append(str(entry.take("prompt")))
+            references.append(control_images(out, entry))
         for key in list(entry.rest):
             entry.skip(key, "one setting for every sample prompt here (the sample section's)")
     if "prompts" not in out.config.get("sample", {}):  # train.disable_sampling set it to none
         out.set("sample.prompts", prompts, s.key("prompts"))
+        if any(references):
+            out.set("sample.references", references, s.key("samples"))
     negative = s.take("neg")
     if negative:
         out.set("sample.negative_prompt", str(negative), s.key("neg"))
@@ -169,7 +182,7 @@ def sample(out: Translation, s: Section) -> None:
     out.set("sample.num_inference_steps", as_int(s.take("sample_steps", 20), s.key("sample_steps")),
             s.key("sample_steps"))
     frames, fps = s.take("num_frames", 1), s.take("fps")
-    if out.family in ("wan21", "wan22"):
+    if out.family in VIDEO_FAMILIES:
         frames = as_int(frames, s.key("num_frames"))
         out.set("sample.num_frames", clip_frames(frames, s.key("num_frames"), out), s.key("num_frames"))
         if fps is not None:
@@ -185,6 +198,18 @@ def sample(out: Translation, s: Section) -> None:
     s.skip("guidance_rescale", "not available here", when=0.0)
     s.skip("format", "samples are png (animated webp and mp4 for video)")
     s.done()
+
+
+def control_images(out: Translation, entry: Section) -> list[str]:
+    """A sample's ctrl_img (or ctrl_img_1 .. _3, the multi-control models') -> its sample.references list, for the
+    families that take reference images (the others leave them to the not-translated list)."""
+    from toolkit.aitk.sections import REFERENCE_FAMILIES
+
+    if out.family not in REFERENCE_FAMILIES:
+        return []
+    names = [n for n in ("ctrl_img", "ctrl_img_1", "ctrl_img_2", "ctrl_img_3") if entry.has(n)]
+    out.read(*(entry.key(n) for n in names))
+    return [str(image) for image in (entry.take(n) for n in names) if image]
 
 
 def logging(out: Translation, s: Section) -> None:

@@ -30,7 +30,10 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
 TIMESTEP_TYPES = {"sigmoid": ("logit_normal", 1.0), "linear": ("uniform", 1.0), "shift": ("uniform", None),
                   "flux_shift": ("uniform", None), "lumina2_shift": ("uniform", None)}
 SD_FAMILIES = ("sd", "sdxl")
-VIDEO_FAMILIES = ("wan21", "wan22")
+VIDEO_FAMILIES = ("wan21", "wan22", "ltx2", "hunyuan_video15")
+FRAME_STEPS = {"ltx2": 8}  # clips are step*k+1 frames: the VAE's time compression (Wan's 4 where not listed)
+REFERENCE_FAMILIES = ("qwen_image_edit", "flux_kontext", "flux2")  # data.reference_paths (docs/edit.md)
+CONTROL_PATHS = ("control_path", "control_path_1", "control_path_2", "control_path_3")
 RANDOM_CROPS = 3  # datasets' random_crop -> data.crop_variants: this many crops, each encoded once and cached
 
 
@@ -42,10 +45,12 @@ def dtype(value: Any, key: str, out: Translation) -> str | None:
 
 
 def clip_frames(frames: int, key: str, out: Translation) -> int:
-    """The largest 4k+1 frame count up to `frames` (Wan's VAE compresses 4 frames into one after the first)."""
-    usable = (max(frames, 1) - 1) // 4 * 4 + 1
+    """The largest 4k+1 frame count up to `frames` (Wan's VAE compresses 4 frames into one after the first; LTX-2's
+    8: 8k+1)."""
+    step = FRAME_STEPS.get(out.family, 4)
+    usable = (max(frames, 1) - 1) // step * step + 1
     if usable != frames:
-        out.note(key, f"{frames} frames -> {usable} (clips here are 4k+1 frames)")
+        out.note(key, f"{frames} frames -> {usable} (clips here are {step}k+1 frames)")
     return usable
 
 
@@ -255,8 +260,20 @@ def first_dataset(out: Translation, s: Section, trigger: Any) -> None:
         if frames is not None:
             out.set("data.num_frames", clip_frames(as_int(frames, s.key("num_frames")), s.key("num_frames"), out),
                     s.key("num_frames"), frames)
-        s.skip("fps", "clips always contribute data.num_frames frames taken evenly, whatever their frame rate",
+        if out.family == "ltx2" and s.has("fps"):  # ai-toolkit's LTX-2 gives the transformer the dataset's fps
+            out.set("train.frame_rate", as_float(s.take("fps"), s.key("fps")), s.key("fps"))
+        key = s.key("shrink_video_to_frames")
+        if s.take("shrink_video_to_frames", True) is False:
+            out.set("data.frame_extraction", "head", key, False)
+            out.note(key, "data.frame_extraction=head: num_frames consecutive frames from each video's first "
+                     "(ai-toolkit steps by the source-to-dataset fps ratio; a video shorter than num_frames gives "
+                     "no clip here, where ai-toolkit spreads it)")
+        elif "shrink_video_to_frames" in s.given:
+            out.same(key, True, "clips take data.num_frames frames spread over each whole video "
+                     "(data.frame_extraction=spread, the default)")
+        s.skip("fps", "clips contribute data.num_frames frames by data.frame_extraction, whatever their frame rate",
                when=16)
+        s.skip("do_audio", "the ltx2 family trains LTX-2's video branch; its audio stream runs on noise", when=False)
     else:
         s.skip("num_frames", f"the {out.family} family trains on images", when=1)
         s.same("fps", f"the {out.family} family trains on images (no frame rate)")
@@ -265,12 +282,13 @@ def first_dataset(out: Translation, s: Section, trigger: Any) -> None:
     if s.has("is_reg"):
         out.set("data.is_regularization", bool(s.take("is_reg")), s.key("is_reg"))
     masks(out, s)
+    controls(out, s)
     for name, reason in (("flip_y", "vertical flips are not available here (data.random_flip mirrors left and right)"),
                          ("random_scale", "augmentation (random scale) is not available here"),
                          ("scale", "images are scaled to cover their aspect bucket here"),
                          ("network_weight", "per-dataset loss weights are not available here"),
                          ("loss_multiplier", "per-dataset loss weights are not available here"),
-                         ("shrink_video_to_frames", "clips always contribute data.num_frames frames taken evenly"),
+                         ("shrink_video_to_frames", f"the {out.family} family trains on images"),
                          ("do_i2v", "image-to-video follows the model (model.task: auto)"),
                          ("batch_size", "one batch size per run here: train.batch_size")):
         s.skip(name, reason, when={"network_weight": 1.0, "loss_multiplier": 1.0, "scale": 1.0,
@@ -278,6 +296,30 @@ def first_dataset(out: Translation, s: Section, trigger: Any) -> None:
     for name in ("num_workers", "prefetch_factor", "fast_image_size", "debug"):
         s.same(name, "data loading runs its own way here: latents and text embeddings are cached, then read")
     s.done()
+
+
+def controls(out: Translation, s: Section) -> None:
+    """control_path (a folder, or a list of them) or control_path_1 .. _3 (the multi-control models' folders), each
+    holding one control image per target under its name -> data.reference_paths, in that order, for the families
+    that take reference images; the other families train without them."""
+    given = {name: s.take(name) for name in CONTROL_PATHS if s.has(name)}
+    folders = [str(f) for value in given.values() for f in (value if isinstance(value, list) else [value]) if f]
+    s.skip("controls", "reference images come from data.reference_paths here, not from a list of control types")
+    for name in ("full_size_control_images", "control_transparent_color"):
+        s.skip(name, "references are sized as the family's pipeline sizes them (docs/edit.md)")
+    if not folders:
+        for name, value in given.items():
+            out.same(s.key(name), value, "no control images")
+    elif out.family not in REFERENCE_FAMILIES:
+        for name, value in given.items():
+            out.skip(s.key(name), value, f"the {out.family} family trains without control images (reference "
+                     f"images train with {', '.join(REFERENCE_FAMILIES)})")
+    else:
+        first, *others = given
+        out.read(*(s.key(name) for name in others))
+        out.set("data.reference_paths", folders, s.key(first))
+        out.note(s.key(first), f"data.reference_paths {folders}: reference i of name.png is folder i's image with "
+                 "its name (docs/edit.md); every target needs one in each folder")
 
 
 def masks(out: Translation, s: Section) -> None:

@@ -139,6 +139,36 @@ class ImageDataSection:
 
 
 @dataclass
+class ReferenceImageDataSection(ImageDataSection):
+    """Images with reference images (edit / control training: docs/edit.md)."""
+
+    reference_paths: List[str] = opt([], "Folders of reference images (ai-toolkit's control_path, control_path_1 .. "
+                                     "_3): reference i of name.png is folder i's image with the stem name. Empty: "
+                                     "references/name_ref0.png, name_ref1.png, ... (or references/name.png) inside "
+                                     "the dataset folder, else name_ref0.png, name_ref1.png, ... beside the target.")
+    references: Union[int, str] = opt("auto", "References per target: a number (a target with fewer or more is an "
+                                      "error naming it), or auto: each target has the ones it has (at least one for "
+                                      "the edit families; FLUX.2 trains plain when the dataset has none).",
+                                      minimum=1)
+
+
+@dataclass
 class VideoDataSection(ImageDataSection):
-    num_frames: int = opt(17, "Frames per clip (4k+1: 1, 5, 9, ... 81), taken evenly from each video; shorter "
+    num_frames: int = opt(17, "Frames per clip (4k+1: 1, 5, 9, ... 81) under frame_extraction=spread, taken evenly "
+                          "from each whole video (ai-toolkit's num_frames with shrink_video_to_frames); shorter "
                           "clips train on the largest 4k+1 they have; images are 1-frame clips.", minimum=1)
+    frame_extraction: str = opt("spread", "How clips are cut from each video (musubi-tuner's names): spread: one "
+                                "clip of num_frames frames spread over the whole video; head: the first F "
+                                "consecutive frames; chunk: back-to-back clips of F frames (a shorter tail is "
+                                "dropped); slide: a clip of F frames starting every frame_stride frames; uniform: "
+                                "frame_sample clips of F frames with starts spread evenly from the first frame to "
+                                "the last start that fits; full: one clip of every frame, at most max_frames, rounded "
+                                "down to 4k+1. F is each of target_frames; a video shorter than F gives no clip of F "
+                                "(head, chunk, slide, uniform). Clips are bucketed by their frames and size.",
+                                choices=("spread", "head", "chunk", "slide", "uniform", "full"))
+    target_frames: List[int] = opt([], "Frames per extracted clip, each 4k+1 (musubi-tuner's target_frames): one "
+                                   "or more lengths, each extracted on its own (head, chunk, slide, uniform); "
+                                   "empty: [num_frames].")
+    frame_stride: int = opt(1, "frame_extraction=slide: frames between the starts of two clips.", minimum=1)
+    frame_sample: int = opt(1, "frame_extraction=uniform: clips per video and length.", minimum=1)
+    max_frames: int = opt(129, "frame_extraction=full: the most frames a clip takes (4k+1 at most).", minimum=1)

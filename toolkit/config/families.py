@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from toolkit.config.data_schemas import ImageDataSection, TextDataSection, VideoDataSection, VisionChatDataSection
+from toolkit.config.data_schemas import (ImageDataSection, ReferenceImageDataSection, TextDataSection, VideoDataSection,
+                                         VisionChatDataSection)
 
 # Settings that only some families read. A family's spec lists the ones it reads (`settings`); a value set for
 # a family that does not read it is a config error, and the resolved config of a run shows only its own.
@@ -34,6 +35,9 @@ DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_o
 FLOW_SETTINGS = DIFFUSION_SETTINGS | {"train.flow_shift", "model.quantize", "model.quantize_backend",
                                       "model.block_swap"}
 VLM_SETTINGS = frozenset({"train.eval_every", "network.vision_layers", "sample.max_new_tokens", "sample.temperature", "sample.images"})
+# Edit families: the references of each sample prompt; no eval loss or output preservation (neither yet knows about
+# references), so their settings are left out.
+EDIT_SETTINGS = (FLOW_SETTINGS - EVAL_SETTINGS - {"train.dop_class", "train.dop_weight"}) | {"sample.references"}
 VIDEO_SETTINGS = FLOW_SETTINGS | {"sample.negative_prompt", "sample.num_frames", "sample.fps", "model.task",
                                   "sample.images"}
 
@@ -104,12 +108,17 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Qwen-Image", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
                tiny={"qwen_image": "toolkit.tiny.qwen_image:write_tiny_qwen_image"}, pipeline_class="QwenImagePipeline"),
+    FamilySpec("qwen_image_edit", "toolkit.models.diffusion_qwen_edit:QwenImageEditAdapter", ReferenceImageDataSection,
+               EDIT_SETTINGS | {"sample.negative_prompt"}, "Qwen-Image-Edit-2509 / 2511 (1-3 reference images)",
+               timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
+               tiny={"qwen_image_edit": "toolkit.tiny.qwen_image_edit:write_tiny_qwen_image_edit"},
+               pipeline_class="QwenImageEditPlusPipeline"),
     FamilySpec("z_image", "toolkit.models.diffusion_zimage:ZImageAdapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Z-Image / Z-Image-Turbo", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
                tiny={"z_image": "toolkit.tiny.z_image:write_tiny_z_image"}, pipeline_class="ZImagePipeline"),
-    FamilySpec("flux2", "toolkit.models.diffusion_flux2:Flux2Adapter", ImageDataSection,
-               FLOW_SETTINGS | {"train.guidance"}, "FLUX.2 [dev]", timestep_sampling="logit_normal", batch_cap=1,
+    FamilySpec("flux2", "toolkit.models.diffusion_flux2:Flux2Adapter", ReferenceImageDataSection,
+               FLOW_SETTINGS | {"train.guidance", "sample.references"}, "FLUX.2 [dev] (reference images optional)", timestep_sampling="logit_normal", batch_cap=1,
                save_formats=("diffusers", "comfyui"), tiny={"flux2": "toolkit.tiny.flux2:write_tiny_flux2"},
                pipeline_class="Flux2Pipeline"),
     # Chroma's blocks are Flux's without their modulation layers: compile and the kept attention are on by Flux's
@@ -120,6 +129,24 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                tiny={"chroma": "toolkit.tiny.chroma:write_tiny_chroma"}, pipeline_class="ChromaPipeline",
                compile_auto="flux-compile",
                keeps_auto="flux-keeps"),
+    # LTX-2: the video branch of the audio-video transformer is trained (the audio tokens are pure noise at sigma 1).
+    FamilySpec("ltx2", "toolkit.models.diffusion_ltx2:LTX2Adapter", VideoDataSection,
+               (VIDEO_SETTINGS - {"model.task", "sample.images"}) | {"train.frame_rate"},
+               "LTX-2 text-to-video (Lightricks/LTX-2, the video branch of the audio-video model; Gemma 3 text)",
+               timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
+               tiny={"ltx2": "toolkit.tiny.ltx2:write_tiny_ltx2"}, pipeline_class="LTX2Pipeline"),
+    # HunyuanVideo 1.5 T2V and I2V (one family, model.task as Wan's); diffusers' pipelines have no LoRA loader
+    # mixin, so the file is read by the transformer's load_lora_adapter (models/diffusion_hunyuan15.py).
+    FamilySpec("hunyuan_video15", "toolkit.models.diffusion_hunyuan15:HunyuanVideo15Adapter", VideoDataSection,
+               VIDEO_SETTINGS, "HunyuanVideo 1.5 text-to-video and image-to-video (480p / 720p)",
+               timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
+               tiny={"hunyuan15": "toolkit.tiny.hunyuan15:write_tiny_hunyuan15",
+                     "hunyuan15-i2v": "toolkit.tiny.hunyuan15:write_tiny_hunyuan15_i2v"},
+               pipeline_class="HunyuanVideo15Pipeline"),
+    FamilySpec("flux_kontext", "toolkit.models.diffusion_flux_kontext:FluxKontextAdapter", ReferenceImageDataSection,
+               EDIT_SETTINGS | {"train.guidance"}, "FLUX.1 Kontext [dev] (one reference image)",
+               timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
+               tiny={"flux_kontext": "toolkit.tiny.flow:write_tiny_flux_kontext"}, pipeline_class="FluxKontextPipeline"),
     FamilySpec("vlm", "toolkit.models.vlm:VLMAdapter", VisionChatDataSection, VLM_SETTINGS,
                "vision-language chat models through AutoModelForImageTextToText: Qwen2.5-VL, Qwen3-VL",
                save_formats=("peft",),

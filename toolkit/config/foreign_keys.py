@@ -59,6 +59,9 @@ FOREIGN_KEYS: dict[str, ForeignKey] = {
     "pretrained_lora_path": ForeignKey("network.init_from", AITK),
     # data
     "num_repeats": ForeignKey("data.repeats", f"{KOHYA} and {AITK}"),
+    "shrink_video_to_frames": ForeignKey("data.frame_extraction", AITK,
+                                         "true is data.frame_extraction: spread (the default); false: head"),
+    "video_directory": ForeignKey("data.path", "musubi-tuner"),
     "is_reg": ForeignKey("data.is_regularization", f"{KOHYA} and {AITK}"),
     "reg_data_dir": ForeignKey("data.datasets", KOHYA, "a data.datasets entry with is_regularization: true"),
     "masked_loss": ForeignKey("data.masked_loss", KOHYA),

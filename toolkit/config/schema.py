@@ -119,7 +119,9 @@ class ModelSection:
     trust_remote_code: bool = opt(False, "Allow model code from the Hub repository (transformers trust_remote_code).")
     task: str = opt("auto", "Wan: t2v (text-to-video) or i2v (image-to-video: each clip's start image conditions the "
                     "model as WanImageToVideoPipeline does); auto reads the model folder (a WanImageToVideoPipeline "
-                    "is i2v, anything else t2v). TI2V-5B does both: set i2v to train it on start images.",
+                    "is i2v, anything else t2v). TI2V-5B does both: set i2v to train it on start images. "
+                    "hunyuan_video15 alike: a HunyuanVideo15ImageToVideoPipeline folder is i2v (the start image's "
+                    "latent and SigLIP tokens condition the model).",
                     choices=("auto", "t2v", "i2v"))
 
 
@@ -304,6 +306,9 @@ class TrainSection:
                        "model's boundary) or low_noise.", choices=("both", "high_noise", "low_noise"))
     expert_switch_every: int = opt(10, "Wan 2.2 A14B with experts=both: optimizer steps on one expert before "
                                    "switching to the other (larger values move weights less often).", minimum=1)
+    frame_rate: float = opt(24.0, "LTX-2: the frame rate the transformer is told the training clips play at (its "
+                            "time positions; LTX-2 was trained at 24-25 fps). Samples play at sample.fps.",
+                            minimum=1.0)
 
 
 @dataclass
@@ -338,6 +343,10 @@ class SampleSection:
                             "all), resized to cover the sample size and centre-cropped. vlm: the image each prompt "
                             "asks about (one per prompt, or one for all), resized by the model's processor.",
                             resume_safe=True)
+    references: List[List[str]] = opt([], "Edit families (qwen_image_edit, flux_kontext, flux2): the reference images "
+                                      "of each sample, one list per prompt (the edit pipeline's `image`), e.g. "
+                                      "[[ref0.png, ref1.png], [other.png]]; required for the edit families.",
+                                      resume_safe=True)
 
 
 @dataclass

@@ -46,6 +46,14 @@ class ImageItem:
     content_hash: str = ""
     dataset: int = 0             # which dataset (data/datasets.py) it came from
     mask: Path | None = None     # its loss mask (data.masked_loss)
+    references: tuple[Path, ...] = ()                  # its reference images (data/references.py), in order
+    reference_hashes: tuple[str, ...] = ()
+    reference_buckets: tuple[tuple[int, int], ...] = ()  # each reference's (width, height)
+
+    @property
+    def group(self) -> tuple:
+        """What items of one batch share: the bucket, and their references' buckets (stacked side by side)."""
+        return (self.bucket, self.reference_buckets)
 
 
 def caption_rules(data) -> CaptionRules:
@@ -54,8 +62,10 @@ def caption_rules(data) -> CaptionRules:
                         keep_tokens=data.keep_tokens, tag_dropout=data.tag_dropout)
 
 
-def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_EXTS) -> list[tuple[Path, str | None]]:
-    """(file, caption text or None) from metadata.jsonl, else every file with a suffix in `exts`."""
+def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_EXTS,
+                    skip: Callable[[Path], bool] = is_mask_file) -> list[tuple[Path, str | None]]:
+    """(file, caption text or None) from metadata.jsonl, else every file with a suffix in `exts` that is not
+    `skip`ped (masks; the reference images of the families that take them)."""
     metadata = root / "metadata.jsonl"
     if metadata.is_file():
         pairs = []
@@ -73,7 +83,7 @@ def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_
             pairs.append((file, text))
         return pairs
     pairs = []
-    for path in sorted(p for p in root.iterdir() if p.suffix.lower() in exts and not is_mask_file(p)):
+    for path in sorted(p for p in root.iterdir() if p.suffix.lower() in exts and not skip(p)):
         caption_file = path.with_suffix(caption_ext)
         pairs.append((path, read_text(caption_file, "data.path") if caption_file.is_file() else None))
     return pairs
@@ -119,7 +129,8 @@ def file_hash(path: Path) -> str:
 
 def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ...],
                 probe: Callable[[Path], tuple[tuple[int, int], Any]], kinds: str = "images",
-                add: str = "add .png/.jpg/.webp images", report: bool = True) -> list[tuple]:
+                add: str = "add .png/.jpg/.webp images", report: bool = True,
+                skip: Callable[[Path], bool] = is_mask_file) -> list[tuple]:
     """(file, caption, size, extra, bucket) for each file under data.path with a suffix in `exts` that fits a bucket.
 
     `probe(file)` gives the displayed (width, height) and anything else the caller keeps (`extra`); the caption
@@ -132,7 +143,7 @@ def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ..
     step, why = bucket_step(data.bucket_step, data.resolution)
     table = bucket_table(data.resolution, step, data.min_bucket_side, data.max_bucket_side)
     found, skipped, small, sides = [], [], [], []
-    pairs = captioned_files(root, data.caption_ext, exts)
+    pairs = captioned_files(root, data.caption_ext, exts, skip)
     if report:
         report_captions(root, pairs, data.caption_ext, rules, noun, log)
     for path, raw in pairs:
@@ -178,15 +189,17 @@ def all_too_small(data, step: int, root: Path, noun: str, small: list[str], larg
                      f"data.resolution){lower}")
 
 
-def scan_images(data, log: Callable[[str], None], report: bool = True) -> list[ImageItem]:
+def scan_images(data, log: Callable[[str], None], report: bool = True,
+                skip: Callable[[Path], bool] = is_mask_file) -> list[ImageItem]:
     """Every readable image under data.path with its caption and bucket; corrupt files are skipped and named
-    (`report`: log the caption report, once per folder)."""
+    (`report`: log the caption report, once per folder; `skip`: files that are not training images)."""
     root = Path(data.path)
     if not root.is_dir():
         raise UserError(f"data.path: {root} is not a folder\n  fix: point data.path at a folder of images "
                         f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
-    items = [ImageItem(path, caption, size, bucket, file_hash(path)) for path, caption, size, _, bucket
-             in scan_folder(data, log, "image", IMAGE_EXTS, lambda path: (_image_size(path), None), report=report)]
+    found = scan_folder(data, log, "image", IMAGE_EXTS, lambda path: (_image_size(path), None), report=report,
+                        skip=skip)
+    items = [ImageItem(path, caption, size, bucket, file_hash(path)) for path, caption, size, _, bucket in found]
     log(format_bucket_table(Counter(item.bucket for item in items), bucket_step(data.bucket_step, data.resolution)[1]))
     return items
 
@@ -251,8 +264,9 @@ class DiffusionDataset:
     views: list[list[View]] = field(init=False)
 
     def __post_init__(self) -> None:
-        order = {b: i for i, b in enumerate(sorted({item.bucket for item in self.items}))}
-        self.groups = [order[item.bucket] for item in self.items]
+        key = [getattr(item, "group", item.bucket) for item in self.items]  # clips have no references
+        order = {g: i for i, g in enumerate(sorted(set(key)))}
+        self.groups = [order[g] for g in key]
         self.views = [self.augment.views(item.size, item.bucket[:2]) for item in self.items]
         if self.mix is None:
             self.mix = EpochMix.single(len(self.items))

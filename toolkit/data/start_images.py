@@ -62,7 +62,8 @@ def pair_start_images(items: list[ClipItem], log: Callable[[str], None]) -> list
         if item.bucket[2] == 1:
             stills.append(item.path.name)
             continue
-        image = starts[item.path]
+        # a clip cut from later in its video (data.frame_extraction) starts from its own first frame
+        image = starts[item.path] if not item.frames or item.frames[0] == 0 else None
         if image is not None:
             _checked_size(image, item)
             item = dataclasses.replace(item, start_image=image, start_hash=file_hash(image))

@@ -1,8 +1,16 @@
-"""Video folders for the Wan families: clips with captions, buckets in (width, height, frames), and sample videos.
+"""Video folders for the video families (Wan, HunyuanVideo 1.5): clips with captions, cut from each video by
+data.frame_extraction, buckets in (width, height, frames), and sample videos.
 
 The layouts are those of images.py (same-name caption files, or metadata.jsonl). Containers (.mp4 .webm .mkv .mov
-.avi) are read with PyAV, animated .gif/.webp with Pillow; a still image is a one-frame clip (Wan trains on images
-as 1-frame videos). Wan's VAE compresses time by 4, so every clip trains on 4k+1 frames taken evenly across it.
+.avi) are read with PyAV, animated .gif/.webp with Pillow; a still image is a one-frame clip (the video models
+train on images as 1-frame videos). Their VAEs compress time by 4, so every clip trains on 4k+1 frames.
+
+Clips from a video (`clip_spans`): `spread` (the default, ai-toolkit's num_frames with shrink_video_to_frames)
+takes data.num_frames frames evenly across the whole video; the other modes are musubi-tuner's frame_extraction
+and cut consecutive frames, for each length of data.target_frames: `head` the first F, `chunk` back-to-back
+clips, `slide` one every frame_stride frames, `uniform` frame_sample clips whose starts are spread evenly, `full`
+every frame up to max_frames. Each clip is an item of its own, bucketed by its frame count and its size (the
+aspect bucket at data.resolution): a batch holds clips of one bucket.
 """
 
 from __future__ import annotations
@@ -43,20 +51,64 @@ class ClipItem:
     start_hash: str = ""
     dataset: int = 0                # which dataset (data/datasets.py) it came from
     mask: Path | None = None        # its loss mask (data.masked_loss)
+    frames: tuple[int, ...] = ()    # the video's frames it trains on (extracted clips); (): spread over the video
 
 
-def check_num_frames(num_frames: int) -> None:
-    """Raise a UserError unless num_frames is 4k+1 (what the Wan VAE can compress)."""
+def check_num_frames(num_frames: int, key: str = "data.num_frames") -> None:
+    """Raise a UserError unless num_frames is 4k+1 (what the video VAEs can compress)."""
     if num_frames < 1 or (num_frames - 1) % TIME_COMPRESSION:
         below = max(1, (num_frames - 1) // TIME_COMPRESSION * TIME_COMPRESSION + 1)
         above = below + TIME_COMPRESSION
-        raise UserError(f"data.num_frames: {num_frames} is not 4k+1 (the Wan VAE compresses time by 4)\n"
-                        f"  fix: set data.num_frames to {below} or {above}")
+        raise UserError(f"{key}: {num_frames} is not 4k+1 (the video VAEs compress time by 4)\n"
+                        f"  fix: set {key} to {below} or {above}")
 
 
 def clip_frames(frame_count: int, num_frames: int) -> int:
     """Frames a clip trains on: num_frames, or the largest 4k+1 the clip holds when it is shorter."""
     return min(num_frames, (frame_count - 1) // TIME_COMPRESSION * TIME_COMPRESSION + 1)
+
+
+def target_frames(data) -> list[int]:
+    """data.target_frames (each checked 4k+1), or [data.num_frames] when it is empty."""
+    lengths = list(data.target_frames) or [data.num_frames]
+    for length in lengths:
+        check_num_frames(length, "data.target_frames" if data.target_frames else "data.num_frames")
+    return lengths
+
+
+def clip_spans(frame_count: int, data) -> list[tuple[int, int]]:
+    """(first frame, frames) of each clip data.frame_extraction cuts from a video of `frame_count` frames, as
+    musubi-tuner cuts them (not used for `spread`, whose one clip is spread over the whole video)."""
+    mode, spans = data.frame_extraction, []
+    if mode == "full":
+        frames = clip_frames(min(data.max_frames, frame_count), data.max_frames)  # rounded down to 4k+1
+        return [(0, frames)]
+    for length in target_frames(data):
+        if frame_count < length:
+            continue
+        if mode == "head":
+            spans.append((0, length))
+        elif mode == "chunk":
+            spans += [(start, length) for start in range(0, frame_count - length + 1, length)]
+        elif mode == "slide":
+            spans += [(start, length) for start in range(0, frame_count - length + 1, data.frame_stride)]
+        elif mode == "uniform":
+            starts = np.linspace(0, frame_count - length, data.frame_sample, dtype=int).tolist()
+            spans += [(start, length) for start in starts]
+        else:  # the schema's choices hold only these
+            raise ValueError(f"frame_extraction {mode!r}")
+    return spans
+
+
+def _clips_of(path: Path, caption: str, size: tuple[int, int], count: int, spatial: tuple[int, int],
+              data) -> list[ClipItem]:
+    """The items of one scanned file: its spread clip, a still image, or the clips cut from it."""
+    content_hash = file_hash(path)
+    if data.frame_extraction == "spread" or count == 1:
+        return [ClipItem(path, caption, size, count, (*spatial, clip_frames(count, data.num_frames)), content_hash)]
+    return [ClipItem(path, caption, size, count, (*spatial, frames), f"{content_hash}:{first}+{frames}",
+                     frames=tuple(range(first, first + frames)))
+            for first, frames in clip_spans(count, data)]
 
 
 def frame_indices(frame_count: int, frames: int) -> list[int]:
@@ -111,15 +163,29 @@ def scan_clips(data, log: Callable[[str], None],
     unreadable files are skipped and named. `select` narrows the list before the bucket table is printed
     (image-to-video: start images are not items)."""
     check_num_frames(data.num_frames)
+    if data.frame_extraction != "spread":
+        target_frames(data)  # each checked before any file is read
     root = Path(data.path)
     if not root.is_dir():
         raise UserError(f"data.path: {root} is not a folder\n  fix: point data.path at a folder of videos/images "
                         f"with same-name {data.caption_ext} captions (or a metadata.jsonl)")
     exts = tuple(dict.fromkeys(VIDEO_EXTS + IMAGE_EXTS))
-    items = [ClipItem(path, caption, size, count, (*spatial, clip_frames(count, data.num_frames)), file_hash(path))
-             for path, caption, size, count, spatial in scan_folder(
-                 data, log, "clip", exts, _probe, kinds="videos or images",
-                 add="add .mp4/.webm/.gif videos or .png/.jpg images")]
+    items, short = [], []
+    for path, caption, size, count, spatial in scan_folder(data, log, "clip", exts, _probe, kinds="videos or images",
+                                                           add="add .mp4/.webm/.gif videos or .png/.jpg images"):
+        clips = _clips_of(path, caption, size, count, spatial, data)
+        items += clips
+        if not clips:
+            short.append(f"{path.name} ({count} frames)")
+    if short:
+        log(f"warning: {len(short)} video(s) shorter than every data.target_frames length give no clip "
+            f"(frame_extraction={data.frame_extraction}): {', '.join(short[:5])}{', ...' if len(short) > 5 else ''}")
+    if not items:
+        raise UserError(f"data.target_frames: no video in {root} is as long as {min(target_frames(data))} frames\n"
+                        "  fix: shorter data.target_frames, or frame_extraction=spread")
+    if data.frame_extraction != "spread":
+        log(f"frame extraction ({data.frame_extraction}): {len(items)} clips from "
+            f"{len({item.path for item in items})} files")
     if select is not None:
         items = select(items)
     log(format_clip_buckets(Counter(item.bucket for item in items), bucket_step(data.bucket_step, data.resolution)[1]))
@@ -169,7 +235,7 @@ def load_clip(item: ClipItem, view: View | None = None) -> torch.Tensor:
     """The clip's bucket frames, each resized to cover the bucket and cut to it (centred, or at the view's
     offset, mirrored when the view says so): (3, F, H, W) in [-1, 1]."""
     width, height, count = item.bucket
-    indices = frame_indices(item.frame_count, count)
+    indices = list(item.frames) or frame_indices(item.frame_count, count)
     decode = _decode_container if item.path.suffix.lower() in CONTAINER_EXTS else _decode_pillow
     frames = decode(item.path, indices)
     missing = [i for i in indices if i not in frames]

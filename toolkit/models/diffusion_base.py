@@ -208,7 +208,11 @@ class DiffusionAdapter(DiffusionData, DiffusionEval, DiffusersLoraFiles, ModelAd
 
     def block_regions(self, checkpointed: bool) -> dict[str, list[torch.nn.Module]]:
         """Each LoRA denoiser's outermost repeated blocks (its `_no_split_modules`: DiT blocks)."""
-        return {name: repeated_blocks(self.component(name), outermost=True) for name in self.lora_denoiser_names()}
+        return {name: self.denoiser_blocks(name) for name in self.lora_denoiser_names()}
+
+    def denoiser_blocks(self, name: str) -> list[torch.nn.Module]:
+        """Denoiser `name`'s repeated blocks in forward order: checkpointed, compiled and swapped one by one."""
+        return repeated_blocks(self.component(name), outermost=True)
 
     def place_for_training(self) -> None:
         """The denoisers onto the device once the caches are filled (sd/sdxl put theirs there at load)."""

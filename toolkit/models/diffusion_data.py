@@ -112,8 +112,9 @@ class DiffusionData:
                 except UserError as err:
                     raise named_for(err, dataset) from None
                 for item in scanned:
-                    if (item.path, item.bucket) not in seen:
-                        seen.add((item.path, item.bucket))
+                    # content_hash tells the clips cut from one video apart (data.frame_extraction)
+                    if (item.path, item.bucket, item.content_hash) not in seen:
+                        seen.add((item.path, item.bucket, item.content_hash))
                         found.append(dataclasses.replace(item, dataset=index))
             if dataset.section.masked_loss:
                 found = attach_masks(found, dataset, self.cfg.data.mask_folder)

@@ -116,7 +116,10 @@ class FlowMatching:
         return self.sigma_sampler(mu=mu)
 
 
-class FluxAdapter(FlowMatching, DiffusionAdapter):
+class Flux(FlowMatching):
+    """What flux and flux_kontext share, mixed in beside DiffusionAdapter (with FlowMatching): the CLIP + T5 text,
+    the shift, the transformer's forward on packed latents (with any reference tokens after them) and samples."""
+
     uses_negative_prompt = False
     text_encoder_names = ("text_encoder", "text_encoder_2")
     text_keys = ("prompt_embeds", "pooled_prompt_embeds")
@@ -140,28 +143,50 @@ class FluxAdapter(FlowMatching, DiffusionAdapter):
                                                     max_sequence_length=self.max_text_tokens)
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
+    def reference_latents(self, batch: dict[str, Any]) -> list[torch.Tensor]:
+        """Reference latents whose packed tokens follow the image's (flux_kontext); none here."""
+        return []
+
     def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
                 batch: dict[str, Any]) -> torch.Tensor:
-        """The transformer on 2x2-packed latent patches; the velocity comes back unpacked."""
+        """The transformer on 2x2-packed latent patches, followed by each reference's packed patches with position
+        ids whose first coordinate is 1 (FluxKontextPipeline's); the velocity of the image's tokens, unpacked."""
         from diffusers import FluxPipeline
 
         b, c, h, w = noised.noisy.shape
         dtype, device = denoiser.dtype, noised.noisy.device
         embeds = cond["prompt_embeds"].to(dtype)
         guidance = torch.full((b,), float(self.cfg.train.guidance), device=device) if self.guidance_embeds else None
+        refs = self.reference_latents(batch)
+        tokens = [FluxPipeline._pack_latents(x.to(dtype), b, c, x.shape[-2], x.shape[-1]) for x in [noised.noisy, *refs]]
+        ids = [self.constant(("img_ids", x.shape[-2], x.shape[-1], dtype, int(i > 0)),
+                             lambda x=x, i=i: latent_ids(x.shape[-2], x.shape[-1], dtype, int(i > 0)))
+               for i, x in enumerate([noised.noisy, *refs])]
         pred = denoiser.forward(
-            hidden_states=FluxPipeline._pack_latents(noised.noisy.to(dtype), b, c, h, w),
-            timestep=noised.t.to(dtype), guidance=guidance, pooled_projections=cond["pooled_prompt_embeds"].to(dtype),
-            encoder_hidden_states=embeds, txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
-            img_ids=self.constant(("img_ids", h, w, dtype),
-                                  lambda: FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", dtype)),
+            hidden_states=torch.cat(tokens, dim=1), timestep=noised.t.to(dtype), guidance=guidance,
+            pooled_projections=cond["pooled_prompt_embeds"].to(dtype), encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype), img_ids=torch.cat(ids, dim=0),
             return_dict=False)[0]
-        return unpack_flux(pred, b, c, h, w)
+        return unpack_flux(pred[:, :tokens[0].shape[1]], b, c, h, w)
 
     def generate(self, prompt: str, seed: int) -> list:
         text = self.embeddings_for(prompt)
         return self.pipeline_call(seed, prompt_embeds=text["prompt_embeds"],
                                   pooled_prompt_embeds=text["pooled_prompt_embeds"]).images
+
+
+def latent_ids(h: int, w: int, dtype: torch.dtype, first: int = 0) -> torch.Tensor:
+    """FluxPipeline's position ids of an (h, w) latent's 2x2 patches, their first coordinate `first` (1 for a
+    FLUX.1 Kontext reference)."""
+    from diffusers import FluxPipeline
+
+    ids = FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, "cpu", dtype)
+    ids[..., 0] = first
+    return ids
+
+
+class FluxAdapter(Flux, DiffusionAdapter):
+    """Flux.1 dev / schnell (text-to-image)."""
 
 
 class SD3Adapter(FlowMatching, DiffusionAdapter):

@@ -12,6 +12,11 @@ What differs from Flux.1:
   inference steps below 4300 tokens. Training uses it at FLUX.2's usual 50 steps (mu 2.02 at 1024x1024, ComfyUI's
   fixed Flux.2 shift), so the LoRA learns most where inference spends its steps; train.flow_shift=<number> replaces it.
 - The LoRA file: `transformer.<diffusers module>` with the scale folded into lora_A (lora_export.flux2_keys).
+- Reference images (docs/edit.md), when the dataset has them: each one's latents (normalised as the target's) are
+  packed after the image's tokens with position ids whose time coordinate is 10, 20, ... (Flux2Pipeline's
+  _prepare_image_ids for its `image` list); the loss is on the image's tokens. A reference keeps its size up to
+  data.resolution squared (the pipeline's 1024 x 1024 cap), sides multiples of 16. sample.references gives a
+  prompt its reference images.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ from typing import Any
 
 import torch
 
+from toolkit.data.augment import View
+from toolkit.data.images import load_image_view
+from toolkit.data.references import ReferenceSizing, open_image, sample_references
 from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.flow_matching import SigmaSampler
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import flux2_keys
 from toolkit.models.objectives import Noised
+from toolkit.models.references import References
 
 # Double-stream blocks: attention (image to_*, text add_*_proj / to_add_out) and both SwiGLU feed-forwards;
 # single-stream blocks: the fused qkv + MLP input projection and the output projection. A regex (PEFT full-matches
@@ -63,6 +72,23 @@ class Flux2Adapter(FlowMatching, DiffusionAdapter):
         super().setup_training()
         self.scheduler_shift()  # dynamic (the config says so) unless train.flow_shift is a number
         self.guidance_embeds = bool(self.pipe.transformer.config.guidance_embeds)
+        self.references = References(ReferenceSizing(multiple=16, upscale=False), self.encode_pixels, self.to_device,
+                                     required=False, data=self.cfg.data)
+        self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
+                                             required=False)
+
+    # -- data: the targets, each with its reference images when the dataset has them ----------
+    def scan(self, data, log) -> list:
+        return self.references.scan(data, log)
+
+    def load_item(self, item, view: View) -> dict[str, Any]:
+        return self.references.load(item, view, load_image_view(item, view))
+
+    def encode_view(self, loaded: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {**super().encode_view(loaded), **self.references.encoded(loaded)}
+
+    def latent_key_parts(self, item) -> tuple:
+        return self.references.key_parts(item)
 
     def sampler_for(self, latents: torch.Tensor) -> SigmaSampler:
         """The pipeline's shift for this many latent tokens at FLUX2_MU_STEPS steps, or the fixed one."""
@@ -95,7 +121,8 @@ class Flux2Adapter(FlowMatching, DiffusionAdapter):
     # -- loss ------------------------------------------------------------------------------
     def predict(self, denoiser: Denoiser, noised: Noised, cond: dict[str, torch.Tensor],
                 batch: dict[str, Any]) -> torch.Tensor:
-        """The velocity for `noised.noisy` [B, 128, h, w]: the transformer on its tokens at timestep sigma."""
+        """The velocity for `noised.noisy` [B, 128, h, w]: the transformer on its tokens at timestep sigma, followed
+        by the batch's reference tokens (their ids Flux2Pipeline's); the image's tokens' prediction."""
         from diffusers import Flux2Pipeline
 
         noisy = noised.noisy
@@ -103,14 +130,25 @@ class Flux2Adapter(FlowMatching, DiffusionAdapter):
         dtype, device = denoiser.dtype, noisy.device
         embeds = cond["prompt_embeds"].to(dtype)
         guidance = torch.full((b,), float(self.cfg.train.guidance), device=device) if self.guidance_embeds else None
-        pred = denoiser.forward(hidden_states=Flux2Pipeline._pack_latents(noisy.to(dtype)),
+        refs = self.references.latents(batch)
+        tokens = [Flux2Pipeline._pack_latents(x.to(dtype)) for x in [noisy, *refs]]
+        ids = [self.constant(("img_ids", b, h, w), lambda: Flux2Pipeline._prepare_latent_ids(noisy))]
+        if refs:
+            shapes = tuple(tuple(r.shape[-2:]) for r in refs)
+            ids.append(self.constant(("ref_ids", b, shapes), lambda: Flux2Pipeline._prepare_image_ids(
+                [torch.empty(1, 1, *shape) for shape in shapes]).repeat(b, 1, 1)))
+        pred = denoiser.forward(hidden_states=torch.cat(tokens, dim=1),
                                 encoder_hidden_states=embeds, timestep=noised.t.to(dtype), guidance=guidance,
-                                img_ids=self.constant(("img_ids", b, h, w), lambda: Flux2Pipeline._prepare_latent_ids(noisy)),
+                                img_ids=torch.cat(ids, dim=1),
                                 txt_ids=self.constant(("txt_ids", b, embeds.shape[1]),
                                                       lambda: Flux2Pipeline._prepare_text_ids(embeds)),
                                 return_dict=False)[0]
-        return unpack_flux2(pred, h, w)
+        return unpack_flux2(pred[:, :tokens[0].shape[1]], h, w)
 
     # -- samples ---------------------------------------------------------------------------
     def generate(self, prompt: str, seed: int) -> list:
-        return self.pipeline_call(seed, prompt_embeds=self.embeddings_for(prompt)["prompt_embeds"]).images
+        """The pipeline on the prompt's cached embeddings, with its reference images (sample.references) if any."""
+        index = seed - self.cfg.sample.seed
+        refs = self.sample_refs[index] if index < len(self.sample_refs) else []
+        images = {"image": [open_image(path) for path in refs]} if refs else {}
+        return self.pipeline_call(seed, prompt_embeds=self.embeddings_for(prompt)["prompt_embeds"], **images).images

@@ -53,7 +53,10 @@ def trim_text(embeds: torch.Tensor, mask: torch.Tensor | None,
     return embeds, (None if bool(mask.all()) and not keep_full_mask else mask)
 
 
-class QwenImageAdapter(FlowMatching, DiffusionAdapter):
+class QwenImage(FlowMatching):
+    """What qwen_image and qwen_image_edit share, mixed in beside DiffusionAdapter (with FlowMatching): the text
+    encoder, latents, shift, the transformer's forward and samples."""
+
     text_encoder_names = ("text_encoder",)
     text_keys = ("prompt_embeds", "prompt_embeds_mask")
     max_text_tokens = 512  # the pipeline's default max_sequence_length (it allows up to 1024)
@@ -107,21 +110,35 @@ class QwenImageAdapter(FlowMatching, DiffusionAdapter):
                 batch: dict[str, Any]) -> torch.Tensor:
         """The velocity for `noised.noisy` ([B, C, H, W], or [B, C, 1, H, W]), in its layout: the transformer on
         2x2-packed patches at timestep sigma (the pipeline's t / 1000), the batch's text trimmed to its longest."""
-        from diffusers import QwenImagePipeline
-
         noisy = noised.noisy
         frames = noisy.dim() == 5
-        x = noisy[:, :, 0] if frames else noisy
+        pred = self.transformer_forward(denoiser, noisy[:, :, 0] if frames else noisy, noised.t, cond,
+                                        self.reference_latents(batch))
+        return pred if frames else pred[:, :, 0]
+
+    def reference_latents(self, batch: dict[str, Any]) -> list[torch.Tensor]:
+        """The batch's reference latents, packed after the target's tokens (qwen_image_edit); none here."""
+        return []
+
+    def transformer_forward(self, denoiser: Denoiser, x: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor],
+                            references: list[torch.Tensor]) -> torch.Tensor:
+        """The transformer on the 2x2-packed patches of `x` [B, C, H, W], followed along the sequence by those of
+        each reference latent (img_shapes lists one (1, h/2, w/2) each, as QwenImageEditPlusPipeline does); the
+        prediction for the target's tokens, unpacked to [B, C, 1, H, W]."""
+        from diffusers import QwenImagePipeline
+
         b, c, h, w = x.shape
         dtype = denoiser.dtype
         embeds, mask = trim_text(cond["prompt_embeds"], cond.get("prompt_embeds_mask"))
-        packed = denoiser.forward(hidden_states=QwenImagePipeline._pack_latents(x.to(dtype), b, c, h, w),
-                                  timestep=noised.t.to(dtype), encoder_hidden_states=embeds.to(dtype),
-                                  encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]] * b,
-                                  return_dict=False)[0]
+        pack = QwenImagePipeline._pack_latents
+        tokens = [pack(x.to(dtype), b, c, h, w)] + [pack(r.to(dtype), b, c, r.shape[-2], r.shape[-1])
+                                                     for r in references]
+        shapes = [(1, h // 2, w // 2)] + [(1, r.shape[-2] // 2, r.shape[-1] // 2) for r in references]
+        packed = denoiser.forward(hidden_states=torch.cat(tokens, dim=1), timestep=t.to(dtype),
+                                  encoder_hidden_states=embeds.to(dtype), encoder_hidden_states_mask=mask,
+                                  img_shapes=[shapes] * b, return_dict=False)[0]
         scale = self.pipe.vae_scale_factor
-        pred = QwenImagePipeline._unpack_latents(packed, h * scale, w * scale, scale)  # [B, C, 1, H, W]
-        return pred if frames else pred[:, :, 0]
+        return QwenImagePipeline._unpack_latents(packed[:, :tokens[0].shape[1]], h * scale, w * scale, scale)
 
     # True: the last block's text-stream output is discarded (only the image stream reaches norm_out and proj_out),
     # so the LoRA layers after its attention on the text side (attn.to_add_out, txt_mlp.net.0.proj, txt_mlp.net.2)
@@ -151,3 +168,7 @@ class QwenImageAdapter(FlowMatching, DiffusionAdapter):
             return self.pipe(num_inference_steps=s.num_inference_steps, true_cfg_scale=s.guidance_scale,
                              width=width, height=height, generator=generator,
                              max_sequence_length=self.max_text_tokens, **kwargs)
+
+
+class QwenImageAdapter(QwenImage, DiffusionAdapter):
+    """Qwen-Image (text-to-image)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from toolkit.errors import UserError
-from toolkit.models.base import repeated_blocks
 from toolkit.models.block_swap import BlockSwap, move_except_swapped, plan_block_swap
 from toolkit.models.diffusion_base import DiffusionMemory
 from toolkit.models.quantize import choose_backend, plan_weights, quantize_linear_layers, weight_budget_gb, weights_gb
@@ -81,7 +80,7 @@ class FlowMemory(DiffusionMemory):
         plans = {}
         names = a.lora_denoiser_names()
         for name in names:
-            plan = plan_block_swap(model.block_swap, repeated_blocks(a.component(name), outermost=True), resident,
+            plan = plan_block_swap(model.block_swap, a.denoiser_blocks(name), resident,
                                    budget, device.backend, device.integrated)
             why += f"; {name}: {plan.reason}" if len(names) > 1 else f"; {plan.reason}"
             if plan.swapped:
@@ -103,7 +102,7 @@ class FlowMemory(DiffusionMemory):
         a = self.adapter
         if self.quantize == "none" and not a.shard_base and a.runtime.info.backend != "cpu":
             name = a.lora_denoiser_names()[0]
-            total = len(repeated_blocks(a.component(name), outermost=True))
+            total = len(a.denoiser_blocks(name))
             swapped = len(self.swap_by_name[name].order) if name in self.swap_by_name else 0
             more = min(total, swapped + max(1, total // 4))
             if more > swapped:
@@ -139,7 +138,7 @@ class FlowMemory(DiffusionMemory):
         """The BlockSwap of each denoiser that has a swap plan (models/block_swap.py)."""
         a = self.adapter
         for name, plan in self.swap_plans.items():
-            self.swap_by_name[name] = BlockSwap(repeated_blocks(a.component(name), outermost=True), plan.swapped,
+            self.swap_by_name[name] = BlockSwap(a.denoiser_blocks(name), plan.swapped,
                                                 a.runtime.device)
 
     def move_denoiser(self, name: str, target: torch.device) -> None:

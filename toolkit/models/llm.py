@@ -207,7 +207,8 @@ class LLMAdapter(ModelAdapter):
             self._score_tokens()
             return
         self.fused_loss, why = fused_loss_for(self.network, cfg.kernels, bool(self.cfg.train.compile),
-                                              self.sums_loss, bool(self.cfg.train.gradient_checkpointing))
+                                              self.sums_loss, bool(self.cfg.train.gradient_checkpointing),
+                                              sharded=self.shard_base)
         # With the fused loss the trainer runs the decoder alone (hidden states, no logits); with fsdp, the whole
         # model, so that its sharded weights are gathered (DecoderHiddenStates).
         self.forward_module = (DecoderHiddenStates(self.network, through_model=self.shard_base)

@@ -9,13 +9,14 @@ own loss, and the log says why.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
 
 from toolkit.kernels.linear_cross_entropy import (COMPILED_CHUNK_ELEMENTS, IGNORE_INDEX, HeadMath, chunk_loss_and_grad,
                                                   chunk_rows, compiled_step, linear_cross_entropy)
+from toolkit.kernels.sharded_cross_entropy import sharded_linear_cross_entropy
 from toolkit.models.base import is_sharded
 
 # model_type -> what its CausalLM forward does to lm_head's output (read from the config)
@@ -60,8 +61,10 @@ class DecoderHiddenStates(torch.nn.Module):
     that the process wrapper (DDP) wraps the forward that actually runs.
 
     `through_model` (device.distributed=fsdp): the whole causal LM's forward runs, so that FSDP's hooks on the
-    model gather the weights its own unit holds (the final norm; tied embeddings); it computes the logits of the
-    last position only (`logits_to_keep=1`), and the decoder's output is taken with a forward hook."""
+    model gather the weights its own unit holds (the final norm; tied embeddings), and the decoder's output is
+    taken with a forward hook. An output head sharded by rows (a unit of its own) is left out of that forward,
+    so it is never gathered (the loss walks its shards, row_sharded); any other computes the logits of the last
+    position only (`logits_to_keep=1`)."""
 
     def __init__(self, network: torch.nn.Module, through_model: bool = False):
         super().__init__()
@@ -71,13 +74,42 @@ class DecoderHiddenStates(torch.nn.Module):
         decoder = self.network.get_base_model().get_decoder()
         if not self.through_model:
             return decoder(**batch, use_cache=False).last_hidden_state
+        base = self.network.get_base_model()
         captured = []
         hook = decoder.register_forward_hook(lambda module, args, out: captured.append(out.last_hidden_state))
         try:
-            self.network(**batch, use_cache=False, logits_to_keep=1)
+            with without_head(base) if row_sharded(base.get_output_embeddings()) else nullcontext():
+                self.network(**batch, use_cache=False, logits_to_keep=1)
         finally:
             hook.remove()
         return captured[-1]
+
+
+class _NoLogits(torch.nn.Module):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[..., :0]
+
+
+@contextmanager
+def without_head(model: torch.nn.Module) -> Iterator[None]:
+    """The causal LM with an empty output head for the block: its forward computes no logits and gathers no head."""
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(_NoLogits())
+    try:
+        yield
+    finally:
+        model.set_output_embeddings(head)
+
+
+def row_sharded(head: torch.nn.Module | None) -> bool:
+    """Whether `head` is an FSDP2 unit of its own whose frozen weight is sharded by rows, with no bias: the
+    fused loss then walks its shards (kernels/sharded_cross_entropy.py) instead of gathering it."""
+    if head is None or not is_sharded(head) or getattr(head, "bias", None) is not None:
+        return False
+    weight = getattr(head, "weight", None)
+    placements = getattr(weight, "placements", None)
+    return (weight is not None and not weight.requires_grad and placements is not None and len(placements) == 1
+            and placements[0].is_shard(0))
 
 
 @contextmanager
@@ -111,11 +143,17 @@ class FusedCausalLMLoss:
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`labels` as the batch has them on the host: which tokens count is found there, so the step never
         waits for the device to say how many there are. The head's weight is used in this forward only (the
-        gradient for the hidden states is computed here), so a sharded head is gathered just for this call."""
+        gradient for the hidden states is computed here), so a sharded head is gathered just for this call, or
+        not at all where its shards can be walked (row_sharded)."""
         shifted = labels[:, 1:].reshape(-1)
         rows = torch.nonzero(shifted != IGNORE_INDEX).squeeze(1)
         device = hidden.device
         to_device = lambda t: (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)  # noqa: E731
+        if row_sharded(self.head):
+            weight = self.head.weight
+            return sharded_linear_cross_entropy(hidden[:, :-1].reshape(-1, hidden.shape[-1]), weight.to_local(),
+                                                weight.shape[0], to_device(shifted), to_device(rows),
+                                                group=weight.device_mesh.get_group(), math_=self.math)
         with gathered(self.head):
             return linear_cross_entropy(hidden[:, :-1].reshape(-1, hidden.shape[-1]), self.head.weight,
                                         to_device(shifted), bias=self.head.bias, math_=self.math, step=self.step,
@@ -123,7 +161,7 @@ class FusedCausalLMLoss:
 
 
 def fused_loss_for(network: torch.nn.Module, setting: str, compiled: bool, builtin: bool,
-                   checkpointing: bool = False) -> tuple[FusedCausalLMLoss | None, str]:
+                   checkpointing: bool = False, sharded: bool = False) -> tuple[FusedCausalLMLoss | None, str]:
     """The fused loss for this PEFT model, or None and why not (for the log)."""
     if setting != "fused":
         return None, ""
@@ -141,4 +179,6 @@ def fused_loss_for(network: torch.nn.Module, setting: str, compiled: bool, built
         return None, f"model.kernels=fused: {reason}; the model's own loss is used"
     return (FusedCausalLMLoss(head, HEAD_MATH[model_type](base.config), compiled, checkpointing),
             f"model.kernels=fused: output head and cross-entropy in chunks, no full logits"
-            f"{' (compiled)' if compiled else ''}")
+            f"{' (compiled)' if compiled else ''}"
+            + ("; an output head sharded as a unit of its own is read block by block from the processes' shards, "
+               "never gathered whole" if sharded else ""))

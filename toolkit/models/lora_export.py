@@ -15,6 +15,8 @@ loader and, where the family has one, kohya's sd-scripts or musubi-tuner all rea
 - sd3 (`diffusers_keys_scaled`), flux2 (`flux2_keys`): diffusers module names with the scale folded into lora_A:
   diffusers' SD3 and Flux.2 readers refuse any key without "lora" in it, so an `.alpha` cannot be written.
 - wan21, wan22 (`wan_native_keys`): ComfyUI's and the original Wan module names under `diffusion_model.`.
+- ltx2 (`ltx2_keys`): the original LTX-2 module names under `diffusion_model.`, as LTX-2 LoRAs are published (for
+  the blocks' attention and feed-forward layers they are diffusers' names), the scale folded into lora_A.
 
 A format that cannot hold a module (a Wan module without an original name, DoRA magnitudes) is a ValueError.
 """
@@ -245,4 +247,78 @@ def wan_native_keys(factors: Factors) -> dict[str, torch.Tensor]:
     if unmapped:
         raise ValueError(f"no ComfyUI Wan name for the LoRA modules {sorted(unmapped)[:4]}; exportable modules are "
                          f"blocks.N.{{{', '.join(WAN_BLOCK_MODULES)}}} and {', '.join(WAN_TOP_MODULES)}")
+    return out
+
+
+# -- ltx2: the original LTX-2 names -----------------------------------------------------------------------------
+# LTX-2 LoRAs (Lightricks' trainer, ComfyUI) use the original model's names under `diffusion_model.`: ComfyUI's
+# LTXAV model has them, and its LoRA loader maps them through its generic "diffusion_model.<module>" key (comfy/lora.py
+# model_lora_keys_unet); diffusers' LTX-2 reader (_convert_non_diffusers_ltx2_lora_to_diffusers) renames them back.
+# The blocks' attention and feed-forward layers have the same name in both models, so those are the modules a file
+# holds (video and audio streams alike).
+LTX2_NATIVE_MODULES = re.compile(
+    r"transformer_blocks\.\d+\.((audio_)?attn[12]|audio_to_video_attn|video_to_audio_attn)\.(to_q|to_k|to_v|to_out\.0)"
+    r"|transformer_blocks\.\d+\.(audio_)?ff\.net\.(0\.proj|2)")
+
+
+def ltx2_keys(factors: Factors) -> dict[str, torch.Tensor]:
+    """LTX-2: `diffusion_model.<module>.lora_A/lora_B.weight`, the scale folded into lora_A as for SD3: diffusers'
+    LTX-2 reader refuses any key without "lora" in it (an `.alpha`), and ComfyUI, finding no alpha, applies B @ A. A
+    module without the same name in the original model is a ValueError (the file then falls back to diffusers' own
+    layout)."""
+    unmapped = sorted(m for m in factors if not LTX2_NATIVE_MODULES.fullmatch(m))
+    if unmapped:
+        raise ValueError(f"no ComfyUI LTX-2 name for the LoRA modules {unmapped[:4]}")
+    out = {}
+    for module, factor in factors.items():
+        out[f"diffusion_model.{module}.lora_A.weight"] = _folded(factor)
+        out[f"diffusion_model.{module}.lora_B.weight"] = factor.up
+    return out
+
+
+# -- hunyuan_video15: ComfyUI's HunyuanVideo names ---------------------------------------------------------------
+# ComfyUI's HunyuanVideo 1.5 (comfy/ldm/hunyuan_video/model.py) keeps the original Tencent layout: Flux-style
+# double_blocks with one fused qkv per stream. Its LoRA key map (comfy/lora.py model_lora_keys_unet) has no
+# diffusers names for it; it reads `diffusion_model.<module>` (its generic key). The q, k and v LoRAs of a stream
+# become one LoRA of the fused qkv: A stacked (rank 3r), B block-diagonal, so B @ A is the three updates stacked.
+
+HUNYUAN15_BLOCK_MODULES = {  # diffusers HunyuanVideo15TransformerBlock module -> ComfyUI double block module
+    "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
+    "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+    "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
+}
+HUNYUAN15_QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+                 "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+
+
+def hunyuan15_comfy_keys(factors: Factors) -> dict[str, torch.Tensor]:
+    """HunyuanVideo 1.5 in ComfyUI's names: `diffusion_model.double_blocks.N.<module>.lora_A/lora_B.weight`, the
+    scale folded into lora_A (no alphas: the fused qkv's parts may have different scales); q/k/v fused. A module
+    outside the blocks, or a q/k/v without its two siblings, is a ValueError."""
+    out, used = {}, set()
+    blocks = sorted({int(m.split(".")[1]) for m in factors if m.startswith("transformer_blocks.")})
+    for i in blocks:
+        prefix, name = f"transformer_blocks.{i}.", f"diffusion_model.double_blocks.{i}."
+        for module, comfy in HUNYUAN15_BLOCK_MODULES.items():
+            if prefix + module in factors:
+                factor = factors[prefix + module]
+                out[f"{name}{comfy}.lora_A.weight"] = _folded(factor)
+                out[f"{name}{comfy}.lora_B.weight"] = factor.up
+                used.add(prefix + module)
+        for comfy, parts in HUNYUAN15_QKV.items():
+            present = [prefix + p for p in parts if prefix + p in factors]
+            if not present:
+                continue
+            if len(present) != 3:
+                raise ValueError(f"{prefix}{parts[0].rsplit('.', 1)[0]}: ComfyUI's {comfy} is one layer; a LoRA on "
+                                 f"{', '.join(present)} needs q, k and v")
+            parts_f = [factors[p] for p in present]
+            out[f"{name}{comfy}.lora_A.weight"] = torch.cat([_folded(f) for f in parts_f]).contiguous()
+            out[f"{name}{comfy}.lora_B.weight"] = torch.block_diag(*[f.up for f in parts_f]).contiguous()
+            used.update(present)
+    unmapped = sorted(set(factors) - used)
+    if unmapped:
+        raise ValueError(f"no ComfyUI HunyuanVideo name for the LoRA modules {unmapped[:4]}; exportable modules are "
+                         f"transformer_blocks.N.{{{', '.join([*HUNYUAN15_BLOCK_MODULES, 'attn.to_q/k/v'])}}}")
     return out

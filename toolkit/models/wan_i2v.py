@@ -30,14 +30,16 @@ from toolkit.models.objectives import Noised
 I2V_PIPELINE = "WanImageToVideoPipeline"
 
 
-def resolve_task(setting: str, model_path: str, revision: str | None) -> tuple[str, str]:
-    """model.task as t2v or i2v, and why: as set, or under auto the pipeline class of the model folder."""
+def resolve_task(setting: str, model_path: str, revision: str | None,
+                 i2v_pipeline: str = I2V_PIPELINE) -> tuple[str, str]:
+    """model.task as t2v or i2v, and why: as set, or under auto the pipeline class of the model folder (a
+    `i2v_pipeline` is image-to-video)."""
     if setting != "auto":
         return setting, "model.task"
     from diffusers import DiffusionPipeline
 
     pipeline = DiffusionPipeline.load_config(model_path, revision=revision).get("_class_name")
-    task = "i2v" if pipeline == I2V_PIPELINE else "t2v"
+    task = "i2v" if pipeline == i2v_pipeline else "t2v"
     return task, f"auto: the model folder holds a {pipeline}"
 
 

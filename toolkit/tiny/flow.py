@@ -71,10 +71,12 @@ def _flow_vae(scaling_factor: float, shift_factor: float):
 
 
 @keeps_global_rng
-def write_tiny_flux(out: Path) -> None:
+def write_tiny_flux(out: Path, pipeline: str = "FluxPipeline") -> None:
     """Flux.1-dev layout: CLIP-L-like + T5 encoders, a guidance-distilled transformer (1 double + 1 single block,
-    2 heads of 16), a 16-channel VAE and the dynamically shifted flow-matching Euler scheduler."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    2 heads of 16), a 16-channel VAE and the dynamically shifted flow-matching Euler scheduler (`pipeline`: the
+    diffusers class that holds them; FLUX.1 Kontext's has the same components)."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel
 
     write_clip_tokenizer(out / "tokenizer")
@@ -93,10 +95,15 @@ def write_tiny_flux(out: Path) -> None:
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
                                                 base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                                                 max_image_seq_len=4096)
-    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
-                        image_encoder=None, feature_extractor=None)
+    pipe = getattr(diffusers, pipeline)(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+                                        transformer=transformer, image_encoder=None, feature_extractor=None)
     pipe.save_pretrained(out, safe_serialization=True)
+
+
+def write_tiny_flux_kontext(out: Path) -> None:
+    """FLUX.1 Kontext [dev] layout: tiny:flux's components in a FluxKontextPipeline folder."""
+    write_tiny_flux(out, "FluxKontextPipeline")
 
 
 @keeps_global_rng

@@ -1,0 +1,341 @@
+"""Edit / reference-image training (docs/edit.md) through the real entry point on tiny pipelines: qwen_image_edit,
+flux_kontext and FLUX.2 with references train their quickstarts, their LoRA files load into the diffusers edit
+pipeline and change its output as the trainer's samples show; both references of a sample reach the model; odd
+datasets are named errors; resume is bit-identical."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import REPO
+from helpers import adapter_for, diffusion_train_args, mean_loss, read_metrics
+from toolkit.tiny import resolve_model_path
+
+EDIT = REPO / "configs/examples/data/edit"
+PROMPT = "sks fill the circle with blue"  # the quickstarts' sample prompt, trigger applied
+
+# family -> quickstart, pipeline, its tiny model, the call that matches the quickstart's samples, the LoRA file's
+# key prefix (the base family's style) and whether it has `.alpha` keys
+FAMILIES = {
+    "qwen_image_edit": ("quickstart_qwen_image_edit.yaml", "QwenImageEditPlusPipeline", "qwen_image_edit",
+                        dict(true_cfg_scale=4.0, negative_prompt=" "), "diffusion_model.", True),
+    "flux_kontext": ("quickstart_flux_kontext.yaml", "FluxKontextPipeline", "flux_kontext",
+                     dict(guidance_scale=2.5), "transformer.", True),
+    "flux2": ("quickstart_flux2_references.yaml", "Flux2Pipeline", "flux2", dict(guidance_scale=4.0),
+              "transformer.", False),
+}
+SAMPLE_REFS = {"qwen_image_edit": [EDIT / "green_circle_ref0.png", EDIT / "blue_square_ref1.png"],
+               "flux2": [EDIT / "green_circle_ref0.png", EDIT / "blue_square_ref1.png"],
+               "flux_kontext": [REPO / "configs/examples/data/kontext/blue_circle_ref0.png"]}
+PROMPTS = {"flux_kontext": "sks invert the colours of the blue circle"}
+
+
+def load_pipeline(name: str, tiny: str):
+    import diffusers
+
+    from toolkit.models.qwen_vl_processor import processor_override
+
+    path = resolve_model_path(f"tiny:{tiny}")
+    extra = processor_override(path) if name == "QwenImageEditPlusPipeline" else {}
+    pipe = getattr(diffusers, name).from_pretrained(path, **extra)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_edit_family_trains_and_its_lora_changes_the_edit_pipeline_as_its_samples_show(family, tmp_path, run_cli,
+                                                                                       capsys):
+    config, pipeline_name, tiny, call, prefix, alphas = FAMILIES[family]
+    out = tmp_path / "run"
+    assert run_cli(*diffusion_train_args(config, out, "network.alpha=16")) == 0
+    err = capsys.readouterr().err
+    refs = len(SAMPLE_REFS[family])
+    assert f"references: {6 * refs} for 6 targets (6 with {refs}), from beside the targets (name_refN)" in err
+    losses = [r["loss"] for r in read_metrics(out)]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+
+    weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    suffixes = (".lora_A.weight", ".lora_B.weight") + ((".alpha",) if alphas else ())
+    assert weights and all(k.startswith(prefix) and k.endswith(suffixes) for k in weights)
+    assert (out / "final" / f"{Path(config).stem}_comfyui.safetensors").is_file()
+
+    pipe = load_pipeline(pipeline_name, tiny)
+    images = [Image.open(p).convert("RGB") for p in SAMPLE_REFS[family]]
+    image = images[0] if family == "flux_kontext" else images
+
+    def generate() -> np.ndarray:
+        result = pipe(prompt=PROMPTS.get(family, PROMPT), image=image, num_inference_steps=2, width=64, height=64,
+                      generator=torch.Generator("cpu").manual_seed(42), **call)
+        return np.asarray(result.images[0], dtype=np.int16)
+
+    base = generate()
+    pipe.load_lora_weights(str(out / "final"))
+    with_lora = generate()
+    trained = np.asarray(Image.open(out / "samples" / "step-000002" / "00.png"), dtype=np.int16)
+    assert np.abs(with_lora - base).max() >= 2
+    assert np.abs(with_lora - trained).max() <= 1
+
+
+def _copy_edit_data(folder: Path) -> Path:
+    shutil.copytree(EDIT, folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", ["qwen_image_edit", "flux2"])
+def test_changing_only_the_second_reference_changes_the_loss(family, tmp_path):
+    """Both references reach the model: the same batch and noise give a bit-identical loss, and a dataset that
+    differs only in one target's second reference gives another (qwen_image_edit: its text too, which the
+    Qwen2.5-VL encoder computes with the references in the prompt)."""
+    config = FAMILIES[family][0]
+    same = _copy_edit_data(tmp_path / "same")
+    changed = _copy_edit_data(tmp_path / "changed")
+    Image.new("RGB", (64, 64), (250, 200, 0)).save(changed / "blue_circle_ref1.png")
+
+    def loss_and_batch(data: Path):
+        adapter, dataset = adapter_for(config, tmp_path / data.name, f"data.path={data}", "train.batch_size=1")
+        index = next(i for i, item in enumerate(dataset.items) if item.path.name == "blue_circle.png")
+        batch = dataset.collate([index])
+        losses = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            with torch.no_grad():
+                losses.append(mean_loss(adapter, batch))
+        assert torch.equal(losses[0], losses[1])  # nothing changed: bit-identical
+        return losses[0], batch
+
+    loss, batch = loss_and_batch(same)
+    other_loss, other = loss_and_batch(changed)
+    assert torch.equal(batch["latents"], other["latents"])
+    assert torch.equal(batch["reference_latents.0"], other["reference_latents.0"])
+    assert not torch.equal(batch["reference_latents.1"], other["reference_latents.1"])
+    if family == "qwen_image_edit":
+        assert not torch.equal(batch["prompt_embeds"], other["prompt_embeds"])
+    assert abs(float(loss) - float(other_loss)) > 1e-6
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: (d / "red_square_ref1.png").unlink(),
+     "red_square.png: reference 1 is missing (data.references=2; expected red_square_ref1.png"),
+    (lambda d: (d / "red_square_ref1.png").rename(d / "red_square_ref2.png"),
+     "red_square.png: its references are numbered with a gap: red_square_ref1 is missing"),
+    (lambda d: shutil.copy(d / "red_square_ref0.png", d / "purple_star_ref0.png"),
+     "reference file(s) without their target image in"),
+    (lambda d: (d / "red_square_ref1.png").write_bytes(b"not an image"),
+     "red_square_ref1.png: a reference of red_square.png cannot be read"),
+])
+def test_missing_or_odd_references_are_named_errors_with_exit_2(change, message, tmp_path, run_cli, capsys):
+    data = _copy_edit_data(tmp_path / "data")
+    change(data)
+    code = run_cli(*diffusion_train_args("quickstart_qwen_image_edit.yaml", tmp_path / "run", f"data.path={data}"))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "fix:" in err and "Traceback" not in err
+
+
+def test_a_fourth_reference_is_refused_for_qwen_image_edit_and_a_second_for_kontext(tmp_path, run_cli, capsys):
+    data = _copy_edit_data(tmp_path / "data")
+    for stem in ("blue_circle", "red_square"):
+        shutil.copy(data / f"{stem}_ref0.png", data / f"{stem}_ref2.png")
+        shutil.copy(data / f"{stem}_ref0.png", data / f"{stem}_ref3.png")
+    assert run_cli(*diffusion_train_args("quickstart_qwen_image_edit.yaml", tmp_path / "a", f"data.path={data}",
+                                         "data.references=auto")) == 2
+    assert "blue_circle.png: 4 references; this family's pipeline takes at most 3" in capsys.readouterr().err
+    assert run_cli(*diffusion_train_args("quickstart_flux_kontext.yaml", tmp_path / "b", f"data.path={data}")) == 2
+    assert "this family's pipeline takes at most 1" in capsys.readouterr().err
+
+
+def test_reference_folders_like_ai_toolkit_control_paths(tmp_path, run_cli, capsys):
+    """data.reference_paths: reference i of name.png is folder i's name.* (ai-toolkit's control_path_1 .. _3)."""
+    data, first, second = tmp_path / "targets", tmp_path / "outlines", tmp_path / "colours"
+    for folder in (data, first, second):
+        folder.mkdir()
+    for target in EDIT.glob("*.png"):
+        if "_ref" not in target.stem:
+            shutil.copy(target, data / target.name)
+            shutil.copy(target.with_suffix(".txt"), data / f"{target.stem}.txt")
+            shutil.copy(EDIT / f"{target.stem}_ref0.png", first / target.name)
+            shutil.copy(EDIT / f"{target.stem}_ref1.png", second / target.name)
+    args = diffusion_train_args("quickstart_flux2_references.yaml", tmp_path / "run", f"data.path={data}",
+                                f"data.reference_paths=[{first},{second}]")
+    assert run_cli(*args) == 0
+    assert "references: 12 for 6 targets (6 with 2), from data.reference_paths" in capsys.readouterr().err
+    (second / "red_square.png").unlink()
+    assert run_cli(*args, "--fresh") == 2
+    assert f"{second}: no reference 1 for red_square.png" in capsys.readouterr().err
+    assert run_cli(*args, f"data.datasets=[{{path: {EDIT}}}]", "--fresh") == 2
+    assert "data.reference_paths: its folders hold data.path's references, and data.datasets adds" in \
+        capsys.readouterr().err
+    (data / "blue_circle_ref0.png").write_bytes((first / "blue_circle.png").read_bytes())  # one target has one
+    assert run_cli(*diffusion_train_args("quickstart_flux2_references.yaml", tmp_path / "beside",
+                                         f"data.path={data}")) == 2
+    assert "blue_square.png: reference 0 is missing (other targets of this dataset have references" in \
+        capsys.readouterr().err
+
+
+def test_edit_resume_from_a_checkpoint_is_bit_identical(tmp_path, run_cli):
+    common = ("sample.prompts=[]", "sample.references=[]", "save.every=1", "save.format=diffusers")
+    full = tmp_path / "full"
+    assert run_cli(*diffusion_train_args("quickstart_qwen_image_edit.yaml", full, *common)) == 0
+    resumed = tmp_path / "resumed"
+    assert run_cli(*diffusion_train_args("quickstart_qwen_image_edit.yaml", resumed, *common,
+                                         f"train.resume={full / 'checkpoints' / 'step-000001'}")) == 0
+    losses = [r["loss"] for r in read_metrics(full)]
+    assert [r["loss"] for r in read_metrics(resumed)] == losses[1:]
+    a, b = (load_file(str(run / "final" / "pytorch_lora_weights.safetensors")) for run in (full, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _first_transformer_call(pipe, **call) -> tuple[dict, torch.Tensor]:
+    """The keyword arguments and output of the pipeline's first transformer call (of two denoising steps: one step
+    would end Qwen-Image's stretched schedule at 0 / 0)."""
+    seen = {}
+
+    def before(module, args, kwargs):
+        seen.setdefault("kwargs", {k: v for k, v in kwargs.items()})
+
+    def after(module, args, kwargs, output):
+        seen.setdefault("output", output[0])
+
+    hooks = [pipe.transformer.register_forward_pre_hook(before, with_kwargs=True),
+             pipe.transformer.register_forward_hook(after, with_kwargs=True)]
+    try:
+        with torch.no_grad():
+            pipe(num_inference_steps=2, width=64, height=64, generator=torch.Generator().manual_seed(0), **call)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["kwargs"], seen["output"]
+
+
+def test_qwen_image_edit_conditions_as_the_pipeline_does(tmp_path, monkeypatch):
+    """What the trainer caches and feeds is what QwenImageEditPlusPipeline computes for the same target and
+    references: the references' packed latents after the target's tokens, the prompt encoded with the references by
+    the Qwen2.5-VL encoder, img_shapes, and the prediction for the target's tokens. (The pipeline's reference area,
+    1024 x 1024, is set to the quickstart's 64 x 64.)"""
+    from diffusers import QwenImagePipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    from toolkit.models.diffusion_base import Denoiser
+    from toolkit.models.objectives import Noised
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+    adapter, dataset = adapter_for("quickstart_qwen_image_edit.yaml", tmp_path)
+    index = next(i for i, item in enumerate(dataset.items) if item.path.name == "blue_circle.png")
+    item, cached = dataset.items[index], dataset.encoded[index][0]
+    pipe = adapter.pipe
+    for encoder in adapter.text_encoders:
+        encoder.to("cpu")
+    kwargs, output = _first_transformer_call(pipe, prompt=item.caption,
+                                             image=[Image.open(p).convert("RGB") for p in item.references])
+    pack = QwenImagePipeline._pack_latents
+    refs = [cached[f"reference_latents.{i}"][None] for i in range(2)]
+    target_tokens = 16  # 64 x 64 px: 8 x 8 latents, 4 x 4 patches
+    packed_refs = torch.cat([pack(r, 1, 16, 8, 8) for r in refs], dim=1)
+    assert torch.allclose(kwargs["hidden_states"][:, target_tokens:], packed_refs, atol=1e-5)
+    assert kwargs["img_shapes"] == [[(1, 4, 4), (1, 4, 4), (1, 4, 4)]]
+    length = int(cached["prompt_embeds_mask"].sum())
+    assert torch.allclose(kwargs["encoder_hidden_states"][0], cached["prompt_embeds"][:length], atol=1e-5)
+
+    x = QwenImagePipeline._unpack_latents(kwargs["hidden_states"][:, :target_tokens], 64, 64, 8)[:, :, 0]
+    cond = {"prompt_embeds": cached["prompt_embeds"][None], "prompt_embeds_mask": cached["prompt_embeds_mask"][None]}
+    transformer = pipe.transformer
+    with torch.no_grad():
+        pred = adapter.predict(Denoiser(transformer, transformer.dtype, transformer.config),
+                               Noised(x, kwargs["timestep"], None), cond,
+                               {f"reference_latents.{i}": r for i, r in enumerate(refs)})
+    expected = QwenImagePipeline._unpack_latents(output[:, :target_tokens], 64, 64, 8)[:, :, 0]
+    assert torch.allclose(pred, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["flux_kontext", "flux2"])
+def test_flux_references_are_placed_as_the_pipeline_places_them(family, tmp_path):
+    """flux_kontext and flux2: the cached reference latents, packed, are the pipeline's reference tokens for the
+    same image; the ids the trainer gives them are the pipeline's; the prediction for the image's tokens is the
+    pipeline's transformer output (Kontext's auto-resize off, so the reference keeps its 64 x 64)."""
+    from toolkit.models.diffusion_base import Denoiser
+    from toolkit.models.objectives import Noised
+
+    config = FAMILIES[family][0]
+    adapter, dataset = adapter_for(config, tmp_path)
+    item, cached = dataset.items[0], dataset.encoded[0][0]
+    refs = [cached[k][None] for k in sorted(k for k in cached if k.startswith("reference_latents."))]
+    images = [Image.open(p).convert("RGB") for p in item.references]
+    text = dataset.text[0]
+    pipe = adapter.pipe
+    seen = {}
+    original = adapter.predict
+
+    if family == "flux_kontext":
+        call = dict(image=images[0], _auto_resize=False, max_area=64 * 64, guidance_scale=2.5,
+                    prompt_embeds=text["prompt_embeds"][None], pooled_prompt_embeds=text["pooled_prompt_embeds"][None])
+    else:
+        call = dict(image=images, guidance_scale=1.0, prompt_embeds=text["prompt_embeds"][None])
+    kwargs, output = _first_transformer_call(pipe, **call)
+    hidden = kwargs["hidden_states"]
+    target_tokens = hidden.shape[1] - sum(r.shape[-2] * r.shape[-1] // (1 if family == "flux2" else 4) for r in refs)
+
+    def capture(module, args, kw):
+        seen["img_ids"] = kw["img_ids"]
+
+    hook = pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
+    if family == "flux_kontext":
+        from diffusers import FluxPipeline
+
+        from toolkit.models.diffusion_flow import unpack_flux
+
+        packed = torch.cat([FluxPipeline._pack_latents(r, 1, 16, 8, 8) for r in refs], dim=1)
+        x = unpack_flux(hidden[:, :target_tokens], 1, 16, 8, 8)
+        expected = unpack_flux(output[:, :target_tokens], 1, 16, 8, 8)
+        cond = {k: text[k][None] for k in ("prompt_embeds", "pooled_prompt_embeds")}
+    else:
+        from diffusers import Flux2Pipeline
+
+        from toolkit.models.diffusion_flux2 import unpack_flux2
+
+        packed = torch.cat([Flux2Pipeline._pack_latents(r) for r in refs], dim=1)
+        x = unpack_flux2(hidden[:, :target_tokens], 4, 4)
+        expected = unpack_flux2(output[:, :target_tokens], 4, 4)
+        cond = {"prompt_embeds": text["prompt_embeds"][None]}
+    # The pipeline's own encoding of the same pixels is the cached one; in its call the pixels come as a tensor of
+    # other strides, and the tiny random VAE's convolutions then sum in another order (up to about 1e-2 after
+    # FLUX.2's batch-norm scaling, with the thread count): the tokens there are compared loosely.
+    from toolkit.data.references import load_references
+
+    with torch.no_grad():
+        own = [pipe._encode_vae_image(pixels[None], None) for pixels in load_references(item, flip=False)]
+    assert all(torch.allclose(o, r, atol=1e-5) for o, r in zip(own, refs))
+    assert hidden[:, target_tokens:].shape == packed.shape
+    assert float((hidden[:, target_tokens:] - packed).abs().max()) < 5e-2
+    assert adapter.cfg.train.guidance == call["guidance_scale"]  # the quickstart's: what the pipeline was given
+    transformer = pipe.transformer
+    try:
+        with torch.no_grad():
+            pred = original(Denoiser(transformer, transformer.dtype, transformer.config),
+                            Noised(x, kwargs["timestep"], None), cond,
+                            {f"reference_latents.{i}": r for i, r in enumerate(refs)})
+    finally:
+        hook.remove()
+    ids = kwargs["img_ids"]
+    assert torch.equal(seen["img_ids"].reshape(ids.shape).to(ids.dtype), ids)
+    assert torch.allclose(pred, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting, fix", [
+    ("data.caption_dropout=0.1", "fix: set data.caption_dropout=0"),
+    ("data.shuffle_tags=true", "fix: set data.shuffle_tags=false"),
+    ("data.cache_latents=false", "fix: set data.cache_latents=true"),
+])
+def test_qwen_image_edit_refuses_captions_that_change_per_step(setting, fix, tmp_path, run_cli, capsys):
+    """Its text is encoded with each target's references and cached with the latents: settings that would change
+    it per step are refused by name before any data is read."""
+    assert run_cli(*diffusion_train_args("quickstart_qwen_image_edit.yaml", tmp_path / "run", setting)) == 2
+    err = capsys.readouterr().err
+    assert f"{setting.split('=')[0]}: qwen_image_edit encodes each caption with its reference images once" in err
+    assert fix in err and "Traceback" not in err

@@ -1,0 +1,174 @@
+"""Clips cut from longer videos (data.frame_extraction, musubi-tuner's head / chunk / slide / uniform / full with
+target_frames, frame_stride, frame_sample, max_frames; spread: ai-toolkit's num_frames over the whole video) and
+their buckets by frames and size, down to the frames each loaded clip holds and a training run's bucket table.
+
+Frame i of a synthetic video has the background red = 8 * i, so a loaded tensor tells which frames it took.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from omegaconf import OmegaConf
+from PIL import Image, ImageDraw
+
+from helpers import diffusion_train_args, read_metrics
+from toolkit.config.data_schemas import VideoDataSection
+from toolkit.data.video import H264_ENCODERS, clip_spans, load_clip, scan_clips
+from toolkit.errors import UserError
+
+STEP = 8  # red value per frame index: 30 frames stay under 255
+LONG = 30
+
+
+def _data(path, **kw):
+    cfg = OmegaConf.structured(VideoDataSection(path=str(path), resolution=64, bucket_step=16, num_frames=9))
+    for k, v in kw.items():
+        cfg[k] = v
+    return cfg
+
+
+def _frames(n, size):
+    frames = []
+    for i in range(n):
+        image = Image.new("RGB", size, (STEP * i, 128, 255 - STEP * i))
+        ImageDraw.Draw(image).rectangle((i, 0, i + 7, 7), fill=(255, 255, 255))
+        frames.append(image)
+    return frames
+
+
+def _write_mp4(path, frames, fps=16):
+    """An H.264 mp4 written with PyAV (skipped where this FFmpeg build has no H.264 encoder)."""
+    av = pytest.importorskip("av", reason="PyAV is not installed")
+    for codec in H264_ENCODERS:
+        try:
+            av.codec.Codec(codec, "w")
+            break
+        except ValueError:
+            continue
+    else:
+        pytest.skip(f"PyAV {av.__version__} offers none of the H.264 encoders {H264_ENCODERS}")
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = *frames[0].size, "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_image(frame)))
+        container.mux(stream.encode())
+
+
+def _webp(path, frames):
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=62, loop=0, lossless=True)
+
+
+def _taken(pixels):
+    red = (pixels[0, :, -6:, -6:].mean(dim=(1, 2)) + 1) * 127.5
+    return [round(v / STEP) for v in red.tolist()]
+
+
+# The documented clips of a 30-frame video, (first frame, frames), for target_frames [9, 17]:
+EXPECTED = {
+    "head": [(0, 9), (0, 17)],
+    "chunk": [(0, 9), (9, 9), (18, 9), (0, 17)],                       # back to back; the tail 27..29 is dropped
+    "slide": [(0, 9), (5, 9), (10, 9), (15, 9), (20, 9), (0, 17), (5, 17), (10, 17)],   # frame_stride 5
+    "uniform": [(0, 9), (10, 9), (21, 9), (0, 17), (6, 17), (13, 17)],  # frame_sample 3: starts over 0..30-F
+    "full": [(0, 29)],                                                  # every frame, rounded down to 4k+1
+}
+SETTINGS = dict(target_frames=[9, 17], frame_stride=5, frame_sample=3)
+
+
+@pytest.mark.parametrize("mode", sorted(EXPECTED))
+def test_clip_spans_are_musubi_tuners(mode):
+    assert clip_spans(LONG, _data(".", frame_extraction=mode, **SETTINGS)) == EXPECTED[mode]
+
+
+def test_full_stops_at_max_frames_and_short_videos_give_no_clip():
+    assert clip_spans(LONG, _data(".", frame_extraction="full", max_frames=15)) == [(0, 13)]
+    assert clip_spans(12, _data(".", frame_extraction="head", target_frames=[9, 17])) == [(0, 9)]
+    assert clip_spans(8, _data(".", frame_extraction="chunk", target_frames=[9])) == []
+
+
+@pytest.mark.parametrize("mode", sorted(EXPECTED))
+def test_a_long_mp4_gives_the_documented_clips_at_their_frames(tmp_path, mode):
+    _write_mp4(tmp_path / "long.mp4", _frames(LONG, (64, 64)))
+    (tmp_path / "long.txt").write_text("a moving square")
+    logs = []
+    items = scan_clips(_data(tmp_path, frame_extraction=mode, **SETTINGS), logs.append)
+    assert [(it.frames[0], len(it.frames)) for it in items] == EXPECTED[mode]
+    assert [it.bucket for it in items] == [(64, 64, n) for _, n in EXPECTED[mode]]
+    assert len({it.content_hash for it in items}) == len(items)  # each clip its own latent cache entry
+    assert f"frame extraction ({mode}): {len(items)} clips from 1 files" in logs
+    for item, (first, frames) in zip(items, EXPECTED[mode]):
+        assert _taken(load_clip(item)) == list(range(first, first + frames))
+
+
+def test_spread_takes_num_frames_over_the_whole_video(tmp_path):
+    _webp(tmp_path / "long.webp", _frames(LONG, (64, 64)))
+    (item,) = scan_clips(_data(tmp_path, num_frames=9), print)
+    assert item.frames == () and item.bucket == (64, 64, 9)
+    assert _taken(load_clip(item)) == [0, 4, 7, 11, 14, 18, 22, 25, 29]
+
+
+def test_target_frames_not_4k_plus_1_and_no_video_long_enough(tmp_path):
+    _webp(tmp_path / "short.webp", _frames(6, (64, 64)))
+    with pytest.raises(UserError, match=r"data.target_frames: 8 is not 4k\+1"):
+        scan_clips(_data(tmp_path, frame_extraction="head", target_frames=[9, 8]), print)
+    with pytest.raises(UserError, match="no video in .* is as long as 9 frames"):
+        scan_clips(_data(tmp_path, frame_extraction="head", target_frames=[9]), print)
+
+
+def _mixed_folder(root):
+    """Clips of different lengths and sizes: 2 wide of 30 frames, 1 tall of 13, 1 wide of 6, a still image."""
+    root.mkdir()
+    for name, n, size in (("wide_a", LONG, (128, 64)), ("wide_b", LONG, (128, 64)), ("tall", 13, (64, 128)),
+                          ("short", 6, (128, 64))):
+        _webp(root / f"{name}.webp", _frames(n, size))
+        (root / f"{name}.txt").write_text(f"a {name} square")
+    _frames(1, (64, 64))[0].save(root / "still.png")
+    (root / "still.txt").write_text("a still square")
+
+
+def test_clips_of_different_lengths_and_sizes_bucket_by_frames_and_size(tmp_path):
+    _mixed_folder(tmp_path / "clips")
+    logs = []
+    items = scan_clips(_data(tmp_path / "clips", frame_extraction="chunk", target_frames=[5, 9]), logs.append)
+    counts = {}
+    for item in items:
+        counts[item.bucket] = counts.get(item.bucket, 0) + 1
+    # wide (30 frames): 6 chunks of 5 + 3 of 9 each; tall (13): 2 of 5 + 1 of 9; short (6): 1 of 5; still: 1 frame
+    # (each size: the aspect bucket of about data.resolution squared, 64 x 64 here)
+    assert counts == {(80, 48, 5): 13, (80, 48, 9): 6, (48, 80, 5): 2, (48, 80, 9): 1, (64, 64, 1): 1}
+    assert logs[-1] == ("buckets (data.bucket_step=16):\n"
+                        "     48 x 80    (ratio 0.60) x   5 frames: 2 clips\n"
+                        "     48 x 80    (ratio 0.60) x   9 frames: 1 clip\n"
+                        "     64 x 64    (ratio 1.00) x   1 frame : 1 clip\n"
+                        "     80 x 48    (ratio 1.67) x   5 frames: 13 clips\n"
+                        "     80 x 48    (ratio 1.67) x   9 frames: 6 clips")
+
+
+def test_a_run_trains_on_extracted_clips_one_bucket_a_batch(tmp_path, run_cli, capsys, own_data_caches):
+    """Through the entry point (hunyuan_video15, batch 2): the clips cut from the folder, their bucket table, the
+    latents of every clip encoded once, and the steps that train on them."""
+    _mixed_folder(tmp_path / "clips")
+    out = tmp_path / "run"
+    args = diffusion_train_args("quickstart_hunyuan15.yaml", out, f"data.path={tmp_path / 'clips'}",
+                                "data.frame_extraction=chunk", "data.target_frames=[5,9]", "train.steps=3")
+    assert run_cli(*args) == 0
+    log = capsys.readouterr().err
+    assert "frame extraction (chunk): 23 clips from 5 files" in log
+    assert "     80 x 48    (ratio 1.67) x   5 frames: 13 clips" in log
+    assert "latents: 0 cached, 23 encoded" in log
+    assert len(read_metrics(out)) == 3
+    assert re.search(r"model: hunyuan_video15 .*; 23 training samples", log)
+
+
+def test_ai_toolkits_and_musubis_names_suggest_the_keys(run_cli, capsys):
+    from helpers import REPO
+
+    assert run_cli("validate", REPO / "configs/examples/quickstart_hunyuan15.yaml", "data.shrink_video_to_frames=false",
+                   "data.video_directory=clips") == 2
+    err = capsys.readouterr().err
+    assert ("unknown key 'data.shrink_video_to_frames' in command line; did you mean 'data.frame_extraction'? "
+            "(shrink_video_to_frames: the name in ai-toolkit; true is data.frame_extraction: spread (the default); "
+            "false: head)") in err
+    assert "unknown key 'data.video_directory' in command line; did you mean 'data.path'?" in err

@@ -1,0 +1,268 @@
+"""The hunyuan_video15 family on tiny:hunyuan15 (text-to-video) and tiny:hunyuan15-i2v through the real entry point:
+both quickstarts train, the LoRA file loads with the transformer's own load_lora_adapter (diffusers' PEFT loader;
+the pipelines have no load_lora_weights) and moves the output as the trained model does, the sample is the
+pipeline's video with that LoRA, predict is the velocity one step of each pipeline moves by (the I2V condition
+included: the masked text padding and image tokens left out), the ComfyUI file's fused qkv holds the same updates, block swap trains the same LoRA, and a resumed
+run ends bit-identical."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from helpers import adapter_for, cpu_runtime, diffusion_train_args, read_metrics
+from toolkit.tiny import resolve_model_path
+
+pytestmark = pytest.mark.usefixtures("own_data_caches")
+PROMPT = "sks a red circle"
+QUICKSTART = {"t2v": "quickstart_hunyuan15.yaml", "i2v": "quickstart_hunyuan15_i2v.yaml"}
+
+
+def _pipeline(task: str):
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
+
+    cls = HunyuanVideo15ImageToVideoPipeline if task == "i2v" else HunyuanVideo15Pipeline
+    pipe = cls.from_pretrained(resolve_model_path("tiny:hunyuan15-i2v" if task == "i2v" else "tiny:hunyuan15"))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _transformer_inputs(pipe, prompt: str) -> dict:
+    """The T2V pipeline's transformer call for one prompt: noisy latents + zero condition and mask, zero image tokens."""
+    embeds, mask, embeds_2, mask_2 = pipe.encode_prompt([prompt], device="cpu", batch_size=1)
+    latents = torch.randn(1, 32, 3, 4, 4, generator=torch.Generator().manual_seed(3))
+    hidden = torch.cat([latents, torch.zeros_like(latents), torch.zeros(1, 1, 3, 4, 4)], dim=1)
+    return dict(hidden_states=hidden, timestep=torch.tensor([600.0]), encoder_hidden_states=embeds,
+                encoder_attention_mask=mask, encoder_hidden_states_2=embeds_2, encoder_attention_mask_2=mask_2,
+                image_embeds=torch.zeros(1, pipe.vision_num_semantic_tokens, pipe.transformer.config.image_embed_dim),
+                return_dict=False)
+
+
+def test_t2v_trains_and_its_lora_loads_in_the_pipelines_transformer(tmp_path, run_cli):
+    from toolkit.models import build_adapter
+    from toolkit.models.base import load_trainable_state_dict
+    from toolkit.plan.run import load_run
+    from toolkit.train.checkpoint import trainable_from_file
+
+    out = tmp_path / "run"
+    assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], out, f"sample.prompts=[{PROMPT}]", "network.alpha=16",
+                                         "save.every=2", "sample.every=2", "save.format=comfyui")) == 0
+    losses = [r["loss"] for r in read_metrics(out)]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    final = out / "final" / "pytorch_lora_weights.safetensors"
+    weights = load_file(str(final))
+    # 2 blocks x 12 attention / feed-forward projections, diffusers' names, the scale (16 / 8) folded into lora_A
+    assert len(weights) == 2 * 12 * 2 and not any(k.endswith(".alpha") for k in weights)
+    assert all(k.startswith("transformer.transformer_blocks.") for k in weights)
+
+    run = load_run([out / "config.yaml"], [])
+    adapter = build_adapter(run.cfg, cpu_runtime(run, out))
+    adapter.load()
+    state = load_file(str(out / "checkpoints" / "step-000002" / "trainable_state.safetensors"))
+    load_trainable_state_dict(adapter.network, trainable_from_file(state))
+    pipe = _pipeline("t2v")
+    with torch.no_grad():
+        inputs = _transformer_inputs(pipe, PROMPT)
+        base = pipe.transformer(**inputs)[0]
+        pipe.transformer.load_lora_adapter(load_file(str(final)), prefix="transformer")
+        loaded = pipe.transformer(**inputs)[0]
+        trained = adapter.pipe.transformer(**inputs)[0]
+    assert (trained - base).abs().max() > 1e-2  # the LoRA moves the output well beyond the tolerance
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
+
+    # The pipeline with the loaded LoRA draws the toolkit's sample (its middle frame), and without it another video.
+    pipe.guider.guidance_scale = 3.0
+    call = dict(prompt=PROMPT, negative_prompt="", height=64, width=64, num_frames=9, num_inference_steps=2,
+                output_type="pil")
+    with torch.no_grad():
+        frames = pipe(**call, generator=torch.Generator("cpu").manual_seed(42)).frames[0]
+    sample = np.asarray(Image.open(out / "samples" / "step-000002" / "00.png"), dtype=np.int16)
+    assert np.abs(np.asarray(frames[4], dtype=np.int16) - sample).max() <= 1
+    pipe.transformer.disable_lora()
+    with torch.no_grad():
+        plain = pipe(**call, generator=torch.Generator("cpu").manual_seed(42)).frames[0]
+    assert np.abs(np.asarray(plain[4], dtype=np.int16) - sample).max() >= 2
+
+    # ComfyUI's names: q/k/v of each stream fused into one qkv LoRA whose B @ A stacks the three updates.
+    comfy = load_file(str(out / "final" / "quickstart_hunyuan15_comfyui.safetensors"))
+    assert len(comfy) == 2 * 8 * 2  # per block: 2 qkv, 2 proj, 4 mlp layers
+    fused = comfy["diffusion_model.double_blocks.1.txt_attn.qkv.lora_B.weight"] @ \
+        comfy["diffusion_model.double_blocks.1.txt_attn.qkv.lora_A.weight"]
+    parts = [weights[f"transformer.transformer_blocks.1.attn.{p}.lora_B.weight"]
+             @ weights[f"transformer.transformer_blocks.1.attn.{p}.lora_A.weight"]
+             for p in ("add_q_proj", "add_k_proj", "add_v_proj")]
+    torch.testing.assert_close(fused, torch.cat(parts), rtol=1e-6, atol=1e-7)
+    assert fused.abs().max() > 0
+
+
+def test_i2v_quickstart_trains_with_the_start_image_as_its_condition(tmp_path, run_cli, capsys):
+    out = tmp_path / "run"
+    assert run_cli(*diffusion_train_args(QUICKSTART["i2v"], out, "train.batch_size=1", "sample.every=2")) == 0
+    assert "model.task: i2v (auto: the model folder holds a HunyuanVideo15ImageToVideoPipeline)" in capsys.readouterr().err
+    losses = [r["loss"] for r in read_metrics(out)]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    assert (out / "samples" / "step-000002" / "00.webp").is_file()
+    assert len(load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))) == 48
+
+
+@pytest.mark.parametrize("task", ["t2v", "i2v"])
+def test_predict_is_the_velocity_the_pipeline_steps_with(tmp_path, task):
+    """One scheduler step of the pipeline from latents x at its first sigma moves x by (sigma_1 - sigma_0) *
+    predict(x, sigma_0), given the cached text (and for I2V the condition the toolkit encodes from the same start
+    image: its latent in the first condition frame, SigLIP tokens); the sigmas are shifted alike."""
+    from toolkit.models.diffusion_base import Denoiser
+    from toolkit.models.objectives import Noised
+
+    adapter, dataset = adapter_for(QUICKSTART[task], tmp_path, "sample.prompts=[sks a red circle]",
+                                   *(["sample.images=[configs/examples/data/clips_i2v/green_circle.png]"]
+                                     if task == "i2v" else []))
+    text = adapter.embeddings_for(adapter.sample_prompts()[0])
+    # predict keeps the longest cached text's tokens (1 ByT5 token: no caption quotes text); the pipeline all
+    assert adapter.text_lengths[0] < 100 and adapter.text_lengths[1] == 1
+    assert text["prompt_embeds"].shape[1] == 1000 and text["prompt_embeds_2"].shape[1] == 256
+    pipe, steps = adapter.pipe, 50
+    x = torch.randn((1, 32, 3, 4, 4), generator=torch.Generator().manual_seed(0))
+    seen, extra, cond = [], {}, dict(text)
+    if task == "i2v":
+        image = Image.open("configs/examples/data/clips_i2v/green_circle.png").convert("RGB").resize((64, 64))
+        pipe.image_encoder.to("cpu")
+        extra["image"] = image
+        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1).permute(2, 0, 1)
+        cond.update(adapter.encode_start(pixels[None]))
+    else:
+        extra.update(height=64, width=64)
+
+    class FirstStep(Exception):
+        pass
+
+    step = pipe.scheduler.step
+
+    def first_step(*args, **kwargs):  # the pipelines take no step callback: the scheduler's step is watched
+        seen.append(step(*args, **kwargs)[0].clone())
+        raise FirstStep
+
+    pipe.guider.guidance_scale = 1.0  # one conditional forward a step
+    pipe.scheduler.step = first_step
+    with pytest.raises(FirstStep):
+        pipe(prompt_embeds=text["prompt_embeds"], prompt_embeds_mask=text["prompt_embeds_mask"],
+             prompt_embeds_2=text["prompt_embeds_2"], prompt_embeds_mask_2=text["prompt_embeds_mask_2"],
+             num_inference_steps=steps, num_frames=9, latents=x.clone(), output_type="latent", **extra)
+    sigmas = pipe.scheduler.sigmas
+    transformer = pipe.transformer
+    with torch.no_grad():
+        velocity = adapter.predict(Denoiser(transformer, transformer.dtype, transformer.config),
+                                   Noised(x, sigmas[:1], torch.zeros_like(x)), cond, {})
+    torch.testing.assert_close(seen[0], x + (sigmas[1] - sigmas[0]) * velocity, rtol=1e-5, atol=1e-6)
+    sampler = adapter.sampler_for(x)
+    assert float(sampler.shifted(torch.tensor(1 - 1 / steps))) == pytest.approx(float(sigmas[1]), rel=1e-5)
+    batch = dataset.collate([next(i for i, item in enumerate(dataset.items) if item.bucket[2] == 9)])
+    assert batch["latents"].shape[1:3] == (32, 3)  # 9 frames: 3 latent frames of 32 channels
+    if task == "i2v":
+        assert batch["start_latent"].shape[1:3] == (32, 1)
+        assert batch["image_embeds"].shape[1:] == (16, 32)  # tiny SigLIP: 16 tokens of width 32
+
+
+def test_i2v_start_image_reaches_the_loss(tmp_path):
+    """Changing only the cached start latent, or only the image tokens, changes the loss."""
+    adapter, dataset = adapter_for(QUICKSTART["i2v"], tmp_path)
+    batch = dataset.collate([0])
+
+    def loss(**changed) -> torch.Tensor:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return adapter.loss({**batch, **changed}, adapter.trainable_modules())
+
+    reference = loss()
+    assert torch.equal(loss(), reference)
+    assert (loss(start_latent=batch["start_latent"] + 1.0) - reference).abs() > 1e-4
+    # (a constant shift would not do: the image projection starts with a LayerNorm)
+    assert (loss(image_embeds=batch["image_embeds"].flip(-1)) - reference).abs() > 1e-4
+
+
+def test_blocks_swapped_and_checkpointed_train_the_same_lora(tmp_path, run_cli, capsys):
+    """One of the two dual-stream blocks swapped, both checkpointed: the same losses, bit for bit, as the plain run,
+    and the same LoRA to float rounding (the swapped block's weights are slot copies: the CPU's matmul may sum the
+    gradient in another order, ~1e-6 here, where tiny:flux happens to come out bit-identical)."""
+    out, losses = {}, {}
+    for name, more in (("plain", []), ("changed", ["model.block_swap=1", "train.gradient_checkpointing=2"])):
+        run_dir = tmp_path / name
+        assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], run_dir, "train.batch_size=1", *more)) == 0
+        out[name] = load_file(run_dir / "final" / "pytorch_lora_weights.safetensors")
+        losses[name] = [r["loss"] for r in read_metrics(run_dir)]
+    log = capsys.readouterr().err
+    assert "model.block_swap=1: 1 of 2 blocks swapped" in log
+    assert "blocks: transformer: 2 blocks, 2 gradient-checkpointed, 1 swapped" in log
+    assert "blocks: transformer: 2 blocks, 0 gradient-checkpointed, 0 swapped" in log
+    assert losses["plain"] == losses["changed"] and len(losses["plain"]) == 2
+    assert out["plain"].keys() == out["changed"].keys()
+    for key in out["plain"]:
+        torch.testing.assert_close(out["changed"][key], out["plain"][key], rtol=1e-5, atol=1e-5)
+
+
+def test_resumed_run_is_bit_identical(tmp_path, run_cli):
+    """4 steps straight, against the same run cut back to its step-2 checkpoint and resumed."""
+    args = ["train.steps=4", "save.every=2", "train.batch_size=1", "save.keep_last=5"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], straight, *args)) == 0
+    assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], resumed, *args[1:], "train.steps=2")) == 0
+    shutil.rmtree(resumed / "final")
+    assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], resumed, *args)) == 0
+    a = load_file(straight / "final" / "pytorch_lora_weights.safetensors")
+    b = load_file(resumed / "final" / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss"] for r in read_metrics(straight)][2:] == [r["loss"] for r in read_metrics(resumed)][-2:]
+
+
+def test_fp8_quantizes_the_dual_stream_blocks(tmp_path, run_cli, capsys):
+    """model.quantize=fp8: the 14 linear layers of each of the 2 blocks (attention, feed-forward, modulation) in
+    the toolkit's fp8 layer, nothing outside the blocks; the run trains the same LoRA modules, near the 16-bit losses."""
+    losses, keys = {}, {}
+    for name, more in (("plain", []), ("fp8", ["model.quantize=fp8"])):
+        run_dir = tmp_path / name
+        assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], run_dir, "train.batch_size=1", *more)) == 0
+        losses[name] = [r["loss"] for r in read_metrics(run_dir)]
+        keys[name] = set(load_file(run_dir / "final" / "pytorch_lora_weights.safetensors"))
+    assert "model: quantized 28 linear layers of the transformer to fp8 (toolkit)" in capsys.readouterr().err
+    assert keys["fp8"] == keys["plain"]
+    assert losses["fp8"] != losses["plain"] and np.allclose(losses["fp8"], losses["plain"], rtol=0.05)
+
+
+def test_i2v_on_a_text_to_video_folder_is_a_short_error(tmp_path, run_cli, capsys):
+    assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], tmp_path / "run", "model.task=i2v")) == 2
+    err = capsys.readouterr().err
+    assert "model.task=i2v: tiny:hunyuan15 has no image_encoder (SigLIP)" in err and "fix: use an image-to-video" in err
+    assert "Traceback" not in err
+
+
+def test_dora_file_loads_in_the_pipelines_transformer_as_trained(tmp_path, run_cli):
+    """network.type=dora: the file (PEFT keys under transformer., each scale folded into lora_A, the magnitudes
+    beside) loads with load_lora_adapter and gives the trained model's output."""
+    from toolkit.models import build_adapter
+    from toolkit.models.base import load_trainable_state_dict
+    from toolkit.plan.run import load_run
+    from toolkit.train.checkpoint import trainable_from_file
+
+    out = tmp_path / "run"
+    assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], out, "network.type=dora", "network.alpha=16",
+                                         "save.every=2")) == 0
+    weights = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    assert sum(k.endswith(".lora_magnitude_vector") for k in weights) == 24
+    run = load_run([out / "config.yaml"], [])
+    adapter = build_adapter(run.cfg, cpu_runtime(run, out))
+    adapter.load()
+    state = load_file(str(out / "checkpoints" / "step-000002" / "trainable_state.safetensors"))
+    load_trainable_state_dict(adapter.network, trainable_from_file(state))
+    pipe = _pipeline("t2v")
+    with torch.no_grad():
+        inputs = _transformer_inputs(pipe, PROMPT)
+        base = pipe.transformer(**inputs)[0]
+        pipe.transformer.load_lora_adapter(weights, prefix="transformer")
+        loaded = pipe.transformer(**inputs)[0]
+        trained = adapter.pipe.transformer(**inputs)[0]
+    assert (trained - base).abs().max() > 1e-2
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
