@@ -110,6 +110,7 @@ def test_wan22_a14b_on_24_gb_with_block_swap_auto_keeps_16bit_offloads_and_swaps
     import torch
     from omegaconf import OmegaConf
 
+    from toolkit.models.base import repeated_blocks
     from toolkit.models.flow_memory import FlowMemory
 
     class Block(torch.nn.Module):
@@ -129,7 +130,8 @@ def test_wan22_a14b_on_24_gb_with_block_swap_auto_keeps_16bit_offloads_and_swaps
     adapter = SimpleNamespace(
         cfg=OmegaConf.create({"model": {"block_swap": "auto"}, "device": {"memory_fraction": 0.9}}),
         runtime=SimpleNamespace(info=gpu(24)), quantize_setting=lambda: "auto",
-        lora_denoiser_names=lambda: list(experts), component=experts.__getitem__)
+        lora_denoiser_names=lambda: list(experts), component=experts.__getitem__,
+        denoiser_blocks=lambda name: repeated_blocks(experts[name], outermost=True))
     memory = FlowMemory(adapter)
     memory.quantize, memory.offload = mode, offload
     plans, why = memory.plan_block_swap(A14B, "auto", why)
