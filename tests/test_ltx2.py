@@ -167,11 +167,11 @@ def test_eval_loss_draws_the_audio_noise_from_its_own_generator(tmp_path):
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(5))
     torch.manual_seed(123)
     with torch.no_grad():
-        first = adapter.loss_at(batch, latents, cond, noise, 0.5)
+        first = adapter.loss_at("transformer", batch, latents, cond, noise, 0.5)
         drawn = torch.rand(1)
         torch.manual_seed(123)
-        again = adapter.loss_at(batch, latents, cond, noise, 0.5)
-        other = adapter.loss_at(batch, latents, cond, noise, 0.25)
+        again = adapter.loss_at("transformer", batch, latents, cond, noise, 0.5)
+        other = adapter.loss_at("transformer", batch, latents, cond, noise, 0.25)
     assert torch.equal(first, again) and torch.equal(torch.rand(1), drawn)  # the global stream untouched
     assert first.shape == (2,) and torch.isfinite(first).all() and not torch.equal(first, other)
 

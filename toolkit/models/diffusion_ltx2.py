@@ -181,13 +181,13 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
             return torch.randn(shape, generator=self.audio_generator).to(device)
         return torch.randn(shape, device=device)
 
-    def loss_at(self, batch: dict[str, Any], latents: torch.Tensor, cond: dict[str, torch.Tensor],
+    def loss_at(self, name: str, batch: dict[str, Any], latents: torch.Tensor, cond: dict[str, torch.Tensor],
                 noise: torch.Tensor, level: float) -> torch.Tensor:
         """The eval loss (diffusion_eval.py): the audio stream's noise too is drawn from a generator seeded by eval.seed
         and the level, so that evaluating touches none of the training's random streams."""
         self.audio_generator = torch.Generator("cpu").manual_seed(int(self.cfg.eval.seed) * 1000 + round(level * 999))
         try:
-            return super().loss_at(batch, latents, cond, noise, level)
+            return super().loss_at(name, batch, latents, cond, noise, level)
         finally:
             self.audio_generator = None
 
