@@ -85,10 +85,17 @@ def train(family: str, out: Path):
     args = ["train", str(REPO / "configs/examples" / config), f"run.output_dir={out}", "train.steps=2",
             "train.batch_size=2", "train.lr=1e-2", "save.every=1", "sample.prompts=[]", "network.rank=4",
             "network.alpha=6", "save.format=diffusers", *extra]
-    assert main(args) == 0, f"{family}: training failed"
-    run = load_run([out / "config.yaml"], [])
-    adapter = build_adapter(run.cfg, Runtime(torch.device("cpu"), run.device, torch.float32, torch.float32, out))
-    adapter.load()
+    # the torchvision stand-in (main) is for ComfyUI's imports only: training and loading (Qwen-Image-Edit's
+    # processor) ask importlib whether torchvision is there, which a module without a spec answers with an error
+    stand_ins = {name: sys.modules.pop(name) for name in ("torchvision", "torchvision.transforms")
+                 if name in sys.modules}
+    try:
+        assert main(args) == 0, f"{family}: training failed"
+        run = load_run([out / "config.yaml"], [])
+        adapter = build_adapter(run.cfg, Runtime(torch.device("cpu"), run.device, torch.float32, torch.float32, out))
+        adapter.load()
+    finally:
+        sys.modules.update(stand_ins)
     return adapter
 
 
