@@ -40,7 +40,7 @@ PROMPTS = {"flux_kontext": "sks invert the colours of the blue circle"}
 def load_pipeline(name: str, tiny: str):
     import diffusers
 
-    from toolkit.models.qwen_vl_processor import processor_override
+    from toolkit.data.qwen_vl_processor import processor_override
 
     path = resolve_model_path(f"tiny:{tiny}")
     extra = processor_override(path) if name == "QwenImageEditPlusPipeline" else {}

@@ -61,7 +61,7 @@ def applied_updates(pipeline_name: str, family: str, folder: Path, names: list[s
     """{component: (modules matched, max abs diff)} after load_lora_weights(folder) and fuse_lora in a fresh pipeline."""
     import diffusers
 
-    from toolkit.models.qwen_vl_processor import processor_override
+    from toolkit.data.qwen_vl_processor import processor_override
 
     path = resolve_model_path(f"tiny:{family}")
     extra = processor_override(path) if pipeline_name == "QwenImageEditPlusPipeline" else {}  # no torchvision here

@@ -54,7 +54,7 @@ class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
         return QwenImageEditPlusPipeline
 
     def pipeline_kwargs(self) -> dict:
-        from toolkit.models.qwen_vl_processor import processor_override
+        from toolkit.data.qwen_vl_processor import processor_override
 
         return processor_override(self.model_path, self.cfg.model.revision)
 

@@ -31,7 +31,7 @@ def write_tiny_qwen_image_edit(out: Path) -> None:
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    from toolkit.models.qwen_vl_processor import ImageQwen2VLProcessor
+    from toolkit.data.qwen_vl_processor import ImageQwen2VLProcessor
 
     out = Path(out)
     tokenizer = write_qwen_tokenizer(out / "tokenizer", extra_words=EDIT_TEMPLATE_WORDS)
