@@ -25,8 +25,6 @@ from typing import Any
 
 import torch
 
-from toolkit.data.augment import View
-from toolkit.data.images import load_image_view
 from toolkit.data.references import ReferenceSizing, open_image, sample_references
 from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FlowMatching
@@ -34,7 +32,7 @@ from toolkit.models.flow_matching import SigmaSampler
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import flux2_keys
 from toolkit.models.objectives import Noised
-from toolkit.models.references import References
+from toolkit.models.references import References, ReferencedTargets
 
 # Double-stream blocks: attention (image to_*, text add_*_proj / to_add_out) and both SwiGLU feed-forwards;
 # single-stream blocks: the fused qkv + MLP input projection and the output projection. A regex (PEFT full-matches
@@ -53,7 +51,7 @@ def unpack_flux2(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], height, width)
 
 
-class Flux2Adapter(FlowMatching, DiffusionAdapter):
+class Flux2Adapter(ReferencedTargets, FlowMatching, DiffusionAdapter):
     uses_negative_prompt = False
     text_encoder_names = ("text_encoder",)
     text_keys = ("prompt_embeds",)
@@ -77,19 +75,7 @@ class Flux2Adapter(FlowMatching, DiffusionAdapter):
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
                                              required=False)
 
-    # -- data: the targets, each with its reference images when the dataset has them ----------
-    def scan(self, data, log) -> list:
-        return self.references.scan(data, log)
-
-    def load_item(self, item, view: View) -> dict[str, Any]:
-        return self.references.load(item, view, load_image_view(item, view))
-
-    def encode_view(self, loaded: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {**super().encode_view(loaded), **self.references.encoded(loaded)}
-
-    def latent_key_parts(self, item) -> tuple:
-        return self.references.key_parts(item)
-
+    # -- noise levels ----------------------------------------------------------------------
     def sampler_for(self, latents: torch.Tensor) -> SigmaSampler:
         """The pipeline's shift for this many latent tokens at FLUX2_MU_STEPS steps, or the fixed one."""
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu

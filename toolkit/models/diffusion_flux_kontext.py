@@ -17,15 +17,13 @@ from typing import Any
 
 import torch
 
-from toolkit.data.augment import View
-from toolkit.data.images import load_image_view
 from toolkit.data.references import ReferenceSizing, open_image, sample_references
 from toolkit.models.diffusion_base import DiffusionAdapter
 from toolkit.models.diffusion_flow import Flux
-from toolkit.models.references import References
+from toolkit.models.references import References, ReferencedTargets
 
 
-class FluxKontextAdapter(Flux, DiffusionAdapter):
+class FluxKontextAdapter(ReferencedTargets, Flux, DiffusionAdapter):
     def pipeline_class(self):
         from diffusers import FluxKontextPipeline
 
@@ -47,19 +45,7 @@ class FluxKontextAdapter(Flux, DiffusionAdapter):
     def class_captions(self, items: list, settings: list) -> None:
         return None  # no train.dop_class (EDIT_SETTINGS): output preservation does not pass references yet
 
-    # -- data ------------------------------------------------------------------------------
-    def scan(self, data, log) -> list:
-        return self.references.scan(data, log)
-
-    def load_item(self, item, view: View) -> dict[str, Any]:
-        return self.references.load(item, view, load_image_view(item, view))
-
-    def encode_view(self, loaded: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {**super().encode_view(loaded), **self.references.encoded(loaded)}
-
-    def latent_key_parts(self, item) -> tuple:
-        return self.references.key_parts(item)
-
+    # -- references for predict ------------------------------------------------------------
     def reference_latents(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         return self.references.latents(batch)
 

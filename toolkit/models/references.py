@@ -14,7 +14,8 @@ from typing import Any, Callable
 import torch
 
 from toolkit.data.references import ReferenceSizing, attach_references, is_reference_file, load_references
-from toolkit.data.images import is_mask_file, scan_images
+from toolkit.data.augment import View
+from toolkit.data.images import is_mask_file, load_image_view, scan_images
 from toolkit.errors import UserError
 
 LATENTS, PIXELS = "reference_latents.", "reference."
@@ -71,3 +72,20 @@ def count(tensors: dict[str, Any], prefix: str) -> int:
     while f"{prefix}{n}" in tensors:
         n += 1
     return n
+
+
+class ReferencedTargets:
+    """The data hooks of an adapter whose targets come with their reference images as they are (`self.references`,
+    a References): mixed in first, beside the family's own code (Flux Kontext, FLUX.2)."""
+
+    def scan(self, data, log) -> list:
+        return self.references.scan(data, log)
+
+    def load_item(self, item, view: View) -> dict[str, Any]:
+        return self.references.load(item, view, load_image_view(item, view))
+
+    def encode_view(self, loaded: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {**super().encode_view(loaded), **self.references.encoded(loaded)}
+
+    def latent_key_parts(self, item) -> tuple:
+        return self.references.key_parts(item)
