@@ -4,7 +4,8 @@ on one GPU, every stack in a fresh process of its own (liger-kernel and unsloth 
 The workload (random weights, nothing downloaded): PEFT LoRA r=16 (alpha 16, no dropout) on every linear layer
 of the decoder, bf16 weights under bf16 autocast, SDPA attention, batch 4 x 2048 tokens, fused AdamW, gradient
 norm clipped to 1.0, no gradient checkpointing unless a row says so. Shapes (--shape): llama-1b (Llama-3.2-1B,
-128k vocabulary, the default), qwen2.5-1.5b (152k), gemma2-2b (256k, soft-capped logits).
+128k vocabulary, the default), qwen2.5-1.5b (152k), gemma2-2b (256k, soft-capped logits),
+llama-8b (Llama-3.1-8B: the long-context rows, --batch 1 --seq 32768), nemo-12b (fsdp, bench/scaling.py).
 
 Rows (--rows, comma-separated; a row whose package is missing is reported as skipped):
   plain            transformers + PEFT + torch.optim.AdamW(fused=True), a hand-written loop, eager
@@ -72,6 +73,10 @@ SHAPES = {
                                  num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                                  final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
                                  sliding_window=4096, tie_word_embeddings=True)),
+    # Llama-3.1-8B's shape (untied head, 128k context): the long-context rows (--batch 1 --seq 32768)
+    "llama-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                               max_position_embeddings=131072, tie_word_embeddings=False)),
     # a 12B-class base (Mistral-Nemo-12B's shape): bench/scaling.py's fsdp memory comparison
     "nemo-12b": ("mistral", dict(vocab_size=131072, hidden_size=5120, intermediate_size=14336, num_hidden_layers=40,
                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
@@ -87,8 +92,8 @@ def write_model(folder: Path, shape: str = "llama-1b", layers: int | None = None
     write_tokenizer(folder)  # a small BPE tokenizer; its ids are valid in the large vocabulary
     model_type, fields = SHAPES[shape]
     fields = {**fields, **({"num_hidden_layers": layers} if layers else {})}
-    config = AutoConfig.for_model(model_type, max_position_embeddings=8192, bos_token_id=1, eos_token_id=3,
-                                  pad_token_id=0, **fields)
+    fields = {"max_position_embeddings": 8192, **fields}
+    config = AutoConfig.for_model(model_type, bos_token_id=1, eos_token_id=3, pad_token_id=0, **fields)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
