@@ -59,16 +59,9 @@ def test_flux_bfl_file_loads_in_kohya_with_the_same_output(tmp_path):
     from safetensors.torch import save_file
 
     from diffusion_models import SHAPES
-    from peers.common import install, peer_env
     from peers.kohya_files import flux_to_bfl
 
-    src, site = install("kohya")
-    env = peer_env(site, src, tmp_path)
-    if os.environ.get("PEER_EXTRA_SITE"):
-        env["PYTHONPATH"] += os.pathsep + os.environ["PEER_EXTRA_SITE"]
-    probe = subprocess.run([sys.executable, "-c", "import torchvision, cv2"], env=env, capture_output=True)
-    if probe.returncode:
-        pytest.skip("kohya's library needs torchvision and OpenCV (PEER_EXTRA_SITE on a CPU-only torch)")
+    env, src = _peer_env(tmp_path)
     torch.manual_seed(0)
     model = FluxTransformer2DModel(**SHAPES["flux"]).eval()
     c = dict(model.config)
@@ -93,3 +86,56 @@ def test_flux_bfl_file_loads_in_kohya_with_the_same_output(tmp_path):
     theirs = torch.load(tmp_path / "out.pt", weights_only=True)
     assert theirs.shape == ours.shape
     assert torch.allclose(theirs, ours, atol=1e-5, rtol=0), (theirs - ours).abs().max()
+
+
+AE_SIDE = """
+import sys, torch
+from library import flux_models
+from safetensors.torch import load_file
+params = flux_models.AutoEncoderParams(resolution=256, in_channels=3, ch=32, out_ch=3, ch_mult=[1, 2],
+                                       num_res_blocks=2, z_channels=16, scale_factor=0.3611, shift_factor=0.1159)
+ae = flux_models.AutoEncoder(params)
+info = ae.load_state_dict(load_file(sys.argv[1]), strict=True)
+x = torch.load(sys.argv[2], weights_only=True)
+with torch.no_grad():
+    torch.save({"moments": ae.encoder(x["image"]), "image": ae.decoder(x["z"])}, sys.argv[3])
+"""
+
+
+@pytest.mark.skipif(not PEER.exists(), reason="needs .whl-peers/kohya (bash bench/peers/packages.sh kohya)")
+def test_flux_vae_in_bfl_names_is_kohyas_autoencoder(tmp_path):
+    """A Flux-kind diffusers VAE (two levels of 32 and 64 channels: kohya's GroupNorm has 32 groups) converted to BFL
+    names loads strictly into kohya's AutoEncoder of the same levels; encoder and decoder give the same outputs."""
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+
+    from peers.kohya_files import flux_vae_to_bfl
+
+    env, src = _peer_env(tmp_path)
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(32, 64),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=2, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False).eval()
+    save_file(flux_vae_to_bfl(vae.state_dict()), str(tmp_path / "ae.safetensors"))
+    x = {"image": torch.randn(1, 3, 16, 16), "z": torch.randn(1, 16, 8, 8)}
+    torch.save(x, tmp_path / "x.pt")
+    with torch.no_grad():
+        ours = {"moments": vae.encoder(x["image"]), "image": vae.decoder(x["z"])}
+    done = subprocess.run([sys.executable, "-c", AE_SIDE, str(tmp_path / "ae.safetensors"), str(tmp_path / "x.pt"),
+                           str(tmp_path / "out.pt")], cwd=src, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = torch.load(tmp_path / "out.pt", weights_only=True)
+    for name in ours:
+        assert torch.allclose(theirs[name], ours[name], atol=1e-5, rtol=0), (name, (theirs[name] - ours[name]).abs().max())
+
+
+def _peer_env(tmp_path):
+    from peers.common import install, peer_env
+
+    src, site = install("kohya")
+    env = peer_env(site, src, tmp_path)
+    if os.environ.get("PEER_EXTRA_SITE"):
+        env["PYTHONPATH"] += os.pathsep + os.environ["PEER_EXTRA_SITE"]
+    if subprocess.run([sys.executable, "-c", "import torchvision, cv2"], env=env, capture_output=True).returncode:
+        pytest.skip("kohya's library needs torchvision and OpenCV (PEER_EXTRA_SITE on a CPU-only torch)")
+    return env, src

@@ -25,6 +25,7 @@ A CPU check (--tiny) needs torchvision and OpenCV importable by the peer; PEER_E
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from peers.common import PeerFailed, install, peak_gib, peer_env, timed_run
 from peers.kohya_files import real_unet_folder, tokenizer_cache, write_flux_encoders, write_flux_transformer
 
 KINDS = {"sd15": "train_network.py", "sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py"}
+STEPS = re.compile(r"steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")  # its training bar, not the caching bars
 NETWORK = {"sd15": "networks.lora", "sdxl": "networks.lora", "flux": "networks.lora_flux"}
 
 
@@ -106,7 +108,7 @@ def row(kind: str, variant: str, folder: Path, data: Path, work: Path, w: dict, 
     if kind == "flux":
         cmd += ["--timestep_sampling", "shift", "--discrete_flow_shift", "3.1582"]
         cmd += ["--fp8_base"] if variant == "24g" else []
-    figures = timed_run(cmd, src, env, log, warmup, timeout)
+    figures = timed_run(cmd, src, env, log, warmup, timeout, progress=STEPS)
     notes += [f"{KINDS[kind]} " + " ".join(a for a in cmd[2:] if a.startswith("--") and a not in (
         "--pretrained_model_name_or_path", "--clip_l", "--t5xxl", "--ae", "--tokenizer_cache_dir", "--dataset_config",
         "--output_dir", "--output_name")),
@@ -134,7 +136,7 @@ def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: in
            "--lr_warmup_steps", "0", "--logging_dir", str(work / "logs"), "--log_with", "tensorboard"]
     if kind == "flux":
         cmd += ["--timestep_sampling", "sigmoid", "--sigmoid_scale", "1.0"]
-    timed_run(cmd, src, env, log, 0, timeout)
+    timed_run(cmd, src, env, log, 0, timeout, progress=STEPS)
     lora = work / "out" / "lora.safetensors"
     if not lora.exists():
         raise PeerFailed(f"no LoRA file at {lora}")

@@ -122,6 +122,38 @@ def flux_to_bfl(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+# -- Flux.1 AutoEncoder: diffusers AutoencoderKL names -> BFL (ldm) names --------------------------------------------
+_VAE = [(r"(encoder|decoder)\.mid_block\.resnets\.(\d)\.", lambda m: f"{m[1]}.mid.block_{int(m[2]) + 1}."),
+        (r"(encoder|decoder)\.mid_block\.attentions\.0\.group_norm\.", r"\1.mid.attn_1.norm."),
+        (r"(encoder|decoder)\.mid_block\.attentions\.0\.to_(q|k|v)\.", r"\1.mid.attn_1.\2."),
+        (r"(encoder|decoder)\.mid_block\.attentions\.0\.to_out\.0\.", r"\1.mid.attn_1.proj_out."),
+        (r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.down.\1.block.\2."),
+        (r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample."),
+        (r"(encoder|decoder)\.conv_norm_out\.", r"\1.norm_out."), (r"\.conv_shortcut\.", ".nin_shortcut.")]
+
+
+def flux_vae_to_bfl(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers AutoencoderKL of Flux's kind (no quant convs) in the names of BFL's ae.safetensors: the decoder's
+    up blocks in reverse order, attention projections as 1x1 convolutions."""
+    import re
+
+    if any("quant_conv" in k for k in sd):
+        raise ValueError("a VAE with quant_conv / post_quant_conv is not Flux's AutoEncoder")
+    ups = 1 + max((int(k.split(".")[2]) for k in sd if k.startswith("decoder.up_blocks.")), default=-1)
+    out = {}
+    for key, tensor in sd.items():
+        new = re.sub(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.",
+                     lambda m: f"decoder.up.{ups - 1 - int(m[1])}.block.{m[2]}.", key)
+        new = re.sub(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.",
+                     lambda m: f"decoder.up.{ups - 1 - int(m[1])}.upsample.", new)
+        for pattern, repl in _VAE:
+            new = re.sub(pattern, repl, new)
+        if ".mid.attn_1." in new and new.endswith("weight") and tensor.dim() == 2:
+            tensor = tensor[:, :, None, None]
+        out[new] = tensor
+    return out
+
+
 def write_flux_transformer(folder: Path, out: Path) -> Path:
     """folder/transformer (diffusers) -> out (one safetensors file in BFL names), once."""
     from safetensors.torch import load_file, save_file

@@ -6,8 +6,8 @@ from their fixed configs, the AutoEncoder from flux_models.configs["dev"]).
 
 A pipeline text encoder whose every tensor has kohya's name and shape is copied (transformers' names are kohya's);
 anything else gets random bf16 weights of kohya's shapes (norm scales 1, biases 0, the rest N(0, 0.02)), built on
-DEVICE: T5-XXL is 4.7B parameters. The AE is always random: the pipeline's VAE is a diffusers AutoencoderKL, not
-converted to BFL names here. OUT_FOLDER/notes.txt says which is which."""
+DEVICE: T5-XXL is 4.7B parameters. The pipeline's VAE is converted to BFL names (kohya_files.flux_vae_to_bfl) and
+used when its shapes are the AE's. OUT_FOLDER/notes.txt says which is which."""
 
 from __future__ import annotations
 
@@ -42,17 +42,27 @@ def pipeline_weights(folder: Path) -> dict[str, torch.Tensor]:
 def main() -> None:
     from library import flux_models, flux_utils
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from peers.kohya_files import flux_vae_to_bfl
+
     pipeline, out, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     out.mkdir(parents=True, exist_ok=True)
     built = {"clip_l": flux_utils.load_clip_l(None, torch.bfloat16, "cpu", state_dict={}),
              "t5xxl": flux_utils.load_t5xxl(None, torch.bfloat16, "cpu", state_dict={})}
     with torch.device("meta"):
         built["ae"] = flux_models.AutoEncoder(flux_models.configs["dev"].ae_params)
-    sources = {"clip_l": pipeline / "text_encoder", "t5xxl": pipeline / "text_encoder_2", "ae": None}
+    sources = {"clip_l": pipeline / "text_encoder", "t5xxl": pipeline / "text_encoder_2", "ae": pipeline / "vae"}
     notes = []
     for name, model in built.items():
         shapes = {k: v.shape for k, v in model.state_dict().items()}
-        theirs = pipeline_weights(sources[name]) if sources[name] else {}
+        theirs = pipeline_weights(sources[name])
+        if "shared.weight" in theirs:  # T5's tied embedding, saved once
+            theirs.setdefault("encoder.embed_tokens.weight", theirs["shared.weight"])
+        if name == "ae":
+            try:
+                theirs = flux_vae_to_bfl(theirs)
+            except ValueError:
+                theirs = {}
         same = bool(theirs) and all(k in theirs and theirs[k].shape == s for k, s in shapes.items())
         if same:
             weights = {k: theirs[k].to(torch.bfloat16).contiguous() for k in shapes}
