@@ -126,7 +126,8 @@ def test_flux_vae_in_bfl_names_is_kohyas_autoencoder(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     theirs = torch.load(tmp_path / "out.pt", weights_only=True)
     for name in ours:
-        assert torch.allclose(theirs[name], ours[name], atol=1e-5, rtol=0), (name, (theirs[name] - ours[name]).abs().max())
+        gap = (theirs[name] - ours[name]).abs().max()
+        assert torch.allclose(theirs[name], ours[name], atol=1e-5, rtol=0), (name, gap)
 
 
 def _peer_env(tmp_path):

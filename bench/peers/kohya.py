@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from peers.common import PeerFailed, install, peak_gib, peer_env, timed_run
-from peers.kohya_files import real_unet_folder, tokenizer_cache, write_flux_encoders, write_flux_transformer
+from peers.kohya_files import (flux_width_differs, real_unet_folder, tokenizer_cache, unet_is_real, write_flux_encoders,
+                               write_flux_transformer)
 
 KINDS = {"sd15": "train_network.py", "sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py"}
 STEPS = re.compile(r"steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")  # its training bar, not the caching bars
@@ -59,15 +60,24 @@ def _dataset(work: Path, data: Path, size: int, batch: int) -> Path:
     return path
 
 
-def _model_args(kind: str, folder: Path, work: Path, env: dict, log: Path, timeout: float) -> tuple[list[str], list[str]]:
-    """The model arguments of `kind` (files converted once under work/) and notes on what was written."""
+def _model_args(kind: str, folder: Path, work: Path, env: dict, log: Path, timeout: float,
+                same_model: bool = False) -> tuple[list[str], list[str]]:
+    """The model arguments of `kind` (files converted once beside work/) and notes on what was written. With
+    `same_model` (parity), PeerFailed where kohya would train other weights than the pipeline's."""
     models = work.parent / f"kohya-{kind}-models"  # shared by the rows and seeds of one bench run
     tokenizers = ["--tokenizer_cache_dir", str(tokenizer_cache(kind, folder, models / "tokenizers"))]
     if kind in ("sd15", "sdxl"):
+        if same_model and not unet_is_real(kind, folder):
+            raise PeerFailed(f"sd-scripts builds the {kind} UNet at its real shape only (library/original_unet.py): "
+                             f"{folder}/unet is smaller")
         path, notes = real_unet_folder(kind, folder, models / "pipeline", _device())
         return ["--pretrained_model_name_or_path", str(path), *tokenizers], notes
+    if same_model and (why := flux_width_differs(folder)):
+        raise PeerFailed(why)
     dit = write_flux_transformer(folder, models / "flux1-dev.safetensors")
     files, notes = write_flux_encoders(folder, models, env, _device(), log, timeout)
+    if same_model and (random := [n for n in notes if "random" in n]):
+        raise PeerFailed("kohya would train with other weights than the pipeline's: " + "; ".join(random))
     return ["--pretrained_model_name_or_path", str(dit), "--clip_l", str(files["clip_l"]), "--t5xxl",
             str(files["t5xxl"]), "--ae", str(files["ae"]), *tokenizers], notes
 
@@ -119,23 +129,28 @@ def row(kind: str, variant: str, folder: Path, data: Path, work: Path, w: dict, 
 
 def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: int, lr: float, rank: int, alpha: float,
            resolution: int, timeout: float) -> tuple[Path, list[float]]:
-    """LoRA rank/alpha, torch AdamW (weight decay 0.01), constant lr, batch 1, no noise offset or caption dropout.
-    Flux: --timestep_sampling sigmoid (sigmoid of a standard normal, the toolkit's flux default) with the raw
-    prediction and guidance 1.0. Returns (its LoRA file, the per-step `loss/current` of its tensorboard log)."""
+    """LoRA rank/alpha, torch AdamW (weight decay 0.01), constant lr, batch 1, no noise offset or caption dropout,
+    max grad norm 1.0 (both defaults). SD1.5: its uniform integer timesteps (the toolkit's sd default, uniform).
+    Flux: --timestep_sampling flux_shift (the sigmoid of a standard normal shifted by exp(mu), mu linear in the
+    image tokens from 0.5 at 256 to 1.15 at 4096: the toolkit's flux default, logit_normal with the pipeline
+    scheduler's dynamic shift, exactly), the raw prediction (target noise - latents), guidance 1.0 (train.guidance's
+    default). The pipeline must hold what kohya builds (SD1.5's real UNet; Flux 3072 wide, any block counts, real
+    CLIP-L / T5-XXL / AE shapes), else PeerFailed: kohya would train other weights. Returns (its LoRA file, the
+    per-step `loss/current` of its tensorboard log)."""
     if kind not in ("sd15", "flux"):
         raise PeerFailed(f"kohya parity covers sd15 and flux, not {kind}")
     work = work / f"kohya-parity-{kind}-{seed}"
     work.mkdir(parents=True, exist_ok=True)
     log = work / "output.log"
     src, env = _env(work)
-    model, _ = _model_args(kind, folder, work, env, log, timeout)
+    model, _ = _model_args(kind, folder, work, env, log, timeout, same_model=True)
     cmd = [sys.executable, str(src / KINDS[kind]), *model,
            "--dataset_config", str(_dataset(work, data, resolution, 1)),
            *_common(kind, work / "out", steps, seed, lr, rank, alpha), *_kind_args(kind),
            "--optimizer_args", "weight_decay=0.01", "--noise_offset", "0",
            "--lr_warmup_steps", "0", "--logging_dir", str(work / "logs"), "--log_with", "tensorboard"]
     if kind == "flux":
-        cmd += ["--timestep_sampling", "sigmoid", "--sigmoid_scale", "1.0"]
+        cmd += ["--timestep_sampling", "flux_shift", "--sigmoid_scale", "1.0"]
     timed_run(cmd, src, env, log, 0, timeout, progress=STEPS)
     lora = work / "out" / "lora.safetensors"
     if not lora.exists():

@@ -38,15 +38,32 @@ def tokenizer_cache(kind: str, folder: Path, out: Path) -> Path:
     return out
 
 
-def real_unet_folder(kind: str, folder: Path, out: Path, device: str) -> tuple[Path, list[str]]:
-    """`folder` if its UNet has the shape sd-scripts builds, else a copy (links) with a random real-shaped UNet."""
+def unet_is_real(kind: str, folder: Path) -> bool:
     import diffusion_models
 
     real = diffusion_models.SD15_UNET if kind == "sd15" else diffusion_models.SDXL_UNET
     config = json.loads((folder / "unet" / "config.json").read_text())
-    blocks = list(real.get("block_out_channels", (320, 640, 1280, 1280)))
-    if list(config["block_out_channels"]) == blocks:
+    return list(config["block_out_channels"]) == list(real.get("block_out_channels", (320, 640, 1280, 1280)))
+
+
+FLUX_BUILT = dict(num_attention_heads=24, attention_head_dim=128, joint_attention_dim=4096, pooled_projection_dim=768,
+                  in_channels=64, axes_dims_rope=[16, 56, 56], guidance_embeds=True)  # kohya's configs["dev"]
+
+
+def flux_width_differs(folder: Path) -> str:
+    """Why kohya cannot load folder/transformer ("" when it can: it reads only the block counts from the file)."""
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    wrong = {k: config.get(k) for k, v in FLUX_BUILT.items() if config.get(k) != v}
+    return f"kohya builds Flux.1 with {FLUX_BUILT}; {folder}/transformer has {wrong}" if wrong else ""
+
+
+def real_unet_folder(kind: str, folder: Path, out: Path, device: str) -> tuple[Path, list[str]]:
+    """`folder` if its UNet has the shape sd-scripts builds, else a copy (links) with a random real-shaped UNet."""
+    import diffusion_models
+
+    if unet_is_real(kind, folder):
         return folder, []
+    real = diffusion_models.SD15_UNET if kind == "sd15" else diffusion_models.SDXL_UNET
     if not (out / "unet" / "config.json").exists():
         from diffusers import UNet2DConditionModel
 
@@ -73,7 +90,8 @@ _DOUBLE = {"img_mod.lin": "norm1.linear", "txt_mod.lin": "norm1_context.linear",
            "img_attn.proj": "attn.to_out.0", "txt_attn.proj": "attn.to_add_out"}
 _DOUBLE_QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
                "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
-_DOUBLE_NORMS = {"img_attn.norm.query_norm.scale": "attn.norm_q.weight", "img_attn.norm.key_norm.scale": "attn.norm_k.weight",
+_DOUBLE_NORMS = {"img_attn.norm.query_norm.scale": "attn.norm_q.weight",
+                 "img_attn.norm.key_norm.scale": "attn.norm_k.weight",
                  "txt_attn.norm.query_norm.scale": "attn.norm_added_q.weight",
                  "txt_attn.norm.key_norm.scale": "attn.norm_added_k.weight"}
 _SINGLE = {"modulation.lin": "norm.linear", "linear2": "proj_out"}
@@ -166,7 +184,8 @@ def write_flux_transformer(folder: Path, out: Path) -> Path:
     return out
 
 
-def write_flux_encoders(folder: Path, out: Path, env: dict, device: str, log: Path, timeout: float) -> tuple[dict, list[str]]:
+def write_flux_encoders(folder: Path, out: Path, env: dict, device: str, log: Path,
+                        timeout: float) -> tuple[dict, list[str]]:
     """{"clip_l", "t5xxl", "ae": file} for --clip_l/--t5xxl/--ae, written once under `out` by kohya_shapes.py in the
     peer's own environment (its library builds the shapes); the notes say which are random."""
     from peers.common import run_logged
