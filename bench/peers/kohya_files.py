@@ -30,11 +30,16 @@ TOKENIZERS = {  # the Hub ids sd-scripts loads, by pipeline tokenizer folder
 
 
 def tokenizer_cache(kind: str, folder: Path, out: Path) -> Path:
-    """A --tokenizer_cache_dir holding the pipeline's own tokenizers under the names sd-scripts looks for."""
+    """A --tokenizer_cache_dir holding the pipeline's own tokenizers under the names sd-scripts looks for. The
+    `extra_special_tokens: []` transformers 5 writes is left out: its pinned transformers 4.54 reads a dict there."""
     for sub, hub_id in TOKENIZERS[kind].items():
         target = out / hub_id.replace("/", "_")
         if not target.exists():
             shutil.copytree(folder / sub, target)
+            config = json.loads((target / "tokenizer_config.json").read_text())
+            if config.get("extra_special_tokens") == []:
+                del config["extra_special_tokens"]
+            (target / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
