@@ -64,7 +64,7 @@ def _model_args(kind: str, folder: Path, work: Path, env: dict, log: Path, timeo
                 same_model: bool = False) -> tuple[list[str], list[str]]:
     """The model arguments of `kind` (files converted once beside work/) and notes on what was written. With
     `same_model` (parity), PeerFailed where kohya would train other weights than the pipeline's."""
-    models = work.parent / f"kohya-{kind}-models"  # shared by the rows and seeds of one bench run
+    models = folder / ".kohya"  # shared by the rows and seeds on one pipeline, and removed with it (Flux: ~34 GB)
     tokenizers = ["--tokenizer_cache_dir", str(tokenizer_cache(kind, folder, models / "tokenizers"))]
     if kind in ("sd15", "sdxl"):
         if same_model and not unet_is_real(kind, folder):

@@ -74,7 +74,7 @@ def real_unet_folder(kind: str, folder: Path, out: Path, device: str) -> tuple[P
 
         out.mkdir(parents=True, exist_ok=True)
         for item in folder.iterdir():
-            if item.name != "unet" and not (out / item.name).exists():
+            if item.name != "unet" and not item.name.startswith(".") and not (out / item.name).exists():
                 (out / item.name).symlink_to(item.resolve())
         unet = diffusion_models._build(UNet2DConditionModel, real, device)
         unet.save_pretrained(out / "unet")
