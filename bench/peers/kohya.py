@@ -119,9 +119,10 @@ def row(kind: str, variant: str, folder: Path, data: Path, work: Path, w: dict, 
         cmd += ["--timestep_sampling", "shift", "--discrete_flow_shift", "3.1582"]
         cmd += ["--fp8_base"] if variant == "24g" else []
     figures = timed_run(cmd, src, env, log, warmup, timeout, progress=STEPS)
-    notes += [f"{KINDS[kind]} " + " ".join(a for a in cmd[2:] if a.startswith("--") and a not in (
-        "--pretrained_model_name_or_path", "--clip_l", "--t5xxl", "--ae", "--tokenizer_cache_dir", "--dataset_config",
-        "--output_dir", "--output_name")),
+    paths = ("--pretrained_model_name_or_path", "--clip_l", "--t5xxl", "--ae", "--tokenizer_cache_dir",
+             "--dataset_config", "--output_dir")
+    shown = [a for i, a in enumerate(cmd[2:], 2) if a not in paths and cmd[i - 1] not in paths]
+    notes += [f"{KINDS[kind]} {' '.join(shown)}",
               "torch AdamW (its docs' AdamW8bit needs bitsandbytes); SDPA (no xformers on the machine); caching "
               "inside the training process, counted in seconds_to_first_step"]
     return {**figures, "peak_gib": peak_gib(work), "caching_s": None, "notes": notes, "losses": []}
