@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -53,6 +54,10 @@ def _env(work: Path) -> tuple[Path, dict]:
 
 
 def _dataset(work: Path, data: Path, size: int, batch: int) -> Path:
+    """The dataset config, on a copy of the images: kohya writes its disk caches beside them, each run its own."""
+    if not (work / "images").exists():
+        shutil.copytree(data, work / "images")
+    data = work / "images"
     path = work / "dataset.toml"
     path.write_text(f'[general]\ncaption_extension = ".txt"\nshuffle_caption = false\ncaption_dropout_rate = 0.0\n\n'
                     f'[[datasets]]\nresolution = [{size}, {size}]\nbatch_size = {batch}\nenable_bucket = false\n\n'
@@ -104,6 +109,8 @@ def row(kind: str, variant: str, folder: Path, data: Path, work: Path, w: dict, 
         timeout: float) -> dict:
     if kind not in KINDS:
         raise PeerFailed(f"kohya sd-scripts does not train {kind}")
+    if variant not in ("", "24g"):
+        raise PeerFailed(f"no kohya-{variant} row: kohya or kohya-24g")
     if kind == "flux" and _device() == "cpu":
         raise PeerFailed("not run on the CPU: kohya builds Flux.1 at its real width (12B at 19 + 38 blocks) and "
                          "T5-XXL (4.7B) whatever the pipeline's size")
@@ -118,6 +125,8 @@ def row(kind: str, variant: str, folder: Path, data: Path, work: Path, w: dict, 
     if kind == "flux":
         cmd += ["--timestep_sampling", "shift", "--discrete_flow_shift", "3.1582"]
         cmd += ["--fp8_base"] if variant == "24g" else []
+    if variant == "24g" and kind != "flux":
+        notes.append("its docs give no other LoRA settings for 24 GB: the same as the kohya row")
     figures = timed_run(cmd, src, env, log, warmup, timeout, progress=STEPS)
     paths = ("--pretrained_model_name_or_path", "--clip_l", "--t5xxl", "--ae", "--tokenizer_cache_dir",
              "--dataset_config", "--output_dir")
