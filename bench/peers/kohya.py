@@ -1,0 +1,179 @@
+"""kohya sd-scripts rows of bench/diffusion.py (`kohya`, `kohya-24g`) and its loss-parity trainer.
+
+Pinned in bench/peers/kohya.sh (kohya-ss/sd-scripts 48d368fa, its transformers 4.54.1 / diffusers 0.32.1 /
+accelerate 1.6.0 as wheels). Each run is `python SCRIPT.py` in a process of its own (what `accelerate launch` does
+for one process), reading a dataset config toml: the image folder, .txt captions, 1 repeat, the workload's square
+resolution, buckets off.
+
+Settings, from its docs (docs/train_network.md, sdxl_train_network.md, flux_train_network.md):
+  all    LoRA dim 16 alpha 16 on its default targets (networks.lora, networks.lora_flux), lr 1e-4 constant, torch
+         AdamW (the docs' AdamW8bit needs bitsandbytes, not on the GPU machine), --sdpa (no xformers there),
+         --mixed_precision bf16, --gradient_checkpointing (every example of its docs has it), --cache_latents,
+         U-Net/DiT only, seed 0, --persistent_data_loader_workers, saving only at the end, no sampling
+  sd15   train_network.py; the SD1.5 script caches no text-encoder outputs (the flag is SDXL's and Flux's)
+  sdxl   sdxl_train_network.py + --cache_text_encoder_outputs
+  flux   flux_train_network.py + latents and text-encoder outputs cached to disk, --timestep_sampling shift
+         --discrete_flow_shift 3.1582 --model_prediction_type raw --guidance_scale 1.0 (its recommended settings),
+         --save_precision bf16
+  -24g   flux: + --fp8_base (its docs' 24 GB row: "basic settings work fine"; no block swap). SD1.5 and SDXL: the
+         same settings (its docs give nothing else for 24 GB LoRA)
+
+Losses: read from its tensorboard event files (`loss/current`, one per step) with tensorboard's EventAccumulator.
+A CPU check (--tiny) needs torchvision and OpenCV importable by the peer; PEER_EXTRA_SITE=DIR adds DIR to its path
+(on a CPU-only torch the PyPI torchvision cannot load its CUDA ops: only its transforms are used)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from peers.common import PeerFailed, install, peak_gib, peer_env, timed_run
+from peers.kohya_files import (flux_width_differs, real_unet_folder, tokenizer_cache, unet_is_real, write_flux_encoders,
+                               write_flux_transformer)
+
+KINDS = {"sd15": "train_network.py", "sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py"}
+STEPS = re.compile(r"steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")  # its training bar, not the caching bars
+NETWORK = {"sd15": "networks.lora", "sdxl": "networks.lora", "flux": "networks.lora_flux"}
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _env(work: Path) -> tuple[Path, dict]:
+    src, site = install("kohya")
+    env = peer_env(site, src, work, TQDM_MININTERVAL="0", TQDM_MINITERS="1")  # every step's line, for the stamps
+    if os.environ.get("PEER_EXTRA_SITE"):
+        env["PYTHONPATH"] += os.pathsep + os.environ["PEER_EXTRA_SITE"]
+    return src, env
+
+
+def _dataset(work: Path, data: Path, size: int, batch: int) -> Path:
+    """The dataset config, on a copy of the images: kohya writes its disk caches beside them, each run its own."""
+    if not (work / "images").exists():
+        shutil.copytree(data, work / "images")
+    data = work / "images"
+    path = work / "dataset.toml"
+    path.write_text(f'[general]\ncaption_extension = ".txt"\nshuffle_caption = false\ncaption_dropout_rate = 0.0\n\n'
+                    f'[[datasets]]\nresolution = [{size}, {size}]\nbatch_size = {batch}\nenable_bucket = false\n\n'
+                    f'[[datasets.subsets]]\nimage_dir = "{data}"\nnum_repeats = 1\n')
+    return path
+
+
+def _model_args(kind: str, folder: Path, work: Path, env: dict, log: Path, timeout: float,
+                same_model: bool = False) -> tuple[list[str], list[str]]:
+    """The model arguments of `kind` (files converted once beside work/) and notes on what was written. With
+    `same_model` (parity), PeerFailed where kohya would train other weights than the pipeline's."""
+    models = folder / ".kohya"  # shared by the rows and seeds on one pipeline, and removed with it (Flux: ~34 GB)
+    tokenizers = ["--tokenizer_cache_dir", str(tokenizer_cache(kind, folder, models / "tokenizers"))]
+    if kind in ("sd15", "sdxl"):
+        if same_model and not unet_is_real(kind, folder):
+            raise PeerFailed(f"sd-scripts builds the {kind} UNet at its real shape only (library/original_unet.py): "
+                             f"{folder}/unet is smaller")
+        path, notes = real_unet_folder(kind, folder, models / "pipeline", _device())
+        return ["--pretrained_model_name_or_path", str(path), *tokenizers], notes
+    if same_model and (why := flux_width_differs(folder)):
+        raise PeerFailed(why)
+    dit = write_flux_transformer(folder, models / "flux1-dev.safetensors")
+    files, notes = write_flux_encoders(folder, models, env, _device(), log, timeout)
+    if same_model and (random := [n for n in notes if "random" in n]):
+        raise PeerFailed("kohya would train with other weights than the pipeline's: " + "; ".join(random))
+    return ["--pretrained_model_name_or_path", str(dit), "--clip_l", str(files["clip_l"]), "--t5xxl",
+            str(files["t5xxl"]), "--ae", str(files["ae"]), *tokenizers], notes
+
+
+def _common(kind: str, out: Path, steps: int, seed: int, lr: float, rank: int, alpha: float) -> list[str]:
+    return ["--output_dir", str(out), "--output_name", "lora", "--save_model_as", "safetensors",
+            "--network_module", NETWORK[kind], "--network_dim", str(rank), "--network_alpha", f"{alpha:g}",
+            "--network_train_unet_only", "--learning_rate", f"{lr:g}", "--lr_scheduler", "constant",
+            "--optimizer_type", "AdamW", "--max_train_steps", str(steps), "--seed", str(seed), "--sdpa",
+            "--mixed_precision", "bf16", "--cache_latents", "--persistent_data_loader_workers",
+            "--max_data_loader_n_workers", "2"]
+
+
+def _kind_args(kind: str) -> list[str]:
+    if kind == "sdxl":
+        return ["--cache_text_encoder_outputs"]
+    if kind == "flux":
+        return ["--cache_latents_to_disk", "--cache_text_encoder_outputs", "--cache_text_encoder_outputs_to_disk",
+                "--save_precision", "bf16", "--model_prediction_type", "raw", "--guidance_scale", "1.0"]
+    return []
+
+
+def row(kind: str, variant: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int,
+        timeout: float) -> dict:
+    if kind not in KINDS:
+        raise PeerFailed(f"kohya sd-scripts does not train {kind}")
+    if variant not in ("", "24g"):
+        raise PeerFailed(f"no kohya-{variant} row: kohya or kohya-24g")
+    if kind == "flux" and _device() == "cpu":
+        raise PeerFailed("not run on the CPU: kohya builds Flux.1 at its real width (12B at 19 + 38 blocks) and "
+                         "T5-XXL (4.7B) whatever the pipeline's size")
+    work = work / f"kohya-{kind}{'-' + variant if variant else ''}"
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "output.log"
+    src, env = _env(work)
+    model, notes = _model_args(kind, folder, work, env, log, timeout)
+    cmd = [sys.executable, str(src / KINDS[kind]), *model,
+           "--dataset_config", str(_dataset(work, data, w["size"], w["batch"])),
+           *_common(kind, work / "out", warmup + steps, 0, 1e-4, 16, 16), *_kind_args(kind), "--gradient_checkpointing"]
+    if kind == "flux":
+        cmd += ["--timestep_sampling", "shift", "--discrete_flow_shift", "3.1582"]
+        cmd += ["--fp8_base"] if variant == "24g" else []
+    if variant == "24g" and kind != "flux":
+        notes.append("its docs give no other LoRA settings for 24 GB: the same as the kohya row")
+    figures = timed_run(cmd, src, env, log, warmup, timeout, progress=STEPS)
+    paths = ("--pretrained_model_name_or_path", "--clip_l", "--t5xxl", "--ae", "--tokenizer_cache_dir",
+             "--dataset_config", "--output_dir")
+    shown = [a for i, a in enumerate(cmd[2:], 2) if a not in paths and cmd[i - 1] not in paths]
+    notes += [f"{KINDS[kind]} {' '.join(shown)}",
+              "torch AdamW (its docs' AdamW8bit needs bitsandbytes); SDPA (no xformers on the machine); caching "
+              "inside the training process, counted in seconds_to_first_step"]
+    return {**figures, "peak_gib": peak_gib(work), "caching_s": None, "notes": notes, "losses": []}
+
+
+def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: int, lr: float, rank: int, alpha: float,
+           resolution: int, timeout: float) -> tuple[Path, list[float]]:
+    """LoRA rank/alpha, torch AdamW (weight decay 0.01), constant lr, batch 1, no noise offset or caption dropout,
+    max grad norm 1.0 (both defaults). SD1.5: its uniform integer timesteps (the toolkit's sd default, uniform).
+    Flux: --timestep_sampling flux_shift (the sigmoid of a standard normal shifted by exp(mu), mu linear in the
+    image tokens from 0.5 at 256 to 1.15 at 4096: the toolkit's flux default, logit_normal with the pipeline
+    scheduler's dynamic shift, exactly), the raw prediction (target noise - latents), guidance 1.0 (train.guidance's
+    default). The pipeline must hold what kohya builds (SD1.5's real UNet; Flux 3072 wide, any block counts, real
+    CLIP-L / T5-XXL / AE shapes), else PeerFailed: kohya would train other weights. Returns (its LoRA file, the
+    per-step `loss/current` of its tensorboard log)."""
+    if kind not in ("sd15", "flux"):
+        raise PeerFailed(f"kohya parity covers sd15 and flux, not {kind}")
+    work = work / f"kohya-parity-{kind}-{seed}"
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "output.log"
+    src, env = _env(work)
+    model, _ = _model_args(kind, folder, work, env, log, timeout, same_model=True)
+    cmd = [sys.executable, str(src / KINDS[kind]), *model,
+           "--dataset_config", str(_dataset(work, data, resolution, 1)),
+           *_common(kind, work / "out", steps, seed, lr, rank, alpha), *_kind_args(kind),
+           "--optimizer_args", "weight_decay=0.01", "--noise_offset", "0",
+           "--lr_warmup_steps", "0", "--logging_dir", str(work / "logs"), "--log_with", "tensorboard"]
+    if kind == "flux":
+        cmd += ["--timestep_sampling", "flux_shift", "--sigmoid_scale", "1.0"]
+    timed_run(cmd, src, env, log, 0, timeout, progress=STEPS)
+    lora = work / "out" / "lora.safetensors"
+    if not lora.exists():
+        raise PeerFailed(f"no LoRA file at {lora}")
+    return lora, _losses(work / "logs")
+
+
+def _losses(logs: Path) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted(logs.rglob("events.out.tfevents.*"))
+    if not events:
+        raise PeerFailed(f"no tensorboard events under {logs}")
+    acc = EventAccumulator(str(events[-1].parent), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.value for e in sorted(acc.Scalars("loss/current"), key=lambda e: e.step)]

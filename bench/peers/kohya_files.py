@@ -1,0 +1,204 @@
+"""The model files kohya sd-scripts reads, written from the bench's diffusers pipeline folders.
+
+SD1.5 and SDXL: sd-scripts reads a diffusers folder itself (train_util._load_target_model,
+sdxl_train_util._load_target_model) but converts the UNet into its own class, built at the real SD1.5 / SDXL shape
+only (library/original_unet.py, sdxl_original_unet.py): a pipeline with a smaller UNet (--tiny) gets a copy of its
+folder with a real-shaped random UNet. Tokenizers: sd-scripts asks the Hub for them unless --tokenizer_cache_dir
+holds a folder named after the Hub id ("openai/clip-vit-large-patch14" -> openai_clip-vit-large-patch14).
+
+Flux.1: flux_train_network.py reads single files: the transformer in BFL names (written here from the diffusers
+names, the reverse of diffusers' convert_flux_transformer_checkpoint_to_diffusers), and CLIP-L, T5-XXL and the
+AutoEncoder, which library/flux_utils.py builds from fixed real configs (a transformer's width too: only its block
+counts are read from the file). The pipeline's text encoders are copied where their shapes are those; otherwise
+(the bench's two-layer stand-ins, its small VAE) kohya_shapes.py writes random weights of the shapes kohya builds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+TOKENIZERS = {  # the Hub ids sd-scripts loads, by pipeline tokenizer folder
+    "sd15": {"tokenizer": "openai/clip-vit-large-patch14"},
+    "sdxl": {"tokenizer": "openai/clip-vit-large-patch14", "tokenizer_2": "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"},
+    "flux": {"tokenizer": "openai/clip-vit-large-patch14", "tokenizer_2": "google/t5-v1_1-xxl"},
+}
+
+
+def tokenizer_cache(kind: str, folder: Path, out: Path) -> Path:
+    """A --tokenizer_cache_dir holding the pipeline's own tokenizers under the names sd-scripts looks for. The
+    `extra_special_tokens: []` transformers 5 writes is left out: its pinned transformers 4.54 reads a dict there."""
+    for sub, hub_id in TOKENIZERS[kind].items():
+        target = out / hub_id.replace("/", "_")
+        if not target.exists():
+            shutil.copytree(folder / sub, target)
+            config = json.loads((target / "tokenizer_config.json").read_text())
+            if config.get("extra_special_tokens") == []:
+                del config["extra_special_tokens"]
+            (target / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def unet_is_real(kind: str, folder: Path) -> bool:
+    import diffusion_models
+
+    real = diffusion_models.SD15_UNET if kind == "sd15" else diffusion_models.SDXL_UNET
+    config = json.loads((folder / "unet" / "config.json").read_text())
+    return list(config["block_out_channels"]) == list(real.get("block_out_channels", (320, 640, 1280, 1280)))
+
+
+FLUX_BUILT = dict(num_attention_heads=24, attention_head_dim=128, joint_attention_dim=4096, pooled_projection_dim=768,
+                  in_channels=64, axes_dims_rope=[16, 56, 56], guidance_embeds=True)  # kohya's configs["dev"]
+
+
+def flux_width_differs(folder: Path) -> str:
+    """Why kohya cannot load folder/transformer ("" when it can: it reads only the block counts from the file)."""
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    wrong = {k: config.get(k) for k, v in FLUX_BUILT.items() if config.get(k) != v}
+    return f"kohya builds Flux.1 with {FLUX_BUILT}; {folder}/transformer has {wrong}" if wrong else ""
+
+
+def real_unet_folder(kind: str, folder: Path, out: Path, device: str) -> tuple[Path, list[str]]:
+    """`folder` if its UNet has the shape sd-scripts builds, else a copy (links) with a random real-shaped UNet."""
+    import diffusion_models
+
+    if unet_is_real(kind, folder):
+        return folder, []
+    real = diffusion_models.SD15_UNET if kind == "sd15" else diffusion_models.SDXL_UNET
+    if not (out / "unet" / "config.json").exists():
+        from diffusers import UNet2DConditionModel
+
+        out.mkdir(parents=True, exist_ok=True)
+        for item in folder.iterdir():
+            if item.name != "unet" and not item.name.startswith(".") and not (out / item.name).exists():
+                (out / item.name).symlink_to(item.resolve())
+        unet = diffusion_models._build(UNet2DConditionModel, real, device)
+        unet.save_pretrained(out / "unet")
+        del unet
+    return out, [f"UNet written at the real {kind} shape (sd-scripts builds no other); the pipeline's is smaller"]
+
+
+# -- Flux.1 transformer: diffusers names -> BFL names -----------------------------------------------------------------
+_DIRECT = {"time_in.in_layer": "time_text_embed.timestep_embedder.linear_1",
+           "time_in.out_layer": "time_text_embed.timestep_embedder.linear_2",
+           "vector_in.in_layer": "time_text_embed.text_embedder.linear_1",
+           "vector_in.out_layer": "time_text_embed.text_embedder.linear_2",
+           "guidance_in.in_layer": "time_text_embed.guidance_embedder.linear_1",
+           "guidance_in.out_layer": "time_text_embed.guidance_embedder.linear_2",
+           "txt_in": "context_embedder", "img_in": "x_embedder", "final_layer.linear": "proj_out"}
+_DOUBLE = {"img_mod.lin": "norm1.linear", "txt_mod.lin": "norm1_context.linear", "img_mlp.0": "ff.net.0.proj",
+           "img_mlp.2": "ff.net.2", "txt_mlp.0": "ff_context.net.0.proj", "txt_mlp.2": "ff_context.net.2",
+           "img_attn.proj": "attn.to_out.0", "txt_attn.proj": "attn.to_add_out"}
+_DOUBLE_QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+               "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+_DOUBLE_NORMS = {"img_attn.norm.query_norm.scale": "attn.norm_q.weight",
+                 "img_attn.norm.key_norm.scale": "attn.norm_k.weight",
+                 "txt_attn.norm.query_norm.scale": "attn.norm_added_q.weight",
+                 "txt_attn.norm.key_norm.scale": "attn.norm_added_k.weight"}
+_SINGLE = {"modulation.lin": "norm.linear", "linear2": "proj_out"}
+_SINGLE_NORMS = {"norm.query_norm.scale": "attn.norm_q.weight", "norm.key_norm.scale": "attn.norm_k.weight"}
+
+
+def flux_to_bfl(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers FluxTransformer2DModel state dict in the original (BFL) names flux1-dev.safetensors uses."""
+    sd = dict(sd)
+    out: dict[str, torch.Tensor] = {}
+
+    def move(bfl: str, diffusers: str) -> None:
+        for part in ("weight", "bias"):
+            if f"{diffusers}.{part}" in sd:
+                out[f"{bfl}.{part}"] = sd.pop(f"{diffusers}.{part}")
+
+    def fuse(bfl: str, parts: tuple[str, ...]) -> None:
+        for kind in ("weight", "bias"):
+            out[f"{bfl}.{kind}"] = torch.cat([sd.pop(f"{p}.{kind}") for p in parts])
+
+    for bfl, diffusers in _DIRECT.items():
+        move(bfl, diffusers)
+    shift_scale = [sd.pop(f"norm_out.linear.{part}") for part in ("weight", "bias")]
+    for part, tensor in zip(("weight", "bias"), shift_scale):  # diffusers keeps (scale, shift), BFL (shift, scale)
+        scale, shift = tensor.chunk(2, dim=0)
+        out[f"final_layer.adaLN_modulation.1.{part}"] = torch.cat([shift, scale])
+    doubles = sorted({int(k.split(".")[1]) for k in sd if k.startswith("transformer_blocks.")})
+    singles = sorted({int(k.split(".")[1]) for k in sd if k.startswith("single_transformer_blocks.")})
+    for i in doubles:
+        src, dst = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for bfl, diffusers in _DOUBLE.items():
+            move(dst + bfl, src + diffusers)
+        for bfl, parts in _DOUBLE_QKV.items():
+            fuse(dst + bfl, tuple(src + p for p in parts))
+        for bfl, diffusers in _DOUBLE_NORMS.items():
+            out[dst + bfl] = sd.pop(src + diffusers)
+    for i in singles:
+        src, dst = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        for bfl, diffusers in _SINGLE.items():
+            move(dst + bfl, src + diffusers)
+        fuse(dst + "linear1", tuple(src + p for p in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")))
+        for bfl, diffusers in _SINGLE_NORMS.items():
+            out[dst + bfl] = sd.pop(src + diffusers)
+    if sd:
+        raise ValueError(f"diffusers Flux keys with no BFL name: {sorted(sd)[:5]}")
+    return out
+
+
+# -- Flux.1 AutoEncoder: diffusers AutoencoderKL names -> BFL (ldm) names --------------------------------------------
+_VAE = [(r"(encoder|decoder)\.mid_block\.resnets\.(\d)\.", lambda m: f"{m[1]}.mid.block_{int(m[2]) + 1}."),
+        (r"(encoder|decoder)\.mid_block\.attentions\.0\.group_norm\.", r"\1.mid.attn_1.norm."),
+        (r"(encoder|decoder)\.mid_block\.attentions\.0\.to_(q|k|v)\.", r"\1.mid.attn_1.\2."),
+        (r"(encoder|decoder)\.mid_block\.attentions\.0\.to_out\.0\.", r"\1.mid.attn_1.proj_out."),
+        (r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.down.\1.block.\2."),
+        (r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample."),
+        (r"(encoder|decoder)\.conv_norm_out\.", r"\1.norm_out."), (r"\.conv_shortcut\.", ".nin_shortcut.")]
+
+
+def flux_vae_to_bfl(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers AutoencoderKL of Flux's kind (no quant convs) in the names of BFL's ae.safetensors: the decoder's
+    up blocks in reverse order, attention projections as 1x1 convolutions."""
+    import re
+
+    if any("quant_conv" in k for k in sd):
+        raise ValueError("a VAE with quant_conv / post_quant_conv is not Flux's AutoEncoder")
+    ups = 1 + max((int(k.split(".")[2]) for k in sd if k.startswith("decoder.up_blocks.")), default=-1)
+    out = {}
+    for key, tensor in sd.items():
+        new = re.sub(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.",
+                     lambda m: f"decoder.up.{ups - 1 - int(m[1])}.block.{m[2]}.", key)
+        new = re.sub(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.",
+                     lambda m: f"decoder.up.{ups - 1 - int(m[1])}.upsample.", new)
+        for pattern, repl in _VAE:
+            new = re.sub(pattern, repl, new)
+        if ".mid.attn_1." in new and new.endswith("weight") and tensor.dim() == 2:
+            tensor = tensor[:, :, None, None]
+        out[new] = tensor
+    return out
+
+
+def write_flux_transformer(folder: Path, out: Path) -> Path:
+    """folder/transformer (diffusers) -> out (one safetensors file in BFL names), once."""
+    from safetensors.torch import load_file, save_file
+
+    if not out.exists():
+        sd = {}
+        for shard in sorted((folder / "transformer").glob("*.safetensors")):
+            sd.update(load_file(shard))
+        save_file({k: v.contiguous() for k, v in flux_to_bfl(sd).items()}, str(out))
+    return out
+
+
+def write_flux_encoders(folder: Path, out: Path, env: dict, device: str, log: Path,
+                        timeout: float) -> tuple[dict, list[str]]:
+    """{"clip_l", "t5xxl", "ae": file} for --clip_l/--t5xxl/--ae, written once under `out` by kohya_shapes.py in the
+    peer's own environment (its library builds the shapes); the notes say which are random."""
+    from peers.common import run_logged
+
+    files = {name: out / f"{name}.safetensors" for name in ("clip_l", "t5xxl", "ae")}
+    if not all(f.exists() for f in files.values()):
+        out.mkdir(parents=True, exist_ok=True)
+        run_logged([sys.executable, str(Path(__file__).with_name("kohya_shapes.py")), str(folder), str(out), device],
+                   out, env, log, timeout)
+    notes = (out / "notes.txt").read_text().splitlines()
+    return files, notes
