@@ -7,7 +7,8 @@
 #   bash bench/peers/packages.sh kohya musubi aitk
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -qxF "/.whl-peers/" .git/info/exclude 2>/dev/null || echo "/.whl-peers/" >> .git/info/exclude
+exclude="$(git rev-parse --git-common-dir)/info/exclude"  # a worktree's .git is a file
+grep -qxF "/.whl-peers/" "$exclude" 2>/dev/null || echo "/.whl-peers/" >> "$exclude"
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 for name in "$@"; do
