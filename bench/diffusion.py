@@ -49,6 +49,8 @@ Rows (--rows):
                         has 24 GB (device.memory_fraction scaled): model.block_swap=auto decides what to swap
   toolkit-cap25         toolkit in a process capped at 25 GiB, the toolkit told so (device.memory_fraction), with
                         train.gradient_checkpointing and model.block_swap auto: what the toolkit chooses to fit
+  musubi, musubi-24g    musubi-tuner (bench/peers/musubi.py): its Wan trainer (wan, wan22) with its documented
+                        settings for speed; -24g its 24 GB settings (fp8 base, block swap)
   ROW-fp8               any toolkit row + model.quantize=fp8 (the frozen blocks' linear layers in e4m3 with fp8
                         matmuls: another precision than the plain loop's; its losses are printed to compare)
 
@@ -64,6 +66,7 @@ toolkit row. A row that fails leaves its whole output beside --out (RESULT-KIND-
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -77,6 +80,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import PEERS  # noqa: E402
 
 WORKLOADS = {  # family, batch, resolution (or frames x height x width), images per step for the rate
     "sd15": dict(family="sd", batch=4, size=512),
@@ -353,6 +357,15 @@ def run_row(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
     w = workload(kind, args.tiny)
     if row.startswith("plain"):
         return plain_loop(kind, folder, w, args.steps, args.warmup, ckpt="ckpt" in row, compiled="compiled" in row)
+    peer, _, variant = row.partition("-")
+    if peer in PEERS:  # a peer trainer (bench/peers/NAME.py): its error is the row's
+        from peers.common import PeerFailed
+
+        try:
+            return importlib.import_module(PEERS[peer]).row(kind, variant, folder, data, work, w, args.steps,
+                                                            args.warmup, args.timeout)
+        except PeerFailed as failed:
+            return {"skipped": f"{peer}: {failed}"}
     return toolkit_row(kind, row, folder, data, work, w, args.steps, args.warmup, args.set)
 
 

@@ -121,9 +121,9 @@ def umt5_state(hf_state: dict, layers: int) -> dict:
     return out
 
 
-def write_wan(folder: Path, out: Path) -> dict:
-    """dit.safetensors, vae.safetensors, t5.safetensors and shapes.json in `out` (once), from the Wan pipeline
-    `folder`; returns the shapes (also the paths under "files")."""
+def write_wan(folder: Path, out: Path, dit_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """dit.safetensors (in `dit_dtype`), vae.safetensors, t5.safetensors and shapes.json in `out` (once), from the
+    Wan pipeline `folder`; returns the shapes (also the paths under "files")."""
     from safetensors.torch import load_file, save_file
 
     done = out / "shapes.json"
@@ -134,7 +134,7 @@ def write_wan(folder: Path, out: Path) -> dict:
     dit = {}
     for part in sorted((folder / "transformer").glob("*.safetensors")):
         dit.update(load_file(part))
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in wan_dit_state(dit).items()}, out / "dit.safetensors")
+    save_file({k: v.to(dit_dtype).contiguous() for k, v in wan_dit_state(dit).items()}, out / "dit.safetensors")
     del dit
     vae_config = json.loads((folder / "vae" / "config.json").read_text())
     vae = load_file(next((folder / "vae").glob("*.safetensors")))
@@ -178,5 +178,10 @@ def write_tokenizer_cache(tokenizer: Path, hf_home: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     for file in tokenizer.iterdir():
         (target / file.name).write_bytes(file.read_bytes())
+    config_file = target / "tokenizer_config.json"  # transformers 5 writes a list here; musubi's 4.57 wants a dict
+    config = json.loads(config_file.read_text())
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["extra_special_tokens"] = {}
+    config_file.write_text(json.dumps(config, indent=1))
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(revision)
