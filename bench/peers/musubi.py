@@ -31,7 +31,7 @@ from .common import PeerFailed, install, peak_gib, peer_env, run_logged, timed_r
 
 KINDS = {"wan": "wan_train_network.py --task t2v-1.3B", "wan22": "wan_train_network.py --task t2v-A14B (high-noise expert)"}
 HERE = Path(__file__).resolve().parent
-BLOCKS_TO_SWAP = {"wan22": 20}  # of 40 blocks: 14B in fp8 is ~14 GB, half of it resident leaves room for activations
+SWAPPED = {"wan22": 0.5}  # of the blocks (20 of A14B's 40): 14B in fp8 is ~14 GB, half resident leaves room for activations
 
 
 def row(kind: str, variant: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int,
@@ -112,8 +112,8 @@ def speed_args(kind: str, variant: str, shapes: dict) -> list[str]:
                                         "--discrete_flow_shift", "12.0" if kind == "wan22" else "3.0"]
     if variant == "24g":
         args += ["--fp8_base", "--fp8_scaled"]
-        if kind in BLOCKS_TO_SWAP:
-            args += ["--blocks_to_swap", str(BLOCKS_TO_SWAP[kind])]
+        if kind in SWAPPED:
+            args += ["--blocks_to_swap", str(int(shapes["dit"]["num_layers"] * SWAPPED[kind]))]
     elif variant:
         raise PeerFailed(f"musubi-tuner: no variant {variant!r} (\"\" or \"24g\")")
     return args
