@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import torch
 
 from .common import PeerFailed, install, peak_gib, peer_env, run_logged, timed_run
 
+STEPS = re.compile(r"steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")  # its training bar, not the loading bars (fp8)
 KINDS = {"wan": "wan_train_network.py --task t2v-1.3B", "wan22": "wan_train_network.py --task t2v-A14B (high-noise expert)"}
 HERE = Path(__file__).resolve().parent
 SWAPPED = {"wan22": 0.5}  # of the blocks (20 of A14B's 40): 14B in fp8 is ~14 GB, half resident leaves room for activations
@@ -124,7 +126,7 @@ def train(run: dict, args: list[str], warmup: int, timeout: float, need_steps: b
     cmd = run["launch"] + [run["trainer"], "--dataset_config", str(run["toml"]), "--output_dir", str(run["out"]),
                            "--output_name", "lora", "--logging_dir", str(logs), "--log_with", "tensorboard", *args]
     try:
-        result = timed_run(cmd, run["src"], run["env"], run["log"], warmup, timeout)
+        result = timed_run(cmd, run["src"], run["env"], run["log"], warmup, timeout, progress=STEPS)
     except PeerFailed:
         if need_steps or not (run["out"] / "lora.safetensors").exists():
             raise
