@@ -31,9 +31,18 @@ import torch
 from .common import PeerFailed, install, peak_gib, peer_env, run_logged, timed_run
 
 STEPS = re.compile(r"steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")  # its training bar, not the loading bars (fp8)
-KINDS = {"wan": "wan_train_network.py --task t2v-1.3B", "wan22": "wan_train_network.py --task t2v-A14B (high-noise expert)"}
+KINDS = {"wan": "wan_train_network.py --task t2v-1.3B", "wan22": "wan_train_network.py --task t2v-A14B (high-noise expert)",
+         "qwen_image": "qwen_image_train_network.py --model_version original"}
+SCRIPTS = {  # family: (latents cache, text-encoder cache, trainer, text-encoder option, its file)
+    "wan": ("wan_cache_latents.py", "wan_cache_text_encoder_outputs.py", "wan_train_network.py", "--t5", "t5"),
+    "qwen_image": ("qwen_image_cache_latents.py", "qwen_image_cache_text_encoder_outputs.py",
+                   "qwen_image_train_network.py", "--text_encoder", "text_encoder"),
+}
 HERE = Path(__file__).resolve().parent
-SWAPPED = {"wan22": 0.5}  # of the blocks (20 of A14B's 40): 14B in fp8 is ~14 GB, half resident leaves room for activations
+FLOW_SHIFT = {"wan": "3.0", "wan22": "12.0", "qwen_image": "2.2"}  # the docs' commands (wan22: the T2V inference shift)
+# --blocks_to_swap as a share of the blocks: wan22 20 of A14B's 40 (14B in fp8 is ~14 GB; half resident leaves room
+# for activations), qwen_image 16 of 60 (docs/qwen_image.md: 24 GB with fp8 and 16 blocks swapped)
+SWAPPED = {"wan22": 0.5, "qwen_image": 16 / 60}
 
 
 def row(kind: str, variant: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int,
@@ -69,12 +78,15 @@ def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: in
 # -- steps ---------------------------------------------------------------------------------------------------------
 def prepare(kind: str, folder: Path, data: Path, work: Path, w: dict, timeout: float) -> dict:
     """Model files, dataset toml and both caches; the pieces train() needs."""
-    from .musubi_files import write_wan
+    from .musubi_files import write_qwen_image, write_wan
 
     src, site = install("musubi")
     work = work / f"musubi-{kind}"
     work.mkdir(parents=True, exist_ok=True)
-    shapes = write_wan(folder, work / "files", torch.bfloat16 if _cuda() else torch.float32)
+    family = "qwen_image" if kind == "qwen_image" else "wan"
+    writer = write_qwen_image if family == "qwen_image" else write_wan
+    shapes = writer(folder, work / "files", torch.bfloat16 if _cuda() or family == "qwen_image" else torch.float32)
+    latents_script, text_script, trainer, text_option, text_file = SCRIPTS[family]
     shapes_file = work / "files" / "shapes.json"
     env = peer_env(site, src, work)
     env["HF_HOME"] = shapes["hf_home"]  # the tokenizer under the hub name musubi asks for
@@ -85,24 +97,30 @@ def prepare(kind: str, folder: Path, data: Path, work: Path, w: dict, timeout: f
     launch = [sys.executable, str(HERE / "musubi_launch.py"), str(shapes_file)]
     script = lambda name: str(src / "src" / "musubi_tuner" / name)  # noqa: E731
     log = work / "musubi.log"
-    caching = run_logged(launch + [script("wan_cache_latents.py"), "--dataset_config", str(toml), "--vae",
+    caching = run_logged(launch + [script(latents_script), "--dataset_config", str(toml), "--vae",
                                    shapes["files"]["vae"], "--device", device, "--num_workers", "2"],
                          src, env, log, timeout)
-    caching += run_logged(launch + [script("wan_cache_text_encoder_outputs.py"), "--dataset_config", str(toml), "--t5",
-                                    shapes["files"]["t5"], "--device", device, "--batch_size", "16",
+    caching += run_logged(launch + [script(text_script), "--dataset_config", str(toml), text_option,
+                                    shapes["files"][text_file], "--device", device, "--batch_size", "16",
                                     "--num_workers", "2"], src, env, log, timeout)
     return {"work": work, "shapes": shapes, "env": env, "toml": toml, "launch": launch, "src": src, "log": log,
-            "trainer": script("wan_train_network.py"), "caching_s": caching, "out": work / "out"}
+            "trainer": script(trainer), "caching_s": caching, "out": work / "out"}
 
 
 def common_args(kind: str, shapes: dict) -> list[str]:
-    task = "t2v-A14B" if kind == "wan22" else "t2v-1.3B"
-    # CPU (--tiny check): musubi's time embedding asks autocast for float32, which CPU autocast ignores; the DiT is
-    # then float32 (musubi_files.write_wan) without mixed precision
-    precision = "bf16" if _cuda() else "no"
-    args = ["--task", task, "--dit", shapes["files"]["dit"], "--sdpa", "--mixed_precision", precision,
-            "--network_module", "networks.lora_wan", "--optimizer_type", "adamw", "--lr_scheduler", "constant",
-            "--gradient_checkpointing", "--max_data_loader_n_workers", "2", "--persistent_data_loader_workers"]
+    # CPU (--tiny check): musubi's Wan time embedding asks autocast for float32, which CPU autocast ignores; the Wan
+    # DiT is then float32 (musubi_files) without mixed precision. Its Qwen-Image trainer keeps the DiT in bf16.
+    precision = "bf16" if _cuda() or kind == "qwen_image" else "no"
+    files = shapes["files"]
+    if kind == "qwen_image":
+        model = ["--dit", files["dit"], "--vae", files["vae"], "--text_encoder", files["text_encoder"],
+                 "--model_version", "original", "--network_module", "networks.lora_qwen_image"]
+    else:
+        model = ["--task", "t2v-A14B" if kind == "wan22" else "t2v-1.3B", "--dit", files["dit"],
+                 "--network_module", "networks.lora_wan"]
+    args = model + ["--sdpa", "--mixed_precision", precision, "--optimizer_type", "adamw", "--lr_scheduler",
+                    "constant", "--gradient_checkpointing", "--max_data_loader_n_workers", "2",
+                    "--persistent_data_loader_workers"]
     if kind == "wan22":  # one expert: docs/wan.md's timestep range for the T2V high-noise model
         args += ["--min_timestep", "875", "--max_timestep", "1000", "--preserve_distribution_shape"]
     return args
@@ -110,12 +128,13 @@ def common_args(kind: str, shapes: dict) -> list[str]:
 
 def speed_args(kind: str, variant: str, shapes: dict) -> list[str]:
     args = common_args(kind, shapes) + ["--learning_rate", "1e-4", "--network_dim", "16", "--network_alpha", "16",
-                                        "--timestep_sampling", "shift",
-                                        "--discrete_flow_shift", "12.0" if kind == "wan22" else "3.0"]
+                                        "--timestep_sampling", "shift", "--weighting_scheme", "none",
+                                        "--discrete_flow_shift", FLOW_SHIFT[kind]]
     if variant == "24g":
         args += ["--fp8_base", "--fp8_scaled"]
-        if kind in SWAPPED:
-            args += ["--blocks_to_swap", str(int(shapes["dit"]["num_layers"] * SWAPPED[kind]))]
+        swapped = int(shapes["dit"]["num_layers"] * SWAPPED.get(kind, 0))
+        if swapped:
+            args += ["--blocks_to_swap", str(swapped)]
     elif variant:
         raise PeerFailed(f"musubi-tuner: no variant {variant!r} (\"\" or \"24g\")")
     return args

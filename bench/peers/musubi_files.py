@@ -151,6 +151,7 @@ def write_wan(folder: Path, out: Path, dit_dtype: torch.dtype = torch.bfloat16) 
               out / "t5.safetensors")
     heads = dit_config["num_attention_heads"]
     shapes = {
+        "family": "wan",
         "dit": dict(dim=heads * dit_config["attention_head_dim"], ffn_dim=dit_config["ffn_dim"], num_heads=heads,
                     num_layers=dit_config["num_layers"], freq_dim=dit_config["freq_dim"], in_dim=dit_config["in_channels"],
                     out_dim=dit_config["out_channels"], eps=dit_config["eps"]),
@@ -183,5 +184,90 @@ def write_tokenizer_cache(tokenizer: Path, hf_home: Path) -> None:
     if isinstance(config.get("extra_special_tokens"), list):
         config["extra_special_tokens"] = {}
     config_file.write_text(json.dumps(config, indent=1))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+
+
+# -- Qwen-Image ----------------------------------------------------------------------------------------------------
+TEXT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "vocab_size", "bos_token_id", "eos_token_id", "rms_norm_eps")
+VISION_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
+               "spatial_merge_size", "temporal_patch_size", "window_size", "fullatt_block_indexes")
+
+
+def qwen_vl_state(hf_state: dict) -> dict:
+    """transformers 5's Qwen2_5_VLForConditionalGeneration names -> the checkpoint names musubi's load_qwen2_5_vl
+    reads (model.* for the language model, visual.*, lm_head.*; it adds language_model / model.visual itself)."""
+    out = {}
+    for key, value in hf_state.items():
+        if key.startswith("model.language_model."):
+            key = "model." + key.removeprefix("model.language_model.")
+        elif key.startswith("model.visual."):
+            key = key.removeprefix("model.")
+        out[key] = value
+    return out
+
+
+def write_qwen_image(folder: Path, out: Path, dit_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """dit.safetensors (diffusers names, which musubi's QwenImageTransformer2DModel has), vae.safetensors (the
+    diffusers AutoencoderKLQwenImage names musubi's loader reads), text_encoder.safetensors (Qwen2.5-VL checkpoint
+    names) and shapes.json in `out` (once); the tokenizer under the hub name musubi asks for (Qwen/Qwen-Image)."""
+    from safetensors.torch import load_file, save_file
+
+    done = out / "shapes.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+
+    def load(part: str) -> dict:
+        state = {}
+        for file in sorted((folder / part).glob("*.safetensors")):
+            state.update(load_file(file))
+        return state
+
+    save_file({k: v.to(dit_dtype).contiguous() for k, v in load("transformer").items()}, out / "dit.safetensors")
+    save_file({k: v.float().contiguous() for k, v in load("vae").items()}, out / "vae.safetensors")
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in qwen_vl_state(load("text_encoder")).items()},
+              out / "text_encoder.safetensors")
+    dit = json.loads((folder / "transformer" / "config.json").read_text())
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    te = json.loads((folder / "text_encoder" / "config.json").read_text())
+    text, vision = te["text_config"], te["vision_config"]
+    shapes = {
+        "family": "qwen_image",
+        "dit": {k: dit[k] for k in ("num_layers", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
+                                    "axes_dims_rope")},
+        "vae": {k: vae[k] for k in ("base_dim", "dim_mult", "num_res_blocks", "temperal_downsample")},
+        "text": {**{k: text[k] for k in TEXT_KEYS}, "mrope_section": text["rope_parameters"]["mrope_section"],
+                 **{k: te[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                       "vision_end_token_id")}},
+        "vision": {k: vision[k] for k in VISION_KEYS},
+        "files": {name: str(out / f"{name}.safetensors") for name in ("dit", "vae", "text_encoder")},
+    }
+    write_qwen_tokenizer_cache(folder / "tokenizer", out / "hf-home")
+    shapes["hf_home"] = str(out / "hf-home")
+    done.write_text(json.dumps(shapes, indent=1))
+    return shapes
+
+
+def write_qwen_tokenizer_cache(tokenizer: Path, hf_home: Path) -> None:
+    """musubi reads Qwen2Tokenizer (the slow one: vocab.json and merges.txt) from Qwen/Qwen-Image, subfolder
+    tokenizer: the pipeline's tokenizer, its vocabulary and merges taken from its tokenizer.json."""
+    repo = hf_home / "hub" / "models--Qwen--Qwen-Image"
+    revision = "0" * 40
+    target = repo / "snapshots" / revision / "tokenizer"
+    target.mkdir(parents=True, exist_ok=True)
+    fast = json.loads((tokenizer / "tokenizer.json").read_text())
+    (target / "vocab.json").write_text(json.dumps(fast["model"]["vocab"], ensure_ascii=False))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in fast["model"]["merges"]]
+    (target / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    config = {k: v for k, v in config.items() if k not in ("extra_special_tokens", "backend", "tokenizer_class")}
+    added = {t["content"]: t for t in fast.get("added_tokens", [])}
+    config["added_tokens_decoder"] = {str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip",
+                                                                          "single_word", "special")}
+                                      for t in added.values()}
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False))
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(revision)

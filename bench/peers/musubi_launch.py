@@ -5,7 +5,8 @@ shapes of the files the bench wrote (bench/peers/musubi_files.py), in the peer's
 
 musubi builds the Wan DiT from wan/configs (t2v-1.3B: 30 blocks of 1536; t2v-A14B: 40 of 5120), the VAE from
 wan/modules/vae.py's _video_vae (96 wide) and the text encoder from wan/modules/t5.py's umt5_xxl (24 layers of 4096);
-it has no option to read another shape. The real-shaped bench DiT matches its configuration already (the values set
+it has no option to read another shape. Qwen-Image likewise: its DiT (60 blocks), VAE (96 wide) and Qwen2.5-VL-7B
+text encoder are literals in qwen_image/. The real-shaped bench DiT matches its configuration already (the values set
 are the same); the bench's VAE and text encoder are narrow stand-ins, as in the toolkit's rows, and run only while
 caching. Nothing else in musubi changes: the script then runs as `python SCRIPT.py ...` would.
 
@@ -23,6 +24,9 @@ import torch
 
 
 def configure(shapes: dict) -> None:
+    if shapes["family"] == "qwen_image":
+        configure_qwen_image(shapes)
+        return
     from musubi_tuner.wan import configs
     from musubi_tuner.wan.modules import t5, vae
 
@@ -34,6 +38,35 @@ def configure(shapes: dict) -> None:
     max_dist = t5_shape.pop("max_dist")
     t5.T5RelativeEmbedding.__init__.__defaults__ = (max_dist,)
     t5.umt5_xxl = lambda **kwargs: t5._t5("umt5-xxl", **{**t5_shape, "shared_pos": False, "dropout": 0.0, **kwargs})
+
+
+def configure_qwen_image(shapes: dict) -> None:
+    """Qwen-Image: the DiT (qwen_image_model.create_model: 60 blocks of 24 x 128), the VAE and Qwen2.5-VL-7B
+    (qwen_image_utils: a config literal each) built in the files' shapes."""
+    from musubi_tuner.qwen_image import qwen_image_model, qwen_image_utils
+
+    qwen_image_model.QwenImageTransformer2DModel = shaped(qwen_image_model.QwenImageTransformer2DModel, shapes["dit"])
+    qwen_image_utils.AutoencoderKLQwenImage = shaped(qwen_image_utils.AutoencoderKLQwenImage, shapes["vae"])
+    config_class = qwen_image_utils.Qwen2_5_VLConfig
+    text, vision = shapes["text"], shapes["vision"]
+    tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+    def vl_config(**config):
+        for part in (config, config.setdefault("text_config", {})):
+            part.update({k: v for k, v in text.items() if k != "mrope_section" and k not in tokens})
+            part["rope_scaling"] = {**part.get("rope_scaling", {}), "mrope_section": text["mrope_section"]}
+            part["layer_types"] = ["full_attention"] * text["num_hidden_layers"]
+            part["max_window_layers"] = text["num_hidden_layers"]
+        config.update({k: text[k] for k in tokens})
+        config["vision_config"] = {**config.get("vision_config", {}), **vision}
+        return config_class(**config)
+
+    qwen_image_utils.Qwen2_5_VLConfig = vl_config
+
+
+def shaped(cls, shape: dict):
+    """`cls` built with `shape` over whatever arguments musubi passes (same name, so its class-name checks hold)."""
+    return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **kw: cls.__init__(self, *a, **{**kw, **shape})})
 
 
 def main() -> None:
