@@ -1,6 +1,6 @@
 """bench/peers/musubi_files.py: the bench's diffusers Wan DiT, VAE and UMT5 encoder converted to the original Wan names
 give the same outputs through musubi-tuner's own modules (its WanModel, WanVAE_, T5Encoder, at the pinned commit)
-as through diffusers / transformers. Needs the peer's source (.whl-peers/musubi, built by bench/peers/packages.sh
+as through diffusers / transformers; its Qwen-Image DiT and VAE read diffusers' names as they are. Needs the peer's source (.whl-peers/musubi, built by bench/peers/packages.sh
 musubi); skipped without it."""
 
 from __future__ import annotations
@@ -109,3 +109,42 @@ def test_umt5_matches_transformers_through_musubis_encoder(musubi):
         got = theirs(ids, mask)
     torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1, :25], expected[1, :25], atol=1e-5, rtol=1e-5)
+
+
+def test_qwen_image_dit_and_vae_match_diffusers_through_musubis_modules(musubi):
+    """musubi's Qwen-Image DiT and VAE keep diffusers' names: the bench's files load into them as they are."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from diffusion_models import SHAPES
+    from musubi_tuner.qwen_image import qwen_image_autoencoder_kl, qwen_image_model
+
+    torch.manual_seed(0)
+    ours = QwenImageTransformer2DModel(**SHAPES["qwen_image"]).eval()
+    for p in ours.parameters():
+        p.data.normal_(0, 0.05)
+    c = ours.config
+    theirs = qwen_image_model.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=c.num_layers, attention_head_dim=c.attention_head_dim,
+        num_attention_heads=c.num_attention_heads, joint_attention_dim=c.joint_attention_dim, guidance_embeds=False,
+        axes_dims_rope=tuple(c.axes_dims_rope), attn_mode="torch", split_attn=False, zero_cond_t=False,
+        use_additional_t_cond=False, use_layer3d_rope=False).eval()
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    latents, text = torch.randn(1, 16, 64), torch.randn(1, 7, c.joint_attention_dim)
+    mask = torch.ones(1, 7, dtype=torch.long)
+    with torch.no_grad():
+        expected = ours(hidden_states=latents, encoder_hidden_states=text, encoder_hidden_states_mask=mask,
+                        timestep=torch.tensor([0.7]), img_shapes=[[(1, 4, 4)]], return_dict=False)[0]
+        got = theirs(hidden_states=latents, encoder_hidden_states=text, encoder_hidden_states_mask=mask,
+                     timestep=torch.tensor([0.7]), img_shapes=[(1, 4, 4)], txt_seq_lens=[7])
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-3  # rotary tables: float64 in musubi
+
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True]).eval()
+    their_vae = qwen_image_autoencoder_kl.AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]).eval()
+    their_vae.load_state_dict(vae.state_dict(), strict=True)
+    image = torch.rand(1, 3, 1, 32, 32) * 2 - 1
+    with torch.no_grad():
+        expected = vae.encode(image).latent_dist.mean
+        got = their_vae.encode(image, return_dict=False)[0].mean
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -1,5 +1,6 @@
 """musubi-tuner (kohya-ss/musubi-tuner, pinned in musubi.sh) beside the toolkit in bench/diffusion.py: rows `musubi`
-(its documented settings for speed) and `musubi-24g` (its 24 GB settings), and its Wan 2.1 run for the loss parity.
+(its documented settings for speed) and `musubi-24g` (its 24 GB settings) for wan, wan22 and qwen_image, and its
+Wan 2.1 run for the loss parity.
 
 musubi runs in three steps, each a process of its own: the latents cache (wan_cache_latents.py), the text-encoder
 cache (wan_cache_text_encoder_outputs.py), then the trainer (wan_train_network.py), one process (no accelerate
@@ -15,8 +16,10 @@ alpha 16 on its default targets (every Linear of the blocks), --timestep_samplin
 (the docs' example), cached latents and text-encoder outputs on disk, 2 persistent data-loader workers, lr 1e-4
 constant, seed 0. wan22 trains the high-noise expert alone as docs/wan.md says for one expert: --dit the expert,
 --min_timestep 875 --max_timestep 1000 --preserve_distribution_shape, --discrete_flow_shift 12.0 (the official T2V
-inference shift the docs point to). 24g: --fp8_base --fp8_scaled and --blocks_to_swap (docs/wan.md: 24 GB trains
-720p images with fp8 and block swap; the count is the bench's choice, named in the row's notes)."""
+inference shift the docs point to). qwen_image (docs/qwen_image.md): qwen_image_train_network.py --model_version
+original, networks.lora_qwen_image, --timestep_sampling shift --discrete_flow_shift 2.2 --weighting_scheme none.
+24g: --fp8_base --fp8_scaled, and --blocks_to_swap for wan22 (20 of 40: docs/wan.md gives no count, the bench's
+choice) and qwen_image (16 of 60: docs/qwen_image.md's 24 GB figure)."""
 
 from __future__ import annotations
 
