@@ -52,8 +52,8 @@ Rows (--rows):
                         has 24 GB (device.memory_fraction scaled): model.block_swap=auto decides what to swap
   toolkit-cap25         toolkit in a process capped at 25 GiB, the toolkit told so (device.memory_fraction), with
                         train.gradient_checkpointing and model.block_swap auto: what the toolkit chooses to fit
-  musubi, musubi-24g    musubi-tuner (bench/peers/musubi.py): its Wan (wan, wan22) and Qwen-Image trainers with its documented
-                        settings for speed; -24g its 24 GB settings (fp8 base, block swap)
+  musubi, musubi-24g    musubi-tuner (bench/peers/musubi.py): its Wan (wan, wan22) and Qwen-Image trainers with
+                        its documented settings for speed; -24g its 24 GB settings (fp8 base, block swap)
   ROW-fp8               any toolkit row + model.quantize=fp8 (the frozen blocks' linear layers in e4m3 with fp8
                         matmuls: another precision than the plain loop's; its losses are printed to compare)
 

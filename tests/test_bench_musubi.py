@@ -1,7 +1,7 @@
 """bench/peers/musubi_files.py: the bench's diffusers Wan DiT, VAE and UMT5 encoder converted to the original Wan names
 give the same outputs through musubi-tuner's own modules (its WanModel, WanVAE_, T5Encoder, at the pinned commit)
-as through diffusers / transformers; its Qwen-Image DiT and VAE read diffusers' names as they are. Needs the peer's source (.whl-peers/musubi, built by bench/peers/packages.sh
-musubi); skipped without it."""
+as through diffusers / transformers; its Qwen-Image DiT and VAE read diffusers' names as they are. Needs the peer's
+source (.whl-peers/musubi, built by bench/peers/packages.sh musubi); skipped without it."""
 
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def test_wan_dit_matches_diffusers_through_musubis_model(musubi):
         p.data.normal_(0, 0.05)
     c = ours.config
     theirs = WanModel(model_type="t2v", model_version="2.1", dim=c.num_attention_heads * c.attention_head_dim,
-                      eps=c.eps, ffn_dim=c.ffn_dim, freq_dim=c.freq_dim, in_dim=c.in_channels, num_heads=c.num_attention_heads,
-                      num_layers=c.num_layers, out_dim=c.out_channels, text_len=512, attn_mode="torch").eval()
+                      eps=c.eps, ffn_dim=c.ffn_dim, freq_dim=c.freq_dim, in_dim=c.in_channels,
+                      num_heads=c.num_attention_heads, num_layers=c.num_layers, out_dim=c.out_channels, text_len=512,
+                      attn_mode="torch").eval()
     theirs.load_state_dict(wan_dit_state(ours.state_dict()), strict=True)
     latents = torch.randn(1, 16, 2, 8, 8)
     text = torch.zeros(1, 512, c.text_dim)  # musubi pads the text to 512 zeros before its text embedding

@@ -107,7 +107,8 @@ def wan_vae_state(diffusers_state: dict, resnets: int) -> dict:
 def umt5_state(hf_state: dict, layers: int) -> dict:
     """transformers' UMT5EncoderModel state dict in the original Wan T5 encoder names (musubi's T5EncoderModel strips
     `encoder.` itself, so none is written)."""
-    out = {"token_embedding.weight": hf_state["shared.weight"], "norm.weight": hf_state["encoder.final_layer_norm.weight"]}
+    out = {"token_embedding.weight": hf_state["shared.weight"],
+           "norm.weight": hf_state["encoder.final_layer_norm.weight"]}
     for i in range(layers):
         hf, wan = f"encoder.block.{i}.layer.", f"blocks.{i}."
         out[wan + "norm1.weight"] = hf_state[hf + "0.layer_norm.weight"]
@@ -153,8 +154,8 @@ def write_wan(folder: Path, out: Path, dit_dtype: torch.dtype = torch.bfloat16) 
     shapes = {
         "family": "wan",
         "dit": dict(dim=heads * dit_config["attention_head_dim"], ffn_dim=dit_config["ffn_dim"], num_heads=heads,
-                    num_layers=dit_config["num_layers"], freq_dim=dit_config["freq_dim"], in_dim=dit_config["in_channels"],
-                    out_dim=dit_config["out_channels"], eps=dit_config["eps"]),
+                    num_layers=dit_config["num_layers"], freq_dim=dit_config["freq_dim"],
+                    in_dim=dit_config["in_channels"], out_dim=dit_config["out_channels"], eps=dit_config["eps"]),
         "vae": dict(dim=vae_config["base_dim"], dim_mult=vae_config["dim_mult"], num_res_blocks=resnets,
                     temperal_downsample=vae_config["temperal_downsample"]),
         "t5": dict(vocab_size=t5_config["vocab_size"], dim=t5_config["d_model"],
