@@ -1,7 +1,7 @@
 """Diffusion and video LoRA step time: the toolkit beside the plain diffusers loop a user writes, eager and with
 torch.compile, in one run on one GPU, every row in a fresh process of its own.
 
-    python bench/diffusion.py [--models sd15,sdxl,flux,chroma,wan,wan22,ltx2,hunyuan15] [--rows plain,plain-compiled,toolkit] [--steps 6]
+    python bench/diffusion.py [--models sd15,sdxl,flux,chroma,wan,wan22,ltx2,hunyuan15,qwen_image] [--rows plain,plain-compiled,toolkit] [--steps 6]
                               [--warmup 4] [--out result.json] [--tiny] [--profile] [--set KEY=VALUE ...]
 
 Workloads (random weights in the real shapes, bench/diffusion_models.py; nothing downloaded), LoRA r=16 alpha 16
@@ -23,6 +23,9 @@ under bf16 autocast, fused AdamW, gradient norm clipped to 1.0:
         the plain loop the high-noise `transformer` at sigmas >= the boundary, 0.875. 17 frames, not 81: at 81
         the activations alone (~27 GiB) exceed toolkit-swap24's cap. Not in the default --models: it writes
         ~29 GB to the temporary folder (the two experts share their files)
+  qwen_image  Qwen-Image 20B transformer (60 dual-stream blocks, 3072 wide), 1024 px, batch 1; the plain loop feeds 16
+        text tokens (a caption's length: the pipeline pads a batch to its longest prompt only). Not in the default
+        --models: it writes ~41 GB to the temporary folder
   ltx2  LTX-2 19B audio-video transformer (48 blocks), 121 x 512 x 768 (LTX2Pipeline's default shape: 6144 video
         tokens, 126 audio tokens of noise), 1024 text tokens, 1 clip; the video branch trains. Its bf16 weights
         (~38 GB) exceed the 24 GiB of toolkit-swap24, where model.block_swap=auto swaps blocks. Not in the default
@@ -51,6 +54,8 @@ Rows (--rows):
                         train.gradient_checkpointing and model.block_swap auto: what the toolkit chooses to fit
   kohya, kohya-24g      kohya sd-scripts (sd15, sdxl, flux), its docs' fastest settings / its 24 GB settings
                         (bench/peers/kohya.py); a kind it does not train prints why
+  musubi, musubi-24g    musubi-tuner (bench/peers/musubi.py): its Wan (wan, wan22) and Qwen-Image trainers with
+                        its documented settings for speed; -24g its 24 GB settings (fp8 base, block swap)
   ROW-fp8               any toolkit row + model.quantize=fp8 (the frozen blocks' linear layers in e4m3 with fp8
                         matmuls: another precision than the plain loop's; its losses are printed to compare)
 
@@ -66,6 +71,7 @@ toolkit row. A row that fails leaves its whole output beside --out (RESULT-KIND-
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -79,6 +85,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import PEERS  # noqa: E402
 
 WORKLOADS = {  # family, batch, resolution (or frames x height x width), images per step for the rate
     "sd15": dict(family="sd", batch=4, size=512),
@@ -92,11 +99,12 @@ WORKLOADS = {  # family, batch, resolution (or frames x height x width), images 
     "wan22": dict(family="wan22", batch=1, frames=17, height=480, width=832),
     "ltx2": dict(family="ltx2", batch=1, frames=121, height=512, width=768),
     "hunyuan15": dict(family="hunyuan_video15", batch=1, frames=33, height=480, width=832),
+    "qwen_image": dict(family="qwen_image", batch=1, size=1024),
 }
 TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "chroma": dict(size=64),
         "wan": dict(frames=5, height=64, width=64),
         "wan22": dict(frames=5, height=64, width=64), "ltx2": dict(frames=9, height=64, width=64),
-        "hunyuan15": dict(frames=5, height=64, width=64)}
+        "hunyuan15": dict(frames=5, height=64, width=64), "qwen_image": dict(size=64)}
 ROWS = ("plain", "plain-compiled", "toolkit-eager", "toolkit")
 TOOLKIT_ROWS = ("toolkit", "toolkit-eager", "toolkit-nographs", "toolkit-ckpt", "toolkit-swap24", "toolkit-cap25")
 CAP_GIB = 24
@@ -114,7 +122,7 @@ def device() -> str:
 # -- the plain loop ------------------------------------------------------------------------------------------------
 def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
     from diffusers import (ChromaTransformer2DModel, FluxTransformer2DModel, HunyuanVideo15Transformer3DModel,
-                           LTX2VideoTransformer3DModel,
+                           LTX2VideoTransformer3DModel, QwenImageTransformer2DModel,
                            UNet2DConditionModel, WanTransformer3DModel)
     from peft import LoraConfig
 
@@ -122,6 +130,7 @@ def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
     from toolkit.models.diffusion_flow import FLUX_TARGETS
     from toolkit.models.diffusion_hunyuan15 import HUNYUAN15_TARGETS
     from toolkit.models.diffusion_ltx2 import LTX2_TARGETS
+    from toolkit.models.diffusion_qwen import QWEN_TARGETS
     from toolkit.models.diffusion_sd import UNET_TARGETS
     from toolkit.models.diffusion_wan import WAN_TARGETS
 
@@ -132,7 +141,8 @@ def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
                          "wan": (WanTransformer3DModel, "transformer", WAN_TARGETS),
                          "wan22": (WanTransformer3DModel, "transformer", WAN_TARGETS),  # the high-noise expert
                          "ltx2": (LTX2VideoTransformer3DModel, "transformer", LTX2_TARGETS),
-                         "hunyuan15": (HunyuanVideo15Transformer3DModel, "transformer", HUNYUAN15_TARGETS)}[kind]
+                         "hunyuan15": (HunyuanVideo15Transformer3DModel, "transformer", HUNYUAN15_TARGETS),
+                         "qwen_image": (QwenImageTransformer2DModel, "transformer", QWEN_TARGETS)}[kind]
     torch.manual_seed(0)
     model = cls.from_pretrained(folder / sub, torch_dtype=torch.bfloat16).to(device())
     model.requires_grad_(False)
@@ -189,6 +199,15 @@ def plain_inputs(kind: str, model, w: dict):
                                                    txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
     if kind == "ltx2":
         return ltx2_plain_inputs(model, w)
+    if kind == "qwen_image":  # 2x2-packed latents; the caption's text tokens (16, all attended), as the pipeline
+        side = w["size"] // 16  # pads a batch to its longest prompt only
+        latents = torch.randn(b, side * side, model.config.in_channels, device=dev)
+        text = torch.randn(b, 16, model.config.joint_attention_dim, device=dev, dtype=bf16)
+        mask = torch.ones(b, 16, device=dev, dtype=torch.long)
+        shapes = [[(1, side, side)]] * b
+        return latents, lambda noisy, sigma: model(hidden_states=noisy.to(bf16), timestep=sigma,
+                                                   encoder_hidden_states=text, encoder_hidden_states_mask=mask,
+                                                   img_shapes=shapes, return_dict=False)[0]
     if kind == "hunyuan15":  # [noisy | zero condition | zero mask], the pipeline's text-to-video inputs
         c = model.config
         latents = torch.randn(b, c.out_channels, (w["frames"] - 1) // 4 + 1, w["height"] // 16, w["width"] // 16,
@@ -352,12 +371,8 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
 
 
 def run_row(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> dict:
-    from peers import PEERS
-
     w = workload(kind, args.tiny)
     if (peer := row.split("-", 1)[0]) in PEERS:  # kohya, kohya-24g, ...: the peer's own trainer
-        import importlib
-
         variant = row.removeprefix(peer).removeprefix("-")
         return importlib.import_module(PEERS[peer]).row(kind, variant, folder, data, work, w, args.steps, args.warmup,
                                                         0.95 * args.timeout)

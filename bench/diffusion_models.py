@@ -1,6 +1,6 @@
 """Real-shaped diffusion pipelines with random weights for bench/diffusion.py (nothing downloaded): the denoiser at
 its real size (SD1.5 and SDXL UNets, the Flux.1-dev and Chroma1-HD transformers, the Wan 2.1 1.3B transformer, the Wan 2.2 T2V
-A14B experts, the LTX-2 19B audio-video transformer); text encoders of the real widths but two layers, and a VAE with the real x8 downsampling but few
+A14B experts, the LTX-2 19B audio-video transformer, the Qwen-Image 20B transformer); text encoders of the real widths but two layers, and a VAE with the real x8 downsampling but few
 channels (the toolkit caches their outputs, so their size does not change a training step). Also the image
 folders and the clip the toolkit trains on.
 
@@ -40,6 +40,9 @@ LTX2_19B = dict(rope_type="split")
 # HunyuanVideo15Transformer3DModel's defaults are the 480p models' shape (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v
 # transformer/config.json): 54 blocks, 16 heads of 128, Qwen2.5-VL-7B's 3584, ByT5's 1472, SigLIP's 1152, patch 1
 HUNYUAN15_480P = dict(num_layers=54)
+# QwenImageTransformer2DModel's defaults are Qwen-Image's 20B shape (Qwen/Qwen-Image transformer/config.json): 60
+# dual-stream blocks, 24 heads of 128, Qwen2.5-VL-7B's 3584 in, RoPE axes 16/56/56, no guidance embedding
+QWEN_IMAGE_20B = dict()
 SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on the CPU (--tiny)
     "sd15": dict(block_out_channels=(32, 64), layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=768, attention_head_dim=4,
@@ -59,6 +62,8 @@ SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on
                  audio_attention_head_dim=16, cross_attention_dim=32, audio_cross_attention_dim=32,
                  caption_channels=256),
     "hunyuan15": dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, rope_axes_dim=(4, 6, 6)),
+    "qwen_image": dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, joint_attention_dim=32,
+                       axes_dims_rope=(4, 6, 6)),
 }
 
 
@@ -105,7 +110,12 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
 
     config = SHAPES[kind] if tiny else {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "chroma": CHROMA1_HD,
                                         "wan": WAN_1P3B, "wan22": WAN22_A14B, "ltx2": LTX2_19B,
-                                        "hunyuan15": HUNYUAN15_480P}[kind]
+                                        "hunyuan15": HUNYUAN15_480P, "qwen_image": QWEN_IMAGE_20B}[kind]
+    if kind == "qwen_image":
+        from diffusers import QwenImageTransformer2DModel
+
+        _write_qwen_image(folder, _build(QwenImageTransformer2DModel, config, device))
+        return
     if kind == "ltx2":
         _write_ltx2(folder, _build(_ltx2_transformer_class(), config, device))
         return
@@ -179,6 +189,32 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
                                                    use_post_quant_conv=False),
                      text_encoder=clip, tokenizer=tokenizer, text_encoder_2=t5, tokenizer_2=tokenizer_2,
                      transformer=transformer, image_encoder=None, feature_extractor=None).save_pretrained(folder)
+
+
+def _write_qwen_image(folder: Path, transformer) -> None:
+    """QwenImagePipeline around `transformer`, the rest as toolkit/tiny/qwen_image.py writes it (its tokenizer, the
+    narrow Qwen-Image VAE, the real scheduler) with a 2-layer Qwen2.5-VL text model of the transformer's text width
+    (3584 for the real shape: 28 heads of 128 with the 7B's 16/24/24 RoPE sections, 4 key-value heads)."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from toolkit.tiny.qwen_image import (QWEN_IMAGE_LATENTS_MEAN, QWEN_IMAGE_LATENTS_STD, QWEN_IMAGE_SCHEDULER,
+                                         qwen25_vl_config, write_qwen_tokenizer)
+
+    tokenizer = write_qwen_tokenizer(folder / "tokenizer")
+    width = transformer.config.joint_attention_dim
+    config = qwen25_vl_config(tokenizer, hidden_size=width)
+    if width % 128 == 0:  # the real width: the 7B's heads
+        text = config.text_config
+        text.num_attention_heads, text.num_key_value_heads, text.head_dim = width // 128, 4, 128
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": [16, 24, 24]}
+    torch.manual_seed(0)
+    encoder = Qwen2_5_VLForConditionalGeneration(config)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True], latents_mean=QWEN_IMAGE_LATENTS_MEAN,
+                                 latents_std=QWEN_IMAGE_LATENTS_STD)
+    QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=vae, text_encoder=encoder,
+                      tokenizer=tokenizer, transformer=transformer).save_pretrained(folder, safe_serialization=True)
 
 
 def _ltx2_transformer_class():
