@@ -39,6 +39,8 @@ Rows (--rows):
   toolkit-eager         the toolkit's Trainer, train.compile=false
   toolkit               the Trainer with train.compile=true (its SDPA backend measured at start: device.sdpa_backend=auto;
                         train.cuda_graphs=auto: the SD/SDXL UNet compiled whole is replayed as a CUDA graph)
+  toolkit-auto          the toolkit's defaults, as a user's run gets them: train.compile, train.cuda_graphs,
+                        train.gradient_checkpointing and model.block_swap all auto (the peers' rows compare with it)
   toolkit-nographs      the same with train.cuda_graphs=false
   toolkit-ckpt          toolkit + train.gradient_checkpointing=true
   toolkit-ckpt-N        toolkit + N of the blocks checkpointed
@@ -106,7 +108,7 @@ TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "ch
         "wan22": dict(frames=5, height=64, width=64), "ltx2": dict(frames=9, height=64, width=64),
         "hunyuan15": dict(frames=5, height=64, width=64), "qwen_image": dict(size=64)}
 ROWS = ("plain", "plain-compiled", "toolkit-eager", "toolkit")
-TOOLKIT_ROWS = ("toolkit", "toolkit-eager", "toolkit-nographs", "toolkit-ckpt", "toolkit-swap24", "toolkit-cap25")
+TOOLKIT_ROWS = ("toolkit", "toolkit-auto", "toolkit-eager", "toolkit-nographs", "toolkit-ckpt", "toolkit-swap24", "toolkit-cap25")
 CAP_GIB = 24
 FIT_GIB = 25  # toolkit-cap25: the issue's Flux.1 memory target
 
@@ -332,6 +334,8 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
                          "of the suffixes -eager, -pointwise, -attention, -fp8")
     overrides += [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
                  "train.compile=false" if eager else f"train.compile={device() == 'cuda'}"]
+    if row == "toolkit-auto":  # what a user's run gets: every auto setting the toolkit's to settle
+        overrides[-1] = "train.compile=false" if eager else "train.compile=auto"
     if row == "toolkit-nographs":
         overrides.append("train.cuda_graphs=false")
     if "frames" in w:
@@ -352,7 +356,7 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
     elif row == "toolkit-cap25":
         overrides += ["train.gradient_checkpointing=auto", "model.block_swap=auto",
                       f"device.memory_fraction={capped(FIT_GIB):.4f}"]
-    else:
+    elif row != "toolkit-auto":
         overrides.append("train.gradient_checkpointing=false")
     overrides += settings  # --set: last, so they win
     config = (f"model: {{family: {w['family']}}}\nnetwork: {{rank: 16, alpha: 16}}\n"
