@@ -49,6 +49,9 @@ Rows (--rows):
                         has 24 GB (device.memory_fraction scaled): model.block_swap=auto decides what to swap
   toolkit-cap25         toolkit in a process capped at 25 GiB, the toolkit told so (device.memory_fraction), with
                         train.gradient_checkpointing and model.block_swap auto: what the toolkit chooses to fit
+  aitk, aitk-24g        ai-toolkit's run.py (flux, qwen_image, wan) with a job file from its examples: their
+                        large-GPU settings / their 24 GB settings (bench/peers/aitk.py); a kind it does not train
+                        prints why
   ROW-fp8               any toolkit row + model.quantize=fp8 (the frozen blocks' linear layers in e4m3 with fp8
                         matmuls: another precision than the plain loop's; its losses are printed to compare)
 
@@ -350,7 +353,15 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
 
 
 def run_row(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> dict:
+    from peers import PEERS
+
     w = workload(kind, args.tiny)
+    if (peer := row.split("-", 1)[0]) in PEERS:  # kohya, kohya-24g, ...: the peer's own trainer
+        import importlib
+
+        variant = row.removeprefix(peer).removeprefix("-")
+        return importlib.import_module(PEERS[peer]).row(kind, variant, folder, data, work, w, args.steps, args.warmup,
+                                                        0.95 * args.timeout)
     if row.startswith("plain"):
         return plain_loop(kind, folder, w, args.steps, args.warmup, ckpt="ckpt" in row, compiled="compiled" in row)
     return toolkit_row(kind, row, folder, data, work, w, args.steps, args.warmup, args.set)
@@ -360,7 +371,8 @@ def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
     """One row in a process of its own: {"s_per_step", "peak_gib"} or {"skipped": why}."""
     result = work / f"{kind}-{row}.json"
     command = [sys.executable, __file__, "--worker", f"{kind}:{row}", "--folder", str(folder), "--data", str(data),
-               "--work", str(work), "--json", str(result), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--work", str(work), "--json", str(result), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--timeout", str(args.timeout)]
     command += ["--tiny"] if args.tiny else []
     command += [f"--set={setting}" for setting in args.set]
     others_busy = cpus_busy_elsewhere()
@@ -435,7 +447,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         kind, row = args.worker.split(":")
-        args.json.write_text(json.dumps(run_row(kind, row, args, args.folder, args.data, args.work)))
+        from peers.common import PeerFailed
+
+        try:
+            measured = run_row(kind, row, args, args.folder, args.data, args.work)
+        except PeerFailed as failed:  # the row is printed with the peer's message
+            measured = {"skipped": str(failed)}
+        args.json.write_text(json.dumps(measured))
         return
     from diffusion_models import write_clip, write_images, write_pipeline
     from kernel_profile import print_summary

@@ -29,7 +29,10 @@ from peers.common import PeerFailed, install, peak_gib, peer_env, run_logged, ti
 KINDS = {"flux": "run.py, model.arch flux", "qwen_image": "run.py, model.arch qwen_image",
          "wan": "run.py, model.arch wan21"}
 ARCH = {"flux": "flux", "qwen_image": "qwen_image", "wan": "wan21"}
-LOSS = re.compile(r"\d+/\d+ \[[^\]]*?loss: ([-+0-9.eE]+)\]")  # the loss on its bar
+NAME = "bench_"  # the job's name, KIND after it: the training bar's description
+# the training bar alone (its latent caching and shard loading draw bars of their own before it)
+STEPS = re.compile(NAME + r"\w+:\s*\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")
+LOSS = re.compile(NAME + r"\w+:[^\[]*\[[^\]]*?loss: ([-+0-9.eE]+)\]")  # the loss on that bar
 STANDINS = Path(__file__).with_name("aitk_standins")
 
 
@@ -62,7 +65,7 @@ def job(kind: str, variant: str, folder: Path, data: Path, out: Path, w: dict, s
                "datasets": [dataset], "train": train, "model": model,
                "sample": {"sampler": "flowmatch", "sample_every": steps + 1000, "width": 64, "height": 64,
                           "prompts": ["a photo"], "neg": "", "seed": 42, "sample_steps": 1}}
-    return {"job": "extension", "config": {"name": f"bench_{kind}", "process": [process]},
+    return {"job": "extension", "config": {"name": NAME + kind, "process": [process]},
             "meta": {"name": "[name]", "version": "1.0"}}
 
 
@@ -105,7 +108,7 @@ def row(kind: str, variant: str, folder: Path, data: Path, work: Path, w: dict, 
     spec = job(kind, variant, folder, data, work / "output", w, total, device)
     config = work / "job.yaml"
     config.write_text(yaml.safe_dump(spec, sort_keys=False))
-    measured = timed_run([sys.executable, "run.py", str(config)], src, env, log, warmup, timeout)
+    measured = timed_run([sys.executable, "run.py", str(config)], src, env, log, warmup, timeout, progress=STEPS)
     return {"s_per_step": measured["s_per_step"], "peak_gib": peak_gib(work),
             "seconds_to_first_step": measured["seconds_to_first_step"], "caching_s": caching,
             "wall_s": measured["wall_s"], "notes": notes(kind, variant, spec), "losses": losses(log.read_text())}
@@ -117,3 +120,50 @@ def losses(output: str) -> list[float]:
     with the same four digits would count as one)."""
     shown = [float(x) for x in LOSS.findall(output.replace("\r", "\n"))]
     return [x for i, x in enumerate(shown) if i == 0 or x != shown[i - 1]]
+
+
+def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: int, lr: float, rank: int, alpha: float,
+           resolution: int, timeout: float) -> tuple[Path, list[float]]:
+    """Flux only (the issue's part 3 names kohya and musubi; this one is cheap): LoRA rank/alpha on its default
+    targets, torch AdamW (weight decay 0.01), constant lr without warm-up, batch 1, no noise offset, no caption
+    dropout, no EMA, bf16, text embeddings cached. Timesteps: timestep_type flux_shift, a uniform draw over the
+    inference schedule shifted by exp(mu) (mu linear in the image tokens, as the pipeline's dynamic shift) - the
+    toolkit's default draws the sigmoid of a standard normal and shifts it the same way: the nearest ai-toolkit has.
+    Its seed: the SEED environment variable run.py reads. Returns (the LoRA it saves at the end, in diffusers
+    `transformer.` names, and the per-step `loss` of its tensorboard log)."""
+    if kind != "flux":
+        raise PeerFailed(f"ai-toolkit parity covers flux, not {kind}")
+    src, site = install("aitk")
+    work = work / f"aitk-parity-{kind}-{seed}"
+    work.mkdir(parents=True, exist_ok=True)
+    env = peer_env(site, src, work, NO_ALBUMENTATIONS_UPDATE="1", DISABLE_TELEMETRY="YES", SEED=str(seed))
+    env["PYTHONPATH"] += os.pathsep + str(STANDINS)
+    import torch
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    spec = job(kind, "", folder, data, work / "output", {"batch": 1, "size": resolution}, steps, device)
+    process = spec["config"]["process"][0]
+    process["network"].update(linear=rank, linear_alpha=alpha)
+    process["datasets"][0]["caption_dropout_rate"] = 0.0
+    process["train"].update(lr=lr, lr_scheduler="constant", optimizer_params={"weight_decay": 0.01},
+                            noise_offset=0.0, timestep_type="flux_shift", max_grad_norm=1.0)
+    process["train"].pop("ema_config", None)
+    process.update(log_dir=str(work / "logs"), logging={"log_every": 1, "use_wandb": False})
+    config = work / "job.yaml"
+    config.write_text(yaml.safe_dump(spec, sort_keys=False))
+    run_logged([sys.executable, "run.py", str(config)], src, env, work / "aitk.log", timeout)
+    lora = work / "output" / spec["config"]["name"] / f"{spec['config']['name']}.safetensors"
+    if not lora.exists():
+        raise PeerFailed(f"no LoRA file at {lora}")
+    return lora, _tensorboard_losses(work / "logs")
+
+
+def _tensorboard_losses(logs: Path) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted(logs.rglob("events.out.tfevents.*"))
+    if not events:
+        raise PeerFailed(f"no tensorboard events under {logs}")
+    acc = EventAccumulator(str(events[-1].parent), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.value for e in sorted(acc.Scalars("loss"), key=lambda e: e.step)]
