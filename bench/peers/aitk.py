@@ -130,9 +130,12 @@ def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: in
     inference schedule shifted by exp(mu) (mu linear in the image tokens, as the pipeline's dynamic shift) - the
     toolkit's default draws the sigmoid of a standard normal and shifts it the same way: the nearest ai-toolkit has.
     Its seed: the SEED environment variable run.py reads. Returns (the LoRA it saves at the end, in diffusers
-    `transformer.` names, and the per-step `loss` of its tensorboard log)."""
+    `transformer.` names, no alpha: it sets alpha to the rank for every transformer LoRA, so alpha != rank is a
+    PeerFailed), and the per-step `loss` of its tensorboard log)."""
     if kind != "flux":
         raise PeerFailed(f"ai-toolkit parity covers flux, not {kind}")
+    if alpha != rank:  # toolkit/lora_special.py: transformer LoRAs are saved in PEFT names, alpha set to the rank
+        raise PeerFailed(f"ai-toolkit trains flux LoRA with alpha = rank ({rank}), not alpha {alpha}")
     src, site = install("aitk")
     work = work / f"aitk-parity-{kind}-{seed}"
     work.mkdir(parents=True, exist_ok=True)
