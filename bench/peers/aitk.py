@@ -131,7 +131,8 @@ def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: in
     toolkit's default draws the sigmoid of a standard normal and shifts it the same way: the nearest ai-toolkit has.
     Its seed: the SEED environment variable run.py reads. Returns (the LoRA it saves at the end, in diffusers
     `transformer.` names, no alpha: it sets alpha to the rank for every transformer LoRA, so alpha != rank is a
-    PeerFailed), and the per-step `loss` of its tensorboard log)."""
+    PeerFailed), and the per-step `loss` of its tensorboard log: steps 1 to steps - 1, as it logs no loss for
+    the first step)."""
     if kind != "flux":
         raise PeerFailed(f"ai-toolkit parity covers flux, not {kind}")
     if alpha != rank:  # toolkit/lora_special.py: transformer LoRAs are saved in PEFT names, alpha set to the rank
