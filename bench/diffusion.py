@@ -58,6 +58,9 @@ Rows (--rows):
                         (bench/peers/kohya.py); a kind it does not train prints why
   musubi, musubi-24g    musubi-tuner (bench/peers/musubi.py): its Wan (wan, wan22) and Qwen-Image trainers with
                         its documented settings for speed; -24g its 24 GB settings (fp8 base, block swap)
+  aitk, aitk-24g        ai-toolkit's run.py (flux, qwen_image, wan) with a job file from its examples: their
+                        large-GPU settings / their 24 GB settings (bench/peers/aitk.py); a kind it does not train
+                        prints why
   ROW-fp8               any toolkit row + model.quantize=fp8 (the frozen blocks' linear layers in e4m3 with fp8
                         matmuls: another precision than the plain loop's; its losses are printed to compare)
 
