@@ -127,3 +127,94 @@ def toolkit_parity(kind: str, folder: Path, data: Path, work: Path, seed: int, s
     files = {"diffusers": final / "pytorch_lora_weights.safetensors"}
     files.update({SAVE_FORMAT[kind]: p for p in final.glob(f"*_{SAVE_FORMAT[kind]}.safetensors")})
     return files, [losses[s] for s in sorted(losses)]
+
+
+# -- the scorer: one function for every LoRA file ---------------------------------------------------------------------
+def held_out_loss(kind: str, folder: Path, data: Path, lora: Path | None = None, scale: float = 1.0) -> float:
+    """The denoising loss of the pipeline in `folder` with `lora` loaded by diffusers (at `scale`; none: the base)
+    over the images in `data` with their captions: LEVELS noise levels (i + 0.5) / LEVELS of the schedule, DRAWS
+    noise draws each from a generator seeded SCORE_SEED, the family's own target, unweighted, in fp32."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32).to(device())
+    if lora is not None:
+        pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="scored")
+        pipe.set_adapters(["scored"], [scale])
+    generator = torch.Generator().manual_seed(SCORE_SEED)
+    levels = [(i + 0.5) / LEVELS for i in range(LEVELS)]
+    losses = []
+    with torch.no_grad():
+        for image in sorted(data.glob("*.png")):
+            latents, predict = PREDICTORS[kind](pipe, pixels(image), image.with_suffix(".txt").read_text().strip())
+            for level in levels:
+                for _ in range(DRAWS):
+                    noise = torch.randn(latents.shape, generator=generator).to(latents.device)
+                    prediction, target = predict(latents, noise, level)
+                    losses.append(torch.nn.functional.mse_loss(prediction.float(), target.float()).item())
+    return sum(losses) / len(losses)
+
+
+def pixels(image: Path) -> torch.Tensor:
+    """The image as a (1, 3, H, W) tensor in [-1, 1] on the device."""
+    import numpy as np
+    from PIL import Image
+
+    array = np.asarray(Image.open(image).convert("RGB"), dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1)[None].to(device())
+
+
+def sd_predictor(pipe, image: torch.Tensor, caption: str):
+    """Epsilon prediction at the DDPM timestep `level` of the way through the schedule."""
+    latents = pipe.vae.encode(image).latent_dist.mode() * pipe.vae.config.scaling_factor
+    text = pipe.encode_prompt(caption, device(), 1, False)[0]
+    steps = pipe.scheduler.config.num_train_timesteps
+
+    def predict(latents, noise, level):
+        t = torch.tensor([min(int(level * steps), steps - 1)], device=latents.device)
+        noisy = pipe.scheduler.add_noise(latents, noise, t)
+        return pipe.unet(noisy, t, encoder_hidden_states=text).sample, noise
+
+    return latents, predict
+
+
+def flux_predictor(pipe, image: torch.Tensor, caption: str):
+    """The flow velocity noise - x0 at sigma `level`, on the packed latents, guidance 1.0 (as every trainer here)."""
+    vae = pipe.vae
+    latents = (vae.encode(image).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
+    b, c, h, w = latents.shape
+    packed = pipe._pack_latents(latents, b, c, h, w)
+    image_ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+    text, pooled, text_ids = pipe.encode_prompt(prompt=caption, prompt_2=None, device=device())
+    guidance = torch.ones(b, device=latents.device)
+
+    def predict(latents, noise, level):
+        noisy = (1 - level) * latents + level * noise
+        sigma = torch.full((b,), level, device=latents.device)
+        out = pipe.transformer(hidden_states=noisy, timestep=sigma, guidance=guidance, pooled_projections=pooled,
+                               encoder_hidden_states=text, txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+        return out, noise - latents
+
+    return packed, predict
+
+
+def wan_predictor(pipe, image: torch.Tensor, caption: str):
+    """The flow velocity noise - x0 at sigma `level`; the image is a 1-frame video, its latents normalised as
+    WanPipeline does."""
+    vae = pipe.vae
+    latents = vae.encode(image[:, :, None]).latent_dist.mode()
+    view = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(view)
+    std = torch.tensor(vae.config.latents_std, device=latents.device).view(view)
+    latents = (latents - mean) / std
+    text = pipe.encode_prompt(caption, do_classifier_free_guidance=False, device=device())[0]
+
+    def predict(latents, noise, level):
+        noisy = (1 - level) * latents + level * noise
+        t = torch.full((latents.shape[0],), level * 1000, device=latents.device)
+        out = pipe.transformer(hidden_states=noisy, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+        return out, noise - latents
+
+    return latents, predict
+
+
+PREDICTORS = {"sd15": sd_predictor, "flux": flux_predictor, "wan": wan_predictor}
