@@ -218,3 +218,163 @@ def wan_predictor(pipe, image: torch.Tensor, caption: str):
 
 
 PREDICTORS = {"sd15": sd_predictor, "flux": flux_predictor, "wan": wan_predictor}
+
+
+# -- the peers -----------------------------------------------------------------------------------------------------
+def peer_parity(name: str, kind: str, folder: Path, data: Path, work: Path, seed: int, steps: int, lr: float,
+                rank: int, alpha: float, timeout: float) -> tuple[Path, list[float]]:
+    """peers.NAME.parity(...), imported only now; RuntimeError saying why when the module or its carried
+    installation (.whl-peers/NAME) is missing."""
+    import importlib
+
+    if not (REPO / ".whl-peers" / name).exists():
+        raise RuntimeError(f".whl-peers/{name} is missing: build it with `bash bench/peers/packages.sh {name}` and "
+                           "carry it")
+    try:
+        module = importlib.import_module(f"peers.{name}")
+    except ModuleNotFoundError as error:
+        raise RuntimeError(f"bench/peers/{name}.py is not here ({error})") from None
+    if not hasattr(module, "parity"):
+        raise RuntimeError(f"bench/peers/{name}.py has no parity()")
+    return module.parity(kind, folder, data, work, seed, steps, lr, rank, alpha, RESOLUTION, timeout)
+
+
+# -- the runs and the table ----------------------------------------------------------------------------------------
+def last_mean(losses: list[float], n: int = 100) -> float:
+    tail = losses[-n:]
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def score_or_reason(kind: str, folder: Path, data: Path, lora: Path) -> float | str:
+    """held_out_loss of `lora`, or why diffusers could not load it (that row says so)."""
+    try:
+        return held_out_loss(kind, folder, data, lora)
+    except Exception as error:  # the row names what diffusers said; the other rows still run
+        return f"diffusers cannot load {lora.name}: {type(error).__name__}: {str(error)[:200]}"
+
+
+def run_kind(kind: str, trainers: list[str], seeds: list[int], args, work: Path) -> dict:
+    """Every trainer and seed of `kind`: its rows, per-trainer summaries and the toolkit - peer differences."""
+    from diffusion_models import write_pipeline
+
+    folder, data = work / kind, work / f"{kind}-data"
+    write_pipeline(kind, folder, device(), tiny=True)
+    write_block_images(data)
+    base = held_out_loss(kind, folder, data)
+    rows = []
+    for trainer in trainers:
+        for seed in seeds:
+            row = {"trainer": trainer, "seed": seed, "base": base}
+            runs = work / f"{kind}-{trainer}-s{seed}"
+            runs.mkdir(parents=True, exist_ok=True)
+            began = time.perf_counter()
+            try:
+                if trainer == "toolkit":
+                    files, losses = toolkit_parity(kind, folder, data, runs, seed, args.steps, args.lr, args.rank,
+                                                   args.alpha, RESOLUTION, args.timeout)
+                    lora = files.pop("diffusers")
+                    for fmt, other in files.items():  # the same LoRA in the toolkit's other export
+                        row[f"held_out_{fmt}"] = score_or_reason(kind, folder, data, other)
+                else:
+                    lora, losses = peer_parity(trainer, kind, folder, data, runs, seed, args.steps, args.lr,
+                                               args.rank, args.alpha, args.timeout)
+            except Exception as error:  # a trainer that cannot run gives a row with its reason
+                row["error"] = f"{type(error).__name__}: {error}"
+                rows.append(row)
+                print(f"  {trainer} seed {seed}: {row['error']}", flush=True)
+                continue
+            row.update(train_s=round(time.perf_counter() - began, 1), steps_logged=len(losses),
+                       last100=last_mean(losses), lora=str(lora), held_out=score_or_reason(kind, folder, data, lora))
+            rows.append(row)
+            print(f"  {trainer} seed {seed}: last100 {row['last100']:.5f}, held-out {row['held_out']}", flush=True)
+    return {"base": base, "rows": rows, **summarise(rows, trainers)}
+
+
+def mean_std(values: list[float]) -> tuple[float, float, int]:
+    n = len(values)
+    mean = sum(values) / n if n else float("nan")
+    return mean, statistics.stdev(values) if n > 1 else float("nan"), n
+
+
+def summarise(rows: list[dict], trainers: list[str]) -> dict:
+    """Per trainer mean and std over seeds of last100 and held_out; toolkit - each peer with its standard error."""
+    summary = {}
+    for trainer in trainers:
+        mine = [r for r in rows if r["trainer"] == trainer and "error" not in r]
+        summary[trainer] = {metric: dict(zip(("mean", "std", "n"), mean_std(
+            [r[metric] for r in mine if isinstance(r.get(metric), float)]))) for metric in ("last100", "held_out")}
+    differences = {}
+    for peer in trainers:
+        if peer == "toolkit" or "toolkit" not in summary:
+            continue
+        differences[peer] = {}
+        for metric in ("last100", "held_out"):
+            a, b = summary["toolkit"][metric], summary[peer][metric]
+            se = math.sqrt(a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"]) if a["n"] > 1 and b["n"] > 1 else float("nan")
+            differences[peer][metric] = {"difference": a["mean"] - b["mean"], "se": se}
+    return {"summary": summary, "toolkit_minus_peer": differences}
+
+
+def number(value, width: int = 10) -> str:
+    if isinstance(value, float):
+        return f"{value:>{width}.5f}" if math.isfinite(value) else f"{'-':>{width}}"
+    return f"{'-':>{width}}"
+
+
+def print_table(kind: str, result: dict) -> None:
+    print(f"\n{kind}: trainer, seed, mean loss of the last 100 steps, held-out loss, held-out of the base")
+    print(f"{'trainer':<10} {'seed':>4} {'last100':>10} {'held-out':>10} {'base':>10}")
+    for r in result["rows"]:
+        reason = r.get("error") or (r["held_out"] if isinstance(r.get("held_out"), str) else "")
+        print(f"{r['trainer']:<10} {r['seed']:>4} {number(r.get('last100'))} {number(r.get('held_out'))} "
+              f"{number(r['base'])}  {reason}".rstrip())
+    for trainer, s in result["summary"].items():
+        print(f"{trainer:<10} mean +- std over {s['held_out']['n']} seeds: last100 "
+              f"{number(s['last100']['mean'], 0)} +- {number(s['last100']['std'], 0)}, held-out "
+              f"{number(s['held_out']['mean'], 0)} +- {number(s['held_out']['std'], 0)}")
+    for peer, d in result["toolkit_minus_peer"].items():
+        print(f"toolkit - {peer}: last100 {number(d['last100']['difference'], 0)} (se {number(d['last100']['se'], 0)}), "
+              f"held-out {number(d['held_out']['difference'], 0)} (se {number(d['held_out']['se'], 0)})")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", default="sd15,flux,wan")
+    parser.add_argument("--peers", default="kohya,musubi", help="the peers to run, each where PEERS pairs it")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--alpha", type=float, default=16)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per training run")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--work", type=Path, default=None, help="keep the models, runs and LoRA files here")
+    parser.add_argument("--tiny-cpu", action="store_true", help="20 steps, seed 0, on the CPU: to check the bench")
+    args = parser.parse_args(argv)
+    if args.tiny_cpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # this process and the trainers it starts
+        args.steps, args.seeds = min(args.steps, 20), "0"
+    seeds = [int(s) for s in args.seeds.split(",")]
+    peers = args.peers.split(",") if args.peers else []
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-loss-parity-"))
+    name = torch.cuda.get_device_name() if device() == "cuda" else "CPU"
+    print(f"device: {name}; torch {torch.__version__}; {args.steps} steps, seeds {seeds}, lr {args.lr:g}, "
+          f"rank {args.rank}, alpha {args.alpha:g}", flush=True)
+    results = {}
+    for kind in args.kinds.split(","):
+        if kind not in PEERS:
+            raise SystemExit(f"--kinds: unknown {kind!r}; available: {', '.join(PEERS)}")
+        trainers = ["toolkit", *[p for p in peers if PEERS[kind] == p]]
+        print(f"\n{kind}: {' vs '.join(trainers)}", flush=True)
+        results[kind] = run_kind(kind, trainers, seeds, args, work)
+        print_table(kind, results[kind])
+    report = {"device": name, "torch": torch.__version__, "steps": args.steps, "seeds": seeds, "lr": args.lr,
+              "rank": args.rank, "alpha": args.alpha, "toolkit_settings": TOOLKIT_SETTINGS, "kinds": results}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
