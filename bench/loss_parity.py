@@ -100,6 +100,7 @@ def toolkit_parity(kind: str, folder: Path, data: Path, work: Path, seed: int, s
     per-step losses from logs/metrics.jsonl)."""
     name = f"toolkit-{kind}-s{seed}"
     precision = "bf16" if device() == "cuda" else "fp32"
+    work.mkdir(parents=True, exist_ok=True)
     config = work / f"{name}.yaml"
     config.write_text(
         f"run: {{name: {name}, output_dir: {work / name}, seed: {seed}}}\n"
@@ -140,17 +141,17 @@ def held_out_loss(kind: str, folder: Path, data: Path, lora: Path | None = None,
     if lora is not None:
         pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="scored")
         pipe.set_adapters(["scored"], [scale])
-    generator = torch.Generator().manual_seed(SCORE_SEED)
-    levels = [(i + 0.5) / LEVELS for i in range(LEVELS)]
-    losses = []
-    with torch.no_grad():
-        for image in sorted(data.glob("*.png")):
-            latents, predict = PREDICTORS[kind](pipe, pixels(image), image.with_suffix(".txt").read_text().strip())
-            for level in levels:
-                for _ in range(DRAWS):
-                    noise = torch.randn(latents.shape, generator=generator).to(latents.device)
-                    prediction, target = predict(latents, noise, level)
-                    losses.append(torch.nn.functional.mse_loss(prediction.float(), target.float()).item())
+    images = sorted(data.glob("*.png"))
+    captions = [image.with_suffix(".txt").read_text().strip() for image in images]
+    with torch.no_grad():  # all images in one batch: each level and draw is one forward
+        latents, predict = PREDICTORS[kind](pipe, torch.cat([pixels(image) for image in images]), captions)
+        generator = torch.Generator().manual_seed(SCORE_SEED)
+        noises = torch.randn((LEVELS, DRAWS, *latents.shape), generator=generator).to(latents.device)
+        losses = []
+        for i in range(LEVELS):
+            for draw in range(DRAWS):
+                prediction, target = predict(latents, noises[i, draw], (i + 0.5) / LEVELS)
+                losses.append(torch.nn.functional.mse_loss(prediction.float(), target.float()).item())
     return sum(losses) / len(losses)
 
 
@@ -163,21 +164,21 @@ def pixels(image: Path) -> torch.Tensor:
     return torch.from_numpy(array).permute(2, 0, 1)[None].to(device())
 
 
-def sd_predictor(pipe, image: torch.Tensor, caption: str):
+def sd_predictor(pipe, image: torch.Tensor, caption: list[str]):
     """Epsilon prediction at the DDPM timestep `level` of the way through the schedule."""
     latents = pipe.vae.encode(image).latent_dist.mode() * pipe.vae.config.scaling_factor
     text = pipe.encode_prompt(caption, device(), 1, False)[0]
     steps = pipe.scheduler.config.num_train_timesteps
 
     def predict(latents, noise, level):
-        t = torch.tensor([min(int(level * steps), steps - 1)], device=latents.device)
+        t = torch.full((latents.shape[0],), min(int(level * steps), steps - 1), device=latents.device)
         noisy = pipe.scheduler.add_noise(latents, noise, t)
         return pipe.unet(noisy, t, encoder_hidden_states=text).sample, noise
 
     return latents, predict
 
 
-def flux_predictor(pipe, image: torch.Tensor, caption: str):
+def flux_predictor(pipe, image: torch.Tensor, caption: list[str]):
     """The flow velocity noise - x0 at sigma `level`, on the packed latents, guidance 1.0 (as every trainer here)."""
     vae = pipe.vae
     latents = (vae.encode(image).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
@@ -197,7 +198,7 @@ def flux_predictor(pipe, image: torch.Tensor, caption: str):
     return packed, predict
 
 
-def wan_predictor(pipe, image: torch.Tensor, caption: str):
+def wan_predictor(pipe, image: torch.Tensor, caption: list[str]):
     """The flow velocity noise - x0 at sigma `level`; the image is a 1-frame video, its latents normalised as
     WanPipeline does."""
     vae = pipe.vae
