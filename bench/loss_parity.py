@@ -106,7 +106,7 @@ def toolkit_parity(kind: str, folder: Path, data: Path, work: Path, seed: int, s
         f"run: {{name: {name}, output_dir: {work / name}, seed: {seed}}}\n"
         f"model: {{family: {FAMILIES[kind]}, name_or_path: {folder}}}\n"
         f"network: {{rank: {rank}, alpha: {alpha}}}\n"
-        f"data: {{path: {data}, resolution: {resolution}}}\n"
+        f"data: {{path: {data}, resolution: {resolution}, caption_dropout: 0.0, random_flip: false}}\n"
         f"train: {{steps: {steps}, batch_size: 1, grad_accum: 1, lr: {lr}, lr_scheduler: constant, warmup_steps: 0,\n"
         f"        optimizer: adamw, weight_decay: 0.01, noise_offset: 0.0, max_grad_norm: 1.0, precision: {precision},\n"
         f"        gradient_checkpointing: false, compile: false}}\n"
@@ -116,7 +116,8 @@ def toolkit_parity(kind: str, folder: Path, data: Path, work: Path, seed: int, s
     log = work / f"{name}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with log.open("w") as handle:
-        done = subprocess.run([sys.executable, "-m", "toolkit", "train", str(config), *TOOLKIT_SETTINGS[kind]],
+        done = subprocess.run([sys.executable, "-m", "toolkit", "train", str(config), "--fresh",
+                               *TOOLKIT_SETTINGS[kind]],
                               cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
     if done.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-5:]

@@ -43,3 +43,20 @@ def test_toolkit_side_and_scorer_on_sd15(tmp_path: Path):
     assert abs(from_kohya - trained) < 1e-5  # one LoRA, two formats, one number
     assert abs(zero - base) < 1e-6
     assert loss_parity.last_mean(losses, 2) == (losses[-2] + losses[-1]) / 2
+
+
+def test_summary_over_seeds_and_the_difference_with_its_standard_error():
+    rows = [{"trainer": "toolkit", "seed": s, "last100": v, "held_out": v - 0.1} for s, v in enumerate((1.0, 1.2, 1.1))]
+    rows += [{"trainer": "kohya", "seed": s, "last100": v, "held_out": "diffusers cannot load x"}
+             for s, v in enumerate((1.3, 1.5))]
+    rows.append({"trainer": "kohya", "seed": 2, "error": "RuntimeError: .whl-peers/kohya is missing"})
+    result = loss_parity.summarise(rows, ["toolkit", "kohya"])
+    toolkit, kohya = result["summary"]["toolkit"], result["summary"]["kohya"]
+    assert toolkit["last100"]["n"] == 3 and abs(toolkit["last100"]["mean"] - 1.1) < 1e-12
+    assert abs(toolkit["last100"]["std"] - 0.1) < 1e-12
+    assert kohya["last100"]["n"] == 2 and abs(kohya["last100"]["mean"] - 1.4) < 1e-12
+    assert kohya["held_out"]["n"] == 0  # a file diffusers could not load has no number
+    difference = result["toolkit_minus_peer"]["kohya"]["last100"]
+    assert abs(difference["difference"] + 0.3) < 1e-12
+    assert abs(difference["se"] - math.sqrt(0.1**2 / 3 + (0.2**2 / 2) / 2)) < 1e-12
+    assert math.isnan(result["toolkit_minus_peer"]["kohya"]["held_out"]["se"])
