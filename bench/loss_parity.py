@@ -328,6 +328,8 @@ def print_table(kind: str, result: dict) -> None:
     print(f"{'trainer':<10} {'seed':>4} {'last100':>10} {'held-out':>10} {'base':>10}")
     for r in result["rows"]:
         reason = r.get("error") or (r["held_out"] if isinstance(r.get("held_out"), str) else "")
+        reason += "".join(f" {key.removeprefix('held_out_')} file: {number(value, 0).strip()}"
+                          for key, value in r.items() if key.startswith("held_out_"))
         print(f"{r['trainer']:<10} {r['seed']:>4} {number(r.get('last100'))} {number(r.get('held_out'))} "
               f"{number(r['base'])}  {reason}".rstrip())
     for trainer, s in result["summary"].items():
