@@ -116,7 +116,7 @@ def toolkit_parity(kind: str, folder: Path, data: Path, work: Path, seed: int, s
     log = work / f"{name}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with log.open("w") as handle:
-        done = subprocess.run([sys.executable, "-m", "toolkit", "train", str(config), "--fresh",
+        done = subprocess.run([sys.executable, "-m", "toolkit", "train", "--fresh", str(config),
                                *TOOLKIT_SETTINGS[kind]],
                               cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
     if done.returncode != 0:
