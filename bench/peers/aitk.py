@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from peers.common import PeerFailed, install, peak_gib, peer_env, run_logged, timed_run
+from peers.common import STANDINS, PeerFailed, install, peak_gib, peer_env, run_logged, timed_run
 
 KINDS = {"flux": "run.py, model.arch flux", "qwen_image": "run.py, model.arch qwen_image",
          "wan": "run.py, model.arch wan21"}
@@ -33,7 +33,6 @@ NAME = "bench_"  # the job's name, KIND after it: the training bar's description
 # the training bar alone (its latent caching and shard loading draw bars of their own before it)
 STEPS = re.compile(NAME + r"\w+:\s*\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")
 LOSS = re.compile(NAME + r"\w+:[^\[]*\[[^\]]*?loss: ([-+0-9.eE]+)\]")  # the loss on that bar
-STANDINS = Path(__file__).with_name("aitk_standins")
 
 
 def job(kind: str, variant: str, folder: Path, data: Path, out: Path, w: dict, steps: int, device: str) -> dict:

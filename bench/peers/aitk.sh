@@ -10,7 +10,7 @@ EXCLUDE=('toolkit/keymaps/*.safetensors' ui assets notebooks docker)
 # release after it. Its transformers 5.5.3 lacks Gemma4Unified..., which diffusers 0.40's LTX-2 pipeline (imported at
 # start-up) needs: the machine's transformers 5.17 and tokenizers serve instead. torchvision, torchaudio, timm,
 # scikit-image, opencv: the machine's. Left out: bitsandbytes (the examples' adamw8bit: torch adamw instead) and
-# PyAV (40 MB; imported, never called, for these models: bench/peers/aitk_standins/av).
+# PyAV (40 MB; imported, never called, for these models: bench/peers/standins/av).
 WHEELS=(
     diffusers==0.40.0 huggingface_hub==1.23.0 peft==0.18.1
     optimum-quanto==0.2.4 torchao==0.10.0

@@ -32,6 +32,9 @@ CARRIED = REPO / ".whl-peers"
 TQDM = re.compile(r"(\d+)/(\d+) \[")  # "steps:  40%|####      | 4/10 [00:03<00:05, 1.2it/s, avr_loss=0.1]"
 
 
+STANDINS = Path(__file__).with_name("standins")  # import-only stand-ins, last on a peer's PYTHONPATH (standins/av)
+
+
 class PeerFailed(RuntimeError):
     """The peer could not run the workload: the row is printed with this message instead of figures."""
 

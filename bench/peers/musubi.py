@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .common import PeerFailed, install, peak_gib, peer_env, run_logged, timed_run
+from .common import STANDINS, PeerFailed, install, peak_gib, peer_env, run_logged, timed_run
 
 STEPS = re.compile(r"steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")  # its training bar, not the loading bars (fp8)
 KINDS = {"wan": "wan_train_network.py --task t2v-1.3B",
@@ -94,7 +94,8 @@ def prepare(kind: str, folder: Path, data: Path, work: Path, w: dict, timeout: f
     shapes_file = work / "files" / "shapes.json"
     env = peer_env(site, src, work)
     env["HF_HOME"] = shapes["hf_home"]  # the tokenizer under the hub name musubi asks for
-    paths = [str(src / "src")] + [os.environ.get("BENCH_PEER_EXTRA_PATH", "")]  # the package; a CPU check's opencv
+    paths = [str(src / "src")] + [os.environ.get("BENCH_PEER_EXTRA_PATH", ""),  # the package; a CPU check's opencv
+                                  str(STANDINS)]  # last: PyAV's import-only stand-in (the clip is a folder of frames)
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *filter(None, paths)])
     toml = write_dataset(data, work, w)
     device = "cuda" if _cuda() else "cpu"
