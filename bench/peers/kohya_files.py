@@ -62,24 +62,55 @@ def flux_width_differs(folder: Path) -> str:
     return f"kohya builds Flux.1 with {FLUX_BUILT}; {folder}/transformer has {wrong}" if wrong else ""
 
 
+SDXL_TEXT_LAYERS = 12  # sdxl_train_util / strategy_sdxl.py reads text_encoder's hidden_states[11]: CLIP-L's 12 layers
+
+
+def text_encoder_too_shallow(kind: str, folder: Path) -> bool:
+    """True when sd-scripts would index past the pipeline's first SDXL text encoder (the bench's two-layer stand-in)."""
+    if kind != "sdxl":
+        return False
+    config = json.loads((folder / "text_encoder" / "config.json").read_text())
+    return config["num_hidden_layers"] < SDXL_TEXT_LAYERS
+
+
 def real_unet_folder(kind: str, folder: Path, out: Path, device: str) -> tuple[Path, list[str]]:
-    """`folder` if its UNet has the shape sd-scripts builds, else a copy (links) with a random real-shaped UNet."""
+    """`folder` if sd-scripts can read it as it is, else a copy (links) with what it cannot: a random real-shaped
+    UNet in place of a smaller one, and for SDXL a random 12-layer first text encoder (same width and vocabulary) in
+    place of a shallower one. The text encoders' outputs are cached before the first step, so their depth changes
+    the caching time only."""
     import diffusion_models
 
-    if unet_is_real(kind, folder):
+    replace = {name for name, wrong in (("unet", not unet_is_real(kind, folder)),
+                                        ("text_encoder", text_encoder_too_shallow(kind, folder))) if wrong}
+    if not replace:
         return folder, []
-    real = diffusion_models.SD15_UNET if kind == "sd15" else diffusion_models.SDXL_UNET
-    if not (out / "unet" / "config.json").exists():
+    notes = []
+    if "unet" in replace:
+        notes.append(f"UNet written at the real {kind} shape (sd-scripts builds no other); the pipeline's is smaller")
+    if "text_encoder" in replace:
+        notes.append(f"text_encoder written with {SDXL_TEXT_LAYERS} random layers (sd-scripts reads its hidden state "
+                     "11); the pipeline's has fewer")
+    if all((out / name / "config.json").exists() for name in replace):
+        return out, notes
+    out.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        if item.name not in replace and not item.name.startswith(".") and not (out / item.name).exists():
+            (out / item.name).symlink_to(item.resolve())
+    if "unet" in replace:
         from diffusers import UNet2DConditionModel
 
-        out.mkdir(parents=True, exist_ok=True)
-        for item in folder.iterdir():
-            if item.name != "unet" and not item.name.startswith(".") and not (out / item.name).exists():
-                (out / item.name).symlink_to(item.resolve())
+        real = diffusion_models.SD15_UNET if kind == "sd15" else diffusion_models.SDXL_UNET
         unet = diffusion_models._build(UNet2DConditionModel, real, device)
         unet.save_pretrained(out / "unet")
         del unet
-    return out, [f"UNet written at the real {kind} shape (sd-scripts builds no other); the pipeline's is smaller"]
+    if "text_encoder" in replace:
+        from transformers import CLIPTextConfig, CLIPTextModel
+
+        config = CLIPTextConfig.from_pretrained(folder / "text_encoder")
+        config.num_hidden_layers = SDXL_TEXT_LAYERS
+        torch.manual_seed(0)
+        CLIPTextModel(config).to(torch.bfloat16).save_pretrained(out / "text_encoder")
+    return out, notes
 
 
 # -- Flux.1 transformer: diffusers names -> BFL names -----------------------------------------------------------------
