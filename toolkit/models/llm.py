@@ -17,6 +17,7 @@ from toolkit.data.text import TextData, build_text_data, detect_format, render_c
 from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode
 from toolkit.models.checkpoint_offload import InputOffload, offloading
+from toolkit.models.generation import generating
 from toolkit.models.llm_gguf import check_gguf_export, write_gguf_adapter
 from toolkit.models.llm_logps import TokenScorer, head_math_for
 from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for, no_packed_sequence_search
@@ -384,7 +385,7 @@ class LLMAdapter(ModelAdapter):
             torch.manual_seed(generator_seed)
             input_ids = torch.tensor([self.prompt_ids(prompt)], device=self.runtime.device)
             greedy = self.cfg.sample.temperature == 0
-            with eval_mode(model):
+            with eval_mode(model), generating():  # eager, no cuDNN attention
                 output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                         max_new_tokens=self.cfg.sample.max_new_tokens, do_sample=not greedy,
                                         temperature=None if greedy else self.cfg.sample.temperature,

@@ -13,6 +13,7 @@ import torch
 
 from toolkit.data.preference import pad_rows
 from toolkit.models.base import eval_mode
+from toolkit.models.generation import generating
 from toolkit.models.llm_logps import TokenLogps, TokenScorer
 from toolkit.models.preference_losses import (dpo_losses, group_advantages, grpo_token_losses, kto_kl, kto_losses,
                                               orpo_losses)
@@ -117,11 +118,11 @@ class GRPO(Objective):
         rows = [p for p in prompts for _ in range(group)]
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=self.scorer.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.scorer.device)
-        with eval_mode(self.network):
+        with eval_mode(self.network), generating():  # eager, no cuDNN attention: models/generation.py
             out = self.network.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                         temperature=self.cfg.generation_temperature, top_k=0, top_p=1.0,
                                         max_new_tokens=self.cfg.max_completion_length, pad_token_id=pad,
-                                        eos_token_id=eos, use_cache=True)
+                                        eos_token_id=eos, use_cache=True, disable_compile=True)
         completions = []
         for row in out[:, width:].tolist():
             end = row.index(eos) + 1 if eos in row else len(row)

@@ -1,0 +1,64 @@
+"""Generation (GRPO's completions, samples) runs the decoder eagerly and without cuDNN attention, whatever the
+training steps compile or put first (models/generation.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from toolkit.models.generation import generating
+from toolkit.models.llm_objectives import GRPO
+
+pytest.importorskip("trl")
+
+
+def test_grpo_generation_compiles_nothing(run_cli, monkeypatch, tmp_path):
+    """train.compile=true: the steps compile the decoder layers for the scoring passes (policy with gradients,
+    reference without), and generating the completions (a new KV length each token, no_grad) traces nothing
+    (without models/generation.py's eager stance, step 1's generation traced the layers again). Dynamo's eager backend: the same tracing and guards as inductor, without its code
+    generation."""
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, *args, **kw: compile_module(self, *args, **{**kw, "backend": "eager"}))
+    generate, while_generating = GRPO.generate, []
+
+    def counted(self, prompts):
+        before = dict(counters["frames"]), dict(counters["stats"])
+        completions = generate(self, prompts)
+        while_generating.append((dict(counters["frames"]), dict(counters["stats"])) == before)
+        return completions
+
+    monkeypatch.setattr(GRPO, "generate", counted)
+    torch._dynamo.reset()
+    counters.clear()
+    rc = run_cli("train", "configs/examples/quickstart_llm_grpo.yaml", f"run.output_dir={tmp_path / 'run'}",
+                 "train.compile=true", "train.max_completion_length=8", "train.steps=2", "save.every=0",
+                 "train.kl_coef=0.04")
+    frames = counters["frames"]["ok"]
+    torch._dynamo.reset()
+    assert rc == 0
+    assert while_generating == [True, True]   # no frame traced while generating
+    assert frames >= 2   # the policy's and the reference's scoring passes
+
+
+def test_generating_runs_compiled_code_eagerly_and_leaves_cudnn_out():
+    calls = []
+
+    @torch.compile(backend="eager")
+    def double(x):
+        calls.append(torch.compiler.is_compiling())
+        return x * 2
+
+    torch._dynamo.reset()
+    counters.clear()
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH], set_priority=True):
+        with generating():
+            assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+            assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # the run's own choice back on leaving
+        assert not torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert calls == [False] and counters["frames"]["ok"] == 0
+    torch._dynamo.reset()
