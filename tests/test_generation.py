@@ -15,33 +15,36 @@ from toolkit.models.llm_objectives import GRPO
 pytest.importorskip("trl")
 
 
-def test_grpo_generation_compiles_nothing(run_cli, monkeypatch, tmp_path):
-    """train.compile=true: the steps compile the decoder layers for the scoring passes (policy with gradients,
-    reference without), and generating the completions (a new KV length each token, no_grad) traces nothing
-    (without models/generation.py's eager stance, step 1's generation traced the layers again). Dynamo's eager backend: the same tracing and guards as inductor, without its code
-    generation."""
+def test_compiled_grpo_traces_its_layers_in_step_1_only(run_cli, monkeypatch, tmp_path):
+    """train.compile=true: step 1 compiles the decoder layers for the scoring passes (the policy with gradients,
+    the reference without); generating the completions (a new KV length each token, no_grad) traces nothing, and
+    the later steps' rows (padded to one width: the longest prompt + train.max_completion_length) trace nothing
+    either. Before: step 1's generation traced the layers again, and each step's new width recompiled them until
+    dynamo's recompile limit. Dynamo's eager backend: the same tracing and guards as inductor, without its code."""
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, *args, **kw: compile_module(self, *args, **{**kw, "backend": "eager"}))
-    generate, while_generating = GRPO.generate, []
+    generate, loss, traced = GRPO.generate, GRPO.loss, {"generate": [], "step": []}
 
-    def counted(self, prompts):
-        before = dict(counters["frames"]), dict(counters["stats"])
-        completions = generate(self, prompts)
-        while_generating.append((dict(counters["frames"]), dict(counters["stats"])) == before)
-        return completions
+    def counting(function, name):
+        def counted(self, *args):
+            before = counters["frames"]["total"]
+            result = function(self, *args)
+            traced[name].append(counters["frames"]["total"] - before)
+            return result
+        return counted
 
-    monkeypatch.setattr(GRPO, "generate", counted)
+    monkeypatch.setattr(GRPO, "generate", counting(generate, "generate"))
+    monkeypatch.setattr(GRPO, "loss", counting(loss, "step"))
     torch._dynamo.reset()
     counters.clear()
     rc = run_cli("train", "configs/examples/quickstart_llm_grpo.yaml", f"run.output_dir={tmp_path / 'run'}",
-                 "train.compile=true", "train.max_completion_length=8", "train.steps=2", "save.every=0",
+                 "train.compile=true", "train.max_completion_length=8", "train.steps=4", "save.every=0",
                  "train.kl_coef=0.04")
-    frames = counters["frames"]["ok"]
     torch._dynamo.reset()
     assert rc == 0
-    assert while_generating == [True, True]   # no frame traced while generating
-    assert frames >= 2   # the policy's and the reference's scoring passes
+    assert traced["generate"] == [0, 0, 0, 0]
+    assert traced["step"][0] >= 2 and traced["step"][1:] == [0, 0, 0], traced["step"]
 
 
 def test_generating_runs_compiled_code_eagerly_and_leaves_cudnn_out():

@@ -282,7 +282,7 @@ class LLMAdapter(ModelAdapter):
         self.examples = build_example_data(self.cfg.data, self.cfg.data.format, self.tokenizer, self.cfg.run.seed)
         stats = StatsFile(self.runtime.run_dir / "objective.jsonl" if self.runtime.is_main else None)
         self.objective = build_objective(train.objective, self.scorer, self.network, self.forward_module, train,
-                                         stats, self.tokenizer, self.examples.conversational)
+                                         stats, self.tokenizer, self.examples.conversational, self._scoring_width())
         uses_reference = train.objective in ("dpo", "kto") or (train.objective == "grpo" and train.kl_coef > 0)
         if uses_reference and self.cfg.network.init_from:
             self.log(f"train.objective={train.objective}: the reference is the base model (the LoRA disabled), not "
@@ -295,6 +295,15 @@ class LLMAdapter(ModelAdapter):
                 precompute_reference(self.examples.train, lambda b: self.objective.reference(b).sums(), batch,
                                      self.runtime.run_dir, self.model_path, self.log, write=self.runtime.is_main)
         return self.examples.train
+
+    def _scoring_width(self) -> int | None:
+        """grpo with compiled layers: its scored rows all as wide as the longest prompt and completion can make
+        them, so that the layers compile once instead of again for each step's width (each new width a graph per
+        grad mode and input kind: dynamo's recompile limit reached within a few steps, the rest run eagerly)."""
+        train = self.cfg.train
+        if train.objective != "grpo" or train.compile is not True:
+            return None
+        return max(len(e.prompt) for e in self.examples.train.examples) + train.max_completion_length
 
     def begin_step(self, step: int) -> None:
         if self.objective is not None:

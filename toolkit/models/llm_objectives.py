@@ -101,9 +101,9 @@ class GRPO(Objective):
     batch's prompts at once, left-padded); rewards summed over train.reward; advantages within each group; the
     loss per completion is its mean token loss (TRL's loss_type='grpo')."""
 
-    def __init__(self, *args, tokenizer, conversational: bool):
+    def __init__(self, *args, tokenizer, conversational: bool, scoring_width: int | None):
         super().__init__(*args)
-        self.tokenizer, self.conversational = tokenizer, conversational
+        self.tokenizer, self.conversational, self.scoring_width = tokenizer, conversational, scoring_width
         self.rewards = reward_functions(list(self.cfg.reward), self.cfg.reward_pattern, self.cfg.reward_length)
 
     def units(self, batch: dict[str, Any]) -> tuple[int, int]:
@@ -149,7 +149,7 @@ class GRPO(Objective):
         rewards = self.score(batch, completions)
         advantages = group_advantages(rewards, group).to(self.scorer.device)
         rows = pad_rows([(batch["prompts"][i // group], c) for i, c in enumerate(completions)],
-                        self.tokenizer.pad_token_id)
+                        self.tokenizer.pad_token_id, self.scoring_width)
         logps = self.scorer(module, rows)
         ref = self.reference(rows).values if self.cfg.kl_coef > 0 else None
         tokens = grpo_token_losses(logps.values, advantages[logps.rows], ref, self.cfg.kl_coef)
@@ -163,9 +163,11 @@ OBJECTIVES = {"dpo": DPO, "orpo": ORPO, "kto": KTO, "grpo": GRPO}
 
 
 def build_objective(name: str, scorer: TokenScorer, network: torch.nn.Module, reference_module: torch.nn.Module,
-                    train_cfg, stats: StatsFile, tokenizer, conversational: bool) -> Objective:
-    """The objective class registered for train.objective `name` (sft is the adapter's own loss)."""
+                    train_cfg, stats: StatsFile, tokenizer, conversational: bool,
+                    scoring_width: int | None = None) -> Objective:
+    """The objective class registered for train.objective `name` (sft is the adapter's own loss); grpo's scored
+    rows padded to at least `scoring_width` tokens."""
     if name == "grpo":
         return GRPO(scorer, network, reference_module, train_cfg, stats, tokenizer=tokenizer,
-                    conversational=conversational)
+                    conversational=conversational, scoring_width=scoring_width)
     return OBJECTIVES[name](scorer, network, reference_module, train_cfg, stats)
