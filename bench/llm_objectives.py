@@ -312,7 +312,8 @@ def main() -> None:
                   f"{done['toolkit']['peak_gib']:.2f} against {done[peer]['peak_gib']:.2f} GiB")
     if args.out:
         args.out.write_text(json.dumps({"objective": args.objective, "shape": shape, "device": device,
-                                        "torch": torch.__version__, "workload": w, "toolkit_set": args.set, "rows": results}, indent=1))
+                                        "torch": torch.__version__, "workload": w, "toolkit_set": args.set,
+                                        "rows": results}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
 
 
