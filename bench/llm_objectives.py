@@ -4,6 +4,7 @@ every row in a fresh process of its own.
     python bench/llm_objectives.py --objective dpo [--rows toolkit,trl,unsloth-trl] [--steps 20 --warmup 5]
     python bench/llm_objectives.py --objective grpo [--steps 10 --warmup 3] [--out result.json]
     python bench/llm_objectives.py --objective dpo --tiny      # CPU check: tiny:llm, rows toolkit and trl
+    python bench/llm_objectives.py --objective grpo --rows toolkit --set model.fuse_projections=true  # a variant
 
 Rows:
   toolkit      the toolkit's Trainer, train.objective=dpo|grpo, its defaults on a GPU (train.compile and
@@ -109,6 +110,7 @@ def toolkit_row(args, w: dict, model_dir: str, data: Path, work: Path) -> dict:
         overrides += ["device.backend=cpu", "train.precision=fp32"]
     else:
         overrides += ["train.precision=bf16"]
+    overrides += args.set
     rate, peak = trainer_rate(config, overrides, work / "run-toolkit", "adamw", args.steps, args.warmup)
     return {"steps_per_s": rate, "peak_gib": peak}
 
@@ -229,7 +231,8 @@ def measure(row: str, args, model_dir: str, data: Path, work: Path) -> dict:
     result = work / f"{row}.json"
     command = [sys.executable, __file__, "--worker", row, "--objective", args.objective, "--model-dir", model_dir,
                "--data", str(data), "--work", str(work), "--json", str(result), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *(["--tiny"] if args.tiny else [])]
+               "--warmup", str(args.warmup), *(["--tiny"] if args.tiny else []),
+               *(arg for setting in args.set for arg in ("--set", setting))]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                UNSLOTH_DISABLE_STATISTICS="1", UNSLOTH_OFFLINE="1")
     if row == "unsloth-trl":
@@ -256,6 +259,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny:llm on the CPU, a few steps: checks the rows run")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per row")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a toolkit setting for the toolkit row (repeatable), e.g. train.compile=false")
     parser.add_argument("--unsloth-path", default="/tmp/peer", help="where the carried unsloth archive is unpacked")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -287,7 +292,8 @@ def main() -> None:
     per_step, tokens, unit = units(args.objective, w)
     shape = "tiny:llm" if args.tiny else args.shape
     print(f"device: {device}; torch {torch.__version__}; {args.objective} on {shape}, LoRA r=16 all-linear; "
-          f"{per_step} {unit} a step of {tokens} tokens; {args.steps} timed steps after {args.warmup}", flush=True)
+          f"{per_step} {unit} a step of {tokens} tokens; {args.steps} timed steps after {args.warmup}"
+          + (f"; toolkit row with {' '.join(args.set)}" if args.set else ""), flush=True)
     print(f"{'row':<12} {unit + '/s':>14} {'tokens/s':>10} {'peak GiB':>9}", flush=True)
     results = {}
     rows = args.rows or ("toolkit,trl" if args.tiny else ",".join(ROWS))
@@ -306,7 +312,8 @@ def main() -> None:
                   f"{done['toolkit']['peak_gib']:.2f} against {done[peer]['peak_gib']:.2f} GiB")
     if args.out:
         args.out.write_text(json.dumps({"objective": args.objective, "shape": shape, "device": device,
-                                        "torch": torch.__version__, "workload": w, "rows": results}, indent=1))
+                                        "torch": torch.__version__, "workload": w, "toolkit_set": args.set,
+                                        "rows": results}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -121,9 +121,11 @@ def encode_records(records: list[dict], fmt: str, tokenizer, max_seq_len: int, p
     return examples
 
 
-def pad_rows(rows: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """(prompt, completion) rows right-padded; labels on the completion tokens only."""
-    width = max(len(p) + len(c) for p, c in rows)
+def pad_rows(rows: list[tuple[list[int], list[int]]], pad_token_id: int,
+             width: int | None = None) -> dict[str, torch.Tensor]:
+    """(prompt, completion) rows right-padded (to the longest row, or to `width`); labels on the completion tokens
+    only."""
+    width = max([len(p) + len(c) for p, c in rows] + [width or 0])
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)

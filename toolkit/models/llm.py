@@ -17,6 +17,7 @@ from toolkit.data.text import TextData, build_text_data, detect_format, render_c
 from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode
 from toolkit.models.checkpoint_offload import InputOffload, offloading
+from toolkit.models.generation import generating
 from toolkit.models.llm_gguf import check_gguf_export, write_gguf_adapter
 from toolkit.models.llm_logps import TokenScorer, head_math_for
 from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for, no_packed_sequence_search
@@ -281,7 +282,7 @@ class LLMAdapter(ModelAdapter):
         self.examples = build_example_data(self.cfg.data, self.cfg.data.format, self.tokenizer, self.cfg.run.seed)
         stats = StatsFile(self.runtime.run_dir / "objective.jsonl" if self.runtime.is_main else None)
         self.objective = build_objective(train.objective, self.scorer, self.network, self.forward_module, train,
-                                         stats, self.tokenizer, self.examples.conversational)
+                                         stats, self.tokenizer, self.examples.conversational, self._scoring_width())
         uses_reference = train.objective in ("dpo", "kto") or (train.objective == "grpo" and train.kl_coef > 0)
         if uses_reference and self.cfg.network.init_from:
             self.log(f"train.objective={train.objective}: the reference is the base model (the LoRA disabled), not "
@@ -294,6 +295,15 @@ class LLMAdapter(ModelAdapter):
                 precompute_reference(self.examples.train, lambda b: self.objective.reference(b).sums(), batch,
                                      self.runtime.run_dir, self.model_path, self.log, write=self.runtime.is_main)
         return self.examples.train
+
+    def _scoring_width(self) -> int | None:
+        """grpo with compiled layers: its scored rows all as wide as the longest prompt and completion can make
+        them, so that the layers compile once instead of again for each step's width (each new width a graph per
+        grad mode and input kind: dynamo's recompile limit reached within a few steps, the rest run eagerly)."""
+        train = self.cfg.train
+        if train.objective != "grpo" or train.compile is not True:
+            return None
+        return max(len(e.prompt) for e in self.examples.train.examples) + train.max_completion_length
 
     def begin_step(self, step: int) -> None:
         if self.objective is not None:
@@ -384,7 +394,7 @@ class LLMAdapter(ModelAdapter):
             torch.manual_seed(generator_seed)
             input_ids = torch.tensor([self.prompt_ids(prompt)], device=self.runtime.device)
             greedy = self.cfg.sample.temperature == 0
-            with eval_mode(model):
+            with eval_mode(model), generating():  # eager, no cuDNN attention
                 output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                         max_new_tokens=self.cfg.sample.max_new_tokens, do_sample=not greedy,
                                         temperature=None if greedy else self.cfg.sample.temperature,

@@ -13,6 +13,7 @@ import torch
 
 from toolkit.data.preference import pad_rows
 from toolkit.models.base import eval_mode
+from toolkit.models.generation import generating
 from toolkit.models.llm_logps import TokenLogps, TokenScorer
 from toolkit.models.preference_losses import (dpo_losses, group_advantages, grpo_token_losses, kto_kl, kto_losses,
                                               orpo_losses)
@@ -100,9 +101,9 @@ class GRPO(Objective):
     batch's prompts at once, left-padded); rewards summed over train.reward; advantages within each group; the
     loss per completion is its mean token loss (TRL's loss_type='grpo')."""
 
-    def __init__(self, *args, tokenizer, conversational: bool):
+    def __init__(self, *args, tokenizer, conversational: bool, scoring_width: int | None):
         super().__init__(*args)
-        self.tokenizer, self.conversational = tokenizer, conversational
+        self.tokenizer, self.conversational, self.scoring_width = tokenizer, conversational, scoring_width
         self.rewards = reward_functions(list(self.cfg.reward), self.cfg.reward_pattern, self.cfg.reward_length)
 
     def units(self, batch: dict[str, Any]) -> tuple[int, int]:
@@ -117,11 +118,11 @@ class GRPO(Objective):
         rows = [p for p in prompts for _ in range(group)]
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=self.scorer.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.scorer.device)
-        with eval_mode(self.network):
+        with eval_mode(self.network), generating():  # eager, no cuDNN attention: models/generation.py
             out = self.network.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                         temperature=self.cfg.generation_temperature, top_k=0, top_p=1.0,
                                         max_new_tokens=self.cfg.max_completion_length, pad_token_id=pad,
-                                        eos_token_id=eos, use_cache=True)
+                                        eos_token_id=eos, use_cache=True, disable_compile=True)
         completions = []
         for row in out[:, width:].tolist():
             end = row.index(eos) + 1 if eos in row else len(row)
@@ -148,7 +149,7 @@ class GRPO(Objective):
         rewards = self.score(batch, completions)
         advantages = group_advantages(rewards, group).to(self.scorer.device)
         rows = pad_rows([(batch["prompts"][i // group], c) for i, c in enumerate(completions)],
-                        self.tokenizer.pad_token_id)
+                        self.tokenizer.pad_token_id, self.scoring_width)
         logps = self.scorer(module, rows)
         ref = self.reference(rows).values if self.cfg.kl_coef > 0 else None
         tokens = grpo_token_losses(logps.values, advantages[logps.rows], ref, self.cfg.kl_coef)
@@ -162,9 +163,11 @@ OBJECTIVES = {"dpo": DPO, "orpo": ORPO, "kto": KTO, "grpo": GRPO}
 
 
 def build_objective(name: str, scorer: TokenScorer, network: torch.nn.Module, reference_module: torch.nn.Module,
-                    train_cfg, stats: StatsFile, tokenizer, conversational: bool) -> Objective:
-    """The objective class registered for train.objective `name` (sft is the adapter's own loss)."""
+                    train_cfg, stats: StatsFile, tokenizer, conversational: bool,
+                    scoring_width: int | None = None) -> Objective:
+    """The objective class registered for train.objective `name` (sft is the adapter's own loss); grpo's scored
+    rows padded to at least `scoring_width` tokens."""
     if name == "grpo":
         return GRPO(scorer, network, reference_module, train_cfg, stats, tokenizer=tokenizer,
-                    conversational=conversational)
+                    conversational=conversational, scoring_width=scoring_width)
     return OBJECTIVES[name](scorer, network, reference_module, train_cfg, stats)

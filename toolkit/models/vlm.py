@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.data.vision_chat import VisionChatEncoder, build_vision_chat_data
 from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode
+from toolkit.models.generation import generating
 from toolkit.models.lora import lora_config
 from toolkit.models.lora_loading import load_peft_folder
 from toolkit.models.token_loss import label_tokens, mean_token_loss
@@ -156,7 +157,7 @@ class VLMAdapter(ModelAdapter):
             image = images[index] if len(images) == len(prompts) else (images[0] if images else None)
             inputs = self.model_inputs(self.encoder.prompt(prompt, image))
             torch.manual_seed(self.cfg.sample.seed)
-            with eval_mode(self.network):
+            with eval_mode(self.network), generating():  # eager, no cuDNN attention
                 output = self.network.generate(**inputs, max_new_tokens=self.cfg.sample.max_new_tokens,
                                                do_sample=not greedy,
                                                temperature=None if greedy else self.cfg.sample.temperature,

@@ -178,10 +178,6 @@ def compile_(f: Facts) -> Decision | None:
         return _decision("train.compile", False, "off on the CPU")
     if not spec.compile_auto:
         return _decision("train.compile", False, f"not measured faster for {f.family} yet")
-    if f.reads("train.objective") and f.asked("train.objective") == "grpo":
-        return _decision("train.compile", False, "train.objective=grpo: its generation runs the decoder layers at a "
-                         "new length every token, which compiled layers would recompile for (unmeasured; true "
-                         "compiles anyway)")
     if steps < spec.compile_auto_steps:
         return _decision("train.compile", False, (
             f"a run of train.steps={steps} (in all, a resumed run's steps counted) is too short to repay the first "
@@ -277,8 +273,6 @@ def fuse_projections(f: Facts) -> Decision | None:
         (f"model.quantize={f.asked('model.quantize')} (the frozen weights are quantized)",
          f.asked("model.quantize") in QUANTIZED),
         ("device.distributed=fsdp (the frozen weights are sharded per layer)", f.asked("device.distributed") == "fsdp"),
-        (f"train.objective={f.asked('train.objective')} (its reference pass disables the LoRA layer by layer)",
-         f.asked("train.objective") != "sft"),
     ) if blocks]
     if value is True and blockers:
         f.problems.append(f"'model.fuse_projections'=true cannot apply with {'; '.join(blockers)}: set "
@@ -287,6 +281,9 @@ def fuse_projections(f: Facts) -> Decision | None:
         return None
     if blockers:
         return _decision("model.fuse_projections", False, "off with " + "; ".join(blockers))
+    if f.asked("train.objective") != "sft":  # true applies: a disabled LoRA (the reference) runs PEFT's own layers
+        return _decision("model.fuse_projections", False, f"off with train.objective={f.asked('train.objective')}: "
+                         "measured with sft only (true turns it on)")
     if f.device.backend != "cuda":
         where = "the CPU" if f.device.backend == "cpu" else "ROCm"
         return _decision("model.fuse_projections", False,
