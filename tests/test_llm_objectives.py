@@ -152,6 +152,7 @@ def test_grpo_loss_and_gradient_equal_trl_grpo_trainer(tmp_path, trl_trainer_sta
 
     from grpo_rewards import low_token_share
 
+    torch.manual_seed(0)  # PEFT draws lora_A from the global generator: the same adapter every run
     adapter, dataset = adapter_for("quickstart_llm_grpo.yaml", tmp_path, "train.reward=[grpo_rewards:low_token_share]",
                                    "train.kl_coef=0.04", "train.num_generations=4", "train.max_completion_length=6")
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=4, beta=0.04,
