@@ -55,6 +55,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
+from memory_hook import MEMORY_HOOK  # noqa: E402
 
 CHECKSUM = re.compile(r"processes: LoRA weights identical on all (\d+) \(sha256 ([0-9a-f]+)\)")
 FIRST_STEP = re.compile(r"train\.compile: the first step took ([\d.]+) s \(compilation included\), ([\d.]+) s after")
@@ -66,36 +67,6 @@ SDXL_UNET = dict(sample_size=128, in_channels=4, out_channels=4, layers_per_bloc
                  attention_head_dim=(5, 10, 20), cross_attention_dim=2048, use_linear_projection=True,
                  addition_embed_type="text_time", addition_time_embed_dim=256,
                  projection_class_embeddings_input_dim=2816)   # stabilityai/stable-diffusion-xl-base-1.0's UNet
-
-# Put on PYTHONPATH for the toolkit's processes (and the launcher's workers, which inherit the environment):
-# at exit, each one writes its peak memory. The toolkit itself is not changed.
-MEMORY_HOOK = '''
-import atexit, json, os, sys
-
-
-def _scaling_bench_memory():
-    folder = os.environ.get("SCALING_BENCH_MEMORY")
-    if not folder:
-        return
-    record = {"rank": os.environ.get("RANK"), "pid": os.getpid()}
-    try:
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            device = torch.cuda.current_device()
-            record.update(kind="gpu_max_allocated", device=device,
-                          gib=torch.cuda.max_memory_allocated(device) / 2**30)
-        else:
-            import resource
-            record.update(kind="process_max_rss", gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-    except Exception as err:
-        record["error"] = repr(err)
-    with open(os.path.join(folder, f"memory-{os.getpid()}.json"), "w") as handle:
-        json.dump(record, handle)
-
-
-atexit.register(_scaling_bench_memory)
-'''
-
 
 class RunFailed(RuntimeError):
     pass

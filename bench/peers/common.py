@@ -13,7 +13,7 @@ never the toolkit's carried ones.
 Step time: the peer's progress bar (tqdm) lines are read as they come and stamped with the host clock; the rate is
 (steps after warm-up) / (seconds between the warm-up step's line and the last one). kohya sd-scripts, musubi-tuner
 and ai-toolkit each read the loss back to the host every step (for the bar's average), so the host clock follows
-the GPU. Peak memory: scaling.py's sitecustomize hook (max_memory_allocated at exit, every process), as for the
+the GPU. Peak memory: bench/memory_hook.py's sitecustomize hook (max_memory_allocated at exit, every process), as for the
 toolkit's own rows in that bench."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def install(name: str, root: Path = Path("/tmp")) -> tuple[Path, Path]:
 
 def peer_env(site: Path, src: Path, work: Path, **extra: str) -> dict:
     """The environment of a peer process: its own packages first, the memory hook, nothing downloaded."""
-    from scaling import MEMORY_HOOK
+    from memory_hook import MEMORY_HOOK
 
     hook = work / "memory-hook"
     hook.mkdir(parents=True, exist_ok=True)
