@@ -176,8 +176,9 @@ class VideoDataSection(ImageDataSection):
 
 @dataclass
 class AudioVideoDataSection(VideoDataSection):
-    audio: str = opt("auto", "LTX-2: the clips' soundtracks (mp4/mkv/webm/mov audio, cut to the clip's frames) train "
-                     "the audio branch beside the video. auto: clips with a soundtrack train both, clips without one "
-                     "(and images) the video alone; required: a clip without a soundtrack is an error naming it; "
-                     "off: video only (the audio stream is pure noise, outside the loss).",
-                     choices=("auto", "off", "required"))
+    audio: Union[bool, str] = opt("auto", "LTX-2: the clips' soundtracks (mp4/mkv/webm/mov audio, cut to the clip's "
+                                  "frames) train the audio branch beside the video. auto: clips with a soundtrack "
+                                  "train both, clips without one (and images) the video alone; required: a clip "
+                                  "without a soundtrack is an error naming it; off (YAML reads it as false): video "
+                                  "only (the audio stream is pure noise, outside the loss).",
+                                  choices=("auto", "off", "required", False))

@@ -67,6 +67,12 @@ AUDIO_SIGMA = 1.0  # the untrained audio stream: pure noise
 TIME_COMPRESSION = 8  # LTX-2's video VAE (2.0 and 2.3): latent frames = 1 + (frames - 1) / 8
 
 
+def audio_mode(data) -> str:
+    """data.audio as auto, off or required (YAML reads a bare `off` as false)."""
+    value = data.get("audio", "off")
+    return "off" if value is False or value == "off" else str(value)
+
+
 def check_num_frames(frames: int, time_factor: int = TIME_COMPRESSION) -> None:
     """Raise a UserError unless `frames` is 8k+1 (what the LTX-2 VAE compresses)."""
     if (frames - 1) % time_factor:
@@ -116,7 +122,7 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
         """Whether the audio branch trains: some dataset has data.audio=required, or auto and a video with a soundtrack
         in its folder."""
         for dataset in dataset_settings(self.cfg.data):
-            mode, root = dataset.section.get("audio", "off"), dataset.section.get("path")
+            mode, root = audio_mode(dataset.section), dataset.section.get("path")
             if mode == "required":
                 return True
             if mode == "auto" and root and Path(root).is_dir() and any(map(has_soundtrack, sorted(Path(root).iterdir()))):
@@ -179,18 +185,19 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
     def with_soundtracks(self, data, items: list, log) -> list:
         """The items marked with whether their file has a soundtrack (data.audio auto), or a UserError naming the
         first file without one (required)."""
-        if data.audio == "off":
+        mode = audio_mode(data)
+        if mode == "off":
             return items
         found = {path: has_soundtrack(path) for path in dict.fromkeys(item.path for item in items)}
         silent = [path for path, sound in found.items() if not sound]
-        if data.audio == "required" and silent:
+        if mode == "required" and silent:
             more = f" (and {len(silent) - 1} more)" if len(silent) > 1 else ""
             raise UserError(f"data.audio: {silent[0]} has no soundtrack{more}, and data.audio is required\n"
                             "  fix: give it an audio stream (mp4/mkv/webm/mov), remove it, or set data.audio: auto "
                             "(clips without sound train the video alone)")
         items = [dataclasses.replace(item, soundtrack=found[item.path]) for item in items]
         sound = sum(item.soundtrack for item in items)
-        log(f"audio (data.audio={data.audio}): {sound} clip{'s' if sound != 1 else ''} with a soundtrack train the "
+        log(f"audio (data.audio={mode}): {sound} clip{'s' if sound != 1 else ''} with a soundtrack train the "
             f"audio branch too, {len(items) - sound} without one the video alone")
         return items
 
