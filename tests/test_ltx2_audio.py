@@ -190,3 +190,43 @@ def test_soundtrack_and_spectrogram(tmp_path):
                            power=1.0, center=True, pad_mode="reflect", mel_filters=filters, mel_floor=1e-5,
                            log_mel="log")
     torch.testing.assert_close(mel[0], torch.from_numpy(expected.T).float(), rtol=1e-4, atol=1e-3)
+
+
+def test_comfyui_maps_the_audio_branch_onto_its_ltx2_model(tmp_path, run_cli):
+    """ComfyUI's LoRA loader on its own LTXAV model (test_ltx2's check): every module of an all-linear file trained
+    with sound, both streams and both audio-video cross-attentions, lands on a weight of the same shape and moves it
+    by what diffusers' load_lora_weights + fuse_lora moves it by."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from test_ltx2 import COMFYUI_CHECK, COMFYUI_MIRROR, _comfyui_tree
+
+    if not Path(COMFYUI_MIRROR).is_dir():
+        pytest.skip("no ComfyUI mirror on this machine")
+    comfy = tmp_path / "comfyui"
+    _comfyui_tree(comfy)
+    out = tmp_path / "run"
+    assert run_cli(*_run(out, _sound_clips(tmp_path / "clips"), "network.alpha=4",
+                         "network.target_modules=all-linear")) == 0
+    lora = out / "final" / "pytorch_lora_weights.safetensors"
+    names = {k.rsplit(".lora_", 1)[0].split(".", 3)[-1] for k in load_file(str(lora))}
+    assert {"audio_attn1.to_q", "audio_attn2.to_k", "video_to_audio_attn.to_v", "audio_ff.net.0.proj"} <= names
+    pipe = _pipeline()
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    save_file(before, str(tmp_path / "base.safetensors"))
+    pipe.load_lora_weights(str(out / "final"))
+    pipe.fuse_lora()
+    modules = dict(pipe.transformer.named_modules())
+    result = subprocess.run([sys.executable, "-c", COMFYUI_CHECK, str(tmp_path / "base.safetensors"), str(lora),
+                             str(tmp_path / "comfy.json")], cwd=comfy, capture_output=True, text=True, timeout=600,
+                            env={**__import__("os").environ, "PYTHONPATH": str(comfy)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads((tmp_path / "comfy.json").read_text())
+    assert found["loaded"] == found["keys"] // 2 == 2 * 28  # 6 attentions x 4 projections + 2 feed-forwards x 2
+    for name, delta in found["deltas"].items():
+        expected = modules[name].base_layer.weight.detach() - before[f"{name}.weight"]
+        assert expected.abs().max() > 0
+        torch.testing.assert_close(torch.tensor(delta), expected, rtol=1e-4, atol=1e-7)
