@@ -24,9 +24,9 @@
   the video tokens attend to audio that says nothing, its prediction outside the loss. The eval loss is the video's.
 - LoRA targets: the video stream's self-attention, text cross-attention and feed-forward layers of every block,
   and when audio trains (a soundtrack in the data, data.audio not off) the audio stream's; all-linear adds the
-  audio-to-video cross-attention (video queries) and, when audio trains, the video-to-audio one. The file has the original LTX-2 names under
-  `diffusion_model.`, the scale folded into lora_A (lora_export.ltx2_keys): ComfyUI reads them, and
-  LTX2Pipeline.load_lora_weights converts them.
+  audio-to-video cross-attention (video queries) and, when audio trains, the video-to-audio one. The file has the
+  original LTX-2 names under `diffusion_model.`, the scale folded into lora_A (lora_export.ltx2_keys): ComfyUI reads
+  them, and LTX2Pipeline.load_lora_weights converts them.
 - Low memory: model.quantize=fp8 quantizes the blocks' linear layers, model.block_swap streams whole blocks
   (LTX2VideoTransformerBlock; diffusers lists them as the model's _repeated_blocks, which the adapter names as its
   _no_split_modules, the list the toolkit's block code reads).
@@ -125,7 +125,8 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
             mode, root = audio_mode(dataset.section), dataset.section.get("path")
             if mode == "required":
                 return True
-            if mode == "auto" and root and Path(root).is_dir() and any(map(has_soundtrack, sorted(Path(root).iterdir()))):
+            folder = Path(root) if root else None
+            if mode == "auto" and folder and folder.is_dir() and any(map(has_soundtrack, sorted(folder.iterdir()))):
                 return True
         return False
 
