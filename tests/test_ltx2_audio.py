@@ -230,3 +230,13 @@ def test_comfyui_maps_the_audio_branch_onto_its_ltx2_model(tmp_path, run_cli):
         expected = modules[name].base_layer.weight.detach() - before[f"{name}.weight"]
         assert expected.abs().max() > 0
         torch.testing.assert_close(torch.tensor(delta), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_uncached_latents_encode_the_soundtrack_in_the_step(tmp_path):
+    """data.cache_latents=false: the batch carries the spectrogram and the step encodes it; the loss is the cached
+    run's."""
+    clips = _sound_clips(tmp_path / "clips")
+    cached, _ = _first_loss(tmp_path / "cached", clips)
+    uncached, batch = _first_loss(tmp_path / "uncached", clips, "data.cache_latents=false")
+    assert "audio_latents" not in batch and batch["audio_mel"].shape == (2, 2, 33, 8)
+    assert uncached == pytest.approx(cached, rel=1e-5)
