@@ -196,7 +196,8 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
             raise UserError(f"data.audio: {silent[0]} has no soundtrack{more}, and data.audio is required\n"
                             "  fix: give it an audio stream (mp4/mkv/webm/mov), remove it, or set data.audio: auto "
                             "(clips without sound train the video alone)")
-        items = [dataclasses.replace(item, soundtrack=found[item.path]) for item in items]
+        # a 1-frame clip (a video that short) has no audio latent beyond the causal VAE's first: video alone
+        items = [dataclasses.replace(item, soundtrack=found[item.path] and item.bucket[2] > 1) for item in items]
         sound = sum(item.soundtrack for item in items)
         log(f"audio (data.audio={mode}): {sound} clip{'s' if sound != 1 else ''} with a soundtrack train the "
             f"audio branch too, {len(items) - sound} without one the video alone")
