@@ -71,13 +71,14 @@ CASES = {
         "sample.negative_prompt": "blurry", "sample.guidance_scale": 4.0, "sample.num_inference_steps": 25,
         "data.resolutions": [512, 768, 1024]},
         []),
-    # ai-toolkit's arch "ltx2" (its LTX2Model): the dataset's fps is the transformer's frame rate there; 8k+1 frames
+    # ai-toolkit's arch "ltx2" (its LTX2Model): the dataset's fps is the transformer's frame rate there; 8k+1 frames;
+    # do_audio: true is data.audio=auto
     "ltx2": ("tiny:ltx2", "clips", {
         "model.family": "ltx2", "model.name_or_path": "Lightricks/LTX-2", "model.quantize": "8bit",
         "data.num_frames": 121, "train.frame_rate": 24.0, "sample.num_frames": 97, "sample.fps": 24,
         "sample.width": 768, "sample.height": 512, "sample.negative_prompt": "worst quality, blurry, jittery",
-        "train.timestep_sampling": "logit_normal"},
-        ["datasets[0].do_audio"]),
+        "train.timestep_sampling": "logit_normal", "data.audio": "auto"},
+        []),
     # the edit families: control_path_1 .. _3 (or control_path) -> data.reference_paths, ctrl_img_* -> sample.references
     "qwen_image_edit_plus": ("tiny:qwen_image_edit", "edit", {
         "model.family": "qwen_image_edit", "model.name_or_path": "Qwen/Qwen-Image-Edit-2509",

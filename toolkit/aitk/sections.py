@@ -273,7 +273,13 @@ def first_dataset(out: Translation, s: Section, trigger: Any) -> None:
                      "(data.frame_extraction=spread, the default)")
         s.skip("fps", "clips contribute data.num_frames frames by data.frame_extraction, whatever their frame rate",
                when=16)
-        s.skip("do_audio", "the ltx2 family trains LTX-2's video branch; its audio stream runs on noise", when=False)
+        if out.family == "ltx2" and s.has("do_audio"):  # LTX-2's audio branch trains on the clips' soundtracks
+            audio = bool(s.take("do_audio"))
+            out.set("data.audio", "auto" if audio else "off", s.key("do_audio"), audio)
+            if audio:
+                out.note(s.key("do_audio"), "data.audio=auto: clips with a soundtrack train the audio branch too, "
+                         "clips without one the video alone (data.audio=required refuses them)")
+        s.skip("do_audio", f"the {out.family} family has no audio branch", when=False)
     else:
         s.skip("num_frames", f"the {out.family} family trains on images", when=1)
         s.same("fps", f"the {out.family} family trains on images (no frame rate)")

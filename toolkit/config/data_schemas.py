@@ -172,3 +172,13 @@ class VideoDataSection(ImageDataSection):
     frame_stride: int = opt(1, "frame_extraction=slide: frames between the starts of two clips.", minimum=1)
     frame_sample: int = opt(1, "frame_extraction=uniform: clips per video and length.", minimum=1)
     max_frames: int = opt(129, "frame_extraction=full: the most frames a clip takes (4k+1 at most).", minimum=1)
+
+
+@dataclass
+class AudioVideoDataSection(VideoDataSection):
+    audio: Union[bool, str] = opt("auto", "LTX-2: the clips' soundtracks (mp4/mkv/webm/mov audio, cut to the clip's "
+                                  "frames) train the audio branch beside the video. auto: clips with a soundtrack "
+                                  "train both, clips without one (and images) the video alone; required: a clip "
+                                  "without a soundtrack is an error naming it; off (YAML reads it as false): video "
+                                  "only (the audio stream is pure noise, outside the loss).",
+                                  choices=("auto", "off", "required", False))

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from toolkit.config.data_schemas import (ImageDataSection, ReferenceImageDataSection, TextDataSection, VideoDataSection,
-                                         VisionChatDataSection)
+from toolkit.config.data_schemas import (AudioVideoDataSection, ImageDataSection, ReferenceImageDataSection,
+                                         TextDataSection, VideoDataSection, VisionChatDataSection)
 
 # Settings that only some families read. A family's spec lists the ones it reads (`settings`); a value set for
 # a family that does not read it is a config error, and the resolved config of a run shows only its own.
@@ -129,10 +129,10 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                tiny={"chroma": "toolkit.tiny.chroma:write_tiny_chroma"}, pipeline_class="ChromaPipeline",
                compile_auto="flux-compile",
                keeps_auto="flux-keeps"),
-    # LTX-2: the video branch of the audio-video transformer is trained (the audio tokens are pure noise at sigma 1).
-    FamilySpec("ltx2", "toolkit.models.diffusion_ltx2:LTX2Adapter", VideoDataSection,
-               (VIDEO_SETTINGS - {"model.task", "sample.images"}) | {"train.frame_rate"},
-               "LTX-2 text-to-video (Lightricks/LTX-2, the video branch of the audio-video model; Gemma 3 text)",
+    # LTX-2: the video branch of the audio-video transformer, and its audio branch on clips with a soundtrack.
+    FamilySpec("ltx2", "toolkit.models.diffusion_ltx2:LTX2Adapter", AudioVideoDataSection,
+               (VIDEO_SETTINGS - {"model.task", "sample.images"}) | {"train.frame_rate", "train.audio_loss_weight"},
+               "LTX-2 text-to-video (Lightricks/LTX-2: the video branch, and the audio branch on clips with sound; Gemma 3 text)",
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"ltx2": "toolkit.tiny.ltx2:write_tiny_ltx2"}, pipeline_class="LTX2Pipeline"),
     # HunyuanVideo 1.5 T2V and I2V (one family, model.task as Wan's); diffusers' pipelines have no LoRA loader

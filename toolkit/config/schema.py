@@ -309,6 +309,9 @@ class TrainSection:
     frame_rate: float = opt(24.0, "LTX-2: the frame rate the transformer is told the training clips play at (its "
                             "time positions; LTX-2 was trained at 24-25 fps). Samples play at sample.fps.",
                             minimum=1.0)
+    audio_loss_weight: float = opt(1.0, "LTX-2: the audio branch's loss weight; a step's loss is the video loss plus this "
+                                   "times the audio loss (clips with a soundtrack, data.audio auto or required).",
+                                   minimum=0.0)
 
 
 @dataclass

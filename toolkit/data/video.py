@@ -52,6 +52,7 @@ class ClipItem:
     dataset: int = 0                # which dataset (data/datasets.py) it came from
     mask: Path | None = None        # its loss mask (data.masked_loss)
     frames: tuple[int, ...] = ()    # the video's frames it trains on (extracted clips); (): spread over the video
+    soundtrack: bool = False        # LTX-2 with data.audio on: the file has an audio stream (data/audio.py)
 
 
 def check_num_frames(num_frames: int, key: str = "data.num_frames") -> None:

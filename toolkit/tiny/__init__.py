@@ -21,7 +21,7 @@ from toolkit.paths import TINY_PREFIX, cache_root
 from toolkit.rng import rng_untouched
 
 # Bump when a writer changes, so caches of older tiny models are not reused.
-TINY_VERSION = "1"
+TINY_VERSION = "2"  # 2: tiny:ltx2's audio VAE compresses time and mel bins by 4
 
 
 def tiny_writer(kind: str) -> Callable[[Path], None]:

@@ -90,3 +90,43 @@ def write_i2v_clips_dataset(out: Path, count: int = 4, frames: int = 9, size: tu
     _draw_shape(image, shape, colour, 0, (h - side) / 2, side)
     image.save(clips[-1].with_suffix(".png"))
     return clips
+
+
+def write_sound_clip(path: Path, frames: int = 9, fps: int = 24, size: tuple[int, int] = (64, 64),
+                     tone_hz: float | None = 440.0, sample_rate: int = 16000, colour: str = "red") -> Path:
+    """An mp4 (H.264) of a `colour` circle moving right, with a mono AAC soundtrack of a sine tone at `tone_hz` as
+    long as the frames (none when tone_hz is None), and its caption file."""
+    import av
+    import numpy as np
+    from PIL import Image
+
+    from toolkit.data.video import H264_ENCODERS
+
+    w, h = size
+    side = min(w, h) * 0.4
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        for codec in H264_ENCODERS:
+            try:
+                video = container.add_stream(codec, rate=fps)
+                break
+            except (av.FFmpegError, ValueError):
+                continue
+        video.width, video.height, video.pix_fmt = w, h, "yuv420p"
+        audio = container.add_stream("aac", rate=sample_rate, layout="mono") if tone_hz is not None else None
+        for f in range(frames):
+            image = Image.new("RGB", size, (255, 255, 255))
+            _draw_shape(image, "circle", colour, f * (w - side) / (frames - 1), (h - side) / 2, side)
+            container.mux(video.encode(av.VideoFrame.from_image(image)))
+        container.mux(video.encode())
+        if audio is not None:
+            t = np.arange(round(frames / fps * sample_rate) + 1024) / sample_rate  # a little past the last frame
+            tone = (0.5 * np.sin(2 * np.pi * tone_hz * t)).astype(np.float32)[None]
+            chunk = 1024
+            for start in range(0, tone.shape[1], chunk):
+                frame = av.AudioFrame.from_ndarray(tone[:, start:start + chunk], format="fltp", layout="mono")
+                frame.sample_rate, frame.pts = sample_rate, start
+                container.mux(audio.encode(frame))
+            container.mux(audio.encode())
+    path.with_suffix(".txt").write_text(f"a {colour} circle moving right on a white background\n")
+    return path

@@ -105,11 +105,13 @@ def _video_vae():
 
 
 def _audio_vae_and_vocoder():
+    """The audio VAE over stereo log-mel spectrograms of 8 bins at 16 kHz (hop 160), compressing time and mel bins by 4
+    as the real one does (two downsamplings), and a vocoder back to 16 kHz stereo."""
     from diffusers import AutoencoderKLLTX2Audio
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
     audio_vae = AutoencoderKLLTX2Audio(
-        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        base_channels=4, output_channels=2, ch_mult=(1, 2, 4), num_res_blocks=1, attn_resolutions=None, in_channels=2,
         resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
         mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8)
     vocoder = LTX2Vocoder(in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
