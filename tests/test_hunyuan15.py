@@ -266,3 +266,99 @@ def test_dora_file_loads_in_the_pipelines_transformer_as_trained(tmp_path, run_c
         trained = adapter.pipe.transformer(**inputs)[0]
     assert (trained - base).abs().max() > 1e-2
     torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
+
+
+def _loss_and_grads(adapter, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The batch's loss and its LoRA gradients (noise and sigmas drawn from seed 0)."""
+    from toolkit.models.base import trainable_parameters
+
+    modules = adapter.trainable_modules()
+    params = {f"{name}.{i}": p for name, module in modules.items() for i, p in enumerate(trainable_parameters(module))}
+    for p in params.values():
+        p.grad = None
+    torch.manual_seed(0)
+    loss = adapter.loss(batch, modules)
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in params.items() if p.grad is not None}
+
+
+def _joint_attention_masks(monkeypatch, adapter) -> list:
+    """Records the attn_mask of each SDPA call of the dual-stream blocks (their queries hold the video tokens too;
+    the text refiner's hold text only), through torch's own SDPA."""
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, *args, **kwargs):
+        if query.shape[2] > adapter.text_lengths[0] + 16:  # 48 video tokens + the text: no text alone is as long
+            seen.append(attn_mask)
+        return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return seen
+
+
+def _random_lora(adapter) -> None:
+    """Nonzero lora_B (PEFT starts it at zero): every LoRA factor gets a gradient."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in adapter.pipe.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+
+
+@pytest.mark.parametrize("task", ["t2v", "i2v"])
+def test_attention_runs_mask_free_when_every_token_is_valid(tmp_path, monkeypatch, task):
+    """Batch 1, and batch 2 of one caption: the joint attention gets attn_mask None (texts cut to their tokens,
+    text-to-video's masked image token and the all-masked ByT5 text left out), and the loss and LoRA gradients
+    equal the masked path's (the run's padded text lengths, the image token masked: diffusers' S x S mask)."""
+    import toolkit.models.diffusion_hunyuan15 as family
+
+    adapter, dataset = adapter_for(QUICKSTART[task], tmp_path)
+    _random_lora(adapter)
+    masks = _joint_attention_masks(monkeypatch, adapter)
+    nine = [i for i, item in enumerate(dataset.items) if item.bucket[2] == 9]
+    for indices in ([nine[0]], [nine[1], nine[1]]):
+        batch = dataset.collate(indices)
+        masks.clear()
+        free, free_grads = _loss_and_grads(adapter, batch)
+        assert len(masks) == 2 and all(m is None for m in masks)  # one call a block
+        with monkeypatch.context() as m:
+            m.setattr(family, "valid_lengths", lambda *masks: None)  # as before: padding and image token masked
+            masks.clear()
+            masked, masked_grads = _loss_and_grads(adapter, batch)
+        assert len(masks) == 2 and all(m is not None and not bool(m.all()) for m in masks)
+        torch.testing.assert_close(free, masked, rtol=1e-6, atol=1e-6)
+        assert free_grads.keys() == masked_grads.keys() and any(g.abs().max() > 1e-3 for g in free_grads.values())
+        for key in free_grads:
+            torch.testing.assert_close(free_grads[key], masked_grads[key], rtol=1e-6, atol=1e-6)
+
+
+def test_a_batch_with_padding_keeps_diffusers_masked_attention_bit_for_bit(tmp_path, monkeypatch):
+    """Two captions of different lengths in one batch: the toolkit's processor hands the call to diffusers' own
+    (the S x S mask), so loss and gradients equal those with diffusers' processor installed, bit for bit."""
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+
+    from toolkit.models.diffusion_hunyuan15 import TEXT_KEYS, kept_tokens
+
+    adapter, dataset = adapter_for(QUICKSTART["t2v"], tmp_path)
+    _random_lora(adapter)
+    nine = [i for i, item in enumerate(dataset.items) if item.bucket[2] == 9]  # "a red circle moving right ..."
+    one = next(i for i, item in enumerate(dataset.items) if item.bucket[2] == 1)  # "a blue circle on ...": shorter
+    batch, short = dataset.collate(nine[:2]), dataset.collate([one])
+    for key in TEXT_KEYS:  # the second clip captioned with the shorter text
+        batch[key] = torch.cat([batch[key][:1], short[key]])
+    lengths = [kept_tokens(mask) for mask in batch["prompt_embeds_mask"]]
+    assert lengths[1] < lengths[0]  # padding left in the second text
+    masks = _joint_attention_masks(monkeypatch, adapter)
+    ours, our_grads = _loss_and_grads(adapter, batch)
+    assert len(masks) == 2 and all(m is not None for m in masks)
+    for block in adapter.pipe.transformer.transformer_blocks:
+        block.attn.set_processor(HunyuanVideo15AttnProcessor2_0())
+    theirs, their_grads = _loss_and_grads(adapter, batch)
+    assert torch.equal(ours, theirs)
+    assert all(torch.equal(our_grads[k], their_grads[k]) for k in our_grads)
+
+
+def test_mask_free_start_line(tmp_path, run_cli, capsys):
+    assert run_cli(*diffusion_train_args(QUICKSTART["t2v"], tmp_path / "run", "train.steps=1")) == 0
+    assert ("attention: no mask (SDPA free to pick flash / cuDNN) for a batch whose texts are as long (batch 1 "
+            "always)" in capsys.readouterr().err)
