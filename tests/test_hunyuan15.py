@@ -185,9 +185,10 @@ def test_i2v_start_image_reaches_the_loss(tmp_path):
 
 
 def test_blocks_swapped_and_checkpointed_train_the_same_lora(tmp_path, run_cli, capsys):
-    """One of the two dual-stream blocks swapped, both checkpointed: the same losses, bit for bit, as the plain run,
-    and the same LoRA to float rounding (the swapped block's weights are slot copies: the CPU's matmul may sum the
-    gradient in another order, ~1e-6 here, where tiny:flux happens to come out bit-identical)."""
+    """One of the two dual-stream blocks swapped, both checkpointed: the same losses and LoRA as the plain run to
+    float rounding (the swapped block's weights are slot copies: the CPU's matmul may sum in another order, ~1e-7
+    in the loss and ~1e-6 in the LoRA here, where tiny:flux happens to come out bit-identical; checkpointing alone
+    keeps the losses bit for bit)."""
     out, losses = {}, {}
     for name, more in (("plain", []), ("changed", ["model.block_swap=1", "train.gradient_checkpointing=2"])):
         run_dir = tmp_path / name
@@ -198,7 +199,7 @@ def test_blocks_swapped_and_checkpointed_train_the_same_lora(tmp_path, run_cli, 
     assert "model.block_swap=1: 1 of 2 blocks swapped" in log
     assert "blocks: transformer: 2 blocks, 2 gradient-checkpointed, 1 swapped" in log
     assert "blocks: transformer: 2 blocks, 0 gradient-checkpointed, 0 swapped" in log
-    assert losses["plain"] == losses["changed"] and len(losses["plain"]) == 2
+    assert len(losses["plain"]) == 2 and np.allclose(losses["changed"], losses["plain"], rtol=1e-6, atol=0)
     assert out["plain"].keys() == out["changed"].keys()
     for key in out["plain"]:
         torch.testing.assert_close(out["changed"][key], out["plain"][key], rtol=1e-5, atol=1e-5)
