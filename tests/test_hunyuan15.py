@@ -187,7 +187,7 @@ def test_i2v_start_image_reaches_the_loss(tmp_path):
 def test_blocks_swapped_and_checkpointed_train_the_same_lora(tmp_path, run_cli, capsys):
     """One of the two dual-stream blocks swapped, both checkpointed: the same losses and LoRA as the plain run to
     float rounding (the swapped block's weights are slot copies: the CPU's matmul may sum in another order, ~1e-7
-    in the loss and ~1e-6 in the LoRA here, where tiny:flux happens to come out bit-identical; checkpointing alone
+    in the loss and up to ~1e-5 in the LoRA after Adam's two steps at lr 1e-2, where tiny:flux happens to come out bit-identical; checkpointing alone
     keeps the losses bit for bit)."""
     out, losses = {}, {}
     for name, more in (("plain", []), ("changed", ["model.block_swap=1", "train.gradient_checkpointing=2"])):
@@ -202,7 +202,7 @@ def test_blocks_swapped_and_checkpointed_train_the_same_lora(tmp_path, run_cli, 
     assert len(losses["plain"]) == 2 and np.allclose(losses["changed"], losses["plain"], rtol=1e-6, atol=0)
     assert out["plain"].keys() == out["changed"].keys()
     for key in out["plain"]:
-        torch.testing.assert_close(out["changed"][key], out["plain"][key], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out["changed"][key], out["plain"][key], rtol=1e-5, atol=5e-5)
 
 
 def test_resumed_run_is_bit_identical(tmp_path, run_cli):
@@ -314,6 +314,9 @@ def test_attention_runs_mask_free_when_every_token_is_valid(tmp_path, monkeypatc
     import toolkit.models.diffusion_hunyuan15 as family
 
     adapter, dataset = adapter_for(QUICKSTART[task], tmp_path)
+    # compiled blocks count a shape per text length pair: the 2 captions' ("a blue circle on ...", "a red circle
+    # moving right ..."), the sample prompts', and the padded one
+    assert adapter.sequence_variants() >= 3
     _random_lora(adapter)
     masks = _joint_attention_masks(monkeypatch, adapter)
     nine = [i for i, item in enumerate(dataset.items) if item.bucket[2] == 9]

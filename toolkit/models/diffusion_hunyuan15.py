@@ -92,6 +92,7 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
     task = "t2v"
     text_lengths: tuple[int, int] | None = None  # the Qwen and ByT5 tokens a forward keeps (prepare_data); None: all
     attention: MaskFreeAttention | None = None  # the blocks' processor (setup_training)
+    text_variants = 1_000  # the text lengths a forward may take (prepare_data counts the cached texts'); uncached: many
 
     def load(self, shard_base: bool = False) -> None:
         self.task, why = resolve_task(self.cfg.model.task, self.model_path, self.cfg.model.revision, I2V_PIPELINE)
@@ -196,12 +197,20 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
         dataset = super().prepare_data()
         if dataset.text is not None:  # captions cached: no batch has more text tokens than the cached texts
             texts = list(self.prompt_cache.values())  # the captions and the sample prompts
+            self.text_variants = 1 + len({tuple(kept_tokens(t[key]) for key in ("prompt_embeds_mask",
+                                                                                  "prompt_embeds_mask_2"))
+                                          for t in texts})  # each text's own lengths (mask-free), the padded ones
             self.text_lengths = tuple(max(max(kept_tokens(t[key]) for t in texts), 1)
                                       for key in ("prompt_embeds_mask", "prompt_embeds_mask_2"))
             self.log(f"text: {self.text_lengths[0]} Qwen2.5-VL and {self.text_lengths[1]} ByT5 tokens a forward "
                      "(the longest cached text's; the rest is masked padding)")
         self.log("attention: " + attention_note(self.task))
         return dataset
+
+    def sequence_variants(self) -> int:
+        """A batch whose tokens are all valid keeps its own text lengths (mask-free attention): compiled blocks see
+        one shape per cached length pair, and the padded one."""
+        return self.text_variants
 
     # -- loss ------------------------------------------------------------------------------
     def conditioning(self, batch: dict[str, Any], modules) -> dict[str, torch.Tensor]:
