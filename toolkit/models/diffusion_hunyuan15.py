@@ -16,12 +16,13 @@ What the pipelines do, and so what training does:
   (the pipeline's `_get_image_embeds`); both are cached with the clip's latents. The loss covers every frame.
 - Masked tokens are left out of the forward: the Qwen and ByT5 texts are cut to the longest cached text's
   tokens (their padding is at the end and masked; the transformer places its text tokens without positions), and
-  text-to-video passes one zero image token, not the pipeline's 729 (all masked out). Exact, and one text shape a
-  run for compiled blocks; `tests/test_hunyuan15.py` checks predict against the pipeline's full-length step.
+  text-to-video passes one zero image token, not the pipeline's 729 (all masked out). Exact (batches with padding
+  left: one text shape a run; see below for the others); `tests/test_hunyuan15.py` checks predict against the pipeline's full-length step.
 - Attention without the S x S mask: when no token of the batch is padding (`valid_lengths`: batch 1 always)
   each text is cut to its own tokens, text-to-video's image token and an all-masked ByT5 text are left out, and
   the blocks' processor (hunyuan15_attention.py) passes attn_mask None, so SDPA may pick flash. Exact (a masked
   key adds nothing); a batch with padding left keeps the run's text lengths and diffusers' masked processor.
+  Compiled blocks count each cached text length pair as a batch shape (`sequence_variants`).
 - Timestep: 1000 * sigma, sigmas shifted by the scheduler's fixed shift (train.flow_shift to override).
 - Samples: the pipeline's own call on the cached embeddings, classifier-free guidance by its guider at
   sample.guidance_scale with sample.negative_prompt. Image-to-video samples take their size from the start image
