@@ -164,6 +164,11 @@ class ModelAdapter(ABC):
         """(units, tokens) of `batch`, counted before the forward: how many units (tokens, samples) its loss sums
         over, and its tokens for the tokens/s metric (0: the family does not count tokens)."""
 
+    def sequence_variants(self) -> int:
+        """How many token counts one batch shape may take in the forward (compiled blocks see each as another
+        shape): 1 unless the family cuts each batch's text to its own tokens (hunyuan_video15)."""
+        return 1
+
     @abstractmethod
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
         """The SUM of the batch's per-unit losses, computed through `modules` (the trainer divides by the

@@ -16,8 +16,13 @@ What the pipelines do, and so what training does:
   (the pipeline's `_get_image_embeds`); both are cached with the clip's latents. The loss covers every frame.
 - Masked tokens are left out of the forward: the Qwen and ByT5 texts are cut to the longest cached text's
   tokens (their padding is at the end and masked; the transformer places its text tokens without positions), and
-  text-to-video passes one zero image token, not the pipeline's 729 (all masked out). Exact, and one text shape a
-  run for compiled blocks; `tests/test_hunyuan15.py` checks predict against the pipeline's full-length step.
+  text-to-video passes one zero image token, not the pipeline's 729 (all masked out). Exact (batches with padding
+  left: one text shape a run; see below for the others); `tests/test_hunyuan15.py` checks predict against the pipeline's full-length step.
+- Attention without the S x S mask: when no token of the batch is padding (`valid_lengths`: batch 1 always)
+  each text is cut to its own tokens, text-to-video's image token and an all-masked ByT5 text are left out, and
+  the blocks' processor (hunyuan15_attention.py) passes attn_mask None, so SDPA may pick flash. Exact (a masked
+  key adds nothing); a batch with padding left keeps the run's text lengths and diffusers' masked processor.
+  Compiled blocks count each cached text length pair as a batch shape (`sequence_variants`).
 - Timestep: 1000 * sigma, sigmas shifted by the scheduler's fixed shift (train.flow_shift to override).
 - Samples: the pipeline's own call on the cached embeddings, classifier-free guidance by its guider at
   sample.guidance_scale with sample.negative_prompt. Image-to-video samples take their size from the start image
@@ -39,6 +44,7 @@ from toolkit.data.augment import View
 from toolkit.errors import UserError
 from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FlowMatching
+from toolkit.models.hunyuan15_attention import MaskFreeAttention, install as install_attention
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import diffusers_keys_scaled, hunyuan15_comfy_keys
 from toolkit.models.lycoris_files import TENSORS
@@ -56,6 +62,28 @@ HUNYUAN15_ALL_LINEAR = f"{_BLOCK}({_ATTENTION_FF}|norm1\\.linear|norm1_context\\
 TEXT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 
 
+def valid_lengths(mask: torch.Tensor, mask_2: torch.Tensor) -> tuple[int, int] | None:
+    """The Qwen and ByT5 tokens to keep when cutting leaves no padding in the batch: every text's attended tokens
+    lead and the texts have as many (always so at batch 1; ByT5 may keep 0: no caption quotes text); None when
+    padding remains. One read of the (B, tokens) masks a step."""
+    lengths = []
+    for m in (mask, mask_2):
+        m = m.detach().to("cpu", torch.bool)
+        n = int(m.sum(1).max())
+        if not bool(m[:, :n].all()):
+            return None
+        lengths.append(n)
+    return lengths[0], lengths[1]
+
+
+def attention_note(task: str) -> str:
+    """The start log line's word on the attention mask."""
+    image = "the start image's SigLIP tokens kept" if task == "i2v" else "text-to-video's masked image token left out"
+    return (f"no mask (SDPA free to pick flash / cuDNN) for a batch whose texts are as long (batch 1 always): texts "
+            f"cut to their tokens, {image}; a batch with captions of different lengths keeps diffusers' S x S mask "
+            "(exact, slower)")
+
+
 def kept_tokens(mask: torch.Tensor) -> int:
     """The tokens a cached text keeps when cut: its attended ones when they lead (padding at the end), else all."""
     n = int(mask.sum())
@@ -68,6 +96,8 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
     transformer_key_style = staticmethod(diffusers_keys_scaled)  # the transformer's PEFT loader takes no `.alpha`
     task = "t2v"
     text_lengths: tuple[int, int] | None = None  # the Qwen and ByT5 tokens a forward keeps (prepare_data); None: all
+    attention: MaskFreeAttention | None = None  # the blocks' processor (setup_training)
+    text_variants = 1_000  # the text lengths a forward may take (prepare_data counts the cached texts'); uncached: many
 
     def load(self, shard_base: bool = False) -> None:
         self.task, why = resolve_task(self.cfg.model.task, self.model_path, self.cfg.model.revision, I2V_PIPELINE)
@@ -108,6 +138,7 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
         self.log(f"flow matching: {self.timestep_sampling} sigmas shifted by {self.shift:g}"
                  + (" (train.flow_shift)" if self.cfg.train.flow_shift != "auto" else " (the scheduler's shift)"))
         self.image_tokens = (self.pipe.vision_num_semantic_tokens, transformer.config.image_embed_dim)
+        self.attention = install_attention(transformer)
         self.sample_starts = sample_images(list(self.cfg.sample.images), self.sample_prompts(), self.task,
                                            self.cfg.model.name_or_path)
         if self.task == "i2v":
@@ -171,11 +202,20 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
         dataset = super().prepare_data()
         if dataset.text is not None:  # captions cached: no batch has more text tokens than the cached texts
             texts = list(self.prompt_cache.values())  # the captions and the sample prompts
+            self.text_variants = 1 + len({tuple(kept_tokens(t[key]) for key in ("prompt_embeds_mask",
+                                                                                  "prompt_embeds_mask_2"))
+                                          for t in texts})  # each text's own lengths (mask-free), the padded ones
             self.text_lengths = tuple(max(max(kept_tokens(t[key]) for t in texts), 1)
                                       for key in ("prompt_embeds_mask", "prompt_embeds_mask_2"))
             self.log(f"text: {self.text_lengths[0]} Qwen2.5-VL and {self.text_lengths[1]} ByT5 tokens a forward "
                      "(the longest cached text's; the rest is masked padding)")
+        self.log("attention: " + attention_note(self.task))
         return dataset
+
+    def sequence_variants(self) -> int:
+        """A batch whose tokens are all valid keeps its own text lengths (mask-free attention): compiled blocks see
+        one shape per cached length pair, and the padded one."""
+        return self.text_variants
 
     # -- loss ------------------------------------------------------------------------------
     def conditioning(self, batch: dict[str, Any], modules) -> dict[str, torch.Tensor]:
@@ -207,7 +247,14 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
         """The flow velocity at timestep 1000 * sigma, as the pipeline's transformer call."""
         dtype = denoiser.dtype
         hidden, image_embeds = self.model_inputs(noised.noisy.to(dtype), cond)
-        n, n_2 = self.text_lengths or (cond["prompt_embeds"].shape[1], cond["prompt_embeds_2"].shape[1])
+        lengths = valid_lengths(cond["prompt_embeds_mask"], cond["prompt_embeds_mask_2"])
+        if lengths is None:  # padding left: the run's text lengths, the image token masked (the S x S mask)
+            n, n_2 = self.text_lengths or (cond["prompt_embeds"].shape[1], cond["prompt_embeds_2"].shape[1])
+        else:  # every token valid: the batch's texts cut to their tokens, text-to-video's masked token left out
+            n, n_2 = lengths
+            image_embeds = image_embeds if "start_latent" in cond else image_embeds[:, :0]
+        if self.attention is not None:
+            self.attention.valid_tokens = None if lengths is None else n + n_2 + image_embeds.shape[1]
         return denoiser.forward(hidden_states=hidden, timestep=(noised.t * 1000).to(dtype),
                                 encoder_hidden_states=cond["prompt_embeds"][:, :n].to(dtype),
                                 encoder_attention_mask=cond["prompt_embeds_mask"][:, :n],
@@ -228,6 +275,8 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
         else:
             kwargs["width"], kwargs["height"] = self.sample_size()
         self.pipe.guider.guidance_scale = s.guidance_scale
+        if self.attention is not None:  # the pipeline's padded call: diffusers' masked attention
+            self.attention.valid_tokens = None
         encoder = getattr(self.pipe, "image_encoder", None)
         if encoder is not None:
             encoder.to(self.runtime.device)
