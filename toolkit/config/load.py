@@ -13,7 +13,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config.layers import Layer, peek
@@ -62,23 +62,17 @@ def field_meta(section_cls: type, name: str) -> dict:
     return {}
 
 
-def iter_schema_fields(cfg: DictConfig, prefix: str = "", entries: bool = False) -> Iterator[tuple[str, dict]]:
-    """Yield (dotted key, field metadata) for every leaf field of a structured config; with `entries`, also each
-    field of every entry of a list of sections (data.datasets[1].frame_extraction)."""
+def iter_schema_fields(cfg: DictConfig, prefix: str = "") -> Iterator[tuple[str, dict]]:
+    """Yield (dotted key, field metadata) for every leaf field of a structured config."""
     section_cls = OmegaConf.get_type(cfg)
     for key in cfg.keys():
         node = cfg._get_node(key)
         dotted = f"{prefix}{key}"
         if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
-            yield from iter_schema_fields(node, dotted + ".", entries)
-            continue
-        meta = field_meta(section_cls, key) if dataclasses.is_dataclass(section_cls) else {}
-        yield dotted, meta
-        if entries and isinstance(node, ListConfig) and not node._is_missing() and not node._is_none():
-            for index in range(len(node)):
-                entry = node._get_node(index)
-                if isinstance(entry, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(entry)):
-                    yield from iter_schema_fields(entry, f"{dotted}[{index}].", entries)
+            yield from iter_schema_fields(node, dotted + ".")
+        else:
+            meta = field_meta(section_cls, key) if dataclasses.is_dataclass(section_cls) else {}
+            yield dotted, meta
 
 
 def _suggest(key: str, cfg: DictConfig, prefix: str) -> str:
@@ -218,7 +212,7 @@ def _missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
 
 def _check_values(cfg: DictConfig, sources: dict[str, str], problems: list[str]) -> None:
     """Choices and bounds from the schema metadata, checked after interpolation."""
-    for dotted, meta in iter_schema_fields(cfg, entries=True):
+    for dotted, meta in iter_schema_fields(cfg):
         if "choices" not in meta and "min" not in meta and "max" not in meta:
             continue
         try:
