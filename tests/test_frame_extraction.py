@@ -215,3 +215,14 @@ def test_an_unknown_frame_extraction_in_a_dataset_entry_is_named(tmp_path, run_c
                      "slide, uniform, full; did you mean 'slide'?") == 1
     assert "data.datasets[0]" not in err  # its frame_stride is a valid per-entry key
     assert not (tmp_path / "run").exists()
+
+
+def test_an_entrys_own_target_frames_error_names_the_entrys_key(tmp_path, run_cli, capsys, own_data_caches):
+    _webp(tmp_path / "long.webp", _frames(LONG, (64, 64)))
+    (tmp_path / "long.txt").write_text("a moving square")
+    entries = "data.datasets=[{path: %s, frame_extraction: head, target_frames: [9, 8]}]" % tmp_path
+    code = run_cli(*diffusion_train_args("quickstart_hunyuan15.yaml", tmp_path / "run", f"data.path={tmp_path}",
+                                         entries))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "fix:" in err
+    assert "data.datasets[0].target_frames: 8 is not 4k+1" in err
