@@ -120,7 +120,8 @@ def test_edit_dop_weight_0_trains_as_plain_training_and_weight_1_does_not(family
 @pytest.mark.parametrize("family", list(QUICKSTARTS))
 def test_edit_dop_base_prediction_is_the_lora_off_on_the_samples_references(family, tmp_path):
     """The preservation pass conditions on the sample's own references (and, for qwen_image_edit, on the class
-    caption encoded with them): its base prediction is the model with its LoRA off on that very input."""
+    caption encoded with them): its base prediction is the model with its LoRA off on that very input, and the
+    preservation term moves when only the references do."""
     train, _ = split_folders(family, tmp_path / "data")
     adapter, dataset = adapter_for(QUICKSTARTS[family][0], tmp_path, f"data.path={train}", "train.dop_class=shape",
                                    "train.dop_weight=0.5")
@@ -131,18 +132,41 @@ def test_edit_dop_base_prediction_is_the_lora_off_on_the_samples_references(fami
             p.normal_(std=0.5)
     batch = dataset.collate([0])
     assert batch["preserve"].tolist() == [True]
-    if family == "qwen_image_edit":  # the class caption's embedding differs from the caption's
+    references = [key for key in batch if key.startswith("reference_latents.")]
+    assert len(references) == (1 if family == "flux_kontext" else 2)
+    if family == "qwen_image_edit":  # the class caption encoded with the item's references, as its caption is
+        loaded = adapter.load_item(dataset.items[0], dataset.views[0][0])
+        assert loaded["class_caption"] == dataset.dop_captions[0] == loaded["caption"].replace("sks", "shape")
+        expected = adapter.encode_edit_text(loaded["class_caption"], loaded["condition_images"])
+        assert torch.equal(batch["dop.prompt_embeds"][0], expected["prompt_embeds"])
         assert not torch.equal(batch["dop.prompt_embeds"], batch["prompt_embeds"])
     seen = []
     predict = adapter.predict
-    adapter.predict = lambda *args: seen.append(args) or predict(*args)
-    torch.manual_seed(0)
+    adapter.predict = lambda *args: seen.append((args, predict(*args))) or seen[-1][1]
+
+    def preservation(batch) -> torch.Tensor:
+        seen.clear()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            total = adapter.loss(batch, adapter.trainable_modules())
+        assert len(seen) == 3  # the sample, the base (LoRA off) and the LoRA's class prediction
+        return total - adapter.objective.loss(seen[0][1], seen[0][0][1]).sum()
+
+    term = preservation(batch)
+    (denoiser, noised, cond, class_batch), base = seen[1]
+    assert all(torch.equal(class_batch[key], batch[key]) for key in references)
+    if family == "qwen_image_edit":
+        assert torch.equal(cond["prompt_embeds"], batch["dop.prompt_embeds"].to(cond["prompt_embeds"]))
+    saved = [p.detach().clone() for p in lora_b]
     with torch.no_grad():
-        adapter.loss(batch, adapter.trainable_modules())
-    assert len(seen) == 3  # the sample, the base (LoRA off) and the LoRA's class prediction
-    for args in seen[1:]:
-        class_batch = args[3]
-        references = [key for key in batch if key.startswith("reference_latents.")]
-        assert references and all(torch.equal(class_batch[key], batch[key]) for key in references)
-        if family == "qwen_image_edit":
-            assert torch.equal(args[2]["prompt_embeds"], batch["dop.prompt_embeds"].to(args[2]["prompt_embeds"]))
+        for p in lora_b:
+            p.zero_()
+        without = predict(denoiser, noised, cond, class_batch)
+        for p, kept in zip(lora_b, saved):
+            p.copy_(kept)
+    assert torch.equal(base, without)
+    assert float(term) > 0
+
+    other = dict(batch)  # the same sample with its last reference swapped for another item's
+    other[references[-1]] = dataset.collate([1])[references[-1]]
+    assert abs(float(preservation(other)) - float(term)) > 1e-9
