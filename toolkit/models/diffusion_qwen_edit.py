@@ -56,8 +56,6 @@ def class_key(item) -> tuple:
 class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
     max_text_tokens = 1024  # the pipeline's tokenizer_max_length: the prompt holds each reference's image tokens
     samples_need_text_encoders = True
-    dop_captions: list | None = None       # train.dop_class: each training item's class caption (None: not kept)
-    class_caption_of: dict = {}            # class_key(item) -> the caption its preservation pass is encoded with
 
     def pipeline_class(self):
         from diffusers import QwenImageEditPlusPipeline
@@ -72,6 +70,8 @@ class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
     def setup_training(self) -> None:
         super().setup_training()
         self.refuse_varying_text()
+        self.dop_captions: list[str | None] | None = None  # train.dop_class: each training item's class caption
+        self.class_caption_of: dict[tuple, str] = {}  # class_key(item) -> what its preservation pass is encoded with
         self.references = References(ReferenceSizing(multiple=32, max_references=MAX_REFERENCES),
                                      self.encode_pixels, self.to_device, required=True, data=self.cfg.data)
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
