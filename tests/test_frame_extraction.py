@@ -172,3 +172,57 @@ def test_ai_toolkits_and_musubis_names_suggest_the_keys(run_cli, capsys):
             "(shrink_video_to_frames: the name in ai-toolkit; true is data.frame_extraction: spread (the default); "
             "false: head)") in err
     assert "unknown key 'data.video_directory' in command line; did you mean 'data.path'?" in err
+
+
+def test_each_dataset_entry_cuts_its_own_clips_in_one_run(tmp_path, run_cli, capsys, own_data_caches):
+    """data.datasets entries with their own frame_extraction (musubi-tuner's per-dataset keys) over the same
+    30-frame video: each entry's documented clips at their frames, data.path's the run-wide spread, in one run."""
+    from helpers import adapter_for
+
+    _write_mp4(tmp_path / "long.mp4", _frames(LONG, (64, 64)))
+    (tmp_path / "long.txt").write_text("a moving square")
+    entries = ("data.datasets=[{path: %s, frame_extraction: head, target_frames: [9, 17]}, "
+               "{path: %s, frame_extraction: uniform, target_frames: [9, 17], frame_sample: 3}]" % (tmp_path, tmp_path))
+    overrides = (f"data.path={tmp_path}", entries)
+    out = tmp_path / "run"
+    assert run_cli(*diffusion_train_args("quickstart_hunyuan15.yaml", out, *overrides, "train.steps=2")) == 0
+    log = capsys.readouterr().err
+    assert "frame extraction (head): 2 clips from 1 files" in log
+    assert "frame extraction (uniform): 6 clips from 1 files" in log
+    assert "dataset 1 (data.datasets[0].path = %s): 2 items at 64 px" % tmp_path in log
+    assert "dataset 2 (data.datasets[1].path = %s): 6 items at 64 px" % tmp_path in log
+    assert "latents: 0 cached, 9 encoded" in log and "; 9 training samples" in log  # each clip its own entry
+    assert len(read_metrics(out)) == 2
+
+    adapter, dataset = adapter_for("quickstart_hunyuan15.yaml", tmp_path / "again", *overrides)
+    spans = {d: [(it.frames[0], len(it.frames)) if it.frames else ("spread", it.bucket[2])
+                 for it in dataset.items if it.dataset == d] for d in range(3)}
+    assert spans == {0: [("spread", 9)], 1: EXPECTED["head"], 2: EXPECTED["uniform"]}
+    for item in dataset.items:
+        if item.frames:
+            assert _taken(load_clip(item)) == list(range(item.frames[0], item.frames[0] + len(item.frames)))
+
+
+def test_an_unknown_frame_extraction_in_a_dataset_entry_is_named(tmp_path, run_cli, capsys):
+    from helpers import REPO
+
+    entries = "data.datasets=[{path: %s, frame_stride: 2}, {path: %s, frame_extraction: slid}]" % (tmp_path, tmp_path)
+    code = run_cli("train", REPO / "configs/examples/quickstart_hunyuan15.yaml", f"run.output_dir={tmp_path / 'run'}",
+                   entries)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.count("'data.datasets[1].frame_extraction' in command line: 'slid' is not one of spread, head, chunk, "
+                     "slide, uniform, full; did you mean 'slide'?") == 1
+    assert "data.datasets[0]" not in err  # its frame_stride is a valid per-entry key
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_entrys_own_target_frames_error_names_the_entrys_key(tmp_path, run_cli, capsys, own_data_caches):
+    _webp(tmp_path / "long.webp", _frames(LONG, (64, 64)))
+    (tmp_path / "long.txt").write_text("a moving square")
+    entries = "data.datasets=[{path: %s, frame_extraction: head, target_frames: [9, 8]}]" % tmp_path
+    code = run_cli(*diffusion_train_args("quickstart_hunyuan15.yaml", tmp_path / "run", f"data.path={tmp_path}",
+                                         entries))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "fix:" in err
+    assert "data.datasets[0].target_frames: 8 is not 4k+1" in err

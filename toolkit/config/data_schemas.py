@@ -152,8 +152,35 @@ class ReferenceImageDataSection(ImageDataSection):
                                       minimum=1)
 
 
+FRAME_EXTRACTION_MODES = ("spread", "head", "chunk", "slide", "uniform", "full")
+
+
+@dataclass
+class VideoDatasetEntry(DatasetEntry):
+    """A video family's further dataset: DatasetEntry's keys and how its clips are cut (musubi-tuner sets these per
+    dataset); unset keys take the data section's."""
+
+    frame_extraction: Optional[str] = opt(None, "How this dataset's clips are cut (see data.frame_extraction); unset: "
+                                          "data.frame_extraction.", choices=FRAME_EXTRACTION_MODES)
+    target_frames: Optional[List[int]] = opt(None, "Frames per extracted clip for this dataset, each 4k+1; unset: "
+                                             "data.target_frames.")
+    frame_stride: Optional[int] = opt(None, "frame_extraction=slide: frames between two clips' starts; unset: "
+                                      "data.frame_stride.", minimum=1)
+    frame_sample: Optional[int] = opt(None, "frame_extraction=uniform: clips per video and length; unset: "
+                                      "data.frame_sample.", minimum=1)
+    max_frames: Optional[int] = opt(None, "frame_extraction=full: the most frames a clip takes; unset: "
+                                    "data.max_frames.", minimum=1)
+
+
 @dataclass
 class VideoDataSection(ImageDataSection):
+    datasets: List[VideoDatasetEntry] = opt([], "More datasets beside data.path, each a mapping with its own path and "
+                                            "any of resolution, resolutions, caption_ext, default_caption, "
+                                            "trigger_word, repeats, weight, is_regularization, masked_loss, and how "
+                                            "its clips are cut: frame_extraction, target_frames, frame_stride, "
+                                            "frame_sample, max_frames (musubi-tuner's per-dataset keys; unset keys: "
+                                            "this section's). A `data:` list in the YAML is read as its first entry "
+                                            "here and the rest in data.datasets.")
     num_frames: int = opt(17, "Frames per clip (4k+1: 1, 5, 9, ... 81) under frame_extraction=spread, taken evenly "
                           "from each whole video (ai-toolkit's num_frames with shrink_video_to_frames); shorter "
                           "clips train on the largest 4k+1 they have; images are 1-frame clips.", minimum=1)
@@ -164,8 +191,10 @@ class VideoDataSection(ImageDataSection):
                                 "frame_sample clips of F frames with starts spread evenly from the first frame to "
                                 "the last start that fits; full: one clip of every frame, at most max_frames, rounded "
                                 "down to 4k+1. F is each of target_frames; a video shorter than F gives no clip of F "
-                                "(head, chunk, slide, uniform). Clips are bucketed by their frames and size.",
-                                choices=("spread", "head", "chunk", "slide", "uniform", "full"))
+                                "(head, chunk, slide, uniform). Clips are bucketed by their frames and size. Each "
+                                "entry of data.datasets may set its own (and its own target_frames, frame_stride, "
+                                "frame_sample, max_frames); these are the defaults.",
+                                choices=FRAME_EXTRACTION_MODES)
     target_frames: List[int] = opt([], "Frames per extracted clip, each 4k+1 (musubi-tuner's target_frames): one "
                                    "or more lengths, each extracted on its own (head, chunk, slide, uniform); "
                                    "empty: [num_frames].")

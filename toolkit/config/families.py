@@ -35,9 +35,9 @@ DDPM_SETTINGS = DIFFUSION_SETTINGS | {"train.train_text_encoder", "train.noise_o
 FLOW_SETTINGS = DIFFUSION_SETTINGS | {"train.flow_shift", "model.quantize", "model.quantize_backend",
                                       "model.block_swap"}
 VLM_SETTINGS = frozenset({"train.eval_every", "network.vision_layers", "sample.max_new_tokens", "sample.temperature", "sample.images"})
-# Edit families: the references of each sample prompt; no eval loss or output preservation (neither yet knows about
-# references), so their settings are left out.
-EDIT_SETTINGS = (FLOW_SETTINGS - EVAL_SETTINGS - {"train.dop_class", "train.dop_weight"}) | {"sample.references"}
+# Edit families: the references of each sample prompt (eval.path's samples and output preservation carry the
+# sample's references as training does).
+EDIT_SETTINGS = FLOW_SETTINGS | {"sample.references"}
 VIDEO_SETTINGS = FLOW_SETTINGS | {"sample.negative_prompt", "sample.num_frames", "sample.fps", "model.task",
                                   "sample.images"}
 

@@ -19,6 +19,7 @@ before datasets existed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -41,29 +42,35 @@ class DatasetSettings:
     repeats: int
     weight: float
     is_regularization: bool
+    own: frozenset[str] = frozenset()  # the keys a data.datasets entry sets itself (data.path's: none)
 
 
 def dataset_settings(data: Any) -> list[DatasetSettings]:
     """data.path's dataset, then each of data.datasets, with their own keys over the data section's."""
     base = OmegaConf.to_container(data, resolve=True)
     entries = base.pop("datasets", None) or []
-    merged = [("data.path", base)]
-    merged += [(f"data.datasets[{n}].path", {**base, **{k: v for k, v in entry.items() if v is not None}})
+    merged = [("data.path", base, frozenset())]
+    merged += [(f"data.datasets[{n}].path", {**base, **{k: v for k, v in entry.items() if v is not None}},
+                frozenset(k for k, v in entry.items() if v is not None and k != "path"))
                for n, entry in enumerate(entries)]
     settings = []
-    for label, values in merged:
+    for label, values, own in merged:
         resolutions = tuple(dict.fromkeys(int(r) for r in values["resolutions"] or [values["resolution"]]))
         if any(r < 64 for r in resolutions):
             raise UserError(f"{label.rsplit('.', 1)[0]}.resolutions: {list(resolutions)} holds a side under 64 px\n"
                             "  fix: give resolutions of at least 64")
         settings.append(DatasetSettings(label, OmegaConf.create(values), resolutions, int(values["repeats"]),
-                                        float(values["weight"]), bool(values["is_regularization"])))
+                                        float(values["weight"]), bool(values["is_regularization"]), own))
     return settings
 
 
 def named_for(err: UserError, settings: DatasetSettings) -> UserError:
-    """A scan's error (which says data.path) naming the dataset's own key, and what a regularisation set is."""
+    """A scan's error (which says data.path, or data.<key>) naming the dataset's own key (an entry's own setting:
+    data.datasets[1].target_frames), and what a regularisation set is."""
     text = str(err).replace("data.path", settings.label, 1)
+    entry = settings.label.rsplit(".", 1)[0]
+    for key in settings.own:
+        text = re.sub(rf"\bdata\.{key}\b", f"{entry}.{key}", text)
     if settings.is_regularization:
         text = text.replace(":", " (regularisation images):", 1)
     return UserError(text)

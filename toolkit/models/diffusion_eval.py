@@ -4,7 +4,9 @@ DiffusionAdapter, which provides `cfg`, `pipe`, `runtime`, `log`, `network`, `sc
 
 The held-out folder is read as data.path is (the same caption, resolution and bucket settings), each image at its
 bucket's centre crop, unflipped, with its caption as written (no tag shuffle, tag dropout or caption dropout). Its
-latents (and, where training caches them, its text embeddings) are encoded once with the training data's.
+latents (and, where training caches them, its text embeddings) are encoded once with the training data's. An edit
+family's eval images carry their references, found by the same layout rules inside the eval folder (docs/edit.md),
+cached and placed as in training.
 
 Each image is scored at eval.timesteps fixed noise levels, (k + 0.5) / N of the noise range (a DDPM timestep,
 or a flow sigma through the family's shift as in training), each with its own noise drawn from a generator
@@ -27,9 +29,11 @@ from toolkit.data.images import DiffusionDataset, caption_rules
 from toolkit.errors import UserError
 from toolkit.models.base import eval_mode
 
-# What the eval folder is read with beyond data's settings: one plain view, the caption as written.
+# What the eval folder is read with beyond data's settings: one plain view, the caption as written; an edit
+# family's references from inside the eval folder (references/ or name_refN), as data.reference_paths's folders
+# hold data.path's references only.
 PLAIN_VIEW = {"random_flip": False, "crop_variants": 1, "caption_dropout": 0.0, "shuffle_tags": False,
-              "tag_dropout": 0.0}
+              "tag_dropout": 0.0, "reference_paths": []}
 
 
 def eval_noise(seed: int, item: int, level: int, shape: torch.Size) -> torch.Tensor:

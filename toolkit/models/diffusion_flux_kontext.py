@@ -36,15 +36,6 @@ class FluxKontextAdapter(ReferencedTargets, Flux, DiffusionAdapter):
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
                                              required=True)
 
-    def eval_interval(self) -> int:
-        return 0  # no eval.* settings (config/families.py EDIT_SETTINGS): a held-out folder has no references yet
-
-    def prepare_eval(self, root):
-        return None
-
-    def class_captions(self, items: list, settings: list) -> None:
-        return None  # no train.dop_class (EDIT_SETTINGS): output preservation does not pass references yet
-
     # -- references for predict ------------------------------------------------------------
     def reference_latents(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         return self.references.latents(batch)

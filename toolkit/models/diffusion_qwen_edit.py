@@ -11,6 +11,10 @@ conditions them:
   through the pipeline's own encode_prompt. These embeddings depend on the item's references, so they are cached
   with its latents, one entry per view (a flipped view flips its references), padded to 1024 tokens.
 - Captions therefore stay fixed: caption dropout, tag shuffle / dropout and uncached latents or text are refused.
+- eval.path's images carry their references (the same layout rules inside the eval folder), their text encoded
+  with them as in training. Output preservation (train.dop_class) encodes each item's class caption with the
+  item's references too, cached beside its caption's (`dop.prompt_embeds`), so the base and LoRA predictions of
+  the preservation pass see the sample's references.
 - Samples: sample.references gives each prompt its references; the pipeline encodes the prompt with them, so the
   text encoder is kept (in CPU memory between samples) rather than freed after caching.
 - The LoRA file is Qwen-Image's (diffusers names under diffusion_model. with alphas), which the edit pipeline's
@@ -44,6 +48,11 @@ def condition_size(size: tuple[int, int]) -> tuple[int, int]:
     return round(width / 32) * 32, round(width / ratio / 32) * 32
 
 
+def class_key(item) -> tuple:
+    """A training item as its dataset holds it (an eval item of another folder is not one)."""
+    return item.path, item.bucket, item.content_hash, item.dataset
+
+
 class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
     max_text_tokens = 1024  # the pipeline's tokenizer_max_length: the prompt holds each reference's image tokens
     samples_need_text_encoders = True
@@ -61,6 +70,8 @@ class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
     def setup_training(self) -> None:
         super().setup_training()
         self.refuse_varying_text()
+        self.dop_captions: list[str | None] | None = None  # train.dop_class: each training item's class caption
+        self.class_caption_of: dict[tuple, str] = {}  # class_key(item) -> what its preservation pass is encoded with
         self.references = References(ReferenceSizing(multiple=32, max_references=MAX_REFERENCES),
                                      self.encode_pixels, self.to_device, required=True, data=self.cfg.data)
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
@@ -84,6 +95,17 @@ class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
     def scan(self, data, log) -> list:
         return self.references.scan(data, log)
 
+    def scan_datasets(self, settings: list) -> list:
+        """The datasets' items; with train.dop_class, each one's class caption, noted now because it is encoded with
+        the item's references into its latent cache entry (`dop.prompt_embeds`) as its caption is."""
+        items = super().scan_datasets(settings)
+        self.dop_captions = self.class_captions(items, settings)
+        # a regularisation image (no class caption) keeps its own caption there; its preservation is masked off
+        self.class_caption_of = {} if self.dop_captions is None else {
+            class_key(item): caption if caption is not None else item.caption
+            for item, caption in zip(items, self.dop_captions)}
+        return items
+
     def load_item(self, item, view: View) -> dict[str, Any]:
         """The target's view, its references' pixels, and what the text encoder reads: the caption and each
         reference at the condition size (as PIL images, mirrored with the view)."""
@@ -95,14 +117,20 @@ class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
             image = open_image(path)
             image = image.resize(condition_size(image.size), Image.Resampling.LANCZOS)  # the pipeline's resample
             images.append(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view.flip else image)
-        return {**loaded, "caption": item.caption, "condition_images": images}
+        key = class_key(item)
+        classes = {"class_caption": self.class_caption_of[key]} if key in self.class_caption_of else {}
+        return {**loaded, "caption": item.caption, "condition_images": images, **classes}
 
     def encode_view(self, loaded: dict[str, Any]) -> dict[str, torch.Tensor]:
         text = self.encode_edit_text(loaded["caption"], loaded["condition_images"])
+        if "class_caption" in loaded:  # output preservation: the class caption with the same references
+            dop = self.encode_edit_text(loaded["class_caption"], loaded["condition_images"])
+            text.update({f"dop.{key}": value for key, value in dop.items()})
         return {**super().encode_view(loaded), **self.references.encoded(loaded), **text}
 
     def latent_key_parts(self, item) -> tuple:
-        return self.references.key_parts(item) + ("edit-text", item.caption, self.max_text_tokens)
+        dop = ("dop-text", self.class_caption_of[class_key(item)]) if class_key(item) in self.class_caption_of else ()
+        return self.references.key_parts(item) + ("edit-text", item.caption, self.max_text_tokens) + dop
 
     def encode_edit_text(self, caption: str, images: list) -> dict[str, torch.Tensor]:
         """prompt_embeds [max_text_tokens, hidden] and its mask for one caption with its references in the edit
@@ -129,13 +157,8 @@ class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
             for encoder in self.text_encoders:
                 encoder.to("cpu")
 
-    def eval_interval(self) -> int:
-        return 0  # no eval.* settings (config/families.py EDIT_SETTINGS): a held-out folder has no references yet
-
-    def prepare_eval(self, root):
-        return None
-
     def _prepare_text(self, dataset, items, rules, root, settings) -> None:
+        dataset.dop_captions = self.dop_captions
         self.log("text embeddings: encoded with each target's references and cached with its latents")
 
     def reference_latents(self, batch: dict[str, Any]) -> list[torch.Tensor]:
