@@ -316,7 +316,7 @@ def test_attention_runs_mask_free_when_every_token_is_valid(tmp_path, monkeypatc
     adapter, dataset = adapter_for(QUICKSTART[task], tmp_path)
     # compiled blocks count a shape per text length pair: the 2 captions' ("a blue circle on ...", "a red circle
     # moving right ..."), the sample prompts', and the padded one
-    assert adapter.sequence_variants() >= 3
+    assert adapter.memory.sequence_variants() >= 3
     _random_lora(adapter)
     masks = _joint_attention_masks(monkeypatch, adapter)
     nine = [i for i, item in enumerate(dataset.items) if item.bucket[2] == 9]

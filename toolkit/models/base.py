@@ -120,6 +120,11 @@ class ModelMemory:
         """Out-of-memory remedies specific to the model (the trainer adds the generic ones)."""
         return []
 
+    def sequence_variants(self) -> int:
+        """How many token counts one batch shape may take in the forward (compiled blocks see each as another
+        shape): 1 unless the family cuts each batch's text to its own tokens (hunyuan_video15)."""
+        return 1
+
 
 class ModelAdapter(ABC):
     """One model family: loading, data, loss, sampling and LoRA files (see the module docstring). Subclasses are
@@ -163,11 +168,6 @@ class ModelAdapter(ABC):
     def batch_units(self, batch: dict[str, Any]) -> tuple[int, int]:
         """(units, tokens) of `batch`, counted before the forward: how many units (tokens, samples) its loss sums
         over, and its tokens for the tokens/s metric (0: the family does not count tokens)."""
-
-    def sequence_variants(self) -> int:
-        """How many token counts one batch shape may take in the forward (compiled blocks see each as another
-        shape): 1 unless the family cuts each batch's text to its own tokens (hunyuan_video15)."""
-        return 1
 
     @abstractmethod
     def loss(self, batch: dict[str, Any], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:

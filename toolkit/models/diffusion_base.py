@@ -54,6 +54,9 @@ class DiffusionMemory(ModelMemory):
     def unused_parameters(self) -> bool:
         return self.adapter.unused_lora_parameters
 
+    def sequence_variants(self) -> int:
+        return self.adapter.text_variants  # 1 unless the family keeps each batch's own text length
+
     def base_parameters(self) -> int | None:
         return self.adapter.count_base_parameters()
 
@@ -76,6 +79,7 @@ class DiffusionAdapter(DiffusionData, DiffusionEval, DiffusersLoraFiles, ModelAd
     samples_need_text_encoders = True
     uses_negative_prompt = True                      # samples take negative embeddings (Flux-dev does not)
     unused_lora_parameters = False                   # some LoRA weights get no gradient (DDP must look for them)
+    text_variants = 1                                # text lengths a forward may take (memory.sequence_variants)
     memory_class = DiffusionMemory                   # the flow families plan quantization and swap (FlowMemory)
 
     def __init__(self, cfg: DictConfig, runtime: Runtime):

@@ -22,7 +22,7 @@ What the pipelines do, and so what training does:
   each text is cut to its own tokens, text-to-video's image token and an all-masked ByT5 text are left out, and
   the blocks' processor (hunyuan15_attention.py) passes attn_mask None, so SDPA may pick flash. Exact (a masked
   key adds nothing); a batch with padding left keeps the run's text lengths and diffusers' masked processor.
-  Compiled blocks count each cached text length pair as a batch shape (`sequence_variants`).
+  Compiled blocks count each cached text length pair as a batch shape (`memory.sequence_variants`).
 - Timestep: 1000 * sigma, sigmas shifted by the scheduler's fixed shift (train.flow_shift to override).
 - Samples: the pipeline's own call on the cached embeddings, classifier-free guidance by its guider at
   sample.guidance_scale with sample.negative_prompt. Image-to-video samples take their size from the start image
@@ -97,7 +97,9 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
     task = "t2v"
     text_lengths: tuple[int, int] | None = None  # the Qwen and ByT5 tokens a forward keeps (prepare_data); None: all
     attention: MaskFreeAttention | None = None  # the blocks' processor (setup_training)
-    text_variants = 1_000  # the text lengths a forward may take (prepare_data counts the cached texts'); uncached: many
+    # the text lengths a forward may take (memory.sequence_variants; prepare_data counts the cached texts' and the
+    # padded one: a batch whose tokens are all valid keeps its own lengths for mask-free attention); uncached: many
+    text_variants = 1_000
 
     def load(self, shard_base: bool = False) -> None:
         self.task, why = resolve_task(self.cfg.model.task, self.model_path, self.cfg.model.revision, I2V_PIPELINE)
@@ -211,11 +213,6 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
                      "(the longest cached text's; the rest is masked padding)")
         self.log("attention: " + attention_note(self.task))
         return dataset
-
-    def sequence_variants(self) -> int:
-        """A batch whose tokens are all valid keeps its own text lengths (mask-free attention): compiled blocks see
-        one shape per cached length pair, and the padded one."""
-        return self.text_variants
 
     # -- loss ------------------------------------------------------------------------------
     def conditioning(self, batch: dict[str, Any], modules) -> dict[str, torch.Tensor]:

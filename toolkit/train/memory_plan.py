@@ -174,7 +174,7 @@ class MemoryPlanner:
         if probing and compile_:  # compiled for every batch size the probe may choose
             cap = probe_cap(len(self.dataset), procs.world_size, cfg.train.global_batch_size)[0]
             shape_count = max(len(self._order(size).batch_shapes()) for size in range(1, cap + 1))
-        shape_count *= self.adapter.sequence_variants()
+        shape_count *= memory.sequence_variants()
         # train.global_batch_size with a probed batch size: the accumulation is known only after the probe
         accum = None if probing and cfg.train.global_batch_size else self.value("train.grad_accum")
         ddp = procs.several and self.value("device.gradient_sync") == "ddp"
