@@ -178,6 +178,10 @@ def compile_(f: Facts) -> Decision | None:
         return _decision("train.compile", False, "off on the CPU")
     if not spec.compile_auto:
         return _decision("train.compile", False, f"not measured faster for {f.family} yet")
+    if f.reads("train.objective") and f.asked("train.objective") == "grpo":
+        return _decision("train.compile", False, "train.objective=grpo: its generation runs eagerly and its scored "
+                         "rows keep one width, but compiled GRPO has not been measured faster on a GPU yet (true "
+                         "compiles anyway)")
     if steps < spec.compile_auto_steps:
         return _decision("train.compile", False, (
             f"a run of train.steps={steps} (in all, a resumed run's steps counted) is too short to repay the first "
