@@ -24,7 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from peers.common import STANDINS, PeerFailed, install, peak_gib, peer_env, run_logged, timed_run
+from peers.common import (STANDINS, PeerFailed, install, peak_gib, peer_env, run_logged, tensorboard_losses,
+                          timed_run)
 
 KINDS = {"flux": "run.py, model.arch flux", "qwen_image": "run.py, model.arch qwen_image",
          "wan": "run.py, model.arch wan21"}
@@ -158,15 +159,4 @@ def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: in
     lora = work / "output" / spec["config"]["name"] / f"{spec['config']['name']}.safetensors"
     if not lora.exists():
         raise PeerFailed(f"no LoRA file at {lora}")
-    return lora, _tensorboard_losses(work / "logs")
-
-
-def _tensorboard_losses(logs: Path) -> list[float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = sorted(logs.rglob("events.out.tfevents.*"))
-    if not events:
-        raise PeerFailed(f"no tensorboard events under {logs}")
-    acc = EventAccumulator(str(events[-1].parent), size_guidance={"scalars": 0})
-    acc.Reload()
-    return [e.value for e in sorted(acc.Scalars("loss"), key=lambda e: e.step)]
+    return lora, tensorboard_losses(work / "logs", "loss")

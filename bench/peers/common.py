@@ -145,3 +145,18 @@ def rate(stamps: dict[int, float], warmup: int, wall: float, log: Path) -> dict:
 def tail(log: Path, lines: int = 6) -> str:
     text = [line for line in re.split(r"[\r\n]", log.read_text(errors="replace")) if line.strip()] if log.exists() else []
     return " | ".join(text[-lines:]) + f" (whole output: {log})"
+
+
+def tensorboard_losses(logs: Path, tag: str) -> list[float]:
+    """The per-step scalar `tag` a peer logged under `logs` (every event file, by step), or PeerFailed if none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    losses = {}
+    for events in sorted(logs.rglob("events.out.tfevents.*")) if logs.exists() else []:
+        accumulator = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        if tag in accumulator.Tags().get("scalars", []):
+            losses.update({e.step: e.value for e in accumulator.Scalars(tag)})
+    if not losses:
+        raise PeerFailed(f"no '{tag}' in tensorboard events under {logs}")
+    return [losses[step] for step in sorted(losses)]

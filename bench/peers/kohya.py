@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from peers.common import PeerFailed, install, peak_gib, peer_env, timed_run
+from peers.common import PeerFailed, install, peak_gib, peer_env, tensorboard_losses, timed_run
 from peers.kohya_files import (flux_width_differs, real_unet_folder, tokenizer_cache, unet_is_real, write_flux_encoders,
                                write_flux_transformer)
 
@@ -165,15 +165,4 @@ def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: in
     lora = work / "out" / "lora.safetensors"
     if not lora.exists():
         raise PeerFailed(f"no LoRA file at {lora}")
-    return lora, _losses(work / "logs")
-
-
-def _losses(logs: Path) -> list[float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = sorted(logs.rglob("events.out.tfevents.*"))
-    if not events:
-        raise PeerFailed(f"no tensorboard events under {logs}")
-    acc = EventAccumulator(str(events[-1].parent), size_guidance={"scalars": 0})
-    acc.Reload()
-    return [e.value for e in sorted(acc.Scalars("loss/current"), key=lambda e: e.step)]
+    return lora, tensorboard_losses(work / "logs", "loss/current")

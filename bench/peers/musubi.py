@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from .common import STANDINS, PeerFailed, install, peak_gib, peer_env, run_logged, timed_run
+from .common import (STANDINS, PeerFailed, install, peak_gib, peer_env, run_logged, tensorboard_losses,
+                     timed_run)
 
 STEPS = re.compile(r"steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")  # its training bar, not the loading bars (fp8)
 KINDS = {"wan": "wan_train_network.py --task t2v-1.3B",
@@ -154,7 +155,10 @@ def train(run: dict, args: list[str], warmup: int, timeout: float, timed: bool =
         result = timed_run(cmd, run["src"], run["env"], run["log"], warmup, timeout, progress=STEPS)
     else:
         result = {"wall_s": run_logged(cmd, run["src"], run["env"], run["log"], timeout)}
-    result["losses"] = [round(x, 5) for x in tensorboard_losses(logs)]
+    try:
+        result["losses"] = [round(x, 5) for x in tensorboard_losses(logs, "loss/current")]
+    except PeerFailed:  # the row's step time stands without them
+        result["losses"] = []
     return result
 
 
@@ -183,21 +187,6 @@ def write_dataset(data: Path, work: Path, w: dict) -> Path:
                     f'batch_size = {w["batch"]}\nenable_bucket = false\n\n[[datasets]]\n{source}'
                     f'cache_directory = "{cache}"\nnum_repeats = 1\n')
     return toml
-
-
-def tensorboard_losses(logs: Path) -> list[float]:
-    """The per-step `loss/current` musubi logs (trainer_base.py), in step order."""
-    if not logs.exists():
-        return []
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    losses = {}
-    for events in sorted(logs.rglob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events.parent))
-        accumulator.Reload()
-        if "loss/current" in accumulator.Tags().get("scalars", []):
-            losses.update({e.step: e.value for e in accumulator.Scalars("loss/current")})
-    return [losses[step] for step in sorted(losses)]
 
 
 def _cuda() -> bool:
