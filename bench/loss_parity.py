@@ -5,7 +5,8 @@ tiny model on the same 8 images with the same hyperparameters, and one scorer me
                                 [--lr 1e-4] [--rank 16] [--alpha 16] [--out result.json] [--tiny-cpu]
 
 Pairs: sd15 and flux against kohya sd-scripts, wan (2.1) against musubi-tuner. Models: bench/diffusion_models.py's
-tiny pipelines (random weights, the real diffusers layout). Data: 8 images of 64 px, each a background and two
+tiny pipelines (random weights, the real diffusers layout); sd15 beside kohya on a GPU is SD1.5 at its real shape
+(random weights), the only UNet sd-scripts builds. Data: 8 images of 64 px, each a background and two
 coloured blocks whose colours and corners the caption names ("a red block top left and a blue block bottom right
 on a grey background"), so the LoRA has something to learn that the caption predicts; wan trains them as 1-frame
 videos. Every trainer: LoRA rank/alpha, torch AdamW (weight decay 0.01), constant lr, no warm-up, batch 1, no noise
@@ -255,13 +256,19 @@ def score_or_reason(kind: str, folder: Path, data: Path, lora: Path) -> float | 
         return f"diffusers cannot load {lora.name}: {type(error).__name__}: {str(error)[:200]}"
 
 
+def tiny_pipeline(kind: str, trainers: list[str]) -> bool:
+    """sd-scripts builds SD1.5's UNet at its real shape only (and reads CLIP-L's 768-wide states into it): beside
+    kohya on a GPU, sd15 trains SD1.5 at its real shape with random weights, on the same 64 px images."""
+    return not (kind == "sd15" and "kohya" in trainers and device() == "cuda")
+
+
 def run_kind(kind: str, trainers: list[str], seeds: list[int], args, work: Path) -> dict:
     """Every trainer and seed of `kind`: its rows, per-trainer summaries and the toolkit - peer differences."""
     from diffusion_models import write_pipeline
 
     folder, data = work / kind, work / f"{kind}-data"
     torch.manual_seed(0)  # the VAE and text encoders too: the same pipeline in every invocation (one kind each)
-    write_pipeline(kind, folder, device(), tiny=True)
+    write_pipeline(kind, folder, device(), tiny=tiny_pipeline(kind, trainers))
     write_block_images(data)
     base = held_out_loss(kind, folder, data)
     rows = []

@@ -309,6 +309,12 @@ def test_compiled_blocks_train_the_same_losses_as_eager(tmp_path):
     losses = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
     assert losses == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "eager")], rel=1e-4)
     assert len(losses) == 4
+    from toolkit.plan.compiled_runs import records_file, signature
+    from toolkit.plan.run import load_run
+
+    run = load_run([REPO / "configs/examples/quickstart_llm.yaml"], ["train.steps=4"])
+    record = json.loads(records_file().read_text())[signature(run.asked, run.device.name)]
+    assert record["family"] == "llm" and record["first_step_s"] > 0  # plan/compiled_runs.py: auto may compile it
 
 
 def test_loss_is_the_sum_of_token_losses_for_builtin_and_remote_code_models(tmp_path):

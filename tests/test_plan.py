@@ -60,9 +60,38 @@ def test_every_rule_is_registered_once_per_stage_and_cites_evidence_that_exists(
     gpu = DeviceInfo("cuda", "sm_90", "H100", 80.0, True)
     run = load_run([REPO / "configs/examples/quickstart_sd.yaml"], ["train.steps=2000"], device=gpu)
     compile_ = run.plan.decision("train.compile")
-    assert compile_.value is True and compile_.evidence == "sd-compile"
-    record = evidence()["sd-compile"]
+    assert compile_.value is True and compile_.evidence == "sd-compile-cold"
+    record = evidence()["sd-compile-cold"]
     assert record["figure"] in compile_.reason and all(f in compile_.reason for f in record["files"])
+
+
+def test_compile_auto_keeps_a_short_run_eager_unless_its_compiled_code_is_cached(tmp_path, monkeypatch):
+    """SD1.5 compiles from 1,000 steps (a cold compile is repaid there); a shorter run compiles only where a run of
+    the same settings on this GPU left its compiled code in the cache, and not once that code is gone."""
+    from toolkit.device.detect import DeviceInfo
+    from toolkit.plan.compiled_runs import record_compiled, signature
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    gpu = DeviceInfo("cuda", "sm_90", "H100", 80.0, True)
+    sd = REPO / "configs/examples/quickstart_sd.yaml"
+
+    def compile_(*overrides: str):
+        return load_run([sd], list(overrides), device=gpu).plan.decision("train.compile")
+
+    assert compile_("train.steps=1000").value is True
+    short = compile_("train.steps=200")
+    assert short.value is False and "from 1000 steps" in short.reason and short.evidence == "sd-compile-cold"
+    run = load_run([sd], ["train.steps=3000"], device=gpu)  # another length, the same compiled graphs
+    record_compiled(signature(run.asked, gpu.name), "sd", 151.2)
+    (tmp_path / "compiled" / "inductor" / "fxgraph").mkdir(parents=True)
+    cached = compile_("train.steps=200")
+    assert cached.value is True and "compiled on this machine" in cached.reason and "151 s" in cached.reason
+    assert compile_("train.steps=200", "train.batch_size=3").value is False  # other shapes: a cold compile
+    other_gpu = DeviceInfo("cuda", "sm_90", "H200", 140.0, True)
+    assert load_run([sd], ["train.steps=200"], device=other_gpu).plan.value("train.compile") is False
+    (tmp_path / "compiled" / "inductor" / "fxgraph").rmdir()  # the cache cleared: the record no longer counts
+    assert compile_("train.steps=200").value is False
 
 
 def test_plan_json_is_written_once_and_checkpoints_keep_the_config_as_asked(tmp_path, run_cli, capsys):

@@ -210,7 +210,9 @@ class TrainSection:
                                     "train.compile_regions says); the first step takes longer, a later run of the same "
                                     "model and settings loads what the first compiled (the cache folder). auto: on "
                                     "for the families measured faster with it on a GPU (the reason names the "
-                                    "measurement; SDXL for runs long enough to repay its compile), off on the CPU. A "
+                                    "measurement; SD and SDXL for runs long enough to repay a cold compile, or shorter "
+                                    "ones whose compiled code an earlier run of the same settings left in the cache), "
+                                    "off on the CPU. A "
                                     "block that fails to compile runs uncompiled, with a warning.",
                                     resume_safe=True)
     compile_recompute: str = opt(

@@ -18,6 +18,7 @@ from toolkit.config.load import LoadedConfig, PathCheck, merge_layers, resolved_
 from toolkit.config.presets import Preset, choose_preset, load_presets, presets_dir
 from toolkit.device.detect import DeviceInfo, detect_device
 from toolkit.errors import ConfigError, UserError
+from toolkit.plan.compiled_runs import compiled_runs
 from toolkit.plan.decisions import Decision, RunPlan
 from toolkit.plan.rules import Facts
 from toolkit.plan.stages import decide
@@ -92,7 +93,7 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
 def static_plan(asked: DictConfig, device: DeviceInfo, preset: Preset, sources: dict[str, str]) -> RunPlan:
     """The static stage: what the config and the device settle; ConfigError for what this device cannot run.
     `sources`: where each set value came from (a rule names it when it tells what a setting means here)."""
-    facts = Facts(asked, device, extra={"preset": preset, "sources": sources})
+    facts = Facts(asked, device, extra={"preset": preset, "sources": sources, "compiled_runs": compiled_runs()})
     decisions = decide("static", facts)
     if facts.problems:
         raise ConfigError(facts.problems, header=f"config does not fit this device ({device.summary()})")

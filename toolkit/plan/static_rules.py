@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from toolkit.config.families import family_spec
 from toolkit.config.schema import QUANTIZED
+from toolkit.plan.compiled_runs import signature
 from toolkit.plan.decisions import Decision
 from toolkit.plan.evidence import cite
 from toolkit.plan.rules import Facts, rule
@@ -167,7 +168,8 @@ def fsdp_checks(f: Facts) -> None:
 @rule("train.compile", STATIC)
 def compile_(f: Facts) -> Decision | None:
     """auto: on where the family was measured faster compiled and the run is long enough to repay the first
-    step's compile (FamilySpec.compile_auto, compile_auto_steps); off on the CPU."""
+    step's compile (FamilySpec.compile_auto, compile_auto_steps), or shorter but with its compiled code cached by
+    an earlier run of the same settings (plan/compiled_runs.py); off on the CPU."""
     setting = f.asked("train.compile")
     if setting != "auto":
         if not isinstance(setting, bool):
@@ -183,6 +185,13 @@ def compile_(f: Facts) -> Decision | None:
                          "rows keep one width, but compiled GRPO has not been measured faster on a GPU yet (true "
                          "compiles anyway)")
     if steps < spec.compile_auto_steps:
+        seen = f.extra["compiled_runs"].get(signature(f.cfg, f.device.name))
+        if seen is not None:
+            return _decision("train.compile", True, (
+                f"train.steps={steps} is short of the {spec.compile_auto_steps} steps that repay a cold compile "
+                f"({cite(spec.compile_auto)}), but a run of these settings compiled on this machine on "
+                f"{seen['date']} (first step {seen['first_step_s']:.0f} s) and its code is cached: this run loads "
+                "it"), spec.compile_auto)
         return _decision("train.compile", False, (
             f"a run of train.steps={steps} (in all, a resumed run's steps counted) is too short to repay the first "
             f"step's compile: {cite(spec.compile_auto)}; auto compiles {f.family} from {spec.compile_auto_steps} "

@@ -34,6 +34,7 @@ from toolkit.disk import as_disk_full, disk_full_named, format_bytes, free_bytes
 from toolkit.errors import UserError
 from toolkit.models.base import lora_targets, trainable_parameters
 from toolkit.optim import build_optimizer, optimizer_spec
+from toolkit.plan.compiled_runs import record_compiled, signature
 from toolkit.plan.run import ResolvedRun
 from toolkit.train.checkpoint import find_latest_checkpoint, set_aside_checkpoints_after
 from toolkit.train.checkpointer import Checkpointer, LoopState, OtherProcessFailed
@@ -258,9 +259,7 @@ class Trainer:
                     doing = "the step's bookkeeping"
                     events.step_launched(step, sums)
                     if self.compiled and step == start + 1:
-                        self.log(f"train.compile: the first step took {time.perf_counter() - step_started:.1f} s "
-                                 f"(compilation included), {time.time() - toolkit.STARTED:.1f} s after the process "
-                                 "started")
+                        self._compiled_first_step(time.perf_counter() - step_started)
                     if lagging is not None:
                         stopping = self._record(loop, *lagging) or stopping
                         lagging = None
@@ -311,6 +310,18 @@ class Trainer:
         self.log(f"done: {done} step{'s' if done != 1 else ''} in {elapsed:.1f}s; LoRA written to {final}")
         self.procs.finish()
         return final
+
+    def _compiled_first_step(self, seconds: float) -> None:
+        """Say what the first compiled step took, and note the run's compiled code as cached (plan/compiled_runs.py:
+        train.compile=auto then compiles a later short run of the same settings)."""
+        self.log(f"train.compile: the first step took {seconds:.1f} s (compilation included), "
+                 f"{time.time() - toolkit.STARTED:.1f} s after the process started")
+        if self.is_main:
+            run = self.resolved
+            try:
+                record_compiled(signature(run.asked, run.device.name), run.asked.model.family, seconds)
+            except OSError as error:  # the run trains on; a later short run of it is planned eager
+                self.log(f"train.compile: could not note the compiled run in the cache folder ({error})")
 
     def _record(self, loop: LoopState, step: int, sums: StepSums) -> bool:
         """Read a launched step's numbers: count non-finite steps, hand them to the subscribers (the metrics);
