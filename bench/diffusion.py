@@ -48,6 +48,8 @@ Rows (--rows):
                         backward instead of kept)
   ROW-attention         any checkpointed toolkit row + train.checkpoint_keeps=attention (each checkpointed block
                         keeps its attention outputs; backward recomputes the rest); -attention-pointwise: both
+  ROW-recompute         any checkpointed toolkit row + train.checkpoint_keeps=nothing (backward recomputes every
+                        checkpointed block whole: the least memory; the peers' checkpointing does this)
   ROW-eager             any toolkit row with train.compile=false (toolkit-ckpt-eager, toolkit-swap24-eager): the
                         compiled row's eager twin, which train.compile=auto's decision for a family needs
   toolkit-swap24        toolkit + checkpointing, in a process capped at 24 GiB of GPU memory, the toolkit told it
@@ -324,7 +326,8 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
 
     name, overrides, eager = row, [], False
     suffixes = {"-eager": None, "-pointwise": "train.compile_recompute=pointwise",
-                "-attention": "train.checkpoint_keeps=attention", "-fp8": "model.quantize=fp8"}
+                "-attention": "train.checkpoint_keeps=attention", "-recompute": "train.checkpoint_keeps=nothing",
+                "-fp8": "model.quantize=fp8"}
     while row != "toolkit-eager" and (suffix := next((x for x in suffixes if row.endswith(x)), None)):
         row, setting = row.removesuffix(suffix), suffixes.pop(suffix)  # in any order, each once
         if setting is None:
@@ -334,7 +337,7 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
     eager = eager or row == "toolkit-eager"
     if row not in TOOLKIT_ROWS and not (row.startswith("toolkit-ckpt-") and row.rsplit("-", 1)[1].isdigit()):
         raise SystemExit(f"unknown toolkit row {name!r}: {', '.join(TOOLKIT_ROWS)} or toolkit-ckpt-N, each with any "
-                         "of the suffixes -eager, -pointwise, -attention, -fp8")
+                         "of the suffixes -eager, -pointwise, -attention, -recompute, -fp8")
     overrides += [f"model.name_or_path={folder}", f"data.path={data}", f"train.batch_size={w['batch']}",
                  "train.compile=false" if eager else f"train.compile={device() == 'cuda'}"]
     if row == "toolkit-auto":  # what a user's run gets: every auto setting the toolkit's to settle
