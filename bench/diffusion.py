@@ -40,7 +40,8 @@ Rows (--rows):
   toolkit               the Trainer with train.compile=true (its SDPA backend measured at start: device.sdpa_backend=auto;
                         train.cuda_graphs=auto: the SD/SDXL UNet compiled whole is replayed as a CUDA graph)
   toolkit-auto          the toolkit's defaults, as a user's run gets them: train.compile, train.cuda_graphs,
-                        train.gradient_checkpointing and model.block_swap all auto (the peers' rows compare with it)
+                        train.gradient_checkpointing and model.block_swap all auto (the peers' rows compare with it);
+                        what auto settles from the run's length is planned for a --auto-steps run (2,000)
   toolkit-nographs      the same with train.cuda_graphs=false
   toolkit-ckpt          toolkit + train.gradient_checkpointing=true
   toolkit-ckpt-N        toolkit + N of the blocks checkpointed
@@ -67,7 +68,9 @@ Rows (--rows):
                         matmuls: another precision than the plain loop's; its losses are printed to compare)
 
 Images/s (or s/step for flux and the Wan models) over the timed steps: CUDA events for the plain loops, the
-Trainer's own step rate for the toolkit (it includes data loading and the host side of the step). --tiny runs tiny
+Trainer's own step rate for the toolkit (it includes data loading and the host side of the step). After each
+workload, the time to 200 and 2,000 steps of every toolkit and peer row: from its process start to its first step
+(start-up, loading, caching, compile; a peer's separate caching processes added), then the measured rate. --tiny runs tiny
 shapes on the CPU (or the GPU) to check the bench itself. Each row records how many CPUs other processes kept busy
 while it ran ("other_cpus"; a note when above 1): SD1.5 and SDXL steps are host-bound, so run them with the machine
 to themselves. --profile (GPU) runs a few more steps of every row under the profiler, after the timed ones, and
@@ -86,9 +89,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-import torch
+STARTED = time.time()  # a row's process start: its time to the first step counts from here, as the peers' do
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -320,9 +326,12 @@ def capped(gib: float) -> float:
     return share
 
 
+STEP_PLANNED = ("train.compile", "train.compile_regions")  # what auto settles from train.steps
+
+
 def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: dict, steps: int, warmup: int,
-                settings: list[str]) -> dict:
-    from trainer_rate import trainer_rate
+                settings: list[str], auto_steps: int) -> dict:
+    from trainer_rate import planned, trainer_rate
 
     name, overrides, eager = row, [], False
     suffixes = {"-eager": None, "-pointwise": "train.compile_recompute=pointwise",
@@ -368,16 +377,23 @@ def toolkit_row(kind: str, row: str, folder: Path, data: Path, work: Path, w: di
     config = (f"model: {{family: {w['family']}}}\nnetwork: {{rank: 16, alpha: 16}}\n"
               "train: {lr: 1.0e-4, precision: bf16}\nsave: {every: 0}\nsample: {prompts: []}\n"
               "log: {tensorboard: false}\n")
+    notes = []
+    if row == "toolkit-auto" and not eager:  # the few timed steps of a run a user makes --auto-steps long
+        pinned = planned(config, overrides, STEP_PLANNED, auto_steps)
+        overrides += pinned
+        notes.append(f"planned as a {auto_steps}-step run (--auto-steps): {', '.join(pinned) or 'nothing settled by length'}")
     logs: list[str] = []
     losses: list[float] = []
+    first_step: dict = {}
     profile = {} if os.environ.get("BENCH_PROFILE") else None
     rate, peak = trainer_rate(config, overrides, work / f"run-{kind}-{name}", "adamw", steps, warmup, logs,
-                              profile=profile, losses=losses)
+                              profile=profile, losses=losses, first_step=first_step)
     shown = ("attention:", "blocks:", "train.compile", "train.cuda_graphs", "model.quantize", "wan22 experts:",
              "train.gradient_checkpointing=auto", "model: quantized")
-    notes = [line for line in logs if line.startswith(shown)]
+    notes += [line for line in logs if line.startswith(shown)]
+    started = {"seconds_to_first_step": round(first_step["at"] - STARTED, 1)} if "at" in first_step else {}
     return {"s_per_step": 1 / rate, "peak_gib": peak, "notes": notes, "losses": [round(x, 4) for x in losses],
-            **({"profile": profile} if profile else {})}
+            **started, **({"profile": profile} if profile else {})}
 
 
 def run_row(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> dict:
@@ -388,7 +404,7 @@ def run_row(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
                                                         0.95 * args.timeout)
     if row.startswith("plain"):
         return plain_loop(kind, folder, w, args.steps, args.warmup, ckpt="ckpt" in row, compiled="compiled" in row)
-    return toolkit_row(kind, row, folder, data, work, w, args.steps, args.warmup, args.set)
+    return toolkit_row(kind, row, folder, data, work, w, args.steps, args.warmup, args.set, args.auto_steps)
 
 
 def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> dict:
@@ -398,7 +414,7 @@ def measure(kind: str, row: str, args, folder: Path, data: Path, work: Path) -> 
                "--work", str(work), "--json", str(result), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--timeout", str(args.timeout)]
     command += ["--tiny"] if args.tiny else []
-    command += [f"--set={setting}" for setting in args.set]
+    command += [f"--set={setting}" for setting in args.set] + ["--auto-steps", str(args.auto_steps)]
     others_busy = cpus_busy_elsewhere()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ))
@@ -450,6 +466,26 @@ def cpus_busy_elsewhere():
     return stop
 
 
+def time_to(r: dict, steps: int) -> float | None:
+    """Seconds from a row's process start to the end of its `steps`-th step: its start-up, loading, caching and
+    first step (its compile), then steps - 1 at its measured rate; None where its first step was not timed.
+    caching_s: what a peer caches in processes of its own before training (musubi-tuner's two caching scripts)."""
+    if "seconds_to_first_step" not in r:
+        return None
+    return (r.get("caching_s") or 0.0) + r["seconds_to_first_step"] + (steps - 1) * r["s_per_step"]
+
+
+def print_time_to(kind: str, rows: dict[str, dict], lengths: tuple[int, ...] = (200, 2000)) -> None:
+    timed = {row: r for row, r in rows.items() if time_to(r, 1) is not None}
+    if not timed:
+        return
+    print(f"{kind}, time to N steps from process start (start-up and caching included; the compile cache as this "
+          f"machine had it):\n{'row':<22} {'1st step':>9} " + " ".join(f"{f'{n} steps':>12}" for n in lengths))
+    for row, r in timed.items():
+        print(f"{row:<22} {time_to(r, 1):>8.1f}s " + " ".join(f"{time_to(r, n):>11.0f}s" for n in lengths))
+        r["time_to"] = {str(n): round(time_to(r, n), 1) for n in lengths}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="sd15,sdxl,flux,wan")
@@ -461,6 +497,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the bench on the CPU")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every toolkit row (device.sdpa_backend=flash, say); repeatable")
+    parser.add_argument("--auto-steps", type=int, default=2000,
+                        help="toolkit-auto: the run length its length-dependent auto settings (train.compile, "
+                             "train.compile_regions) are planned for, though only --warmup + --steps run")
     parser.add_argument("--profile", action="store_true",
                         help="also profile a few steps of every row after its timed ones; prints where GPU time goes")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -513,6 +552,7 @@ def main() -> None:
             print(f"{row:<22} {r['s_per_step']:>8.3f} {rate} {r['peak_gib']:>9.1f} {ratio}{loss}", flush=True)
             for note in r.get("notes", []):
                 print(f"    {note}", flush=True)
+        print_time_to(kind, {row: results[f"{kind}:{row}"] for row in args.rows.split(",")})
         shutil.rmtree(folder, ignore_errors=True)
     for key, r in results.items():
         if "profile" in r:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +44,8 @@ class Windows(StepEvents):
                 self.open[-1].__enter__()
 
     def step_launched(self, step: int, sums) -> None:
+        if self.count == 1:
+            self.peak["first_step_at"] = time.time()  # the first step launched (compiled: its compile done)
         if any(self.count == end for _, end, _ in self.spans):
             self.open.pop().__exit__(None, None, None)
             self.peak["window"] = None  # closed: a later failure (the final export, say) is the run's own
@@ -52,10 +55,21 @@ class Windows(StepEvents):
             self.open.pop().__exit__(None, None, None)
 
 
+def planned(config_yaml: str, overrides: list[str], keys: tuple[str, ...], steps: int) -> list[str]:
+    """`key=value` for each of `keys` the toolkit settles (auto) when the run is planned as `steps` steps long: to
+    time a few steps of a run that a user would make longer (train.compile=auto compiles from a length)."""
+    from toolkit.plan.run import load_run
+
+    cfg = Path(tempfile.mkdtemp()) / "plan.yaml"
+    cfg.write_text(config_yaml)
+    run = load_run([cfg], [*overrides, f"train.steps={steps}"])
+    return [f"{key}={str(run.setting(run.plan, key)).lower()}" for key in keys if run.is_auto(key)]
+
+
 def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: str, steps: int,
                  warmup: int, logs: list[str] | None = None, profile: dict | None = None,
                  memory: dict | None = None, losses: list | None = None,
-                 phases: dict | None = None) -> tuple[float, float]:
+                 phases: dict | None = None, first_step: dict | None = None) -> tuple[float, float]:
     """(steps per second after `warmup` steps, peak GiB) of a Trainer run of `config_yaml` + `overrides`.
 
     The rate is the Trainer's own (logs/metrics.jsonl, logged every `warmup` steps); 8-bit optimizers are
@@ -66,7 +80,8 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
     peak leave those steps out; when one of them fails, its dict says so under "failed" and the rate stands.
     `losses` (a list) receives the logged losses, to compare rows that train in another precision. With `phases`
     (a dict), PHASED_STEPS more steps are timed per phase on the host and the GPU, with the GPU's queue ahead of
-    the host and its clock (bench/step_phases.py), under "phases"."""
+    the host and its clock (bench/step_phases.py), under "phases". `first_step` (a dict) gets "at": the
+    time.time() at which the first step was launched."""
     from toolkit.plan.run import load_run
     from toolkit.train.trainer import Trainer
 
@@ -119,5 +134,7 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
     if not timed:  # the step rate is logged every `warmup` steps, and a step's line one launch late
         raise RuntimeError(f"no step rate logged between steps {warmup} and {steps + warmup}: give more --steps "
                            f"than --warmup")
+    if first_step is not None and "first_step_at" in peak:
+        first_step["at"] = peak["first_step_at"]
     peak = peak.get("gib", torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0)
     return sum(r["steps_per_s"] for r in timed) / len(timed), peak
