@@ -76,10 +76,9 @@ class MergedDecoder:
         frozen = layer.get_base_layer()
         if type(frozen) is not torch.nn.Linear or type(module) is not torch.nn.Linear:
             raise RuntimeError(f"train.generation=compiled merges LoRA over nn.Linear only, not {type(frozen)}")
-        merged = torch.empty_like(frozen.weight, requires_grad=False)
-        module.weight = torch.nn.Parameter(merged, requires_grad=False)
+        module.weight = torch.nn.Parameter(torch.empty_like(frozen.weight), requires_grad=False)
         module.bias = frozen.bias  # LoRA leaves the bias as it is
-        self.merged.append((merged, layer))
+        self.merged.append((module.weight, layer))
 
     @staticmethod
     def _bind_shared(module: torch.nn.Module, source: torch.nn.Module) -> None:
