@@ -26,7 +26,10 @@ from transformers import AutoModelForCausalLM, CompileConfig
 
 from toolkit.models.generation import DECODE_ATTENTION
 
-WIDTH_STEP = 64  # prompts left-padded to a multiple of this: one static cache, one compiled decode per width
+# Prompts left-padded to a multiple of this: one static cache, one compiled decode per width. Per batch, not the
+# widest seen so far: a batch's padding (and so its sampled tokens, to the last bit) must not depend on what the
+# process ran before it, or a resumed run would sample otherwise than the uninterrupted one.
+WIDTH_STEP = 64
 # How the decode step compiles, per device type (None: not compiled). dynamic=False: one graph per cache width.
 DECODE_COMPILE: dict[str, dict[str, Any] | None] = {
     "cuda": dict(fullgraph=False, dynamic=False, backend="inductor", mode="reduce-overhead"),
@@ -55,7 +58,6 @@ class MergedDecoder:
 
     def __init__(self, network: torch.nn.Module):
         base = network.get_base_model()
-        self.network = network
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype,
                                                           attn_implementation=base.config._attn_implementation)
@@ -67,7 +69,9 @@ class MergedDecoder:
                 self._bind_merged(module, adapted[name])
             elif not any(name.startswith(a + ".") for a in adapted):
                 self._bind_shared(module, base.get_submodule(name))
-        left = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.is_meta]
+        left = [f"{n}.{k}" if n else k for n, m in self.model.named_modules() for k, t in vars(m).items()
+                if isinstance(t, torch.Tensor) and t.is_meta]
+        left += [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.is_meta]
         if left:
             raise RuntimeError(f"train.generation=compiled: no tensor of the trained model for {left[:4]}")
         self.model.eval().requires_grad_(False)
