@@ -3,12 +3,15 @@ every row in a fresh process of its own.
 
     python bench/llm_objectives.py --objective dpo [--rows toolkit,trl,unsloth-trl] [--steps 20 --warmup 5]
     python bench/llm_objectives.py --objective grpo [--steps 10 --warmup 3] [--out result.json]
-    python bench/llm_objectives.py --objective dpo --tiny      # CPU check: tiny:llm, rows toolkit and trl
+    python bench/llm_objectives.py --objective dpo --tiny      # CPU check: tiny:llm, the toolkit rows and trl
     python bench/llm_objectives.py --objective grpo --rows toolkit --set model.fuse_projections=true  # a variant
+    python bench/llm_objectives.py --objective grpo --rows toolkit,toolkit-gencompiled,trl,unsloth-trl
 
 Rows:
   toolkit      the toolkit's Trainer, train.objective=dpo|grpo, its defaults on a GPU (train.compile and
                model.kernels auto: the chunked log-probs, no full logits), fused AdamW
+  toolkit-gencompiled  grpo only: the toolkit row with train.generation=compiled (the LoRA merged into a copy,
+               a static KV cache, the decode step compiled with CUDA graphs: models/compiled_generation.py)
   trl          TRL's DPOTrainer / GRPOTrainer with a PEFT LoRA, fused AdamW, no gradient checkpointing
   unsloth-trl  the same TRL trainer on unsloth's FastLanguageModel (unsloth patches TRL's trainers on import);
                runs from the carried archive (bench/device_packages.sh, --unsloth-path), as bench/peer_unsloth.py
@@ -47,7 +50,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-ROWS = ("toolkit", "trl", "unsloth-trl")
+ROWS = ("toolkit", "toolkit-gencompiled", "trl", "unsloth-trl")
+# The toolkit rows: the settings each adds to the toolkit's defaults.
+TOOLKIT_ROWS = {"toolkit": [], "toolkit-gencompiled": ["train.generation=compiled"]}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # objective: (prompts or pairs a step, prompt tokens, completion tokens, completions per prompt)
 WORKLOADS = {"dpo": dict(batch=4, prompt=256, completion=768, generations=1),
@@ -92,7 +97,7 @@ def units(objective: str, w: dict) -> tuple[int, int, str]:
 
 # -- the rows (each in a process of its own) ---------------------------------------------------------------------
 
-def toolkit_row(args, w: dict, model_dir: str, data: Path, work: Path) -> dict:
+def toolkit_row(args, w: dict, model_dir: str, data: Path, work: Path, row: str) -> dict:
     from trainer_rate import trainer_rate
 
     seq = w["prompt"] + w["completion"]
@@ -110,8 +115,8 @@ def toolkit_row(args, w: dict, model_dir: str, data: Path, work: Path) -> dict:
         overrides += ["device.backend=cpu", "train.precision=fp32"]
     else:
         overrides += ["train.precision=bf16"]
-    overrides += args.set
-    rate, peak = trainer_rate(config, overrides, work / "run-toolkit", "adamw", args.steps, args.warmup)
+    overrides += TOOLKIT_ROWS[row] + args.set
+    rate, peak = trainer_rate(config, overrides, work / f"run-{row}", "adamw", args.steps, args.warmup)
     return {"steps_per_s": rate, "peak_gib": peak}
 
 
@@ -221,8 +226,8 @@ def trl_row(args, w: dict, model_dir: str, data: Path, work: Path, unsloth: bool
 
 def run_row(args, model_dir: str, data: Path, work: Path) -> dict:
     w = (TINY if args.tiny else WORKLOADS)[args.objective]
-    if args.worker == "toolkit":
-        return toolkit_row(args, w, model_dir, data, work)
+    if args.worker in TOOLKIT_ROWS:
+        return toolkit_row(args, w, model_dir, data, work, args.worker)
     return trl_row(args, w, model_dir, data, work, unsloth=args.worker == "unsloth-trl")
 
 
@@ -255,7 +260,8 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-1b", help="bench/llm.py's SHAPES")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (dpo 20, grpo 10)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before the timed ones (dpo 5, grpo 3)")
-    parser.add_argument("--rows", default=None, help=f"comma-separated, of {','.join(ROWS)} (--tiny: toolkit,trl)")
+    parser.add_argument("--rows", default=None, help=f"comma-separated, of {','.join(ROWS)} (--tiny: toolkit,toolkit-gencompiled,trl; "
+                        "toolkit-gencompiled runs for grpo only)")
     parser.add_argument("--tiny", action="store_true", help="tiny:llm on the CPU, a few steps: checks the rows run")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per row")
@@ -273,6 +279,12 @@ def main() -> None:
     if args.worker:
         args.json.write_text(json.dumps(run_row(args, args.model_dir, args.data, args.work)))
         return
+    rows = (args.rows or ("toolkit,toolkit-gencompiled,trl" if args.tiny else ",".join(ROWS))).split(",")
+    if args.objective != "grpo":  # the compiled generation row is grpo's: dpo generates nothing
+        rows = [row for row in rows if row != "toolkit-gencompiled"]
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        parser.error(f"--rows: no row {', '.join(unknown)}; the rows are {', '.join(ROWS)}")
     from transformers import AutoTokenizer
 
     w = (TINY if args.tiny else WORKLOADS)[args.objective]
@@ -294,22 +306,21 @@ def main() -> None:
     print(f"device: {device}; torch {torch.__version__}; {args.objective} on {shape}, LoRA r=16 all-linear; "
           f"{per_step} {unit} a step of {tokens} tokens; {args.steps} timed steps after {args.warmup}"
           + (f"; toolkit row with {' '.join(args.set)}" if args.set else ""), flush=True)
-    print(f"{'row':<12} {unit + '/s':>14} {'tokens/s':>10} {'peak GiB':>9}", flush=True)
+    print(f"{'row':<20} {unit + '/s':>14} {'tokens/s':>10} {'peak GiB':>9}", flush=True)
     results = {}
-    rows = args.rows or ("toolkit,trl" if args.tiny else ",".join(ROWS))
-    for row in rows.split(","):
+    for row in rows:
         r = results[row] = measure(row, args, model_dir, data, work)
         if "skipped" in r:
-            print(f"{row:<12} skipped ({r['skipped']})", flush=True)
+            print(f"{row:<20} skipped ({r['skipped']})", flush=True)
             continue
         r[f"{unit}_per_s"] = r["steps_per_s"] * per_step
         r["tokens_per_s"] = r[f"{unit}_per_s"] * tokens
-        print(f"{row:<12} {r[f'{unit}_per_s']:>14.2f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.2f}", flush=True)
+        print(f"{row:<20} {r[f'{unit}_per_s']:>14.2f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.2f}", flush=True)
     done = {row: r for row, r in results.items() if "skipped" not in r}
-    if "toolkit" in done:
-        for peer in (row for row in done if row != "toolkit"):
-            print(f"toolkit: {done['toolkit']['steps_per_s'] / done[peer]['steps_per_s']:.2f}x {peer}, memory "
-                  f"{done['toolkit']['peak_gib']:.2f} against {done[peer]['peak_gib']:.2f} GiB")
+    for ours in (row for row in TOOLKIT_ROWS if row in done):
+        for peer in (row for row in done if row not in TOOLKIT_ROWS):
+            print(f"{ours}: {done[ours]['steps_per_s'] / done[peer]['steps_per_s']:.2f}x {peer}, memory "
+                  f"{done[ours]['peak_gib']:.2f} against {done[peer]['peak_gib']:.2f} GiB")
     if args.out:
         args.out.write_text(json.dumps({"objective": args.objective, "shape": shape, "device": device,
                                         "torch": torch.__version__, "workload": w, "toolkit_set": args.set,

@@ -295,6 +295,7 @@ def test_grpo_moves_the_expected_reward_the_way_the_reward_points(sign, run_cli,
 @pytest.mark.parametrize("objective, extra", [
     ("dpo", ["train.reference_logps=precompute", "data.eval_fraction=0.25", "train.eval_every=2"]),
     ("grpo", ["train.max_completion_length=4", "train.num_generations=2", "train.kl_coef=0.04"]),
+    ("grpo", ["train.max_completion_length=4", "train.num_generations=2", "train.generation=compiled"]),
 ])
 def test_resume_is_bit_identical(objective, extra, run_cli, tmp_path, capsys):
     """4 steps at once, and 2 then 2 more in the same folder (dpo reads its precomputed reference back; grpo's

@@ -23,7 +23,7 @@ LLM_SETTINGS = frozenset({"model.attention", "model.kernels", "model.fuse_projec
                           "train.checkpoint_offload", "train.eval_every", "train.objective", "train.beta", "train.reference_logps",
                           "train.desirable_weight", "train.undesirable_weight", "train.reward", "train.reward_pattern",
                           "train.reward_length", "train.num_generations", "train.kl_coef",
-                          "train.max_completion_length", "train.generation_temperature"})
+                          "train.max_completion_length", "train.generation_temperature", "train.generation"})
 EVAL_SETTINGS = frozenset({"eval.path", "eval.every", "eval.timesteps", "eval.seed"})
 DIFFUSION_SETTINGS = frozenset({"device.vae_encode_cudnn", "train.checkpoint_keeps", "train.timestep_sampling",
                                 "train.logit_mean", "train.logit_std", "sample.num_inference_steps", "sample.guidance_scale",

@@ -272,6 +272,16 @@ class TrainSection:
                          minimum=0.0)
     max_completion_length: int = opt(64, "LLM, grpo: tokens generated per completion at most.", minimum=1)
     generation_temperature: float = opt(1.0, "LLM, grpo: sampling temperature of the completions.", minimum=0.01)
+    generation: str = opt("auto", "LLM, grpo: how the completions are generated (docs/objectives.md). eager: the "
+                          "trained network itself, the LoRA unmerged, a dynamic KV cache, run eagerly. compiled: "
+                          "a copy of the adapted layers' weights with the LoRA merged (W + B A x alpha/r, refreshed "
+                          "before each generation; the trained weights are never written; costs one more copy of "
+                          "the adapted base weights), a static KV cache with the prompts left-padded to multiples "
+                          "of 64 tokens, and on CUDA the decode step compiled with CUDA graphs (transformers' "
+                          "CompileConfig, mode reduce-overhead; the CPU decodes eagerly). Plain LoRA over 16-bit "
+                          "weights only (not dora, model.quantize, model.fuse_projections=true or fsdp). auto: "
+                          "eager until compiled is measured faster on a GPU.",
+                          choices=("auto", "eager", "compiled"))
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "
                                    "checkpoint path.", resume_safe=True)

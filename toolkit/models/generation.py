@@ -13,10 +13,12 @@ Two things the training steps are right to use cost there what they save in a st
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from toolkit.models.base import eval_mode
 
 DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -27,3 +29,23 @@ def generating() -> Iterator[None]:
     compiled code and SDPA priority come back on leaving."""
     with torch.compiler.set_stance("force_eager"), sdpa_kernel(DECODE_ATTENTION):
         yield
+
+
+class EagerGeneration:
+    """train.generation=eager: the trained network itself generates (the LoRA unmerged, a dynamic KV cache), under
+    generating()."""
+
+    def __init__(self, network: torch.nn.Module):
+        self.network = network
+
+    def width(self, longest: int) -> int:
+        return longest
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
+        with eval_mode(self.network), generating():
+            return self.network.generate(input_ids=ids, attention_mask=mask, use_cache=True, disable_compile=True,
+                                         **sampling)
+
+    def describe(self) -> str:
+        return "train.generation=eager: the trained network generates (LoRA unmerged, dynamic KV cache), eagerly"

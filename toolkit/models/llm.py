@@ -17,11 +17,12 @@ from toolkit.data.text import TextData, build_text_data, detect_format, render_c
 from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode
 from toolkit.models.checkpoint_offload import InputOffload, offloading
-from toolkit.models.generation import generating
+from toolkit.models.compiled_generation import CompiledGeneration
+from toolkit.models.generation import EagerGeneration, generating
 from toolkit.models.llm_gguf import check_gguf_export, write_gguf_adapter
 from toolkit.models.llm_logps import TokenScorer, head_math_for
 from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for, no_packed_sequence_search
-from toolkit.models.llm_objectives import Objective, StatsFile, build_objective
+from toolkit.models.llm_objectives import Generator, Objective, StatsFile, build_objective
 from toolkit.models.lora import lora_config, target_modules
 from toolkit.models.lora_export import peft_factors
 from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
@@ -282,7 +283,8 @@ class LLMAdapter(ModelAdapter):
         self.examples = build_example_data(self.cfg.data, self.cfg.data.format, self.tokenizer, self.cfg.run.seed)
         stats = StatsFile(self.runtime.run_dir / "objective.jsonl" if self.runtime.is_main else None)
         self.objective = build_objective(train.objective, self.scorer, self.network, self.forward_module, train,
-                                         stats, self.tokenizer, self.examples.conversational, self._scoring_width())
+                                         stats, self.tokenizer, self.examples.conversational, self._scoring_width(),
+                                         self._generator())
         uses_reference = train.objective in ("dpo", "kto") or (train.objective == "grpo" and train.kl_coef > 0)
         if uses_reference and self.cfg.network.init_from:
             self.log(f"train.objective={train.objective}: the reference is the base model (the LoRA disabled), not "
@@ -295,6 +297,15 @@ class LLMAdapter(ModelAdapter):
                 precompute_reference(self.examples.train, lambda b: self.objective.reference(b).sums(), batch,
                                      self.runtime.run_dir, self.model_path, self.log, write=self.runtime.is_main)
         return self.examples.train
+
+    def _generator(self) -> Generator | None:
+        """grpo: what samples the completions (train.generation, settled by the plan)."""
+        if self.cfg.train.objective != "grpo":
+            return None
+        generator = (CompiledGeneration(self.network, self.runtime.device.type)
+                     if self.cfg.train.generation == "compiled" else EagerGeneration(self.network))
+        self.log(generator.describe())
+        return generator
 
     def _scoring_width(self) -> int | None:
         """grpo with compiled layers: its scored rows all as wide as the longest prompt and completion can make

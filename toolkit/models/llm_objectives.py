@@ -7,17 +7,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from toolkit.data.preference import pad_rows
-from toolkit.models.base import eval_mode
-from toolkit.models.generation import generating
+from toolkit.models.generation import EagerGeneration
 from toolkit.models.llm_logps import TokenLogps, TokenScorer
 from toolkit.models.preference_losses import (dpo_losses, group_advantages, grpo_token_losses, kto_kl, kto_losses,
                                               orpo_losses)
 from toolkit.models.rewards import reward_functions
+
+
+class Generator(Protocol):
+    """What GRPO samples its completions with (train.generation)."""
+
+    def width(self, longest: int) -> int:
+        """The width a batch of prompts whose longest has `longest` tokens is left-padded to."""
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
+        """generate()'s output: the padded prompts and the new tokens."""
 
 
 class StatsFile:
@@ -99,11 +108,13 @@ class KTO(Objective):
 class GRPO(Objective):
     """Per prompt, num_generations completions sampled by the model itself (generate with the KV cache, the
     batch's prompts at once, left-padded); rewards summed over train.reward; advantages within each group; the
-    loss per completion is its mean token loss (TRL's loss_type='grpo')."""
+    loss per completion is its mean token loss (TRL's loss_type='grpo'). `generator` samples the completions
+    (train.generation: models/generation.py's EagerGeneration or models/compiled_generation.py's)."""
 
-    def __init__(self, *args, tokenizer, conversational: bool, scoring_width: int | None):
+    def __init__(self, *args, tokenizer, conversational: bool, scoring_width: int | None, generator: Generator):
         super().__init__(*args)
         self.tokenizer, self.conversational, self.scoring_width = tokenizer, conversational, scoring_width
+        self.generator = generator
         self.rewards = reward_functions(list(self.cfg.reward), self.cfg.reward_pattern, self.cfg.reward_length)
 
     def units(self, batch: dict[str, Any]) -> tuple[int, int]:
@@ -114,15 +125,13 @@ class GRPO(Objective):
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
         """num_generations completions per prompt (consecutive), each cut after its first EOS."""
         group, pad, eos = self.cfg.num_generations, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        width = max(len(p) for p in prompts)
+        width = self.generator.width(max(len(p) for p in prompts))  # compiled: a few fixed widths
         rows = [p for p in prompts for _ in range(group)]
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=self.scorer.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.scorer.device)
-        with eval_mode(self.network), generating():  # eager, no cuDNN attention: models/generation.py
-            out = self.network.generate(input_ids=ids, attention_mask=mask, do_sample=True,
-                                        temperature=self.cfg.generation_temperature, top_k=0, top_p=1.0,
-                                        max_new_tokens=self.cfg.max_completion_length, pad_token_id=pad,
-                                        eos_token_id=eos, use_cache=True, disable_compile=True)
+        out = self.generator(ids, mask, do_sample=True, temperature=self.cfg.generation_temperature, top_k=0,
+                             top_p=1.0, max_new_tokens=self.cfg.max_completion_length, pad_token_id=pad,
+                             eos_token_id=eos)
         completions = []
         for row in out[:, width:].tolist():
             end = row.index(eos) + 1 if eos in row else len(row)
@@ -164,10 +173,11 @@ OBJECTIVES = {"dpo": DPO, "orpo": ORPO, "kto": KTO, "grpo": GRPO}
 
 def build_objective(name: str, scorer: TokenScorer, network: torch.nn.Module, reference_module: torch.nn.Module,
                     train_cfg, stats: StatsFile, tokenizer, conversational: bool,
-                    scoring_width: int | None = None) -> Objective:
+                    scoring_width: int | None = None, generator: Generator | None = None) -> Objective:
     """The objective class registered for train.objective `name` (sft is the adapter's own loss); grpo's scored
-    rows padded to at least `scoring_width` tokens."""
+    rows padded to at least `scoring_width` tokens, its completions sampled by `generator` (eager by default)."""
     if name == "grpo":
         return GRPO(scorer, network, reference_module, train_cfg, stats, tokenizer=tokenizer,
-                    conversational=conversational, scoring_width=scoring_width)
+                    conversational=conversational, scoring_width=scoring_width,
+                    generator=generator or EagerGeneration(network))
     return OBJECTIVES[name](scorer, network, reference_module, train_cfg, stats)

@@ -313,6 +313,35 @@ def attention(f: Facts) -> Decision | None:
     return _decision("model.attention", "sdpa", "PyTorch scaled_dot_product_attention, the default")
 
 
+@rule("train.generation", STATIC)
+def generation(f: Facts) -> Decision | None:
+    """auto: eager until compiled generation (models/compiled_generation.py) is measured faster on a GPU; compiled
+    where its merged copy cannot be made is refused, naming what stands in the way."""
+    if not f.reads("train.generation"):
+        return None
+    asked = f.asked("train.generation")
+    if asked == "compiled":
+        blockers = [why for why, blocks in (
+            (f"network.type={f.asked('network.type')} (it merges plain LoRA only)", f.asked("network.type") != "lora"),
+            (f"model.quantize={f.asked('model.quantize')} (the merged copy needs 16-bit weights)",
+             f.asked("model.quantize") in QUANTIZED),
+            ("model.fuse_projections=true (the grouped layers are not PEFT's)", f.asked("model.fuse_projections") is True),
+            ("device.distributed=fsdp (the frozen weights are sharded)", f.asked("device.distributed") == "fsdp"),
+        ) if blocks]
+        if blockers:
+            f.problems.append(f"'train.generation'=compiled cannot apply with {'; '.join(blockers)}: set "
+                              "train.generation=eager (or auto)")
+    if asked != "auto":
+        return None
+    if f.asked("train.objective") != "grpo":
+        return _decision("train.generation", "eager", f"train.objective={f.asked('train.objective')} generates "
+                         "nothing while training")
+    return _decision("train.generation", "eager", "eager until train.generation=compiled (the LoRA merged "
+                     "into a copy, a static KV cache, the decode step in CUDA graphs) is measured faster on a GPU "
+                     "(bench/llm_objectives.py --objective grpo, row toolkit-gencompiled: not measured yet); "
+                     "compiled turns it on")
+
+
 OBJECTIVE_FORMATS = {"sft": ("text", "alpaca", "chat"), "dpo": ("preference",), "orpo": ("preference",),
                      "kto": ("unpaired",), "grpo": ("prompt",)}
 

@@ -1,0 +1,150 @@
+"""train.generation=compiled (models/compiled_generation.py): the LoRA merged into a copy as PEFT's own merge does,
+the same greedy tokens as the eager path, the trained weights untouched, one dynamo compile per padded width, a
+GRPO run through the entry point that samples and trains as the eager one; auto stays eager, and the settings it
+cannot merge under are refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+import torch._dynamo
+from safetensors.torch import load_file
+from torch._dynamo.utils import counters
+
+from helpers import adapter_for, read_metrics
+from lora_math import randomize_lora_b
+from toolkit.models import compiled_generation
+from toolkit.models.compiled_generation import CompiledGeneration, padded_width
+from toolkit.models.generation import EagerGeneration
+
+pytest.importorskip("trl")
+
+CONFIG = "configs/examples/quickstart_llm_grpo.yaml"
+
+
+def prompt_batch(adapter, generator, count: int = 3, group: int = 2):
+    """`count` training prompts, each `group` times, left-padded to the generator's width: (ids, mask)."""
+    prompts = [e.prompt for e in adapter.examples.train.examples[:count]]
+    width, pad = generator.width(max(map(len, prompts))), adapter.tokenizer.pad_token_id
+    rows = [p for p in prompts for _ in range(group)]
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    return ids, mask
+
+
+def greedy(generator, ids, mask, tokenizer, new: int = 12) -> torch.Tensor:
+    """The new tokens of a greedy generation (no end token: every row runs `new` tokens)."""
+    out = generator(ids, mask, do_sample=False, max_new_tokens=new, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=None, temperature=None, top_p=None, top_k=None)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """The grpo quickstart's adapter with a LoRA that is not the base (lora_B random)."""
+    adapter, _ = adapter_for("quickstart_llm_grpo.yaml", tmp_path)
+    randomize_lora_b(adapter.network)
+    return adapter
+
+
+def test_merged_copy_equals_peft_merge_and_leaves_the_trained_weights_bit_equal(trained):
+    network = trained.network
+    before = {k: v.clone() for k, v in network.state_dict().items()}
+    generation = CompiledGeneration(network, "cpu")
+    ids, mask = prompt_batch(trained, generation)
+    greedy(generation, ids, mask, trained.tokenizer)
+    after = network.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the LoRA and the base, bit for bit
+    # PEFT's own merge (on a copy) gives the weights the decode reads; fp32 sums in another order: 1e-6
+    merged = dict(copy.deepcopy(network).merge_and_unload().named_parameters())
+    decoded = dict(generation.decoder.model.named_parameters())
+    assert decoded.keys() == merged.keys()
+    adapted = [n for n in decoded if any(decoded[n] is m for m, _ in generation.decoder.merged)]
+    assert len(adapted) == len(generation.decoder.merged) == 14  # 2 layers x 7 projections of tiny:llm
+    for name in decoded:
+        torch.testing.assert_close(decoded[name], merged[name], rtol=0, atol=1e-6)
+    base = dict(network.get_base_model().named_parameters())
+    for name in adapted:  # the merge is not the base: the update is there
+        frozen = base[name.replace(".weight", ".base_layer.weight")]
+        assert (decoded[name] - frozen).abs().max() > 1e-3
+    # every other tensor is the trained model's own, not a copy
+    shared = [n for n in decoded if n not in adapted]
+    assert shared and all(decoded[n].data_ptr() == base[n].data_ptr() for n in shared)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_greedy_tokens_equal_eager_and_compile_once_per_width(backend, trained, monkeypatch):
+    """Greedy decoding: the merged copy with a static cache (the prompts padded to 64) gives the eager path's
+    tokens; the decode step compiled (on the CPU, as CUDA does but without CUDA graphs: dynamo's eager backend,
+    its guards and graphs alone, and inductor's generated C++, some 15 s to build) compiles at the first call and
+    not again at a second of the same width."""
+    if backend == "inductor" and shutil.which("g++") is None:
+        pytest.skip("inductor on the CPU builds C++: no g++ here")
+    monkeypatch.setitem(compiled_generation.DECODE_COMPILE, "cpu", dict(fullgraph=False, dynamic=False,
+                                                                         backend=backend, mode=None))
+    eager, compiled = EagerGeneration(trained.network), CompiledGeneration(trained.network, "cpu")
+    assert compiled.compile_config is not None
+    ids, mask = prompt_batch(trained, eager)
+    wide_ids, wide_mask = prompt_batch(trained, compiled)
+    assert wide_ids.shape[1] == padded_width(ids.shape[1]) == 64 and ids.shape[1] < 64
+    expected = greedy(eager, ids, mask, trained.tokenizer)
+    with trained.network.disable_adapter():
+        base_tokens = greedy(eager, ids, mask, trained.tokenizer)
+    assert not torch.equal(expected, base_tokens)  # the LoRA changes the tokens, so matching them means something
+    torch._dynamo.reset()
+    counters.clear()
+    first = greedy(compiled, wide_ids, wide_mask, trained.tokenizer)
+    traced = counters["frames"]["ok"]
+    second = greedy(compiled, wide_ids, wide_mask, trained.tokenizer)
+    recompiled = counters["frames"]["ok"] - traced
+    torch._dynamo.reset()
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert traced >= 1 and recompiled == 0
+
+
+def test_grpo_with_compiled_generation_trains_as_the_eager_run(run_cli, tmp_path):
+    """4 steps of the grpo quickstart with each generation path. Both draw the same random numbers (one
+    multinomial per new token over the same batch); the merged weights move the logits by fp32 rounding (~1e-7),
+    which changes a sampled token only when a uniform draw falls that close to a boundary of the cumulative
+    probabilities: the completions are the same (their rewards and lengths equal), so the scoring passes read
+    the same rows and the losses agree to fp32 rounding (1e-6 relative), and the LoRA to 1e-5."""
+    runs = {}
+    for mode in ("eager", "compiled"):
+        out = tmp_path / mode
+        assert run_cli("train", CONFIG, f"run.output_dir={out}", "train.steps=4", "save.every=0", "log.every=1",
+                       f"train.generation={mode}") == 0
+        stats = [json.loads(line) for line in (out / "objective.jsonl").read_text().splitlines()]
+        runs[mode] = (stats, [r["loss"] for r in read_metrics(out)],
+                      load_file(str(out / "final" / "adapter_model.safetensors")))
+    (eager_stats, eager_losses, eager_lora), (stats, losses, lora) = runs["eager"], runs["compiled"]
+    assert [r["step"] for r in stats] == [1, 2, 3, 4]
+    assert stats == eager_stats  # rewards, their spread and the completion lengths, step by step
+    assert len(losses) == 4 and any(loss != 0 for loss in losses)
+    assert losses == pytest.approx(eager_losses, rel=1e-6, abs=1e-9)
+    assert lora.keys() == eager_lora.keys()
+    for key in lora:
+        torch.testing.assert_close(lora[key], eager_lora[key], rtol=0, atol=1e-5)
+    assert any(v.abs().max() > 1e-4 for k, v in lora.items() if "lora_B" in k)  # it trained
+
+
+def test_auto_is_eager_until_measured(run_cli, capsys):
+    assert run_cli("validate", CONFIG) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("train.generation "))
+    assert "= eager" in line and "not measured yet" in line and "toolkit-gencompiled" in line
+
+
+@pytest.mark.parametrize("override, named", [
+    ("network.type=dora", "network.type=dora"),
+    ("model.fuse_projections=true", "model.fuse_projections=true"),
+])
+def test_compiled_refused_where_it_cannot_merge(override, named, run_cli, capsys):
+    assert run_cli("validate", CONFIG, "train.generation=compiled", override) == 2
+    err = capsys.readouterr().err
+    assert f"'train.generation'=compiled cannot apply with {named}" in err and "train.generation=eager" in err
+    assert "Traceback" not in err
