@@ -1,0 +1,90 @@
+"""device.shard_optimizer: ZeRO stage 1 over the run's processes, through torch's ZeroRedundancyOptimizer.
+
+Each process owns whole LoRA tensors (ZeroRedundancyOptimizer's partition: largest first, each to the process
+holding the fewest elements so far), keeps the optimizer state of those only and steps them; the updated tensors
+then go from their owner to every other process (one broadcast per owner, from a flat bucket), so every process
+ends each step with the same bits. Whole tensors rather than flat slices: each tensor is stepped by the very
+optimizer code one process runs (an 8-bit optimizer's blocks, Adafactor's factored moments, per-tensor norms stay
+as they are), so the run matches one process as closely as ddp does.
+
+Checkpoints hold the whole state in the ordinary optimizer's format (every process sends its part to the main
+process while saving), so a checkpoint loads into a plain optimizer, and into a sharded one at any process count:
+each process keeps its own tensors' part of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+class ShardedOptimizer(ZeroRedundancyOptimizer):
+    """The optimizer `build` makes, over this process's share of `params` only.
+
+    ZeroRedundancyOptimizer's own state_dict and load_state_dict are replaced: its load keeps a second copy of the
+    owned state in the wrapper and forces Adam's step counters onto the CPU (which the fused kernel refuses), and
+    its consolidated state would stay on the main process after saving. Here the local optimizer loads its part
+    through its own load_state_dict, and the gathered state is dropped once returned."""
+
+    def __init__(self, params: list[torch.nn.Parameter], build: Callable[[list[dict]], torch.optim.Optimizer]):
+        super().__init__(params, optimizer_class=_Local(build), parameters_as_bucket_view=True)
+        # the exposed groups carry the local optimizer's settings (fused, foreach...): a saved state loads into a
+        # plain optimizer exactly as one saved by it
+        for exposed, local in zip(self.param_groups, self.optim.param_groups):
+            exposed.update({k: v for k, v in local.items() if k != "params"})
+        self.defaults = dict(self.optim.defaults)
+
+    def owned_elements(self) -> int:
+        """How many optimizer-state elements this process holds (the tests count the 1/N)."""
+        return sum(t.numel() for state in self.optim.state.values() for t in state.values()
+                   if torch.is_tensor(t) and t.dim() > 0)
+
+    def gather_state(self) -> None:
+        """Collective: every process sends its part of the state to the main process (before state_dict there)."""
+        self.consolidate_state_dict(to=0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state in the ordinary format (main process, after gather_state on every process)."""
+        try:
+            return super().state_dict()
+        finally:
+            self._all_state_dicts = []
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A whole state (saved by a plain or a sharded optimizer, at any process count): this process's tensors'
+        part goes to its optimizer, through that optimizer's own load_state_dict."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("the saved optimizer state has another number of parameter groups")
+        local_groups, local_state, index = [], {}, 0
+        for saved, local in zip(groups, self.optim.param_groups):
+            ids = []
+            for param in local["params"]:
+                global_index = self._param_to_index[param]
+                if global_index in state_dict["state"]:
+                    local_state[index] = state_dict["state"][global_index]
+                ids.append(index)
+                index += 1
+            local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        for saved, exposed in zip(groups, self.param_groups):
+            exposed.update({k: v for k, v in saved.items() if k != "params"})
+
+
+class _Local:
+    """ZeroRedundancyOptimizer builds its local optimizer as optimizer_class(groups, **defaults): here, `build`."""
+
+    def __init__(self, build: Callable[[list[dict]], torch.optim.Optimizer]):
+        self.build = build
+
+    def __call__(self, groups: list[dict], **_defaults) -> torch.optim.Optimizer:
+        return self.build(groups)
+
+
+def gather_state(optimizer: Any) -> None:
+    """Collective before a checkpoint: a sharded optimizer's parts to the main process (else nothing)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    if isinstance(inner, ShardedOptimizer):
+        inner.gather_state()
