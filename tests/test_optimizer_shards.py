@@ -125,3 +125,39 @@ def test_fsdp_on_two_then_four_processes_trains_what_one_process_trains(tmp_path
     assert all(torch.equal(w[k], b[k]) for k in w)  # resumed on 2: bit for bit
     assert max((a[k] - c[k]).abs().max().item() for k in a) <= 1e-5
     assert max((a[k] - w[k]).abs().max().item() for k in a) <= 1e-5
+
+
+class _Facts:
+    """What the loaded-stage rule reads: the two settings as asked, the process count, whether fsdp sharded."""
+
+    def __init__(self, setting, optimizer: str, processes: int, sharded: bool):
+        self.settings = {"device.shard_optimizer": setting, "train.optimizer": optimizer}
+        self.extra = {"processes": processes, "sharded": sharded}
+
+    def asked(self, key: str):
+        return self.settings[key]
+
+
+@pytest.mark.parametrize("setting, optimizer, processes, sharded, value", [
+    ("auto", "adamw", 2, True, True),        # fsdp: on
+    ("auto", "adamw8bit", 4, True, True),
+    ("auto", "adamw", 2, False, False),      # ddp: off
+    ("auto", "prodigy", 2, True, False),     # one step size from every tensor
+    (True, "adamw", 1, False, False),        # one process: nothing to share
+    (True, "adamw", 2, False, None),         # as set (ddp too)
+    (False, "adamw", 2, True, None),
+])
+def test_shard_optimizer_rule(setting, optimizer, processes, sharded, value):
+    from toolkit.plan.loaded_rules import shard_optimizer
+
+    decision = shard_optimizer(_Facts(setting, optimizer, processes, sharded))
+    assert (None if decision is None else decision.value) is value
+
+
+def test_shard_optimizer_true_with_prodigy_is_a_config_error(run_cli, capsys, tmp_path):
+    code = run_cli("validate", LLM, f"run.output_dir={tmp_path / 'run'}", "train.optimizer=prodigy",
+                   "device.shard_optimizer=true")
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "'device.shard_optimizer' is true, but train.optimizer=prodigy steps every LoRA tensor together" in err
+    assert "fix: set device.shard_optimizer to auto or false" in err
