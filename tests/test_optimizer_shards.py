@@ -48,6 +48,7 @@ def _worker(rank: int, world: int, init: str, results, resume_from) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         params = _params()
+        storage = [p.data_ptr() for p in params]
         optimizer = ShardedOptimizer(params, _adamw)
         if resume_from is not None:
             weights, state = resume_from
@@ -58,6 +59,8 @@ def _worker(rank: int, world: int, init: str, results, resume_from) -> None:
         _run(3, params, optimizer)
         optimizer.gather_state()
         state = optimizer.state_dict() if rank == 0 else None
+        # the weights keep their storage (a CUDA graph captured before the optimizer reads them there)
+        assert [p.data_ptr() for p in params] == storage
         results[rank] = ([p.detach().clone() for p in params], optimizer.owned_elements(), state)
     finally:
         dist.destroy_process_group()

@@ -2,8 +2,8 @@
 
 Each process owns whole LoRA tensors (ZeroRedundancyOptimizer's partition: largest first, each to the process
 holding the fewest elements so far), keeps the optimizer state of those only and steps them; the updated tensors
-then go from their owner to every other process (one broadcast per owner, from a flat bucket), so every process
-ends each step with the same bits. Whole tensors rather than flat slices: each tensor is stepped by the very
+then go from their owner to every other process (one all-gather of flat buffers), so every process ends each step
+with the same bits. Whole tensors rather than flat slices: each tensor is stepped by the very
 optimizer code one process runs (an 8-bit optimizer's blocks, Adafactor's factored moments, per-tensor norms stay
 as they are), so the run matches one process as closely as ddp does.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
@@ -29,7 +30,8 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
     through its own load_state_dict, and the gathered state is dropped once returned."""
 
     def __init__(self, params: list[torch.nn.Parameter], build: Callable[[list[dict]], torch.optim.Optimizer]):
-        super().__init__(params, optimizer_class=_Local(build), parameters_as_bucket_view=True)
+        super().__init__(params, optimizer_class=_Local(build), parameters_as_bucket_view=False)
+        self._shares = [[p for group in groups for p in group["params"]] for groups in self._partition_parameters()]
         # the exposed groups carry the local optimizer's settings (fused, foreach...): a saved state loads into a
         # plain optimizer exactly as one saved by it
         for exposed, local in zip(self.param_groups, self.optim.param_groups):
@@ -40,6 +42,31 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         """How many optimizer-state elements this process holds (the tests count the 1/N)."""
         return sum(t.numel() for state in self.optim.state.values() for t in state.values()
                    if torch.is_tensor(t) and t.dim() > 0)
+
+    def _sync_params(self) -> None:
+        """After the local step: every process's tensors to every other, in one all-gather of flat buffers (each
+        process's tensors packed into its own, padded to the largest share) and one multi-tensor copy out.
+        ZeroRedundancyOptimizer's own sends one broadcast per tensor, or moves the weights into flat buckets
+        (parameters_as_bucket_view), which a CUDA graph captured before, by the batch-size probe, would not see."""
+        first = self._shares[self.rank][0] if self._shares[self.rank] else next(p for s in self._shares for p in s)
+        if any(p.dtype != first.dtype or p.device != first.device for share in self._shares for p in share):
+            return super()._sync_params()  # one dtype and device in practice (fp32 LoRA weights)
+        sizes = [sum(p.numel() for p in share) for share in self._shares]
+        width = max(sizes)
+        send = torch.zeros(width, dtype=first.dtype, device=first.device)
+        if sizes[self.rank]:
+            torch.cat([p.detach().reshape(-1) for p in self._shares[self.rank]], out=send[:sizes[self.rank]])
+        received = torch.empty(width * self.world_size, dtype=first.dtype, device=first.device)
+        dist.all_gather_into_tensor(received, send, group=self.process_group)
+        targets, parts = [], []
+        for rank, share in enumerate(self._shares):
+            if rank == self.rank or not share:
+                continue
+            flat = received[rank * width: rank * width + sizes[rank]]
+            parts += [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in share]), share)]
+            targets += [p.detach() for p in share]
+        if targets:
+            torch._foreach_copy_(targets, parts)
 
     def gather_state(self) -> None:
         """Collective: every process sends its part of the state to the main process (before state_dict there)."""
