@@ -164,3 +164,31 @@ def test_shard_optimizer_true_with_prodigy_is_a_config_error(run_cli, capsys, tm
     assert code == 2 and "Traceback" not in err
     assert "'device.shard_optimizer' is true, but train.optimizer=prodigy steps every LoRA tensor together" in err
     assert "fix: set device.shard_optimizer to auto or false" in err
+
+
+def _skip_worker(rank: int, world: int, init: str, results) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        params = _params()
+        optimizer = ShardedOptimizer(params, _adamw)
+        _run(1, params, optimizer)
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, _grads(1)):
+            p.grad = g
+        optimizer.found_inf = torch.ones(())  # what the trainer sets for a non-finite loss (train/step.py)
+        optimizer.step()
+        skipped = all(torch.equal(a, p.detach()) for a, p in zip(before, params))
+        optimizer.found_inf = torch.zeros(())
+        optimizer.step()
+        results[rank] = (optimizer._step_supports_amp_scaling, skipped,
+                         not any(torch.equal(a, p.detach()) for a, p in zip(before, params)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_non_finite_step_is_skipped_on_every_process_without_a_wait(tmp_path):
+    """fused AdamW's found_inf reaches each process's local optimizer: the step is skipped on the device, and a
+    finite one then moves every tensor, owned or not."""
+    results = mp.Manager().dict()
+    mp.spawn(_skip_worker, args=(2, f"file://{tmp_path / 'store'}", results), nprocs=2)
+    assert dict(results) == {0: (True, True, True), 1: (True, True, True)}

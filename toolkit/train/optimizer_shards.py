@@ -37,6 +37,34 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         for exposed, local in zip(self.param_groups, self.optim.param_groups):
             exposed.update({k: v for k, v in local.items() if k != "params"})
         self.defaults = dict(self.optim.defaults)
+        # fused AdamW and the toolkit's 8-bit optimizers skip a non-finite step on the device (found_inf): so does
+        # this one, the trainer then never waits for the GPU between steps (train/step.py)
+        self._step_supports_amp_scaling = getattr(self.optim, "_step_supports_amp_scaling", False)
+
+    # found_inf and grad_scale (set by the trainer or GradScaler around step()) belong to the local optimizer
+    @property
+    def found_inf(self):
+        return getattr(self.optim, "found_inf", None)
+
+    @found_inf.setter
+    def found_inf(self, value) -> None:
+        self.optim.found_inf = value
+
+    @found_inf.deleter
+    def found_inf(self) -> None:
+        self.optim.__dict__.pop("found_inf", None)
+
+    @property
+    def grad_scale(self):
+        return getattr(self.optim, "grad_scale", None)
+
+    @grad_scale.setter
+    def grad_scale(self, value) -> None:
+        self.optim.grad_scale = value
+
+    @grad_scale.deleter
+    def grad_scale(self) -> None:
+        self.optim.__dict__.pop("grad_scale", None)
 
     def owned_elements(self) -> int:
         """How many optimizer-state elements this process holds (the tests count the 1/N)."""
