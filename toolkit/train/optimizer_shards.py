@@ -111,8 +111,9 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         """A whole state (saved by a plain or a sharded optimizer, at any process count): this process's tensors'
         part goes to its optimizer, through that optimizer's own load_state_dict."""
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError("the saved optimizer state has another number of parameter groups")
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the saved optimizer state has other parameter groups (torch.optim.Optimizer refuses "
+                             "the same)")
         local_groups, local_state, index = [], {}, 0
         for saved, local in zip(groups, self.optim.param_groups):
             ids = []
