@@ -2,6 +2,7 @@
 
     python bench/scaling.py [--gpus 2] [--llm-warmup 10 --llm-steps 20] [--sdxl-warmup 5 --sdxl-steps 10]
                             [--skip-llm] [--skip-sdxl] [--no-plain-sdxl] [--no-plain-compiled] [--fsdp]
+                            [--fsdp-whole-state]
                             [--stacks toolkit,plain,plain-compiled] [--counts 1,2] [--out results.json] [--logs DIR]
     python bench/scaling.py --tiny      # tiny:llm and tiny:sdxl on the CPU, 2 processes over gloo (a check)
 
@@ -20,6 +21,7 @@ Each workload runs, every run a fresh process (group):
   compiled (`layer.compile()`), the fastest plain loop a user writes.
 - --fsdp: the toolkit on N GPUs with device.distributed=ddp, then fsdp, on a 12B-class base (bench/llm.py's
   nemo-12b shape; gradient checkpointing, 1 x 1024 tokens per GPU, compile off): per-GPU peak memory and the ratio.
+  --fsdp-whole-state adds fsdp with device.shard_optimizer=false (the optimizer state's saving, measured).
 
 Throughput: the time from the end of the warm-up steps to the end of the last step. The toolkit's comes from its
 own logs/metrics.jsonl (log.every = warm-up steps): each record's steps_per_s, timed between the CUDA events that
@@ -444,6 +446,16 @@ def wan_scaling(args, work: Path, counts: list[int], stacks: set, tiny: bool, ti
 
 # -- fsdp vs ddp memory ---------------------------------------------------------------------------------------
 
+# mode -> its overrides beyond device.distributed (the part before any '-'); fsdp shards the optimizer state (auto)
+FSDP_MODES = {"ddp": [], "fsdp": [], "fsdp-whole-state": ["device.shard_optimizer=false"]}
+
+
+def fsdp_modes(args) -> tuple[str, ...]:
+    """ddp and fsdp; --fsdp-whole-state adds fsdp with the whole optimizer state on every process (the saving of
+    device.shard_optimizer, measured)."""
+    return ("ddp", "fsdp", "fsdp-whole-state") if args.fsdp_whole_state else ("ddp", "fsdp")
+
+
 def fsdp_memory(args, work: Path, n: int, tiny: bool, tiny_overrides: list[str], measure) -> dict:
     """The toolkit on N GPUs with device.distributed=ddp, then fsdp: a 12B-class base, gradient checkpointing,
     1 x 1024 tokens per GPU, so the per-GPU memory is mostly the frozen base (what fsdp shards)."""
@@ -462,10 +474,10 @@ def fsdp_memory(args, work: Path, n: int, tiny: bool, tiny_overrides: list[str],
     print(f"12B-class model and data written in {time.perf_counter() - t0:.0f}s", flush=True)
     seq = 64 if tiny else 1024
     rows: dict = {}
-    for mode in ("ddp", "fsdp"):
+    for mode in fsdp_modes(args):
         overrides = [f"model.name_or_path={model_dir}", f"data.path={data}", f"data.max_seq_len={seq}",
                      "train.batch_size=1", "train.gradient_checkpointing=true", "train.compile=false",
-                     f"device.distributed={mode}", *tiny_overrides]
+                     f"device.distributed={mode.split('-')[0]}", *FSDP_MODES[mode], *tiny_overrides]
         measure("fsdp", rows, mode, n, lambda: toolkit_run(
             f"llm-{mode}", LLM_CONFIG, overrides, work, n, warmup, steps, seq, args.timeout))
     return rows
@@ -490,12 +502,14 @@ def measured(rows: dict, key: tuple, label: str) -> dict | None:
 def print_fsdp(rows: dict, shape: str, n: int) -> None:
     print(f"\nfsdp vs ddp on {n} GPUs: the toolkit, LLM {shape}, LoRA r=16, gradient checkpointing, "
           f"1 sequence per GPU, compile off")
-    print(f"{'mode':<6} {'tokens/s':>10} {'per-GPU peak GiB':>18}  ranks")
-    for mode in ("ddp", "fsdp"):
-        r = measured(rows, (mode, n), f"{mode:<6}")
+    print(f"{'mode':<16} {'tokens/s':>10} {'per-GPU peak GiB':>18}  ranks")
+    for mode in FSDP_MODES:
+        if (mode, n) not in rows:
+            continue
+        r = measured(rows, (mode, n), f"{mode:<16}")
         if r is None:
             continue
-        print(f"{mode:<6} {r['units_per_s']:>10,.1f} {gib(r['peak_gib']):>18}  {r.get('rank_check', '-')}")
+        print(f"{mode:<16} {r['units_per_s']:>10,.1f} {gib(r['peak_gib']):>18}  {r.get('rank_check', '-')}")
     ddp, fsdp = rows.get(("ddp", n), {}), rows.get(("fsdp", n), {})
     if "peak_gib" in ddp and "peak_gib" in fsdp:
         print(f"fsdp / ddp per-GPU peak memory: {max(fsdp['peak_gib']) / max(ddp['peak_gib']):.2f}x", flush=True)
@@ -554,6 +568,9 @@ def main() -> None:
                         help="also: per-GPU memory of device.distributed=ddp vs fsdp on N GPUs for a 12B-class base "
                              "(bench/llm.py's nemo-12b shape; tiny:llm with --tiny)")
     parser.add_argument("--fsdp-steps", type=int, default=4)
+    parser.add_argument("--fsdp-whole-state", action="store_true",
+                        help="with --fsdp: also fsdp with device.shard_optimizer=false (what sharding the LoRA "
+                             "optimizer state saves per GPU)")
     parser.add_argument("--stacks", default="toolkit,plain,plain-compiled",
                         help="which stacks to run (comma-separated; plain-compiled: LLM only; toolkit-ddp: the "
                              "toolkit's diffusion runs with device.gradient_sync=ddp instead of auto)")

@@ -70,6 +70,14 @@ class DeviceSection:
                              "graph and rules out CUDA graphs), ddp otherwise. With device.distributed=fsdp the LoRA "
                              "gradients are always averaged the allreduce way.",
                              choices=("auto", "ddp", "allreduce"), resume_safe=True)
+    shard_optimizer: Union[bool, str] = opt("auto", "Several processes: each keeps the optimizer state (AdamW's two moments) of "
+                               "its share of the LoRA tensors only and steps those, then sends the updated tensors to "
+                               "the others (ZeRO stage 1, torch's ZeroRedundancyOptimizer): the state per process is "
+                               "about 1/N. Every process ends each step with the same weights, and checkpoints hold "
+                               "the whole optimizer state, so a run resumes at another process count. auto: on with "
+                               "device.distributed=fsdp, off with ddp (the state is small beside a whole model). Needs "
+                               "an optimizer that steps each tensor on its own (not prodigy).",
+                               choices=("auto", True, False), resume_safe=True)
     collective_timeout: int = opt(1800, "Seconds a process waits for the others at a collective or barrier (cache "
                                   "filling on the main process included) before it stops with an error naming its "
                                   "rank and the collective, instead of hanging (on GPUs, NCCL's watchdog stops it and "

@@ -37,6 +37,8 @@ class OptimizerSpec:
     memory_light: bool          # state well under fp32 AdamW's two moments (suggested when memory runs out)
     needs_eval_mode: bool       # optimizer.eval() around eval, sampling and saving, train() after (schedule-free)
     description: str
+    per_tensor: bool = True     # each tensor's step reads only its own gradient and state (device.shard_optimizer
+                                # can give each process a share of the tensors); Prodigy's step size reads them all
 
 
 def _on_gpu(params: list) -> bool:
@@ -129,7 +131,7 @@ _REGISTRY: dict[str, OptimizerSpec] = {
                                description="transformers Adafactor, factored second moments, fixed lr"),
     "prodigy": OptimizerSpec(_prodigy, frozenset({"beta3", "decouple", "use_bias_correction", "safeguard_warmup",
                                                   "d0", "d_coef", "growth_rate"}),
-                             memory_light=False, needs_eval_mode=False,
+                             memory_light=False, needs_eval_mode=False, per_tensor=False,
                              description="prodigyopt Prodigy, which estimates the step size: lr 1.0 is usual, needs pip install prodigyopt"),
 }
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(_REGISTRY)

@@ -94,3 +94,24 @@ def gradient_sync(f: Facts) -> Decision | None:
                         "DDP's bucket hooks would split its compiled graph", LOADED)
     return Decision("device.gradient_sync", "ddp", "DistributedDataParallel's all-reduces overlap backward (the LLM's "
                     "blocks compile one by one, each ending where a bucket can start)", LOADED)
+
+
+@rule("device.shard_optimizer", LOADED, needs=("processes", "sharded"))
+def shard_optimizer(f: Facts) -> Decision | None:
+    """Whether each process keeps the optimizer state of its share of the LoRA tensors only (ZeRO stage 1)."""
+    from toolkit.optim.build import optimizer_spec
+
+    setting, processes = f.asked("device.shard_optimizer"), f.extra["processes"]
+    if processes < 2:
+        return Decision("device.shard_optimizer", False, "one process: it holds the whole optimizer state", LOADED)
+    if setting is not True and setting is not False:
+        name = f.asked("train.optimizer")
+        if not optimizer_spec(name).per_tensor:
+            return Decision("device.shard_optimizer", False, f"auto: {name} steps every LoRA tensor together",
+                            LOADED)
+        if f.extra["sharded"]:
+            return Decision("device.shard_optimizer", True, f"auto: device.distributed=fsdp: each of the {processes} "
+                            f"processes keeps the optimizer state of about 1/{processes} of the LoRA tensors", LOADED)
+        return Decision("device.shard_optimizer", False, "auto: device.distributed=ddp holds the whole model on every "
+                        "process; the optimizer state is small beside it", LOADED)
+    return None

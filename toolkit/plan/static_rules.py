@@ -366,3 +366,17 @@ def data_format(f: Facts) -> Decision | None:
     if asked != "auto" or objective == "sft":
         return None
     return _decision("data.format", formats[0], f"train.objective={objective} trains on {formats[0]} data")
+
+
+@rule("device.shard_optimizer", STATIC)
+def shard_optimizer_fits(f: Facts) -> Decision | None:
+    """device.shard_optimizer=true with an optimizer whose step reads every tensor (Prodigy's step size): refused
+    before the model loads. The value itself is decided at the loaded stage, once fsdp or ddp is known."""
+    from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_spec
+
+    name = f.asked("train.optimizer")
+    if f.asked("device.shard_optimizer") is True and name in OPTIMIZER_NAMES and not optimizer_spec(name).per_tensor:
+        f.problems.append(f"'device.shard_optimizer' is true, but train.optimizer={name} steps every LoRA tensor "
+                          "together (one step size from all of them): fix: set device.shard_optimizer to auto or "
+                          "false, or use adamw")
+    return None

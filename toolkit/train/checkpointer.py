@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from toolkit.train.optimizer_shards import gather_state
 from toolkit.disk import DiskFull, is_disk_full
 from toolkit.errors import UserError
 from toolkit.models.base import DTYPES, load_trainable_state_dict, trainable_state_dict
@@ -63,6 +64,7 @@ class Checkpointer:
         others whether it could, so that a full disk stops every process at once rather than leaving them
         waiting). `step_rng`: the step streams as the next step began (one that failed part-way, undone)."""
         trainer_state = self._trainer_state(loop, step_rng)
+        gather_state(self.optimizer)  # device.shard_optimizer: every process's part to the main process
         if not self.procs.is_main:
             if self.procs.from_main(None) != "ok":
                 raise OtherProcessFailed()

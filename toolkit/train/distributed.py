@@ -9,7 +9,8 @@ Two ways to share the work (device.distributed):
   unit's weights just before using it. The LoRA weights are left out
   of the sharding (`ignored_params`): they are small, stay whole on every process, and their gradients are
   averaged with one all-reduce per step (`average_gradients`), so the optimizer, EMA, checkpoints and
-  exports see ordinary tensors, exactly as with one process.
+  exports see ordinary tensors, exactly as with one process. The optimizer's state is what gets sharded
+  (device.shard_optimizer: train/optimizer_shards.py).
 
 Why DistributedDataParallel directly rather than accelerator.prepare_model: prepare_model also patches the
 module's forward for mixed precision and may move the whole module to the device. The trainer already

@@ -45,6 +45,7 @@ from toolkit.train.lora_source import LoraSnapshot, lora_source
 from toolkit.train.memory_plan import MemoryPlanner
 from toolkit.train.metrics import MetricsLogger
 from toolkit.train.model_setup import load_model
+from toolkit.train.optimizer_shards import ShardedOptimizer
 from toolkit.train.out_of_memory import batch_shapes, memory_fixes, out_of_memory_error
 from toolkit.train.report import RunReport
 from toolkit.train.resume import check_resume_plan
@@ -157,10 +158,7 @@ class Trainer:
             raise UserError(f"train.ema_decay: {decay} would never move from the initial weights; "
                             "use a value below 1 (0.999 is usual) or 0 to turn the EMA off")
         self.ema = LoraEMA(self.adapter.network, decay) if decay > 0 else None
-        optimizer, reason = build_optimizer(
-            cfg.train.optimizer, self.params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
-            weight_decay=cfg.train.weight_decay, backend=cfg.train.optimizer_backend, device_type=self.resolved.device.backend,
-            args=OmegaConf.to_container(cfg.train.optimizer_args))
+        optimizer, reason = self._optimizer()
         self.log(f"optimizer: {reason}")
         from transformers import get_scheduler
         self.scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
@@ -172,7 +170,10 @@ class Trainer:
             modules = self.adapter.trainable_modules()
         else:
             modules = procs.wrap(self.adapter.trainable_modules(), find_unused=self.adapter.memory.unused_parameters)
-        self.optimizer = self.accelerator.prepare_optimizer(optimizer)
+        # a sharded optimizer's state is whole on the main process only, while saving: accelerate's round trip through
+        # state_dict (device placement) cannot apply; its local optimizer places a loaded state itself
+        self.optimizer = self.accelerator.prepare_optimizer(
+            optimizer, device_placement=not isinstance(optimizer, ShardedOptimizer))
         self.stepper = Stepper(StepParts(
             self.dataset, self.order, self.adapter.loss, self.adapter.batch_units, modules, self.params,
             self.optimizer, optimizer, self.scheduler, self.ema, procs, self.accelerator, memory.grad_accum,
@@ -199,6 +200,26 @@ class Trainer:
                  f"{self.grad_accum} accumulation = {total} per optimizer step"
                  + ("" if global_batch is None else f" (train.global_batch_size={global_batch}"
                     + (")" if total == global_batch else ": the least at or above it with this batch size)")))
+
+    def _optimizer(self) -> tuple[torch.optim.Optimizer, str]:
+        """train.optimizer over the LoRA weights; with device.shard_optimizer, over this process's share of them
+        (train/optimizer_shards.py)."""
+        cfg, reasons = self.cfg, []
+
+        def build(params):
+            optimizer, reason = build_optimizer(
+                cfg.train.optimizer, params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
+                weight_decay=cfg.train.weight_decay, backend=cfg.train.optimizer_backend,
+                device_type=self.resolved.device.backend, args=OmegaConf.to_container(cfg.train.optimizer_args))
+            reasons.append(reason)
+            return optimizer
+
+        if not self.resolved.setting(self.plan, "device.shard_optimizer"):
+            return build(self.params), reasons[0]
+        sharded = ShardedOptimizer(self.params, build)
+        owned = sum(p.numel() for group in sharded.optim.param_groups for p in group["params"])
+        return sharded, (f"{reasons[0]}; device.shard_optimizer: this process steps and keeps the state of "
+                         f"{owned:,} of the {sum(p.numel() for p in self.params):,} LoRA weights (ZeRO stage 1)")
 
     def _check_resume_plan(self, checkpoint) -> None:
         """A resumed run's plan against its checkpoint's: a later stage that decided otherwise, where that changes
