@@ -55,14 +55,19 @@ class Windows(StepEvents):
             self.open.pop().__exit__(None, None, None)
 
 
+def config_file(config_yaml: str) -> Path:
+    """`config_yaml` in a file of its own, for load_run."""
+    path = Path(tempfile.mkdtemp()) / "bench.yaml"
+    path.write_text(config_yaml)
+    return path
+
+
 def planned(config_yaml: str, overrides: list[str], keys: tuple[str, ...], steps: int) -> list[str]:
     """`key=value` for each of `keys` the toolkit settles (auto) when the run is planned as `steps` steps long: to
     time a few steps of a run that a user would make longer (train.compile=auto compiles from a length)."""
     from toolkit.plan.run import load_run
 
-    cfg = Path(tempfile.mkdtemp()) / "plan.yaml"
-    cfg.write_text(config_yaml)
-    run = load_run([cfg], [*overrides, f"train.steps={steps}"])
+    run = load_run([config_file(config_yaml)], [*overrides, f"train.steps={steps}"])
     return [f"{key}={str(run.setting(run.plan, key)).lower()}" for key in keys if run.is_auto(key)]
 
 
@@ -110,9 +115,7 @@ def trainer_rate(config_yaml: str, overrides: list[str], out: Path, optimizer: s
                  f"run.output_dir={out}", f"log.every={warmup}"]
     if optimizer.endswith("8bit"):
         overrides.append("train.optimizer_backend=toolkit")
-    cfg = Path(tempfile.mkdtemp()) / "bench.yaml"
-    cfg.write_text(config_yaml)
-    run = load_run([cfg], overrides)
+    run = load_run([config_file(config_yaml)], overrides)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     peak = {}

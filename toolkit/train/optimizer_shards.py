@@ -21,6 +21,13 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
+def _local_attribute(name: str) -> property:
+    """An attribute of the wrapper read, set and deleted on the local optimizer (ShardedOptimizer.optim)."""
+    return property(lambda self: getattr(self.optim, name, None),
+                    lambda self, value: setattr(self.optim, name, value),
+                    lambda self: self.optim.__dict__.pop(name, None))
+
+
 class ShardedOptimizer(ZeroRedundancyOptimizer):
     """The optimizer `build` makes, over this process's share of `params` only.
 
@@ -41,30 +48,9 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         # this one, the trainer then never waits for the GPU between steps (train/step.py)
         self._step_supports_amp_scaling = getattr(self.optim, "_step_supports_amp_scaling", False)
 
-    # found_inf and grad_scale (set by the trainer or GradScaler around step()) belong to the local optimizer
-    @property
-    def found_inf(self):
-        return getattr(self.optim, "found_inf", None)
-
-    @found_inf.setter
-    def found_inf(self, value) -> None:
-        self.optim.found_inf = value
-
-    @found_inf.deleter
-    def found_inf(self) -> None:
-        self.optim.__dict__.pop("found_inf", None)
-
-    @property
-    def grad_scale(self):
-        return getattr(self.optim, "grad_scale", None)
-
-    @grad_scale.setter
-    def grad_scale(self, value) -> None:
-        self.optim.grad_scale = value
-
-    @grad_scale.deleter
-    def grad_scale(self) -> None:
-        self.optim.__dict__.pop("grad_scale", None)
+    # set by the trainer or GradScaler around step(): they belong to the local optimizer
+    found_inf = _local_attribute("found_inf")
+    grad_scale = _local_attribute("grad_scale")
 
     def owned_elements(self) -> int:
         """How many optimizer-state elements this process holds (the tests count the 1/N)."""
