@@ -67,12 +67,23 @@ SHAPES = {  # tiny stand-ins with the same code paths, for checking the bench on
 }
 
 
+# How far the random VAE's log-variance is pulled down (std by exp(-10)): a trained VAE's posterior is narrow, so a
+# trainer that caches one sample of it (kohya sd-scripts, musubi-tuner) and one that caches its mode (the toolkit,
+# the loss-parity scorer) train on the same latents. Left at random, the posterior's std (0.18 after scaling on the
+# parity images) is 3.4x the mode's rms (0.054): a peer's cached sample is mostly noise the scorer never sees.
+NARROW_LOGVAR = 20.0
+
+
 def _vae(latent_channels: int, **extra):
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 16, 32, 32),
-                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                         layers_per_block=1, norm_num_groups=8, sample_size=64, **extra)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 16, 32, 32),
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        layers_per_block=1, norm_num_groups=8, sample_size=64, **extra)
+    moments = vae.quant_conv if vae.quant_conv is not None else vae.encoder.conv_out  # (mean, logvar) channels
+    with torch.no_grad():
+        moments.bias[latent_channels:] -= NARROW_LOGVAR
+    return vae
 
 
 def _clip(tokenizer, hidden: int, projection: int | None = None):

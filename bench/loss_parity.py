@@ -52,10 +52,16 @@ FAMILIES = {"sd15": "sd", "flux": "flux", "wan": "wan21"}
 #         flow_shift auto (the scheduler's dynamic shift) and train.guidance 1.0;
 #   wan:  musubi --timestep_sampling shift --discrete_flow_shift 3.0 (sigmoid of a unit normal, shifted by 3): the
 #         toolkit's logit_normal sigmas with flow_shift 3.0.
+# The LoRA's targets are the peer's defaults, not the toolkit's (attention only on SD1.5, no modulation on Flux):
+#   sd15: kohya's networks.lora adapts every Linear and 1x1 conv inside Transformer2DModel;
+#   flux: kohya's networks.lora_flux every Linear of the double and single blocks, modulation included (its qkv one
+#         fused layer, the toolkit's three: the same weights, adapted by three rank-16 LoRAs against one);
+#   wan:  musubi's every Linear of WanAttentionBlock, which is the toolkit's default already.
+SD15_KOHYA_TARGETS = "[to_q,to_k,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.net.2]"
 TOOLKIT_SETTINGS = {
-    "sd15": ["train.timestep_sampling=uniform", "train.min_snr_gamma=0"],
+    "sd15": ["train.timestep_sampling=uniform", "train.min_snr_gamma=0", f"network.target_modules={SD15_KOHYA_TARGETS}"],
     "flux": ["train.timestep_sampling=logit_normal", "train.logit_mean=0", "train.logit_std=1", "train.flow_shift=auto",
-             "train.guidance=1.0"],
+             "train.guidance=1.0", "network.target_modules=all-linear"],
     "wan": ["train.timestep_sampling=logit_normal", "train.logit_mean=0", "train.logit_std=1", "train.flow_shift=3.0",
             "data.num_frames=1"],
 }

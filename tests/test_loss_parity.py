@@ -32,7 +32,11 @@ def test_toolkit_side_and_scorer_on_sd15(tmp_path: Path):
                                                rank=4, alpha=8, resolution=64, timeout=300)
     assert len(losses) == 4 and all(math.isfinite(x) and 0.1 < x < 10 for x in losses)
     assert sorted(files) == ["diffusers", "kohya"]
-    assert any(k.startswith("lora_unet_") for k in load_file(files["kohya"]))
+    keys = load_file(files["kohya"])
+    assert any(k.startswith("lora_unet_") for k in keys)
+    for module in ("attn2_to_k", "proj_in", "proj_out", "ff_net_0_proj", "ff_net_2"):  # kohya's targets, not ours
+        assert any(k.endswith(f"{module}.lora_down.weight") for k in keys), module
+    assert not any("time_emb_proj" in k for k in keys)  # outside Transformer2DModel: kohya leaves it
 
     base = loss_parity.held_out_loss("sd15", folder, data)
     trained = loss_parity.held_out_loss("sd15", folder, data, files["diffusers"])
@@ -43,6 +47,23 @@ def test_toolkit_side_and_scorer_on_sd15(tmp_path: Path):
     assert abs(from_kohya - trained) < 1e-5  # one LoRA, two formats, one number
     assert abs(zero - base) < 1e-6
     assert loss_parity.last_mean(losses, 2) == (losses[-2] + losses[-1]) / 2
+
+
+def test_the_bench_vae_posterior_is_narrow_so_a_cached_sample_is_the_mode(tmp_path: Path):
+    """kohya and musubi cache one sample of the VAE posterior, the toolkit and the scorer its mode: on the bench's
+    random VAE (SD1.5's four latent channels, Flux's sixteen without quant_conv) the two are the same latents."""
+    import torch
+    from diffusion_models import _vae
+
+    loss_parity.write_block_images(tmp_path)
+    pixels = torch.cat([loss_parity.pixels(p) for p in sorted(tmp_path.glob("*.png"))])
+    for vae in (_vae(4, scaling_factor=0.18215), _vae(16, use_quant_conv=False, use_post_quant_conv=False)):
+        with torch.no_grad():
+            posterior = vae.encode(pixels).latent_dist
+        spread = posterior.mode().std(0).pow(2).mean().sqrt()  # how much the images' latents differ
+        assert posterior.std.max() < 1e-3 * spread
+        torch.manual_seed(0)
+        assert torch.allclose(posterior.sample(), posterior.mode(), atol=1e-2 * spread.item(), rtol=0)  # within 10 std
 
 
 def test_summary_over_seeds_and_the_difference_with_its_standard_error():
