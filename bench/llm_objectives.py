@@ -5,13 +5,17 @@ every row in a fresh process of its own.
     python bench/llm_objectives.py --objective grpo [--steps 10 --warmup 3] [--out result.json]
     python bench/llm_objectives.py --objective dpo --tiny      # CPU check: tiny:llm, the toolkit rows and trl
     python bench/llm_objectives.py --objective grpo --rows toolkit --set model.fuse_projections=true  # a variant
-    python bench/llm_objectives.py --objective grpo --rows toolkit,toolkit-gencompiled,trl,unsloth-trl
+    python bench/llm_objectives.py --objective grpo --rows toolkit,toolkit-ckpt,toolkit-geneager,trl,unsloth-trl
 
 Rows:
   toolkit      the toolkit's Trainer, train.objective=dpo|grpo, its defaults on a GPU (train.compile and
-               model.kernels auto: the chunked log-probs, no full logits), fused AdamW
+               model.kernels auto: the chunked log-probs, no full logits; grpo: train.generation auto, compiled on
+               NVIDIA GPUs), fused AdamW
+  toolkit-ckpt the toolkit row with train.gradient_checkpointing=true (unsloth's rows checkpoint by default)
   toolkit-gencompiled  grpo only: the toolkit row with train.generation=compiled (the LoRA merged into a copy,
-               a static KV cache, the decode step compiled with CUDA graphs: models/compiled_generation.py)
+               a static KV cache, the decode step compiled with CUDA graphs: models/compiled_generation.py); on a
+               GPU the toolkit row gives the same, the CPU decodes eagerly
+  toolkit-geneager  grpo only: the toolkit row with train.generation=eager (HF generate on the trained network)
   trl          TRL's DPOTrainer / GRPOTrainer with a PEFT LoRA, fused AdamW, no gradient checkpointing
   unsloth-trl  the same TRL trainer on unsloth's FastLanguageModel (unsloth patches TRL's trainers on import);
                runs from the carried archive (bench/device_packages.sh, --unsloth-path), as bench/peer_unsloth.py
@@ -50,9 +54,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-ROWS = ("toolkit", "toolkit-gencompiled", "trl", "unsloth-trl")
+ROWS = ("toolkit", "toolkit-ckpt", "toolkit-gencompiled", "toolkit-geneager", "trl", "unsloth-trl")
+DEFAULT_ROWS = {"dpo": "toolkit,toolkit-ckpt,trl,unsloth-trl", "grpo": "toolkit,toolkit-ckpt,toolkit-geneager,trl,unsloth-trl"}
 # The toolkit rows: the settings each adds to the toolkit's defaults.
-TOOLKIT_ROWS = {"toolkit": [], "toolkit-gencompiled": ["train.generation=compiled"]}
+TOOLKIT_ROWS = {"toolkit": [], "toolkit-ckpt": ["train.gradient_checkpointing=true"],
+                "toolkit-gencompiled": ["train.generation=compiled"], "toolkit-geneager": ["train.generation=eager"]}
+GENERATION_ROWS = ("toolkit-gencompiled", "toolkit-geneager")  # grpo's: dpo generates nothing
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # objective: (prompts or pairs a step, prompt tokens, completion tokens, completions per prompt)
 WORKLOADS = {"dpo": dict(batch=4, prompt=256, completion=768, generations=1),
@@ -260,8 +267,9 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-1b", help="bench/llm.py's SHAPES")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (dpo 20, grpo 10)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before the timed ones (dpo 5, grpo 3)")
-    parser.add_argument("--rows", default=None, help=f"comma-separated, of {','.join(ROWS)} (--tiny: toolkit,toolkit-gencompiled,trl; "
-                        "toolkit-gencompiled runs for grpo only)")
+    parser.add_argument("--rows", default=None, help=f"comma-separated, of {','.join(ROWS)} (default: dpo "
+                        f"{DEFAULT_ROWS['dpo']}, grpo {DEFAULT_ROWS['grpo']}; --tiny: toolkit,toolkit-gencompiled,trl; "
+                        "the generation rows run for grpo only)")
     parser.add_argument("--tiny", action="store_true", help="tiny:llm on the CPU, a few steps: checks the rows run")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per row")
@@ -279,9 +287,9 @@ def main() -> None:
     if args.worker:
         args.json.write_text(json.dumps(run_row(args, args.model_dir, args.data, args.work)))
         return
-    rows = (args.rows or ("toolkit,toolkit-gencompiled,trl" if args.tiny else ",".join(ROWS))).split(",")
-    if args.objective != "grpo":  # the compiled generation row is grpo's: dpo generates nothing
-        rows = [row for row in rows if row != "toolkit-gencompiled"]
+    rows = (args.rows or ("toolkit,toolkit-gencompiled,trl" if args.tiny else DEFAULT_ROWS[args.objective])).split(",")
+    if args.objective != "grpo":
+        rows = [row for row in rows if row not in GENERATION_ROWS]
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
         parser.error(f"--rows: no row {', '.join(unknown)}; the rows are {', '.join(ROWS)}")

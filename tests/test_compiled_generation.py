@@ -132,11 +132,39 @@ def test_grpo_with_compiled_generation_trains_as_the_eager_run(run_cli, tmp_path
     assert any(v.abs().max() > 1e-4 for k, v in lora.items() if "lora_B" in k)  # it trained
 
 
-def test_auto_is_eager_until_measured(run_cli, capsys):
+def test_auto_is_eager_on_the_cpu(run_cli, capsys):
     assert run_cli("validate", CONFIG) == 0
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("train.generation "))
-    assert "= eager" in line and "not measured yet" in line and "toolkit-gencompiled" in line
+    assert "= eager" in line and "on the CPU" in line
+
+
+@pytest.mark.parametrize("preset_name, backend, arch, extra, value, said", [
+    ("sm_90", "cuda", "sm_90", {}, "compiled", "20.19 completions/s"),  # measured: evidence grpo-generation-compiled
+    ("gfx942", "hip", "gfx942", {}, "eager", "not been measured"),
+    ("sm_90", "cuda", "sm_90", {"network": {"type": "dora"}}, "eager", "network.type=dora"),
+    ("sm_90", "cuda", "sm_90", {"model": {"quantize": "4bit"}}, "eager", "model.quantize=4bit"),
+])
+def test_auto_is_compiled_on_nvidia_gpus_where_it_can_merge(preset_name, backend, arch, extra, value, said):
+    """The plan of the GRPO quickstart on a stand-in GPU (nothing runs on it): compiled where it was measured faster
+    and its merged copy can be made, eager elsewhere, each with its reason."""
+    from omegaconf import OmegaConf
+
+    from toolkit.config.layers import Layer
+    from toolkit.config.load import merge_layers
+    from toolkit.config.presets import load_presets
+    from toolkit.device.detect import DeviceInfo
+    from toolkit.plan.run import frozen, static_plan
+
+    preset = load_presets()[preset_name]
+    user = OmegaConf.to_container(OmegaConf.merge(OmegaConf.load(CONFIG), extra))
+    loaded = merge_layers([preset.layer, Layer("grpo.yaml", user)])
+    device = DeviceInfo(backend, arch, f"test {arch}", 80.0, bf16=True)
+    decisions = {d.key: d for d in static_plan(frozen(loaded.cfg), device, preset, loaded.sources)}
+    decision = decisions["train.generation"]
+    assert decision.value == value and said in decision.reason
+    if value == "compiled":
+        assert decision.evidence == "grpo-generation-compiled" and "one more copy" in decision.reason
 
 
 @pytest.mark.parametrize("override, named", [

@@ -315,31 +315,37 @@ def attention(f: Facts) -> Decision | None:
 
 @rule("train.generation", STATIC)
 def generation(f: Facts) -> Decision | None:
-    """auto: eager until compiled generation (models/compiled_generation.py) is measured faster on a GPU; compiled
-    where its merged copy cannot be made is refused, naming what stands in the way."""
+    """auto: compiled on NVIDIA GPUs, where it was measured faster (evidence grpo-generation-compiled), unless its
+    merged copy cannot be made; eager on the CPU (it decodes eagerly either way) and on AMD GPUs (not measured there
+    yet). compiled where its merged copy cannot be made is refused, naming what stands in the way."""
     if not f.reads("train.generation"):
         return None
     asked = f.asked("train.generation")
-    if asked == "compiled":
-        blockers = [why for why, blocks in (
-            (f"network.type={f.asked('network.type')} (it merges plain LoRA only)", f.asked("network.type") != "lora"),
-            (f"model.quantize={f.asked('model.quantize')} (the merged copy needs 16-bit weights)",
-             f.asked("model.quantize") in QUANTIZED),
-            ("model.fuse_projections=true (the grouped layers are not PEFT's)", f.asked("model.fuse_projections") is True),
-            ("device.distributed=fsdp (the frozen weights are sharded)", f.asked("device.distributed") == "fsdp"),
-        ) if blocks]
-        if blockers:
-            f.problems.append(f"'train.generation'=compiled cannot apply with {'; '.join(blockers)}: set "
-                              "train.generation=eager (or auto)")
+    blockers = [why for why, blocks in (
+        (f"network.type={f.asked('network.type')} (it merges plain LoRA only)", f.asked("network.type") != "lora"),
+        (f"model.quantize={f.asked('model.quantize')} (the merged copy needs 16-bit weights)",
+         f.asked("model.quantize") in QUANTIZED),
+        ("model.fuse_projections=true (the grouped layers are not PEFT's)", f.asked("model.fuse_projections") is True),
+        ("device.distributed=fsdp (the frozen weights are sharded)", f.asked("device.distributed") == "fsdp"),
+    ) if blocks]
+    if asked == "compiled" and blockers:
+        f.problems.append(f"'train.generation'=compiled cannot apply with {'; '.join(blockers)}: set "
+                          "train.generation=eager (or auto)")
     if asked != "auto":
         return None
     if f.asked("train.objective") != "grpo":
         return _decision("train.generation", "eager", f"train.objective={f.asked('train.objective')} generates "
                          "nothing while training")
-    return _decision("train.generation", "eager", "eager until train.generation=compiled (the LoRA merged "
-                     "into a copy, a static KV cache, the decode step in CUDA graphs) is measured faster on a GPU "
-                     "(bench/llm_objectives.py --objective grpo, row toolkit-gencompiled: not measured yet); "
-                     "compiled turns it on")
+    if f.device.backend != "cuda":
+        where = "on the CPU, which decodes eagerly either way" if f.device.backend == "cpu" else \
+            f"on {f.device.backend} GPUs, where compiled generation has not been measured yet (compiled turns it on)"
+        return _decision("train.generation", "eager", where)
+    if blockers:
+        return _decision("train.generation", "eager", "compiled generation merges the LoRA into a copy of the "
+                         f"weights, which cannot be made with {'; '.join(blockers)}")
+    return _decision("train.generation", "compiled", (
+        "the LoRA merged into a copy of the adapted weights (one more copy of them in memory), a static KV cache "
+        f"and the decode step in CUDA graphs: {cite('grpo-generation-compiled')}"), "grpo-generation-compiled")
 
 
 OBJECTIVE_FORMATS = {"sft": ("text", "alpaca", "chat"), "dpo": ("preference",), "orpo": ("preference",),
