@@ -176,3 +176,38 @@ def test_compiled_refused_where_it_cannot_merge(override, named, run_cli, capsys
     err = capsys.readouterr().err
     assert f"'train.generation'=compiled cannot apply with {named}" in err and "train.generation=eager" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("params, memory_gb, fraction, value", [
+    (1.24e9, 24.0, 1.0, "compiled"),   # Llama-3.2-1B: 2.5 GB and its copy, well inside 24 GB's 14.4 GB budget
+    (8.03e9, 80.0, 1.0, "compiled"),   # Llama-3.1-8B on 80 GB: 32.1 GB of a 48 GB budget
+    (8.03e9, 24.0, 1.0, "eager"),      # ... on 24 GB: the base alone is 16.1 GB
+    (8.03e9, 80.0, 0.5, "eager"),      # ... on half of 80 GB (device.memory_fraction): a 24 GB budget
+])
+def test_auto_generates_eagerly_where_the_merged_copy_would_not_fit(params, memory_gb, fraction, value):
+    """The loaded stage, once the base is counted: compiled generation's merged copy (up to the base's size again)
+    must fit the device's weight budget beside the base, else auto falls back to eager and says why."""
+    from omegaconf import OmegaConf
+
+    from toolkit.device.detect import DeviceInfo
+    from toolkit.plan.decisions import Decision
+    from toolkit.plan.rules import Facts
+    from toolkit.plan.stages import decide
+
+    cfg = OmegaConf.create({"model": {"family": "llm", "quantize": "none"}, "network": {"type": "lora"},
+                            "train": {"objective": "grpo", "generation": "auto"},
+                            "device": {"distributed": "auto", "memory_fraction": fraction}})
+    device = DeviceInfo("cuda", "sm_90", "test", memory_gb, True)
+    static = Decision("train.generation", "compiled", "measured faster", "static", "grpo-generation-compiled")
+    facts = Facts(cfg, device, decided={"train.generation": static},
+                  extra={"processes": 1, "base_parameters": lambda: int(params)})
+    made = {d.key: d for d in decide("loaded", facts)}
+    assert facts.value("train.generation") == value
+    if value == "eager":
+        assert made["train.generation"].stage == "loaded" and "weight budget" in made["train.generation"].reason
+    else:
+        assert "train.generation" not in made
+    asked = Facts(OmegaConf.merge(cfg, {"train": {"generation": "compiled"}}), device,
+                  extra={"processes": 1, "base_parameters": lambda: int(params)})
+    decide("loaded", asked)
+    assert asked.value("train.generation") == "compiled"  # asked for: kept, whatever the budget

@@ -288,8 +288,9 @@ class TrainSection:
                           "of 64 tokens, and on CUDA the decode step compiled with CUDA graphs (transformers' "
                           "CompileConfig, mode reduce-overhead; the CPU decodes eagerly). Plain LoRA over 16-bit "
                           "weights only (not dora, model.quantize, model.fuse_projections=true or fsdp). auto: "
-                          "compiled on NVIDIA GPUs where it can apply (measured 4.7x eager on one H200), eager on "
-                          "the CPU and on AMD GPUs (not measured there yet).",
+                          "compiled on NVIDIA GPUs where it can apply (measured 4.7x eager on one H200) and where the "
+                          "base and a copy of its size fit the device's weight budget, else eager; eager on the CPU "
+                          "and on AMD GPUs (not measured there yet).",
                           choices=("auto", "eager", "compiled"))
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "

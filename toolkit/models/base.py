@@ -55,6 +55,10 @@ class Runtime:
     rank: int = 0
     main_process_first: Callable[[], AbstractContextManager] = field(default=nullcontext)
     """Context for work that writes shared files (caches): the main process runs it first, then the others."""
+    settled: Callable[[str], Any] = field(default=lambda key: None)
+    """The value the run's plan has settled for a dotted key so far (the static stage, then the loaded stage as it
+    grows); None where no plan is at hand (an adapter built outside a run). For the choices an adapter makes while
+    loading, such as GRPO's generation path."""
 
 
 class TrainDataset(Protocol):

@@ -302,8 +302,9 @@ class LLMAdapter(ModelAdapter):
         """grpo: what samples the completions (train.generation, settled by the plan)."""
         if self.cfg.train.objective != "grpo":
             return None
+        mode = self.runtime.settled("train.generation") or self.cfg.train.generation  # the loaded stage may change it
         generator = (CompiledGeneration(self.network, self.runtime.device.type)
-                     if self.cfg.train.generation == "compiled" else EagerGeneration(self.network))
+                     if mode == "compiled" else EagerGeneration(self.network))
         self.log(generator.describe())
         return generator
 

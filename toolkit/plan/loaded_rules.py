@@ -14,7 +14,7 @@ from toolkit.config.schema import QUANTIZED
 from toolkit.plan.decisions import Decision
 from toolkit.plan.evidence import cite
 from toolkit.plan.rules import Facts, rule
-from toolkit.plan.weights import choose_distributed
+from toolkit.plan.weights import choose_distributed, weight_budget_gb, weights_gb
 
 LOADED = "loaded"
 
@@ -35,6 +35,26 @@ def distributed(f: Facts) -> Decision | None:
     mode, why = choose_distributed(setting, processes, f.extra["base_parameters"], f.device,
                                    f.asked("device.memory_fraction"))
     return Decision("device.distributed", mode, why, LOADED)
+
+
+@rule("train.generation", LOADED, needs=("base_parameters",))
+def generation_fits(f: Facts) -> Decision | None:
+    """train.generation=auto chose compiled (static stage): its merged copy holds the adapted layers' weights once
+    more, up to the base's own size. Where the base and a copy of that size pass the weight budget of the device
+    (plan/weights.py, the share fsdp's choice uses), auto generates eagerly instead."""
+    if f.asked("train.generation") != "auto" or f.value("train.generation") != "compiled":
+        return None
+    num_params = f.extra["base_parameters"]()
+    if num_params is None:
+        return None
+    need = 2 * weights_gb(num_params, "none")
+    budget = weight_budget_gb(f.device, f.asked("device.memory_fraction"))
+    if need <= budget:
+        return None
+    return Decision("train.generation", "eager", (
+        f"the base ({num_params / 1e9:.2f}B parameters, {need / 2:.1f} GB in 16-bit) and compiled generation's merged "
+        f"copy of its adapted layers (up to as much again) would pass the {budget:.1f} GB weight budget of this "
+        "device; train.generation=compiled asks for it anyway"), LOADED)
 
 
 def _from_memory_plan(key: str):

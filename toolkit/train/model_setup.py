@@ -44,16 +44,20 @@ def load_model(run: ResolvedRun, plan: RunPlan, procs, device: torch.device, run
                exits: ExitStack, log: Callable[[str], None]) -> LoadedModel:
     """Build, load and place the model for `run` on `device`; the plan's loaded stage (see the module docstring)."""
     cfg = run.cfg
+    facts = Facts(run.asked, run.device, decided={d.key: d for d in plan}, extra={"processes": procs.world_size})
     runtime = Runtime(device=device, info=run.device, base_dtype=DTYPES[cfg.model.dtype],
                       compute_dtype=DTYPES[cfg.train.precision], run_dir=run_dir, log=log, is_main=procs.is_main,
-                      world_size=procs.world_size, rank=procs.rank, main_process_first=procs.main_first)
+                      world_size=procs.world_size, rank=procs.rank, main_process_first=procs.main_first,
+                      settled=facts.value)
     seed_everything(cfg.run.seed)  # the same LoRA initialisation on every process
     with procs.main_first():  # a tiny:<kind> model is written once (transformers saves on rank 0 only)
         adapter = build_adapter(cfg, runtime)
-    facts = Facts(run.asked, run.device, decided={d.key: d for d in plan},
-                  extra={"processes": procs.world_size, "base_parameters": adapter.memory.base_parameters})
+    facts.extra["base_parameters"] = adapter.memory.base_parameters
     sized = decide(LOADED, facts)
     del facts.extra["base_parameters"]  # counted once: the second half of the stage is what loading decided
+    for d in sized:
+        if d.key != "device.distributed":  # said below, with what it means for the processes
+            log(f"{d.key}={_shown(run.asked_value(d.key))} -> {_shown(d.value)}: {d.reason}")
     sharded = facts.value("device.distributed") == "fsdp" and procs.several
     _log_distributed(facts.decided["device.distributed"], cfg.device.distributed, procs.world_size, log)
     adapter.load(shard_base=sharded)
