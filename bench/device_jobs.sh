@@ -1,0 +1,25 @@
+# The jobs bench/device_queue.sh runs, one function each, in the order of what the open issues still need
+# (bench/results/session-note-*.md says which). R is the results folder; each job writes R/NAME.txt and R/NAME.json.
+# What each needs carried (device call `carry`): .whl-dpo always; the peer named (.whl-peers/kohya, musubi or
+# aitk, about 23 MB each) and .whl-unsloth for the unsloth rows. Carry is limited to 64 MiB a call, so at most two
+# peers with .whl-dpo.
+D="python3 bench/diffusion.py"
+
+# issue 39: loss parity with the bench's fixes (the peer's targets, a narrow VAE posterior); about 12 minutes each
+job_parity_sd15() { python3 bench/loss_parity.py --kinds sd15 --peers kohya --seeds 0,1,2 --steps 400 --timeout 300 --out $R/parity_sd15.json > $R/parity_sd15.txt 2>&1; }   # kohya
+job_parity_wan() { python3 bench/loss_parity.py --kinds wan --peers musubi --seeds 0,1,2 --steps 400 --timeout 300 --out $R/parity_wan.json > $R/parity_wan.txt 2>&1; }     # musubi
+job_parity_flux() { python3 bench/loss_parity.py --kinds flux --peers kohya --seeds 0,1,2 --steps 400 --timeout 400 --out $R/parity_flux.json > $R/parity_flux.txt 2>&1; }  # kohya
+# issue 39: speed beside the peers (memory-matched rows: -recompute)
+job_sd15() { $D --models sd15 --rows toolkit-auto,toolkit-ckpt-recompute,kohya --steps 20 --warmup 10 --timeout 300 --out $R/sd15.json > $R/sd15.txt 2>&1; }   # kohya
+job_sdxl() { $D --models sdxl --rows toolkit-auto,kohya --steps 10 --warmup 5 --timeout 300 --out $R/sdxl.json > $R/sdxl.txt 2>&1; }   # kohya
+job_wan() { $D --models wan --rows toolkit-auto,toolkit-ckpt-recompute,musubi,aitk --steps 10 --warmup 5 --timeout 300 --out $R/wan.json > $R/wan.txt 2>&1; }   # musubi, aitk
+job_wan22() { $D --models wan22 --rows toolkit-auto,toolkit-swap24,musubi,musubi-24g --steps 5 --warmup 3 --timeout 400 --out $R/wan22.json > $R/wan22.txt 2>&1; }   # musubi
+job_flux() { $D --models flux --rows toolkit-auto,toolkit-cap25,kohya,kohya-24g,aitk,aitk-24g --steps 5 --warmup 3 --timeout 400 --out $R/flux.json > $R/flux.txt 2>&1; }   # kohya, aitk; ~60 GB of disk
+job_qwen_image() { $D --models qwen_image --rows toolkit-auto,toolkit-swap24,musubi,musubi-24g,aitk,aitk-24g --steps 5 --warmup 3 --timeout 400 --out $R/qwen_image.json > $R/qwen_image.txt 2>&1; }   # musubi, aitk
+# issue 40: the new families' low-memory rows and compile evidence, LTX-2 (writes 38 GB)
+job_hunyuan15() { $D --models hunyuan15 --rows toolkit-swap24,toolkit-ckpt --steps 5 --warmup 3 --timeout 400 --out $R/hunyuan15.json > $R/hunyuan15.txt 2>&1; }
+job_ltx2() { $D --models ltx2 --rows plain-ckpt,toolkit-auto,toolkit-swap24 --steps 4 --warmup 2 --timeout 400 --out $R/ltx2.json > $R/ltx2.txt 2>&1; }
+# issue 43: GRPO's checkpointed rows beside unsloth in one command
+job_grpo() { python3 bench/llm_objectives.py --objective grpo --steps 5 --warmup 2 --timeout 200 --out $R/grpo.json > $R/grpo.txt 2>&1; }   # unsloth
+# issues 38 and 45: several GPUs (a kind with 2 or 4 GPUs)
+job_fsdp() { python3 bench/scaling.py --gpus 2 --skip-llm --skip-sdxl --skip-wan --fsdp --fsdp-whole-state --out $R/fsdp.json > $R/fsdp.txt 2>&1; }
