@@ -28,8 +28,8 @@ export PYTHONPATH=$Q/site:$Q/w R=$R
 cd $Q/w && source ${JOBS_FILE:-bench/device_jobs.sh}
 for job in ${JOBS:?name the jobs: JOBS=\"a b\"}; do
     echo "\$(date +%T) start \$job" >> $R/queue.log
-    job_\$job
-    echo "\$(date +%T) end \$job rc=\$?" >> $R/queue.log
+    job_\$job; rc=\$?
+    echo "\$(date +%T) end \$job rc=\$rc" >> $R/queue.log
 done
 touch $R/all.done
 EOS

@@ -13,8 +13,8 @@ Rows:
                NVIDIA GPUs), fused AdamW
   toolkit-ckpt the toolkit row with train.gradient_checkpointing=true (unsloth's rows checkpoint by default)
   toolkit-gencompiled  grpo only: the toolkit row with train.generation=compiled (the LoRA merged into a copy,
-               a static KV cache, the decode step compiled with CUDA graphs: models/compiled_generation.py); on a
-               GPU the toolkit row gives the same, the CPU decodes eagerly
+               a static KV cache, the decode step compiled with CUDA graphs: models/compiled_generation.py); on an
+               NVIDIA GPU the toolkit row gives the same where the copy fits, the CPU decodes eagerly
   toolkit-geneager  grpo only: the toolkit row with train.generation=eager (HF generate on the trained network)
   trl          TRL's DPOTrainer / GRPOTrainer with a PEFT LoRA, fused AdamW, no gradient checkpointing
   unsloth-trl  the same TRL trainer on unsloth's FastLanguageModel (unsloth patches TRL's trainers on import);

@@ -54,8 +54,11 @@ FAMILIES = {"sd15": "sd", "flux": "flux", "wan": "wan21"}
 #         toolkit's logit_normal sigmas with flow_shift 3.0.
 # The LoRA's targets are the peer's defaults, not the toolkit's (attention only on SD1.5, no modulation on Flux):
 #   sd15: kohya's networks.lora adapts every Linear and 1x1 conv inside Transformer2DModel;
-#   flux: kohya's networks.lora_flux every Linear of the double and single blocks, modulation included (its qkv one
-#         fused layer, the toolkit's three: the same weights, adapted by three rank-16 LoRAs against one);
+#   flux: kohya's networks.lora_flux every Linear of the double and single blocks, modulation included. kohya's
+#         fused layers (a double block's qkv, a single block's linear1: q, k, v and the MLP's input) get one LoRA
+#         each, the toolkit's separate ones (to_q, to_k, to_v, proj_mlp) one each: the same weights adapted, with
+#         about 1.5x (qkv) and 1.4x (linear1) kohya's LoRA parameters there. kohya's split_qkv would match it, but
+#         its split sizes are real Flux's, not the tiny model's;
 #   wan:  musubi's every Linear of WanAttentionBlock, which is the toolkit's default already.
 SD15_KOHYA_TARGETS = "[to_q,to_k,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.net.2]"
 TOOLKIT_SETTINGS = {

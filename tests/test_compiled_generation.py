@@ -194,7 +194,7 @@ def test_auto_generates_eagerly_where_the_merged_copy_would_not_fit(params, memo
     from toolkit.plan.rules import Facts
     from toolkit.plan.stages import decide
 
-    cfg = OmegaConf.create({"model": {"family": "llm", "quantize": "none"}, "network": {"type": "lora"},
+    cfg = OmegaConf.create({"model": {"family": "llm", "quantize": "none", "dtype": "bf16"}, "network": {"type": "lora"},
                             "train": {"objective": "grpo", "generation": "auto"},
                             "device": {"distributed": "auto", "memory_fraction": fraction}})
     device = DeviceInfo("cuda", "sm_90", "test", memory_gb, True)
@@ -211,3 +211,103 @@ def test_auto_generates_eagerly_where_the_merged_copy_would_not_fit(params, memo
                   extra={"processes": 1, "base_parameters": lambda: int(params)})
     decide("loaded", asked)
     assert asked.value("train.generation") == "compiled"  # asked for: kept, whatever the budget
+
+
+def test_the_budget_counts_fp32_weights_at_their_size_and_an_unreadable_model_is_left_to_loading():
+    from omegaconf import OmegaConf
+
+    from toolkit.device.detect import DeviceInfo
+    from toolkit.plan.decisions import Decision
+    from toolkit.plan.rules import Facts
+    from toolkit.plan.stages import decide
+
+    def plan(dtype: str, count):
+        cfg = OmegaConf.create({"model": {"family": "llm", "quantize": "none", "dtype": dtype},
+                                "network": {"type": "lora"}, "train": {"objective": "grpo", "generation": "auto"},
+                                "device": {"distributed": "auto", "memory_fraction": 1.0}})
+        static = Decision("train.generation", "compiled", "measured faster", "static", "grpo-generation-compiled")
+        facts = Facts(cfg, DeviceInfo("cuda", "sm_90", "test", 48.0, True), decided={"train.generation": static},
+                      extra={"processes": 1, "base_parameters": count})
+        decide("loaded", facts)
+        return facts.value("train.generation"), facts.decided["train.generation"].reason
+
+    assert plan("bf16", lambda: int(6e9))[0] == "compiled"  # 2 x 12 GB of a 28.8 GB budget
+    value, reason = plan("fp32", lambda: int(6e9))  # 2 x 24 GB
+    assert value == "eager" and "24.0 GB in fp32" in reason
+
+    def unreadable():
+        raise OSError("no config.json in /nowhere")
+    assert plan("bf16", unreadable)[0] == "compiled"  # load() reports the path with its fix
+
+
+def test_a_lora_on_the_input_embeddings_is_merged_too(tmp_path):
+    """network.target_modules with embed_tokens (an nn.Embedding: PEFT keeps its factors in lora_embedding_A/B):
+    the copy's embedding holds W + its delta, as PEFT's own merge gives it, and greedy decoding matches the eager
+    path's."""
+    adapter, _ = adapter_for("quickstart_llm_grpo.yaml", tmp_path,
+                             "network.target_modules=[q_proj,v_proj,embed_tokens]")
+    randomize_lora_b(adapter.network)
+    for name, p in adapter.network.named_parameters():
+        if "lora_embedding_" in name:
+            torch.nn.init.normal_(p, std=0.5)  # PEFT starts one factor of an embedding's LoRA at zero
+    network = adapter.network
+    generation = CompiledGeneration(network, "cpu")
+    ids, mask = prompt_batch(adapter, generation)
+    tokens = greedy(generation, ids, mask, adapter.tokenizer)
+    merged = dict(copy.deepcopy(network).merge_and_unload().named_parameters())
+    decoded = dict(generation.decoder.model.named_parameters())
+    assert len(generation.decoder.merged) == 5  # 2 layers x 2 projections + the embeddings
+    embed = next(n for n in decoded if n.endswith("embed_tokens.weight"))
+    base = dict(network.get_base_model().named_parameters())
+    assert (decoded[embed] - base[embed.replace(".weight", ".base_layer.weight")]).abs().max() > 1e-2
+    for name in decoded:
+        torch.testing.assert_close(decoded[name], merged[name], rtol=0, atol=1e-6)
+    assert torch.equal(tokens, greedy(EagerGeneration(network), ids, mask, adapter.tokenizer))
+
+
+@pytest.mark.parametrize("parameters, value", [(10**12, "eager"), (10**6, "compiled")])
+def test_the_loaded_stage_choice_reaches_the_generator_the_objective_samples_with(parameters, value, tmp_path,
+                                                                                  monkeypatch):
+    """load_model as the trainer calls it, with the static stage standing in for a GPU's (auto: compiled; the
+    resolved config itself says eager, the CPU's): a base counted far over the budget gets eager, a small one keeps
+    compiled, and GRPO samples with the generator the plan settled, not the config's."""
+    from contextlib import ExitStack
+
+    from accelerate import Accelerator
+
+    from toolkit.models.llm import LLMMemory
+    from toolkit.plan.decisions import Decision, RunPlan
+    from toolkit.plan.run import load_run
+    from toolkit.train.distributed import Processes
+    from toolkit.train.model_setup import load_model
+
+    from conftest import REPO
+
+    run = load_run([REPO / "configs/examples/quickstart_llm_grpo.yaml"], [f"run.output_dir={tmp_path}"])
+    assert run.asked_value("train.generation") == "auto"
+    gpu = Decision("train.generation", "compiled", "a stand-in for a GPU's static stage", "static")
+    plan = RunPlan().with_stage("static", [d for d in run.plan if d.key != "train.generation"] + [gpu])
+    assert run.cfg.train.generation == "eager"
+    monkeypatch.setattr(LLMMemory, "base_parameters", lambda self: parameters)
+    lines: list[str] = []
+    with ExitStack() as exits:
+        model = load_model(run, plan, Processes(Accelerator(cpu=True)), torch.device("cpu"), tmp_path, None, exits,
+                           lines.append)
+    assert model.plan.value("train.generation") == value
+    chosen = EagerGeneration if value == "eager" else CompiledGeneration
+    assert type(model.adapter.objective.generator) is chosen
+    said = any(line.startswith("train.generation=auto -> eager: the base (1000.00B parameters") for line in lines)
+    assert said is (value == "eager")
+
+
+def test_a_run_resumes_with_the_other_generation_path(run_cli, tmp_path, capsys):
+    """train.generation only changes how completions are sampled (the passes that train are the same code): a run
+    saved with one path resumes with the other, as when a run made before auto chose compiled resumes on a GPU."""
+    out = tmp_path / "run"
+    common = (f"run.output_dir={out}", "save.every=2", "log.every=1")
+    assert run_cli("train", CONFIG, *common, "train.steps=2", "train.generation=eager") == 0
+    assert run_cli("train", CONFIG, *common, "train.steps=4", "train.generation=compiled") == 0
+    said = capsys.readouterr()
+    assert "resumed from" in said.out + said.err
+    assert [r["step"] for r in read_metrics(out)][-1] == 4
+    assert (out / "final" / "adapter_model.safetensors").is_file()

@@ -221,7 +221,7 @@ def test_resume_safe_settings_come_from_the_schema():
         "train.resume", "train.max_nan_steps", "train.eval_every", "train.optimizer_backend",
         "train.gradient_checkpointing", "train.compile", "train.cuda_graphs", "train.compile_recompute",
         "train.compile_regions", "train.checkpoint_offload", "train.checkpoint_keeps", "model.attention",
-        "model.kernels", "model.fuse_projections", "model.block_swap", "eval.every"}
+        "model.kernels", "model.fuse_projections", "model.block_swap", "eval.every", "train.generation"}
     assert {"device.preset", "device.distributed", "device.collective_timeout", "device.gradient_sync", "sample.prompts",
             "log.wandb"} <= RESUME_SAFE_KEYS
     assert not any(is_resume_safe(k) for k in ("train.lr", "train.optimizer", "train.optimizer_args.d_coef",

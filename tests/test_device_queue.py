@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import REPO
 
 JOBS = """\
-job_first() { echo "first ran in $PWD" > $R/first.txt; }
+job_first() { echo "first ran in $PWD" > $R/first.txt; return 3; }
 job_slow() { while [ ! -f $R/go ]; do sleep 0.2; done; echo slow done > $R/slow.txt; }
 job_never() { echo never > $R/never.txt; }
 """
@@ -31,7 +31,7 @@ def test_the_queue_runs_the_named_jobs_across_calls(tmp_path: Path):
     assert first.returncode == 0, first.stderr
     assert (tmp_path / "out1/res/first.txt").read_text() == f"first ran in {root / 'w'}\n"  # in the copy
     assert not (tmp_path / "out1/res/slow.txt").exists() and not (tmp_path / "out1/res/all.done").exists()
-    assert "start slow" in first.stdout and "end first rc=0" in first.stdout
+    assert "start slow" in first.stdout and "end first rc=3" in first.stdout  # its own exit status
 
     (root / "res" / "go").touch()
     second = queue(checkout, root, tmp_path / "out2", wait=30, JOBS="never")  # the running queue's JOBS stand

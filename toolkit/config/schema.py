@@ -290,8 +290,9 @@ class TrainSection:
                           "weights only (not dora, model.quantize, model.fuse_projections=true or fsdp). auto: "
                           "compiled on NVIDIA GPUs where it can apply (measured 4.7x eager on one H200) and where the "
                           "base and a copy of its size fit the device's weight budget, else eager; eager on the CPU "
-                          "and on AMD GPUs (not measured there yet).",
-                          choices=("auto", "eager", "compiled"))
+                          "and on AMD GPUs (not measured there yet). A resumed run may change it (the passes "
+                          "that train are the same code either way).",
+                          choices=("auto", "eager", "compiled"), resume_safe=True)
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "
                                    "checkpoint path.", resume_safe=True)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from peft.tuners.lora import LoraLayer
 from torch.nn.attention import sdpa_kernel
-from transformers import AutoModelForCausalLM, CompileConfig
+from transformers import CompileConfig
 
 from toolkit.models.generation import DECODE_ATTENTION
 
@@ -52,15 +52,21 @@ def padded_width(longest: int) -> int:
     return -(-longest // WIDTH_STEP) * WIDTH_STEP
 
 
+def trained_adapters(layer: LoraLayer) -> list[str]:
+    """The active adapters `layer` holds factors for: lora_A/lora_B, or PEFT's lora_embedding_A/B on an embedding."""
+    held = {*layer.lora_A, *getattr(layer, "lora_embedding_A", {})}
+    return [a for a in layer.active_adapters if a in held]
+
+
 class MergedDecoder:
     """The policy for generation only: the model's architecture (built on the meta device, then bound to tensors)
     with each LoRA layer a plain linear layer whose weight is a merged copy; every other tensor shared."""
 
     def __init__(self, network: torch.nn.Module):
         base = network.get_base_model()
-        with torch.device("meta"):
-            self.model = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype,
-                                                          attn_implementation=base.config._attn_implementation)
+        with torch.device("meta"):  # the trained model's own class: a model of remote code too, nothing imported again
+            self.model = type(base)._from_config(base.config, dtype=base.dtype,
+                                                 attn_implementation=base.config._attn_implementation)
         self.model.generation_config = base.generation_config
         self.merged: list[tuple[torch.Tensor, LoraLayer]] = []
         adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
@@ -77,11 +83,16 @@ class MergedDecoder:
         self.model.eval().requires_grad_(False)
 
     def _bind_merged(self, module: torch.nn.Module, layer: LoraLayer) -> None:
+        """`module` (the copy's, of the frozen layer's own class: nn.Linear, nn.Embedding, transformers' Conv1D)
+        gets a weight of its own for W + the deltas; PEFT's get_delta_weight gives each delta in W's layout."""
         frozen = layer.get_base_layer()
-        if type(frozen) is not torch.nn.Linear or type(module) is not torch.nn.Linear:
-            raise RuntimeError(f"train.generation=compiled merges LoRA over nn.Linear only, not {type(frozen)}")
+        deltas = {a: tuple(layer.get_delta_weight(a).shape) for a in trained_adapters(layer)}
+        if type(module) is not type(frozen) or any(shape != tuple(frozen.weight.shape) for shape in deltas.values()):
+            raise RuntimeError(f"train.generation=compiled cannot merge the LoRA of a {type(frozen).__name__} "
+                               f"(deltas {deltas} over a weight of {tuple(frozen.weight.shape)})")
         module.weight = torch.nn.Parameter(torch.empty_like(frozen.weight), requires_grad=False)
-        module.bias = frozen.bias  # LoRA leaves the bias as it is
+        if "bias" in frozen._parameters:  # LoRA leaves the bias as it is (an embedding has none)
+            module.bias = frozen.bias
         self.merged.append((module.weight, layer))
 
     @staticmethod
@@ -99,9 +110,8 @@ class MergedDecoder:
         """Each merged weight := W + the sum of the active adapters' deltas (fp32 sums, cast once to W's dtype)."""
         for merged, layer in self.merged:
             total = layer.get_base_layer().weight.float()
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    total = total + layer.get_delta_weight(adapter).float()
+            for adapter in trained_adapters(layer):
+                total = total + layer.get_delta_weight(adapter).float()
             merged.copy_(total)
 
     def extra_bytes(self) -> int:

@@ -41,18 +41,22 @@ def distributed(f: Facts) -> Decision | None:
 def generation_fits(f: Facts) -> Decision | None:
     """train.generation=auto chose compiled (static stage): its merged copy holds the adapted layers' weights once
     more, up to the base's own size. Where the base and a copy of that size pass the weight budget of the device
-    (plan/weights.py, the share fsdp's choice uses), auto generates eagerly instead."""
+    (plan/weights.py: 0.6 x device.memory_fraction of its memory, as for fsdp's choice), auto generates eagerly instead."""
     if f.asked("train.generation") != "auto" or f.value("train.generation") != "compiled":
         return None
-    num_params = f.extra["base_parameters"]()
+    try:
+        num_params = f.extra["base_parameters"]()
+    except (OSError, ValueError):  # a model that cannot be read: loading it says so, with the fix
+        return None
     if num_params is None:
         return None
-    need = 2 * weights_gb(num_params, "none")
+    dtype = f.value("model.dtype")
+    base = weights_gb(num_params, "none") * (2 if dtype == "fp32" else 1)  # weights_gb: 16-bit
     budget = weight_budget_gb(f.device, f.asked("device.memory_fraction"))
-    if need <= budget:
+    if 2 * base <= budget:
         return None
     return Decision("train.generation", "eager", (
-        f"the base ({num_params / 1e9:.2f}B parameters, {need / 2:.1f} GB in 16-bit) and compiled generation's merged "
+        f"the base ({num_params / 1e9:.2f}B parameters, {base:.1f} GB in {dtype}) and compiled generation's merged "
         f"copy of its adapted layers (up to as much again) would pass the {budget:.1f} GB weight budget of this "
         "device; train.generation=compiled asks for it anyway"), LOADED)
 
