@@ -60,7 +60,7 @@ def trained_adapters(layer: LoraLayer) -> list[str]:
 
 class MergedDecoder:
     """The policy for generation only: the model's architecture (built on the meta device, then bound to tensors)
-    with each LoRA layer a plain linear layer whose weight is a merged copy; every other tensor shared."""
+    with each LoRA layer its frozen layer's plain class, whose weight is a merged copy; every other tensor shared."""
 
     def __init__(self, network: torch.nn.Module):
         base = network.get_base_model()
