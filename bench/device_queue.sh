@@ -16,6 +16,7 @@ Q=${QUEUE_ROOT:-/tmp}  # where the copy, the installed packages, the results and
 R=$Q/res
 start=$(date +%s)
 if [ ! -f "$Q/queue.started" ]; then
+    [ -n "${JOBS:-}" ] || { echo "device_queue.sh: no queue is running; name the jobs: JOBS=\"a b\" (bench/device_jobs.sh)" >&2; exit 2; }
     rm -rf "$Q/w" && mkdir -p "$Q/w" "$R" "$Q/peer" && cp -a . "$Q/w/" && cd "$Q/w" || exit 1
     wheels=$(ls -d .whl-dpo .whl-min 2>/dev/null | head -1)
     if [ -n "$wheels" ]; then
@@ -26,7 +27,7 @@ if [ ! -f "$Q/queue.started" ]; then
     cat > "$Q/queue.sh" <<EOS
 export PYTHONPATH=$Q/site:$Q/w R=$R
 cd $Q/w && source ${JOBS_FILE:-bench/device_jobs.sh}
-for job in ${JOBS:?name the jobs: JOBS=\"a b\"}; do
+for job in $JOBS; do
     echo "\$(date +%T) start \$job" >> $R/queue.log
     job_\$job; rc=\$?
     echo "\$(date +%T) end \$job rc=\$rc" >> $R/queue.log

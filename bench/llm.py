@@ -7,6 +7,9 @@ norm clipped to 1.0, no gradient checkpointing unless a row says so. Shapes (--s
 128k vocabulary, the default), qwen2.5-1.5b (152k), gemma2-2b (256k, soft-capped logits),
 llama-8b (Llama-3.1-8B: the long-context rows, --batch 1 --seq 32768), nemo-12b (fsdp, bench/scaling.py).
 
+`--objective dpo|grpo` hands the command to bench/llm_objectives.py (the toolkit beside TRL's trainers, plain and
+on unsloth; its docstring has the rows and workloads).
+
 Rows (--rows, comma-separated; a row whose package is missing is reported as skipped):
   plain            transformers + PEFT + torch.optim.AdamW(fused=True), a hand-written loop, eager
   plain-compiled   the same with each decoder layer compiled (the torch.compile a user adds by hand)
@@ -268,6 +271,12 @@ def measure(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
 
 
 def main() -> None:
+    if "--objective" in sys.argv:  # dpo and grpo rows: bench/llm_objectives.py, with the same arguments
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from llm_objectives import main as objectives
+
+        objectives()
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     parser.add_argument("--steps", type=int, default=30)

@@ -35,3 +35,19 @@ def test_written_texts_have_the_workload_s_token_counts(tmp_path, objective):
     else:
         assert all(set(r) == {"prompt"} for r in records)
     assert llm_objectives.units(objective, w) == ((4, 42, "sequences") if objective == "dpo" else (2, 29, "completions"))
+
+
+def test_bench_llm_hands_an_objective_to_the_objectives_bench(tmp_path):
+    """`bench/llm.py --objective grpo` is bench/llm_objectives.py with the same arguments (issue 43 asked for the
+    rows under bench/llm.py): the CPU check's toolkit row runs and its JSON says the objective."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "grpo.json"
+    done = subprocess.run([sys.executable, str(repo / "bench" / "llm.py"), "--objective", "grpo", "--tiny",
+                           "--rows", "toolkit", "--steps", "1", "--warmup", "1", "--out", str(out)],
+                          cwd=repo, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["objective"] == "grpo" and result["rows"]["toolkit"]["completions_per_s"] > 0
+    assert "completions/s" in done.stdout

@@ -311,3 +311,38 @@ def test_a_run_resumes_with_the_other_generation_path(run_cli, tmp_path, capsys)
     assert "resumed from" in said.out + said.err
     assert [r["step"] for r in read_metrics(out)][-1] == 4
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_auto_generates_eagerly_in_a_run_too_short_to_repay_the_compile():
+    from toolkit.config.layers import Layer
+    from toolkit.config.load import merge_layers
+    from toolkit.config.presets import load_presets
+    from toolkit.device.detect import DeviceInfo
+    from toolkit.plan.run import frozen, static_plan
+    from toolkit.plan.static_rules import GENERATION_COMPILED_STEPS
+
+    from omegaconf import OmegaConf
+
+    preset = load_presets()["sm_90"]
+    values = {}
+    for steps in (GENERATION_COMPILED_STEPS - 1, GENERATION_COMPILED_STEPS):
+        user = OmegaConf.to_container(OmegaConf.merge(OmegaConf.load(CONFIG), {"train": {"steps": steps}}))
+        loaded = merge_layers([preset.layer, Layer("grpo.yaml", user)])
+        plan = static_plan(frozen(loaded.cfg), DeviceInfo("cuda", "sm_90", "test", 80.0, True), preset, loaded.sources)
+        values[steps] = next(d for d in plan if d.key == "train.generation")
+    short = values[GENERATION_COMPILED_STEPS - 1]
+    assert short.value == "eager" and f"train.steps={GENERATION_COMPILED_STEPS - 1} is short" in short.reason
+    assert "90.5 s" in short.reason  # the measured bound it rests on
+    assert values[GENERATION_COMPILED_STEPS].value == "compiled"
+
+
+def test_a_layer_whose_delta_cannot_be_merged_is_a_user_error(run_cli, tmp_path, capsys, monkeypatch):
+    from peft.tuners.lora import Linear
+
+    real = Linear.get_delta_weight
+    monkeypatch.setattr(Linear, "get_delta_weight", lambda self, adapter: real(self, adapter).T)  # not W's layout
+    assert run_cli("train", CONFIG, f"run.output_dir={tmp_path / 'run'}", "train.steps=2",
+                   "train.generation=compiled") == 2
+    err = capsys.readouterr().err
+    assert "compiled generation cannot merge the LoRA of a Linear" in err and "fix: train.generation=eager" in err
+    assert "Traceback" not in err

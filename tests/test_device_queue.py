@@ -50,3 +50,14 @@ def test_every_job_of_the_device_jobs_file_names_a_bench_script_that_exists():
                if word.startswith("bench/") and word.endswith(".py")}
     assert "bench/diffusion.py" in scripts and "bench/loss_parity.py" in scripts
     assert scripts and all((REPO / s).is_file() for s in scripts), scripts
+
+
+def test_a_first_call_without_jobs_says_so_and_starts_nothing(tmp_path: Path):
+    checkout, root = tmp_path / "checkout", tmp_path / "root"
+    checkout.mkdir()
+    (checkout / "jobs.sh").write_text(JOBS)
+    env = {k: v for k, v in os.environ.items() if k != "JOBS"}
+    done = subprocess.run(["bash", str(REPO / "bench" / "device_queue.sh")], cwd=checkout, capture_output=True,
+                          text=True, timeout=60, env={**env, "QUEUE_ROOT": str(root), "OUT": str(tmp_path / "out")})
+    assert done.returncode == 2 and "name the jobs: JOBS=" in done.stderr
+    assert not root.exists()

@@ -288,7 +288,7 @@ class TrainSection:
                           "of 64 tokens, and on CUDA the decode step compiled with CUDA graphs (transformers' "
                           "CompileConfig, mode reduce-overhead; the CPU decodes eagerly). Plain LoRA over 16-bit "
                           "weights only (not dora, model.quantize, model.fuse_projections=true or fsdp). auto: "
-                          "compiled on NVIDIA GPUs where it can apply (measured 4.7x eager on one H200) and where the "
+                          "compiled on NVIDIA GPUs for runs of 20 steps or more where it can apply (measured 4.7x eager on one H200) and where the "
                           "base and a copy of its size fit the device's weight budget, else eager; eager on the CPU "
                           "and on AMD GPUs (not measured there yet). A resumed run may change it (the passes "
                           "that train are the same code either way).",

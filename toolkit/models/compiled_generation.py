@@ -24,6 +24,7 @@ from peft.tuners.lora import LoraLayer
 from torch.nn.attention import sdpa_kernel
 from transformers import CompileConfig
 
+from toolkit.errors import UserError
 from toolkit.models.generation import DECODE_ATTENTION
 
 # Prompts left-padded to a multiple of this: one static cache, one compiled decode per width. Per batch, not the
@@ -88,8 +89,9 @@ class MergedDecoder:
         frozen = layer.get_base_layer()
         deltas = {a: tuple(layer.get_delta_weight(a).shape) for a in trained_adapters(layer)}
         if type(module) is not type(frozen) or any(shape != tuple(frozen.weight.shape) for shape in deltas.values()):
-            raise RuntimeError(f"train.generation=compiled cannot merge the LoRA of a {type(frozen).__name__} "
-                               f"(deltas {deltas} over a weight of {tuple(frozen.weight.shape)})")
+            raise UserError(f"train.generation: compiled generation cannot merge the LoRA of a {type(frozen).__name__} "
+                            f"(deltas {deltas} over a weight of {tuple(frozen.weight.shape)})\n"
+                            "  fix: train.generation=eager, or network.target_modules without that layer")
         module.weight = torch.nn.Parameter(torch.empty_like(frozen.weight), requires_grad=False)
         if "bias" in frozen._parameters:  # LoRA leaves the bias as it is (an embedding has none)
             module.bias = frozen.bias

@@ -313,6 +313,12 @@ def attention(f: Facts) -> Decision | None:
     return _decision("model.attention", "sdpa", "PyTorch scaled_dot_product_attention, the default")
 
 
+# The shortest GRPO run auto generates compiled for: the decode's compile costs at most 90.5 s once (evidence
+# grpo-generation-compiled, bounded from the checkpointed command's wall time) and saves 5.9 s a step, so it is
+# repaid within 16 steps.
+GENERATION_COMPILED_STEPS = 20
+
+
 @rule("train.generation", STATIC)
 def generation(f: Facts) -> Decision | None:
     """auto: compiled on NVIDIA GPUs, where it was measured faster (evidence grpo-generation-compiled), unless its
@@ -343,6 +349,10 @@ def generation(f: Facts) -> Decision | None:
     if blockers:
         return _decision("train.generation", "eager", "compiled generation merges the LoRA into a copy of the "
                          f"weights, which cannot be made with {'; '.join(blockers)}")
+    if f.asked("train.steps") < GENERATION_COMPILED_STEPS:
+        return _decision("train.generation", "eager", (
+            f"train.steps={f.asked('train.steps')} is short of the {GENERATION_COMPILED_STEPS} steps that repay the "
+            f"decode's compile ({cite('grpo-generation-compiled')})"), "grpo-generation-compiled")
     return _decision("train.generation", "compiled", (
         "the LoRA merged into a copy of the adapted weights (one more copy of them in memory), a static KV cache "
         f"and the decode step in CUDA graphs: {cite('grpo-generation-compiled')}"), "grpo-generation-compiled")

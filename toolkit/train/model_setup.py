@@ -8,6 +8,7 @@ blocks keep nothing). With fsdp the base is then sharded."""
 
 from __future__ import annotations
 
+import functools
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable
@@ -52,7 +53,7 @@ def load_model(run: ResolvedRun, plan: RunPlan, procs, device: torch.device, run
     seed_everything(cfg.run.seed)  # the same LoRA initialisation on every process
     with procs.main_first():  # a tiny:<kind> model is written once (transformers saves on rank 0 only)
         adapter = build_adapter(cfg, runtime)
-    facts.extra["base_parameters"] = adapter.memory.base_parameters
+    facts.extra["base_parameters"] = functools.cache(adapter.memory.base_parameters)  # counted once, for every rule
     sized = decide(LOADED, facts)
     del facts.extra["base_parameters"]  # counted once: the second half of the stage is what loading decided
     for d in sized:
