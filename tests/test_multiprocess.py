@@ -5,6 +5,7 @@ folder and one log stream, and a run killed with kill -9 resumes on 2 processes 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,9 +183,11 @@ def test_sd_on_two_processes_keeps_every_rank_in_step_and_saves_each_ranks_rng(t
     assert proc.stderr.count("processes: LoRA weights identical on all 2") == 1
     # the UNet's blocks are checkpointed under fsdp too
     assert "blocks: unet: 5 blocks, 5 gradient-checkpointed, 0 swapped" in proc.stderr
-    # the main process filled the latent cache (or found it filled); the other read it and printed nothing
+    # the main process filled the latent cache (or found it filled, in part when a test in another pytest worker
+    # shares the cache); the other read it and printed nothing
     assert proc.stderr.count("latents: ") == 1
-    assert "latents: 0 cached, 24 encoded" in proc.stderr or "latents: 24 cached, 0 encoded" in proc.stderr
+    cached, encoded = map(int, re.search(r"latents: (\d+) cached, (\d+) encoded", proc.stderr).groups())
+    assert cached + encoded == 24
     state = torch.load(out / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=True)
     assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2
     assert not torch.equal(state["rng_ranks"][0]["torch"], state["rng_ranks"][1]["torch"])

@@ -79,6 +79,7 @@ HANGS = textwrap.dedent("""
     from types import SimpleNamespace
     import torch, torch.distributed as dist
     from toolkit.errors import UserError
+    from toolkit.process_exit import leave
     from toolkit.train.distributed import Processes
 
     rank = int(os.environ["RANK"])
@@ -95,7 +96,7 @@ HANGS = textwrap.dedent("""
         count_the_step()
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        leave(2)  # as python -m toolkit leaves: the group it could not close must not turn 2 into an abort
 """)
 
 
