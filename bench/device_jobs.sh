@@ -22,4 +22,4 @@ job_ltx2() { $D --models ltx2 --rows plain-ckpt,toolkit-auto,toolkit-swap24 --st
 # issue 43: GRPO's checkpointed rows beside unsloth in one command
 job_grpo() { python3 bench/llm_objectives.py --objective grpo --steps 5 --warmup 2 --timeout 200 --out $R/grpo.json > $R/grpo.txt 2>&1; }   # unsloth
 # issues 38 and 45: several GPUs (a kind with 2 or 4 GPUs)
-job_fsdp() { python3 bench/scaling.py --gpus 2 --skip-llm --skip-sdxl --skip-wan --fsdp --fsdp-whole-state --out $R/fsdp.json > $R/fsdp.txt 2>&1; }
+job_fsdp() { python3 bench/scaling.py --gpus 2 --skip-llm --skip-sdxl --skip-wan --fsdp --fsdp-whole-state --fsdp-offload --out $R/fsdp.json > $R/fsdp.txt 2>&1; }

@@ -2,7 +2,7 @@
 
     python bench/scaling.py [--gpus 2] [--llm-warmup 10 --llm-steps 20] [--sdxl-warmup 5 --sdxl-steps 10]
                             [--skip-llm] [--skip-sdxl] [--no-plain-sdxl] [--no-plain-compiled] [--fsdp]
-                            [--fsdp-whole-state]
+                            [--fsdp-whole-state] [--fsdp-offload]
                             [--stacks toolkit,plain,plain-compiled] [--counts 1,2] [--out results.json] [--logs DIR]
     python bench/scaling.py --tiny      # tiny:llm and tiny:sdxl on the CPU, 2 processes over gloo (a check)
 
@@ -22,7 +22,8 @@ Each workload runs, every run a fresh process (group):
 - --fsdp: the toolkit on N GPUs with device.distributed=ddp, then fsdp, on a 12B-class base (bench/llm.py's
   nemo-12b shape; gradient checkpointing, 1 x 1024 tokens per GPU, compile off): per-GPU peak memory and the ratio.
   fsdp runs with device.shard_optimizer=true; --fsdp-whole-state adds fsdp with it false (what auto runs now): the
-  optimizer state's saving and the all-gather's cost, measured.
+  optimizer state's saving and the all-gather's cost, measured. --fsdp-offload adds fsdp with the optimizer state
+  sharded and train.checkpoint_offload=true (the checkpointed layers' inputs in pinned CPU memory).
 
 Throughput: the time from the end of the warm-up steps to the end of the last step. The toolkit's comes from its
 own logs/metrics.jsonl (log.every = warm-up steps): each record's steps_per_s, timed between the CUDA events that
@@ -448,14 +449,17 @@ def wan_scaling(args, work: Path, counts: list[int], stacks: set, tiny: bool, ti
 # -- fsdp vs ddp memory ---------------------------------------------------------------------------------------
 
 # mode -> its overrides beyond device.distributed (the part before any '-'): fsdp with the optimizer state sharded
-# (device.shard_optimizer=true; its auto stays off until these rows are measured), and without
-FSDP_MODES = {"ddp": [], "fsdp": ["device.shard_optimizer=true"], "fsdp-whole-state": ["device.shard_optimizer=false"]}
+# (device.shard_optimizer=true; its auto stays off until these rows are measured), without, and with the
+# checkpointed layers' inputs offloaded as well
+FSDP_MODES = {"ddp": [], "fsdp": ["device.shard_optimizer=true"], "fsdp-whole-state": ["device.shard_optimizer=false"],
+              "fsdp-offload": ["device.shard_optimizer=true", "train.checkpoint_offload=true"]}
 
 
 def fsdp_modes(args) -> tuple[str, ...]:
     """ddp and fsdp; --fsdp-whole-state adds fsdp with the whole optimizer state on every process (the saving of
-    device.shard_optimizer, measured)."""
-    return ("ddp", "fsdp", "fsdp-whole-state") if args.fsdp_whole_state else ("ddp", "fsdp")
+    device.shard_optimizer, measured), --fsdp-offload fsdp with the checkpointed layers' inputs offloaded too."""
+    return ("ddp", "fsdp", *(("fsdp-whole-state",) if args.fsdp_whole_state else ()),
+            *(("fsdp-offload",) if args.fsdp_offload else ()))
 
 
 def fsdp_memory(args, work: Path, n: int, tiny: bool, tiny_overrides: list[str], measure) -> dict:
@@ -512,9 +516,12 @@ def print_fsdp(rows: dict, shape: str, n: int) -> None:
         if r is None:
             continue
         print(f"{mode:<16} {r['units_per_s']:>10,.1f} {gib(r['peak_gib']):>18}  {r.get('rank_check', '-')}")
-    ddp, fsdp = rows.get(("ddp", n), {}), rows.get(("fsdp", n), {})
-    if "peak_gib" in ddp and "peak_gib" in fsdp:
-        print(f"fsdp / ddp per-GPU peak memory: {max(fsdp['peak_gib']) / max(ddp['peak_gib']):.2f}x", flush=True)
+    ddp = rows.get(("ddp", n), {})
+    for mode in FSDP_MODES:
+        other = rows.get((mode, n), {})
+        if mode != "ddp" and "peak_gib" in ddp and "peak_gib" in other:
+            print(f"{mode} / ddp per-GPU peak memory: {max(other['peak_gib']) / max(ddp['peak_gib']):.2f}x, "
+                  f"tokens/s: {other['units_per_s'] / ddp['units_per_s']:.2f}x", flush=True)
 
 
 PLAIN_STACKS = ("plain", "plain-compiled")
@@ -573,6 +580,8 @@ def main() -> None:
     parser.add_argument("--fsdp-whole-state", action="store_true",
                         help="with --fsdp: also fsdp with device.shard_optimizer=false (what sharding the LoRA "
                              "optimizer state saves per GPU)")
+    parser.add_argument("--fsdp-offload", action="store_true",
+                        help="with --fsdp: also fsdp with the optimizer state sharded and train.checkpoint_offload=true")
     parser.add_argument("--stacks", default="toolkit,plain,plain-compiled",
                         help="which stacks to run (comma-separated; plain-compiled: LLM only; toolkit-ddp: the "
                              "toolkit's diffusion runs with device.gradient_sync=ddp instead of auto)")
