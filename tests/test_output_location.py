@@ -74,3 +74,46 @@ def test_a_checkpoint_that_does_not_fit_is_refused_once_the_lora_is_built(tmp_pa
     # 32,768 LoRA weights x 4 bytes x (weights + 2 optimizer states) + 1 MiB
     assert f"not enough room for a checkpoint in {checkpoints}: one needs about 1.4 MiB (32,768 trainable" in err
     assert not any(checkpoints.iterdir())
+
+
+SD = REPO / "configs/examples/quickstart_sd.yaml"
+
+
+def test_a_users_folder_or_the_data_folder_is_refused_as_the_run_folder_and_left_as_it_is(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in (REPO / "configs/examples/data/shapes").iterdir():
+        (data / f.name).write_bytes(f.read_bytes())
+    notes = tmp_path / "mine"
+    notes.mkdir()
+    (notes / "notes.md").write_text("a user's notes")
+    (notes / ".DS_Store").write_text("")
+    cases = [(data, data, f"{data} is the data folder of 'data.path'; set run.output_dir to a folder of its own"),
+             (tmp_path, data, f"{tmp_path} holds the data folder of 'data.path' ({data}): a fresh start would move "
+                              "the data aside"),
+             (notes, data, f"{notes} holds files that no run of this toolkit wrote (notes.md); a run's folder is new, "
+                           "empty or an earlier run's (with its config.yaml); set run.output_dir to a new folder")]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out, path, expected in cases:
+        for command, extra in (("validate", []), ("train", ["--fresh"])):
+            proc = run_toolkit(command, SD, f"run.output_dir={out}", f"data.path={path}", *extra, timeout=60)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+            assert f"'run.output_dir' in command line: {expected}" in proc.stderr
+    # nothing was moved aside, written or removed
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    # a run folder inside the data folder is fine (data folders are not read recursively), as is an empty one
+    (tmp_path / "empty").mkdir()
+    for out in (data / "run", tmp_path / "empty"):
+        assert run_toolkit("validate", SD, f"run.output_dir={out}", f"data.path={data}", timeout=60).returncode == 0
+
+
+def test_choose_start_refuses_a_folder_filled_by_the_user_after_the_preflight(tmp_path):
+    from toolkit.errors import UserError
+    from toolkit.train.resume import choose_start
+    from toolkit.train.run_dir import RunDir
+
+    (tmp_path / "photo.png").write_bytes(b"not a run")
+    for fresh in (False, True):
+        with pytest.raises(UserError, match=r"holds files that no run of this toolkit wrote \(photo.png\)"):
+            choose_start("auto", RunDir(tmp_path), fresh, print)
+    assert [p.name for p in tmp_path.iterdir()] == ["photo.png"]

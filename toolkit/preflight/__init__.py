@@ -26,7 +26,8 @@ def path_checks(check_output: bool = True) -> PathCheck:
         family = _value(cfg, "model.family")
         if family not in FAMILY_SPECS:
             return []
-        problems = data_problems(cfg, sources, FAMILY_SPECS[family].data_schema in FILE_DATA_SCHEMAS)
+        files = FAMILY_SPECS[family].data_schema in FILE_DATA_SCHEMAS
+        problems = data_problems(cfg, sources, files)
         problems += sample_image_problems(cfg, sources)
         name = _value(cfg, "model.name_or_path")
         if isinstance(name, str) and name:
@@ -34,7 +35,8 @@ def path_checks(check_output: bool = True) -> PathCheck:
                                        sources.get("model.name_or_path", DEFAULTS_LABEL))
         output = _value(cfg, "run.output_dir")
         if check_output and isinstance(output, str) and output:
-            problems += output_problems(output, sources.get("run.output_dir", DEFAULTS_LABEL))
+            problems += output_problems(output, sources.get("run.output_dir", DEFAULTS_LABEL),
+                                        {} if files else _data_folders(cfg))
         return problems
 
     return check
@@ -48,14 +50,25 @@ def _value(cfg: DictConfig, key: str) -> Any:
         return None
 
 
+def _data_keys(cfg: DictConfig, files: bool) -> list[str]:
+    """The keys that name the run's data: files for text data (`files`), folders of images or clips otherwise."""
+    if files:
+        return ["data.path", "data.eval_path"]
+    return ["data.path", "data.mask_folder", "eval.path",
+            *(f"data.datasets[{n}].path" for n in range(len(_value(cfg, "data.datasets") or [])))]
+
+
+def _data_folders(cfg: DictConfig) -> dict[str, str]:
+    """key -> folder, for the image and clip folders the run reads."""
+    return {key: value for key in _data_keys(cfg, files=False)
+            if isinstance(value := _value(cfg, key), str) and value}
+
+
 def data_problems(cfg: DictConfig, sources: dict, files: bool) -> list[str]:
     """data.path (and data.eval_path / eval.path): a file for text data (`files`), a folder of images or clips
     otherwise."""
     problems = []
-    keys = ["data.path", "data.eval_path"] if files else ["data.path", "data.mask_folder", "eval.path"]
-    if not files:
-        keys += [f"data.datasets[{n}].path" for n in range(len(_value(cfg, "data.datasets") or []))]
-    for key in keys:
+    for key in _data_keys(cfg, files):
         value = _value(cfg, key)
         if not isinstance(value, str) or not value:
             continue

@@ -7,16 +7,30 @@ import os
 from pathlib import Path
 
 from toolkit.disk import MIN_FREE_BYTES, format_bytes, free_bytes, nearest_existing, write_problem
+from toolkit.train.run_dir import RunDir
 
 FIX_ELSEWHERE = "set run.output_dir to a folder you can write in"
 
 
-def output_problems(output_dir: str, where: str) -> list[str]:
-    """What keeps the run from writing its folder `output_dir` (set in `where`)."""
+def output_problems(output_dir: str, where: str, data_folders: dict[str, str] | None = None) -> list[str]:
+    """What keeps the run from writing its folder `output_dir` (set in `where`): not a folder, a folder of the
+    user's that no run wrote (a fresh start would set it aside as an earlier attempt), one of the run's own data
+    folders or a folder that holds one (`data_folders`: key -> path; a fresh start would move the data aside with
+    the run), no write access, no room. A run folder inside a data folder is fine: data folders are not read
+    recursively."""
     key = f"'run.output_dir' in {where}"
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         return [f"{key}: {out} is a file, not a folder; {FIX_ELSEWHERE} (it is created when missing), or move the file"]
+    overlap = _data_overlap(out, data_folders or {})
+    if overlap:
+        return [f"{key}: {overlap}; set run.output_dir to a folder of its own, outside the data (for example "
+                f"outputs/<name>)"]
+    foreign = RunDir(out).foreign_files()
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return [f"{key}: {out} holds files that no run of this toolkit wrote ({shown}); a run's folder is new, empty "
+                f"or an earlier run's (with its config.yaml); set run.output_dir to a new folder (it is created)"]
     existing = nearest_existing(out)
     if not existing.is_dir():
         return [f"{key}: {out} cannot be created: {existing} is a file, not a folder; {FIX_ELSEWHERE}"]
@@ -33,3 +47,15 @@ def output_problems(output_dir: str, where: str) -> list[str]:
                         f"{format_bytes(MIN_FREE_BYTES)} to start (its checkpoints' size is checked once the LoRA is "
                         f"built); free space there, or set run.output_dir on another disk")
     return problems
+
+
+def _data_overlap(out: Path, data_folders: dict[str, str]) -> str:
+    """How run.output_dir overlaps a data folder: the same folder, or holding it ('' when apart or inside it)."""
+    run = Path(os.path.abspath(out))
+    for key, folder in data_folders.items():
+        data = Path(os.path.abspath(folder))
+        if run == data:
+            return f"{out} is the data folder of '{key}'"
+        if run in data.parents:
+            return f"{out} holds the data folder of '{key}' ({folder}): a fresh start would move the data aside"
+    return ""

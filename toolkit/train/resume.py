@@ -120,6 +120,11 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
     a folder that holds only what a failed start wrote (run_dir.py's cleanup rule): it is cleared and reused.
     The caller holds the folder's lock.
     """
+    foreign = run_dir.foreign_files()
+    if foreign:  # preflight says so first (output_location.py); a folder filled since is refused here too
+        raise UserError(f"run.output_dir: {run_dir.root} holds files that no run of this toolkit wrote "
+                        f"({', '.join(foreign[:5])}); they are left as they are\n"
+                        "  fix: set run.output_dir to a new folder (it is created)")
     if fresh:
         if run_dir.has_content() and run_dir.holds_only_start_files():
             run_dir.clear_start_files()
