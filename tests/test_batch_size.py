@@ -258,12 +258,12 @@ def test_global_batch_with_a_batch_size_set_by_hand_and_its_mistakes(shapes, own
     assert ("batch: 2 per process x 1 process x 3 accumulation = 6 per optimizer step (train.global_batch_size=5: "
             "the least at or above it with this batch size)") in capsys.readouterr().err
     assert saved_train(tmp_path / "run")["grad_accum"] == 3
-    assert run_cli("train", SD, f"run.output_dir={tmp_path}", "train.batch_size=2", "train.global_batch_size=0") == 2
+    assert run_cli("train", SD, f"run.output_dir={tmp_path / 'refused'}", "train.batch_size=2", "train.global_batch_size=0") == 2
     assert "'train.global_batch_size' in command line: 0 is below the minimum 1" in capsys.readouterr().err
-    assert run_cli("train", SD, f"run.output_dir={tmp_path}", "train.global_batch_size=many") == 2
+    assert run_cli("train", SD, f"run.output_dir={tmp_path / 'refused'}", "train.global_batch_size=many") == 2
     err = capsys.readouterr().err
     assert "'train.global_batch_size' in command line: expected an integer or null, got 'many'" in err
-    assert run_cli("train", SD, f"run.output_dir={tmp_path}", "train.batch_size=2", "train.grad_accum=3",
+    assert run_cli("train", SD, f"run.output_dir={tmp_path / 'refused'}", "train.batch_size=2", "train.grad_accum=3",
                    "train.global_batch_size=8") == 2
     err = capsys.readouterr().err
     assert ("train.grad_accum=3 does not fit train.global_batch_size=8 with 2 per process x 1 process, which takes "
