@@ -73,3 +73,19 @@ def test_metadata_records_without_text_train_with_the_empty_caption(tmp_path):
         "set data.default_caption or write the caption files",
         f"note: 2 .txt files in {tmp_path} not read: metadata.jsonl gives the captions (red_circle_64x64.txt, "
         "red_square_64x64.txt)"]
+
+
+def test_metadata_caption_field_the_files_it_leaves_out_and_a_caption_ext_without_its_dot(tmp_path):
+    write_shapes_dataset(tmp_path, sizes=((64, 64),), count=3)
+    records = [{"file_name": "red_circle_64x64.png", "caption": "a red circle"},
+               {"file_name": "red_square_64x64.png", "text": "a red square"}]
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    logs: list[str] = []
+    found = scan_images(_data(tmp_path), logs.append)
+    assert sorted(item.caption for item in found) == ["a red circle", "a red square"]
+    assert logs[0] == f"data: 2 images in {tmp_path}, 2 with a caption (metadata.jsonl), 0 without"
+    assert f"note: 1 image(s) in {tmp_path} not listed in metadata.jsonl, not used: red_triangle_64x64.png" in logs
+    (tmp_path / "metadata.jsonl").unlink()
+    logs.clear()
+    found = scan_images(_data(tmp_path, caption_ext="txt"), logs.append)
+    assert len(found) == 3 and logs[0] == f"data: 3 images in {tmp_path}, 3 with a caption (.txt files), 0 without"

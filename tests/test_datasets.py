@@ -219,3 +219,19 @@ def test_kill_9_and_resume_with_several_datasets_is_bit_identical(tmp_path):
     assert "resumed from" in proc.stderr
     name = "pytorch_lora_weights.safetensors"
     assert_bit_identical(load_file(str(out / "final" / name)), load_file(str(ref / "final" / name)))
+
+
+def test_a_regularisation_entry_takes_no_inherited_trigger_and_an_entrys_resolution_beats_inherited_resolutions():
+    from omegaconf import OmegaConf
+
+    from toolkit.config.data_schemas import ImageDataSection
+    from toolkit.data.datasets import dataset_settings
+
+    data = OmegaConf.merge(OmegaConf.structured(ImageDataSection), {
+        "path": "subject", "trigger_word": "zxq", "resolutions": [768, 1024],
+        "datasets": [{"path": "people", "is_regularization": True, "resolution": 1024},
+                     {"path": "own", "is_regularization": True, "trigger_word": "person"},
+                     {"path": "more", "repeats": 2}]})
+    subject, people, own, more = dataset_settings(data)
+    assert [s.section.trigger_word for s in (subject, people, own, more)] == ["zxq", None, "person", "zxq"]
+    assert [s.resolutions for s in (subject, people, own, more)] == [(768, 1024), (1024,), (768, 1024), (768, 1024)]

@@ -34,7 +34,7 @@ def test_metadata_jsonl_whose_text_is_not_a_string_is_named(tmp_path):
 
     Image.new("RGB", (64, 64)).save(tmp_path / "0.png")
     (tmp_path / "metadata.jsonl").write_text(json.dumps({"file_name": "0.png", "text": [None]}) + "\n")
-    with pytest.raises(UserError, match=r"metadata.jsonl:1: expected a JSON object with file_name and text \(strings\)"
+    with pytest.raises(UserError, match=r"metadata.jsonl:1: expected a JSON object with file_name and text \(or caption\), strings"
                                         r"\n  fix: write lines like"):
         scan_images(_image_data(ImageDataSection, tmp_path), lambda m: None)
 

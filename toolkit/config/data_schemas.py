@@ -75,7 +75,7 @@ class DatasetEntry:
 class ImageDataSection:
     path: str = opt(MISSING, "Folder of images with same-name .txt captions (or a metadata.jsonl).")
     resolution: int = opt(512, "Training resolution (the side of a square of the same area).", minimum=64)
-    caption_ext: str = opt(".txt", "Caption file extension.")
+    caption_ext: str = opt(".txt", "Caption file extension (txt, without the dot, works too).")
     default_caption: str = opt("", "Caption for images that have none.")
     trigger_word: Optional[str] = opt(None, "Replaces [trigger] in captions and prompts; prepended when missing.")
     caption_dropout: float = opt(0.0, "Probability of training a sample on an empty caption (drawn per sample and "

@@ -46,13 +46,21 @@ class DatasetSettings:
 
 
 def dataset_settings(data: Any) -> list[DatasetSettings]:
-    """data.path's dataset, then each of data.datasets, with their own keys over the data section's."""
+    """data.path's dataset, then each of data.datasets, with their own keys over the data section's, except two
+    an entry does not inherit: a regularisation entry's trigger word (its images are the class, not the subject:
+    kohya's class images and ai-toolkit's reg datasets take no trigger), and data.resolutions where the entry sets
+    a `resolution` of its own."""
     base = OmegaConf.to_container(data, resolve=True)
     entries = base.pop("datasets", None) or []
     merged = [("data.path", base, frozenset())]
-    merged += [(f"data.datasets[{n}].path", {**base, **{k: v for k, v in entry.items() if v is not None}},
-                frozenset(k for k, v in entry.items() if v is not None and k != "path"))
-               for n, entry in enumerate(entries)]
+    for n, entry in enumerate(entries):
+        own = {k: v for k, v in entry.items() if v is not None}
+        values = {**base, **own}
+        if "resolution" in own and "resolutions" not in own:
+            values["resolutions"] = []
+        if values["is_regularization"] and "trigger_word" not in own:
+            values["trigger_word"] = None
+        merged.append((f"data.datasets[{n}].path", values, frozenset(k for k in own if k != "path")))
     settings = []
     for label, values, own in merged:
         resolutions = tuple(dict.fromkeys(int(r) for r in values["resolutions"] or [values["resolution"]]))

@@ -62,10 +62,16 @@ def caption_rules(data) -> CaptionRules:
                         keep_tokens=data.keep_tokens, tag_dropout=data.tag_dropout)
 
 
+def caption_suffix(caption_ext: str) -> str:
+    """data.caption_ext as a suffix: written without its dot (ai-toolkit's `txt`), it gets one."""
+    return caption_ext if caption_ext.startswith(".") else f".{caption_ext}"
+
+
 def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_EXTS,
                     skip: Callable[[Path], bool] = is_mask_file) -> list[tuple[Path, str | None]]:
     """(file, caption text or None) from metadata.jsonl, else every file with a suffix in `exts` that is not
     `skip`ped (masks; the reference images of the families that take them)."""
+    caption_ext = caption_suffix(caption_ext)
     metadata = root / "metadata.jsonl"
     if metadata.is_file():
         pairs = []
@@ -74,11 +80,12 @@ def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_
                 continue
             try:
                 record = json.loads(line)
-                file, text = root / record["file_name"], record.get("text")
+                file, text = root / record["file_name"], record.get("text", record.get("caption"))
                 if not isinstance(record["file_name"], str) or not isinstance(text, (str, type(None))):
                     raise TypeError("file_name and text must be strings")
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(f"{metadata}:{n}: expected a JSON object with file_name and text (strings)\n"
+                raise UserError(f"{metadata}:{n}: expected a JSON object with file_name and text (or caption), "
+                                "strings\n"
                                 '  fix: write lines like {"file_name": "0001.png", "text": "a red circle"}') from None
             pairs.append((file, text))
         return pairs
@@ -87,6 +94,15 @@ def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_
         caption_file = path.with_suffix(caption_ext)
         pairs.append((path, read_text(caption_file, "data.path") if caption_file.is_file() else None))
     return pairs
+
+
+def _unlisted(root: Path, pairs: list[tuple[Path, str | None]], exts: tuple[str, ...],
+              skip: Callable[[Path], bool]) -> list[str]:
+    """With a metadata.jsonl: the files of the folder it leaves out (without one, every file is read)."""
+    if not (root / "metadata.jsonl").is_file():
+        return []
+    listed = {path.name for path, _ in pairs}
+    return sorted(p.name for p in root.iterdir() if p.suffix.lower() in exts and not skip(p) and p.name not in listed)
 
 
 def _image_size(path: Path) -> tuple[int, int]:
@@ -145,7 +161,11 @@ def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ..
     found, skipped, small, sides = [], [], [], []
     pairs = captioned_files(root, data.caption_ext, exts, skip)
     if report:
-        report_captions(root, pairs, data.caption_ext, rules, noun, log)
+        report_captions(root, pairs, caption_suffix(data.caption_ext), rules, noun, log)
+        unlisted = _unlisted(root, pairs, exts, skip)
+        if unlisted:
+            log(f"note: {len(unlisted)} {noun}(s) in {root} not listed in metadata.jsonl, not used: "
+                f"{', '.join(unlisted[:5])}{' ...' if len(unlisted) > 5 else ''}")
     for path, raw in pairs:
         try:
             size, extra = probe(path)
