@@ -157,7 +157,7 @@ def test_missing_run_lora_or_step_is_exit_2_naming_what_exists(runs, run_cli, ca
 
 
 def test_wan_i2v_samples_equal_the_trainers_and_seed_keeps_each_prompts_image(own_data_caches, run_cli, tmp_path,
-                                                                               monkeypatch):
+                                                                               monkeypatch, capsys):
     """Wan 2.1 image-to-video with a start image per prompt: `sample` gives the trainer's own samples (the LoRA of
     an image-to-video run loads back, although diffusers' loader adds zero LoRAs on the image cross-attention it did
     not train), and --seed N samples prompt i from seed N + i and still from image i (the family picks the image
@@ -196,3 +196,26 @@ def test_wan_i2v_samples_equal_the_trainers_and_seed_keeps_each_prompts_image(ow
     assert seeds == [7, 8] and starts == images
     assert (moved / "source.txt").read_text().endswith("seed 7\n")
     assert not np.array_equal(pixels(moved / "00.png"), pixels(final / "00.png"))
+    # a start image that is not one is named before the model loads
+    text = data / "clips_i2v/red_circle.txt"
+    capsys.readouterr()
+    assert run_cli("sample", run, "--seed", "7", f"sample.images=[{text},{images[1]}]") == 2
+    err = capsys.readouterr().err
+    assert (f"'sample.images' in command line: {text} is not an image that can be read (UnidentifiedImageError" in err
+            and "Traceback" not in err)
+
+
+def test_overrides_after_the_options_and_sample_images_checked_before_the_model_loads(runs, run_cli, capsys, tmp_path):
+    from conftest import REPO
+
+    run = runs["sd"]
+    folder = sample(run_cli, run, "--seed", "3", "sample.num_inference_steps=1")  # the README's order
+    assert (folder / "source.txt").read_text().endswith("seed 3\n")
+    with pytest.raises(SystemExit) as refused:  # argparse's own exit
+        run_cli("sample", run, "--seed", "3", "--unknown")
+    assert refused.value.code == 2 and "unrecognized arguments: --unknown" in capsys.readouterr().err
+    text = REPO / "configs/examples/data/clips_i2v/red_circle.txt"
+    for image, why in ((tmp_path / "none.png", f"{tmp_path / 'none.png'} does not exist; give an image file"),
+                       (text, f"{text} is not an image that can be read (UnidentifiedImageError")):
+        assert run_cli("validate", REPO / "configs/examples/quickstart_wan21_i2v.yaml", f"sample.images=[{image}]") == 2
+        assert f"'sample.images' in command line: {why}" in capsys.readouterr().err

@@ -234,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
 
     compiled_code_folders()  # before torch is imported
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and getattr(args, "command", None) == "sample" and all("=" in a and not a.startswith("-") for a in rest):
+        args.overrides += rest  # key=value after the options, as the README writes them
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -65,7 +65,9 @@ def load_sampling_run(run_dir: Path, overrides: list[str], prompts: list[str] | 
     # --prompt and --seed as the command line's last layer: the config is read-only once loaded
     extra = [f"sample.prompts={json.dumps(list(prompts))}"] if prompts else []
     extra += [f"sample.seed={seed}"] if seed is not None else []
-    run = load_run([config], overrides + extra)
+    from toolkit.preflight import sample_checks
+
+    run = load_run([config], overrides + extra, check_paths=sample_checks)
     if not list(run.cfg.sample.prompts):
         raise UserError(f"sample: the run has no sample.prompts ({config})\n  fix: give --prompt TEXT")
     return run

@@ -96,4 +96,24 @@ def sample_image_problems(cfg: DictConfig, sources: dict) -> list[str]:
             relative = "" if path.is_absolute() else f" (relative paths are taken from {Path.cwd()})"
             what = "is a folder" if path.is_dir() else "does not exist"
             problems.append(f"'sample.images' in {where}: {path} {what}{relative}; give an image file")
+        elif (why := _unreadable_image(path)):
+            problems.append(f"'sample.images' in {where}: {path} is not an image that can be read ({why}); give a "
+                            ".png, .jpg or .webp file")
     return problems
+
+
+def sample_checks(cfg: DictConfig, sources: dict) -> list[str]:
+    """The PathCheck of the sample command: the files its sample.* overrides name."""
+    return sample_image_problems(cfg, sources)
+
+
+def _unreadable_image(path: Path) -> str:
+    """Why PIL cannot decode `path` ('' when it can): checked before a run trains, not at its first sample."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+    except Exception as err:  # PIL raises many kinds (UnidentifiedImageError, OSError for a truncated file, ...)
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else 'unreadable'}"
+    return ""
