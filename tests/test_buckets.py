@@ -75,3 +75,13 @@ def test_train_at_resolution_96_keeps_the_images_size_and_says_why_a_coarse_step
             "and their sides are multiples of 64 px (data.bucket_step=64); a smaller data.bucket_step keeps more of "
             "each image\n") in err
     assert "buckets (data.bucket_step=64):\n     64 x 64    (ratio 1.00): 2 images\n" in err
+
+
+def test_an_image_thinner_than_every_bucket_keeps_to_max_bucket_side_and_the_area():
+    table = bucket_table(128, 32, max_side=256)
+    # 40 px high: no bucket of the table fits inside it; its own bucket is cropped to the longest side allowed
+    assert choose_bucket(1000, 40, table, 32) == (256, 32)
+    assert choose_bucket(40, 1000, table, 32) == (32, 256)
+    assert choose_bucket(100, 40, table, 32) == (96, 32)  # within both limits: its own size, floored
+    wide = bucket_table(128, 32, max_side=1024)
+    assert choose_bucket(2000, 40, wide, 32) == (512, 32)  # the area, 128^2, holds it first

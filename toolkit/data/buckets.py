@@ -63,8 +63,16 @@ def choose_bucket(width: int, height: int, table: list[tuple[int, int]], step: i
     fitting = [s for s in table if s[0] <= width and s[1] <= height]
     if fitting:
         return max(fitting, key=lambda s: (s[0] * s[1], -abs(math.log(s[0] / s[1]) - ratio)))
-    own = (width // step * step, height // step * step)
-    return own if min(own) >= step else None
+    # thinner than every bucket on one side: its own size, floored to the step and held to the table's largest side
+    # and area (data.max_bucket_side, resolution^2), the long side cropped
+    side, area = max(max(s) for s in table), max(w * h for w, h in table)
+    w, h = min(width // step * step, side), min(height // step * step, side)
+    if w * h > area:
+        if w >= h:
+            w = max(area // max(h, 1) // step * step, step)
+        else:
+            h = max(area // max(w, 1) // step * step, step)
+    return (w, h) if min(w, h) >= step else None
 
 
 def format_bucket_table(counts: dict[tuple[int, int], int] | Counter, why: str = "") -> str:
