@@ -335,3 +335,25 @@ def test_a_setting_added_since_the_run_began_is_accepted_at_its_default_only():
                        "train.flow_shift: new setting, at its default 'auto'"] and refused == []
     new["train"]["flow_shift"] = 5.0
     assert config_changes(old, new)[1] == ["train.flow_shift: None in the checkpoint, 5.0 now"]
+
+
+def test_data_that_changed_since_the_run_began_names_the_data_in_the_fix(tmp_path, run_cli, capsys, own_data_caches):
+    from helpers import diffusion_train_args
+    from toolkit.tiny.fixtures import write_shapes_dataset
+
+    data, out = tmp_path / "data", tmp_path / "run"
+    write_shapes_dataset(data, sizes=((64, 64),), count=3)
+    first = diffusion_train_args("quickstart_sd.yaml", out, f"data.path={data}", "data.resolution=64", "save.every=2")
+    assert run_cli(*first) == 0
+    write_shapes_dataset(data, sizes=((64, 128),), count=2)  # two more images
+    capsys.readouterr()
+    assert run_cli(*first, "train.steps=4") == 2
+    err = capsys.readouterr().err
+    assert "data order mismatch on resume: num_items was 3, now 5" in err and "train.batch_size" not in err
+    assert (f"fix: the data changed since the run began (3 items then, 5 now: files added or removed, or data.repeats, "
+            f"data.resolutions or the datasets changed); put it back to resume, or keep what the run learned in a new "
+            f"run on this data: network.init_from={out / 'checkpoints' / 'step-000002'} --fresh") in err
+    for extra in data.glob("*64x128*"):
+        extra.unlink()
+    assert run_cli(*first, "train.steps=4") == 0  # the data put back: the run resumes
+    assert f"resumed from {out / 'checkpoints' / 'step-000002'} (step 2)" in capsys.readouterr().err

@@ -49,6 +49,16 @@ def shard(batch: list[int], world_size: int, rank: int) -> list[int]:
     return batch[start:start + size + (1 if rank < extra else 0)]
 
 
+
+class OrderMismatch(ValueError):
+    """A checkpoint's data order that this run cannot continue: `key` (seed, batch_size: the global batch,
+    num_items: the data's items) was `before`, is `now`."""
+
+    def __init__(self, key: str, before, now):
+        name = "global batch size" if key == "batch_size" else key
+        super().__init__(f"data order mismatch on resume: {name} was {before}, now {now}")
+        self.key, self.before, self.now = key, before, now
+
 class BatchOrder:
     """Yields this process's batches of item indices forever, epoch after epoch; `state_dict` marks the position."""
 
@@ -112,7 +122,6 @@ class BatchOrder:
         for key in ("seed", "batch_size", "num_items"):
             current = {"seed": self.seed, "batch_size": self.batch_size, "num_items": len(self.groups)}[key]
             if state[key] != current:
-                name = "global batch size" if key == "batch_size" else key
-                raise ValueError(f"data order mismatch on resume: {name} was {state[key]}, now {current}")
+                raise OrderMismatch(key, state[key], current)
         self._start_epoch(state["epoch"])
         self.position = state["position"]

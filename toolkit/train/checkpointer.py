@@ -17,6 +17,7 @@ import torch
 from toolkit.train.optimizer_shards import gather_state
 from toolkit.disk import DiskFull, is_disk_full
 from toolkit.errors import UserError
+from toolkit.data.order import OrderMismatch
 from toolkit.models.base import DTYPES, load_trainable_state_dict, trainable_state_dict
 from toolkit.train.checkpoint import (TRAINABLE, load_checkpoint_files, rotate_checkpoints, save_checkpoint,
                                       trainable_file_state)
@@ -133,9 +134,8 @@ class Checkpointer:
             self.ema.load_state_dict(loaded.tensors["ema"])
         try:
             self.order.load_state_dict(state["data_order"])
-        except ValueError as err:
-            raise UserError(f"cannot resume from {checkpoint.path}: {err}\n  fix: keep train.batch_size x processes "
-                            f"the same as when the run began ({state['data_order']['batch_size']})") from None
+        except OrderMismatch as err:
+            raise UserError(f"cannot resume from {checkpoint.path}: {err}\n  fix: {_order_fix(err, checkpoint)}") from None
         self._restore_rng(state, checkpoint)
         return LoopState(int(state["step"]), state["nan_streak"], state.get("smoothed_loss"))
 
@@ -148,3 +148,14 @@ class Checkpointer:
             restore_rng_state(saved[self.procs.rank])
         else:
             seed_everything(hash((self.seed, self.procs.rank, int(state["step"]))) % 2**63)
+
+
+def _order_fix(err: OrderMismatch, checkpoint) -> str:
+    """The fix line for a data order the checkpoint's run cannot continue."""
+    if err.key == "batch_size":
+        return f"keep train.batch_size x processes the same as when the run began ({err.before})"
+    if err.key == "seed":
+        return f"set run.seed={err.before}, as when the run began"
+    return (f"the data changed since the run began ({err.before} items then, {err.now} now: files added or removed, "
+            "or data.repeats, data.resolutions or the datasets changed); put it back to resume, or keep what the "
+            f"run learned in a new run on this data: network.init_from={checkpoint.path} --fresh")
