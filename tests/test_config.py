@@ -377,7 +377,8 @@ def test_compile_auto_follows_the_measurements_and_the_run_length(family, steps,
     """train.compile=auto on a GPU: on for the families measured faster compiled; SDXL and SD only for runs long
     enough to repay a cold compile (SDXL block by block, about a minute; SD's whole UNet, about 100-150 s, from 1,000
     steps); nothing is in this test's compile cache. A family not measured stays eager, and the reason is said
-    either way. compile_regions=auto: SDXL's UNet block by block under 5,000 steps, whole from there; SD's whole."""
+    either way. compile_regions=auto: SDXL's UNet block by block under 5,000 steps, whole from there; SD's whole;
+    not used when the run does not compile."""
     from toolkit.config.layers import Layer
     from toolkit.config.load import merge_layers
     from toolkit.plan.run import frozen, static_plan
@@ -398,7 +399,9 @@ def test_compile_auto_follows_the_measurements_and_the_run_length(family, steps,
     else:
         assert reason == "not measured faster for sd3 yet"
     regions = decisions.get("train.compile_regions")
-    assert (regions.value if regions else None) == {"sd": "whole", "sdxl": "blocks"}.get(family)
+    assert (regions.value if regions else None) == {"sd": "whole", "sdxl": "blocks" if compiled else "whole"}.get(family)
+    if regions and not compiled:
+        assert regions.reason == "not used: train.compile is off"
     if family == "sdxl":
         long_run = Layer("test.yaml", {"model": {"family": "sdxl", "name_or_path": "m"}, "data": {"path": "d"},
                                        "train": {"steps": 5000}})

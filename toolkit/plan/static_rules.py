@@ -232,6 +232,8 @@ def compile_regions(f: Facts) -> Decision | None:
     if not f.reads("train.compile_regions") or f.asked("train.compile_regions") != "auto":
         return None
     spec, steps = family_spec(f.family), f.asked("train.steps")
+    if f.value("train.compile") is not True:
+        return _decision("train.compile_regions", "whole", "not used: train.compile is off")
     if not spec.regions_auto:
         return _decision("train.compile_regions", "whole", f"block by block not measured for {f.family} yet")
     if steps < spec.regions_blocks_below:
