@@ -5,7 +5,7 @@ Which one a run gets follows its family (toolkit/config/families.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import ClassVar, List, Optional, Union
 
 from omegaconf import MISSING
 
@@ -174,6 +174,7 @@ class VideoDatasetEntry(DatasetEntry):
 
 @dataclass
 class VideoDataSection(ImageDataSection):
+    time_compression: ClassVar[int] = 4  # the VAE's: clips train on time_compression k + 1 frames
     datasets: List[VideoDatasetEntry] = opt([], "More datasets beside data.path, each a mapping with its own path and "
                                             "any of resolution, resolutions, caption_ext, default_caption, "
                                             "trigger_word, repeats, weight, is_regularization, masked_loss, and how "
@@ -205,6 +206,7 @@ class VideoDataSection(ImageDataSection):
 
 @dataclass
 class AudioVideoDataSection(VideoDataSection):
+    time_compression: ClassVar[int] = 8  # LTX-2's VAE
     audio: Union[bool, str] = opt("auto", "LTX-2: the clips' soundtracks (mp4/mkv/webm/mov audio, cut to the clip's "
                                   "frames) train the audio branch beside the video. auto: clips with a soundtrack "
                                   "train both, clips without one (and images) the video alone; required: a clip "

@@ -193,23 +193,24 @@ class DiffusionData:
 
     def class_captions(self, items: list, settings: list[DatasetSettings]) -> list[str | None] | None:
         """train.dop_class: each item's caption with its dataset's trigger word replaced by the class word (None for
-        regularisation images); None when output preservation is off."""
+        regularisation images); None when output preservation is off. The config was checked before the model
+        loaded (plan/static_rules.py: dop_checks): no LoRA on the text encoders, a trigger word for every training
+        dataset."""
         word = self.cfg.train.dop_class
         if not word:
             return None
-        if self.trains_text_encoders:
-            raise UserError("train.dop_class: output preservation compares with the base model through the text "
-                            "encoders, and train.train_text_encoder puts a LoRA on them\n  fix: set "
-                            "train.train_text_encoder=false, or unset train.dop_class")
         classes = []
         for item in items:
             dataset = settings[item.dataset]
+            if dataset.is_regularization:
+                classes.append(None)
+                continue
             trigger = dataset.section.trigger_word
             if not trigger:
                 raise UserError(f"train.dop_class: output preservation replaces the trigger word, and "
                                 f"{dataset.label.rsplit('.', 1)[0]} has no trigger_word\n  fix: set data.trigger_word "
                                 "(the word the LoRA learns), or unset train.dop_class")
-            classes.append(None if dataset.is_regularization else item.caption.replace(trigger, word))
+            classes.append(item.caption.replace(trigger, word))
         kept = sum(c is not None for c in classes)
         self.log(f"output preservation: {kept} of {len(items)} items with a class caption (their trigger word -> "
                  f"{word!r}; train.dop_weight={self.cfg.train.dop_weight:g}), the base prediction from the same model "

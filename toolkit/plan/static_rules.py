@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from toolkit.config.families import family_spec
 from toolkit.config.schema import QUANTIZED
+from toolkit.errors import UserError
 from toolkit.plan.compiled_runs import signature
 from toolkit.plan.decisions import Decision
 from toolkit.plan.evidence import cite
@@ -162,6 +163,30 @@ def fsdp_checks(f: Facts) -> None:
     if f.reads("train.train_text_encoder") and f.asked("train.train_text_encoder"):
         f.problems.append(refused + "train.train_text_encoder: the text encoders are not sharded; use "
                           "device.distributed=ddp")
+    return None
+
+
+@rule("train.dop_class", STATIC)
+def dop_checks(f: Facts) -> None:
+    """Output preservation (train.dop_class) replaces each training dataset's trigger word by the class word, and
+    compares with the base through text encoders that carry no LoRA: checked here, before the model loads."""
+    if not f.reads("train.dop_class") or not f.asked("train.dop_class"):
+        return None
+    from toolkit.data.datasets import dataset_settings
+
+    if f.reads("train.train_text_encoder") and f.asked("train.train_text_encoder"):
+        f.problems.append("'train.dop_class': output preservation compares with the base model through the text "
+                          "encoders, and train.train_text_encoder puts a LoRA on them: set "
+                          "train.train_text_encoder=false, or unset train.dop_class")
+    try:
+        settings = dataset_settings(f.cfg.data)
+    except UserError:
+        return None  # named when the data loads
+    for dataset in settings:
+        if not dataset.is_regularization and not dataset.section.trigger_word:
+            f.problems.append(f"'train.dop_class': output preservation replaces the trigger word, and "
+                              f"{dataset.label.rsplit('.', 1)[0]} has no trigger_word: set data.trigger_word (the "
+                              "word the LoRA learns), or unset train.dop_class")
     return None
 
 

@@ -29,6 +29,7 @@ def path_checks(check_output: bool = True) -> PathCheck:
         files = FAMILY_SPECS[family].data_schema in FILE_DATA_SCHEMAS
         problems = data_problems(cfg, sources, files)
         problems += sample_image_problems(cfg, sources)
+        problems += frame_problems(cfg, sources, FAMILY_SPECS[family].data_schema)
         name = _value(cfg, "model.name_or_path")
         if isinstance(name, str) and name:
             problems += model_problems(name, FAMILY_SPECS[family], _value(cfg, "model.revision"),
@@ -99,6 +100,31 @@ def sample_image_problems(cfg: DictConfig, sources: dict) -> list[str]:
         elif (why := _unreadable_image(path)):
             problems.append(f"'sample.images' in {where}: {path} is not an image that can be read ({why}); give a "
                             ".png, .jpg or .webp file")
+    return problems
+
+
+def frame_problems(cfg: DictConfig, sources: dict, schema: type) -> list[str]:
+    """The clip lengths of a video family (data.num_frames, data.target_frames, and each dataset's): each k x the
+    VAE's time compression + 1 (4k+1; LTX-2's 8k+1), checked before any model loads."""
+    factor = getattr(schema, "time_compression", 0)
+    if not factor:
+        return []
+    sections = [("data", _value(cfg, "data"))]
+    sections += [(f"data.datasets[{n}]", entry) for n, entry in enumerate(_value(cfg, "data.datasets") or [])]
+    problems = []
+    for prefix, section in sections:
+        lengths = [("target_frames", list(section.get("target_frames") or []))]
+        if prefix == "data":
+            lengths.append(("num_frames", [section.get("num_frames")]))
+        for name, values in lengths:
+            for frames in values:
+                if not isinstance(frames, int) or (frames >= 1 and (frames - 1) % factor == 0):
+                    continue
+                below = max(1, (frames - 1) // factor * factor + 1)
+                where = sources.get(f"data.{name}", DEFAULTS_LABEL) if prefix == "data" else sources.get(
+                    "data.datasets", DEFAULTS_LABEL)
+                problems.append(f"'{prefix}.{name}' in {where}: {frames} is not {factor}k+1 (the VAE compresses time "
+                                f"by {factor}); use {below} or {below + factor}")
     return problems
 
 
