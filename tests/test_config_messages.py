@@ -153,3 +153,12 @@ def test_every_foreign_name_points_at_a_key_of_the_schema():
 
     keys = {dotted for family in FAMILY_SPECS for dotted, _ in iter_schema_fields(schema_for(family))}
     assert {name: k.target for name, k in FOREIGN_KEYS.items() if k.target not in keys} == {}
+
+
+def test_a_kohya_flat_config_without_a_family_gets_the_data_keys_suggested(tmp_path, run_cli, capsys):
+    config = tmp_path / "kohya.yaml"
+    config.write_text("pretrained_model_name_or_path: x\ntrain_data_dir: images\nresolution: 512\n")
+    assert run_cli("validate", config) == 2
+    err = capsys.readouterr().err
+    assert f"unknown key 'train_data_dir' in {config}:2; did you mean 'data.path'? (train_data_dir: the name in" in err
+    assert f"unknown key 'resolution' in {config}:3; did you mean 'data.resolution'? (resolution: the name in" in err

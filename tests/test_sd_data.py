@@ -97,3 +97,15 @@ def test_images_all_smaller_than_the_resolution_and_a_bucket_are_named_with_the_
                                         r"data.bucket_step=16$"):
         scan_images(_data(data, bucket_step=64), lambda m: None)  # 48x20: its short side fits 16 px buckets
     assert [item.bucket for item in scan_images(_data(data, bucket_step=16), lambda m: None)] == [(48, 16)]
+
+
+def test_kohyas_repeat_subfolders_are_named_with_the_datasets_that_replace_them(tmp_path, run_cli, capsys):
+    from conftest import REPO
+
+    write_shapes_dataset(tmp_path / "kohya" / "10_sks shape", sizes=((64, 64),), count=1)
+    assert run_cli("train", REPO / "configs/examples/quickstart_sd.yaml", f"data.path={tmp_path / 'kohya'}",
+                   f"run.output_dir={tmp_path / 'run'}") == 2
+    err = capsys.readouterr().err
+    assert (f"error: data.path: no usable images in {tmp_path / 'kohya'}\n  fix: this toolkit reads the images of one "
+            "folder per dataset, with repeats set in the config, not kohya's N_name subfolders (10_sks shape): set "
+            "data.path to the subfolder and data.repeats to its N") in err

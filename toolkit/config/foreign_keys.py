@@ -174,7 +174,9 @@ def foreign_key_hint(name: str, top_level: bool, known_keys: set[str]) -> str:
         return ("; this looks like an ai-toolkit job file: translate it with "
                 "`./start_toolkit.sh import-aitk JOB.yaml > config.yaml`")
     known = FOREIGN_KEYS.get(name)
-    if known is None or known.target not in known_keys:
+    section = known.target.split(".", 1)[0] if known else ""
+    # a section whose keys are not known yet (the data section before model.family is set) takes the hint as is
+    if known is None or (known.target not in known_keys and any(k.startswith(section + ".") for k in known_keys)):
         return ""
     note = f"; {known.note}" if known.note else ""
     return f"; did you mean '{known.target}'? ({name}: the name in {known.used_by}{note})"

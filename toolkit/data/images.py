@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
@@ -94,6 +95,12 @@ def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_
         caption_file = path.with_suffix(caption_ext)
         pairs.append((path, read_text(caption_file, "data.path") if caption_file.is_file() else None))
     return pairs
+
+
+def _kohya_subfolders(root: Path) -> list[str]:
+    """The subfolders of `root` named as kohya's DreamBooth layout names them (`10_sks shape`: repeats, then the
+    class and trigger words)."""
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and re.fullmatch(r"\d+_.+", p.name))
 
 
 def _unlisted(root: Path, pairs: list[tuple[Path, str | None]], exts: tuple[str, ...],
@@ -182,9 +189,14 @@ def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ..
         raise all_too_small(data, step, root, noun, small, max(sides), len(skipped))
     warn_skipped(log, root, noun, skipped, small, step)
     if not found:
+        kohya = _kohya_subfolders(root)
+        fix = (f"this toolkit reads the images of one folder per dataset, with repeats set in the config, not "
+               f"kohya's N_name subfolders ({', '.join(kohya[:3])}): set data.path to the subfolder and data.repeats to "
+               f"its N (data.datasets, or a `data:` list, for several)" if kohya else
+               f"{add} (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
         raise UserError(f"data.path: no usable {kinds} in {root}" + (f" ({len(skipped)} unreadable: "
                         f"{', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''})" if skipped else "")
-                        + f"\n  fix: {add} (with same-name {data.caption_ext} captions, or a metadata.jsonl)")
+                        + f"\n  fix: {fix}")
     shrunk = shrunk_by_step({path.name: (size, bucket[:2]) for path, _, size, _, bucket in found}, data.resolution)
     if shrunk:
         names = ", ".join(shrunk[:5]) + (f" and {len(shrunk) - 5} more" if len(shrunk) > 5 else "")
