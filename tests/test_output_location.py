@@ -117,3 +117,13 @@ def test_choose_start_refuses_a_folder_filled_by_the_user_after_the_preflight(tm
         with pytest.raises(UserError, match=r"holds files that no run of this toolkit wrote \(photo.png\)"):
             choose_start("auto", RunDir(tmp_path), fresh, print)
     assert [p.name for p in tmp_path.iterdir()] == ["photo.png"]
+
+
+def test_a_resume_path_that_does_not_exist_says_so(tmp_path):
+    from toolkit.errors import UserError
+    from toolkit.train.resume import choose_start
+    from toolkit.train.run_dir import RunDir
+
+    with pytest.raises(UserError, match=rf"train.resume: {tmp_path / 'nowhere'} does not exist\n  fix: give a "
+                                        r"checkpoint folder \(checkpoints/step-NNNNNN\) or train.resume=auto"):
+        choose_start(str(tmp_path / "nowhere"), RunDir(tmp_path / "run"), False, print)

@@ -133,6 +133,9 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
         return None
     if isinstance(resume, str) and resume not in ("auto",):
         path = Path(resume)
+        if not path.is_dir():
+            raise UserError(f"train.resume: {path} {'is a file' if path.exists() else 'does not exist'}\n"
+                            f"  fix: give a checkpoint folder (checkpoints/step-NNNNNN) or train.resume=auto")
         checkpoint, problem = verify_checkpoint(path)
         if checkpoint is None:
             raise UserError(f"train.resume: cannot resume from {path}: {problem}\n"
