@@ -218,7 +218,7 @@ def test_fp8_quantizes_the_blocks_linear_layers(tmp_path, run_cli, capsys):
 
 
 @pytest.mark.parametrize("frames, message", [
-    (13, "data.num_frames: 13 is not 8k+1 (the LTX-2 VAE compresses time by 8)\n  fix: set data.num_frames to 9 or 17"),
+    (13, "'data.num_frames' in command line: 13 is not 8k+1 (the VAE compresses time by 8); use 9 or 17"),
 ])
 def test_num_frames_must_be_8k_plus_1(tmp_path, run_cli, capsys, frames, message):
     assert run_cli(*diffusion_train_args("quickstart_ltx2.yaml", tmp_path, f"data.num_frames={frames}")) == 2
