@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 from toolkit.disk import MIN_FREE_BYTES, format_bytes, free_bytes, nearest_existing, write_problem
-from toolkit.train.run_dir import RunDir
 
 FIX_ELSEWHERE = "set run.output_dir to a folder you can write in"
 
@@ -26,7 +25,7 @@ def output_problems(output_dir: str, where: str, data_folders: dict[str, str] | 
     if overlap:
         return [f"{key}: {overlap}; set run.output_dir to a folder of its own, outside the data (for example "
                 f"outputs/<name>)"]
-    foreign = RunDir(out).foreign_files()
+    foreign = foreign_files(out)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         return [f"{key}: {out} holds files that no run of this toolkit wrote ({shown}); a run's folder is new, empty "
@@ -59,3 +58,15 @@ def _data_overlap(out: Path, data_folders: dict[str, str]) -> str:
         if run in data.parents:
             return f"{out} holds the data folder of '{key}' ({folder}): a fresh start would move the data aside"
     return ""
+
+
+RUN_MARKERS = ("config.yaml", "checkpoints", "final")  # a run writes config.yaml first, then these folders
+
+
+def foreign_files(root: Path) -> list[str]:
+    """The names in an existing folder that show it is not a run of this toolkit's: empty when the folder is
+    missing, empty (hidden files aside, a desktop's .DS_Store) or a run's. Such a folder is never moved aside or
+    cleared (train/resume.py refuses it too)."""
+    if not root.is_dir() or any((root / n).exists() for n in RUN_MARKERS):
+        return []
+    return sorted(c.name for c in root.iterdir() if not c.name.startswith("."))

@@ -55,12 +55,10 @@ class RunDir:
         return self.root.is_dir() and any(self.root.iterdir())
 
     def foreign_files(self) -> list[str]:
-        """The names in an existing folder that show it is not a run of this toolkit's (a run writes config.yaml
-        before anything else, then its checkpoints/ and final/): empty when the folder is missing, empty (hidden
-        files aside, a desktop's .DS_Store) or a run's. Such a folder is never moved aside or cleared."""
-        if not self.root.is_dir() or any((self.root / n).exists() for n in RUN_MARKERS):
-            return []
-        return sorted(c.name for c in self.root.iterdir() if not c.name.startswith("."))
+        """The names that show an existing folder is not a run of this toolkit's (preflight/output_location.py)."""
+        from toolkit.preflight.output_location import foreign_files
+
+        return foreign_files(self.root)
 
     def move_aside(self) -> Path:
         """Rename the run folder to <name>.old-<timestamp>[-n] and return the new path."""
@@ -102,7 +100,6 @@ class RunDir:
                     "folders only)")
 
 
-RUN_MARKERS = ("config.yaml", "checkpoints", "final")
 START_FILES = ("config.yaml", ".config.yaml.tmp", "plan.json", ".plan.json.tmp", ".final.tmp")
 START_FOLDERS = ("checkpoints", "samples", "logs")
 
