@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from toolkit.data.preference import pad_rows
+from toolkit.errors import UserError
 from toolkit.models.generation import EagerGeneration
 from toolkit.models.llm_logps import TokenLogps, TokenScorer
 from toolkit.models.preference_losses import (dpo_losses, group_advantages, grpo_token_losses, kto_kl, kto_losses,
@@ -147,9 +148,8 @@ class GRPO(Objective):
         columns = {k: [r[k] for r in records] for k in records[0] if k != "prompt"}
         total = torch.zeros(len(texts), dtype=torch.float32)
         for name, function in self.rewards:
-            values = function(prompts=[r["prompt"] for r in records], completions=texts,
-                              completion_ids=completions, **columns)
-            total += torch.tensor([float(v) for v in values], dtype=torch.float32)
+            total += reward_values(name, function, len(texts), prompts=[r["prompt"] for r in records],
+                                   completions=texts, completion_ids=completions, **columns)
         return total
 
     def loss(self, batch: dict[str, Any], module: torch.nn.Module) -> torch.Tensor:
@@ -181,3 +181,25 @@ def build_objective(name: str, scorer: TokenScorer, network: torch.nn.Module, re
                     conversational=conversational, scoring_width=scoring_width,
                     generator=generator or EagerGeneration(network))
     return OBJECTIVES[name](scorer, network, reference_module, train_cfg, stats)
+
+
+def reward_values(name: str, function, count: int, **inputs) -> torch.Tensor:
+    """One reward function's scores of `count` completions, as TRL's GRPOTrainer calls it (keyword arguments: the
+    prompts, the completions, their token ids and the data's other columns). A None score adds nothing (TRL's
+    nansum). What a user's function can get wrong is a UserError naming it: it raised, it does not take the
+    keyword arguments, or it returned something other than one number (or None) per completion."""
+    fix = ("  fix: a reward is f(prompts, completions, **kwargs) -> one float (or None) per completion, as TRL's; "
+           "see docs/objectives.md")
+    try:
+        values = function(**inputs)
+    except Exception as err:  # the user's code: any exception is theirs to see, named
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise UserError(f"train.reward: {name} raised {type(err).__name__}: {first}\n{fix}") from None
+    try:
+        scores = [0.0 if v is None else float(v) for v in values]
+    except (TypeError, ValueError):
+        raise UserError(f"train.reward: {name} returned {type(values).__name__} {str(values)[:100]!r}, not one "
+                        f"number per completion\n{fix}") from None
+    if len(scores) != count:
+        raise UserError(f"train.reward: {name} returned {len(scores)} scores for {count} completions\n{fix}")
+    return torch.tensor(scores, dtype=torch.float32)

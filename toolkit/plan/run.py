@@ -96,7 +96,7 @@ def static_plan(asked: DictConfig, device: DeviceInfo, preset: Preset, sources: 
     facts = Facts(asked, device, extra={"preset": preset, "sources": sources, "compiled_runs": compiled_runs()})
     decisions = decide("static", facts)
     if facts.problems:
-        raise ConfigError(facts.problems, header=f"config does not fit this device ({device.summary()})")
+        raise ConfigError(facts.problems, header=f"config cannot run as set (on this device: {device.summary()})")
     return RunPlan().with_stage("static", decisions)
 
 

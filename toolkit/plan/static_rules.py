@@ -190,6 +190,34 @@ def dop_checks(f: Facts) -> None:
     return None
 
 
+BUILTIN_REWARDS = ("format", "regex", "length")  # models/rewards.py's built-in rewards (a test keeps them equal)
+
+
+@rule("train.reward", STATIC)
+def reward_checks(f: Facts) -> None:
+    """GRPO's rewards, before the model loads: built-in names known, regex given its pattern, the pattern an
+    expression Python's re compiles (module:function rewards are imported when the run starts)."""
+    if not f.reads("train.reward") or f.asked("train.objective") != "grpo":
+        return None
+    import re
+
+    names, pattern = list(f.asked("train.reward") or []), f.asked("train.reward_pattern")
+    for name in names:
+        if ":" not in name and name not in BUILTIN_REWARDS:
+            f.problems.append(f"'train.reward': unknown reward '{name}': use one of {', '.join(BUILTIN_REWARDS)}, "
+                              "or module:function")
+    if "regex" in names and not pattern:
+        f.problems.append("'train.reward': the regex reward needs train.reward_pattern: set it to the expression a "
+                          "good completion contains")
+    if pattern:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            f.problems.append(f"'train.reward_pattern': {pattern!r} is not a regular expression ({err}): fix it "
+                              "(Python's re syntax)")
+    return None
+
+
 @rule("train.compile", STATIC)
 def compile_(f: Facts) -> Decision | None:
     """auto: on where the family was measured faster compiled and the run is long enough to repay the first
