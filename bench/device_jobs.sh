@@ -23,3 +23,28 @@ job_ltx2() { $D --models ltx2 --rows plain-ckpt,toolkit-auto,toolkit-swap24 --st
 job_grpo() { python3 bench/llm_objectives.py --objective grpo --steps 5 --warmup 2 --timeout 200 --out $R/grpo.json > $R/grpo.txt 2>&1; }   # unsloth
 # issues 38 and 45: several GPUs (a kind with 2 or 4 GPUs)
 job_fsdp() { python3 bench/scaling.py --gpus 2 --skip-llm --skip-sdxl --skip-wan --fsdp --fsdp-whole-state --fsdp-offload --out $R/fsdp.json > $R/fsdp.txt 2>&1; }
+# issue 45 on a 4-GPU machine, about 20 minutes: what the 4 x H100 runs of 2026-11-28 left (Wan 1/2/4, SDXL with the
+# CUDA-event timing, fsdp on 4) and 38's fsdp rows on 2. Runs that share no GPU run side by side (the 1-GPU runs
+# beside the 2-GPU fsdp rows; SDXL on 2 beside Wan on 2); the 4-GPU runs alone. Each workload keeps one --work
+# folder, so its later phases reuse its model, latents and compile cache.
+job_scale4() {
+    local S="python3 bench/scaling.py --skip-llm --stacks toolkit,plain --no-plain-compiled --timeout 300"
+    local SX="$S --skip-wan --sdxl-warmup 5 --sdxl-steps 20 --work /tmp/w-sdxl" WN="$S --skip-sdxl --work /tmp/w-wan"
+    ( CUDA_VISIBLE_DEVICES=0 $SX --gpus 1 --counts 1 --out $R/sdxl-1.json > $R/sdxl-1.txt 2>&1 ) &
+    ( CUDA_VISIBLE_DEVICES=1 $WN --gpus 1 --counts 1 --out $R/wan-1.json > $R/wan-1.txt 2>&1 ) &
+    ( CUDA_VISIBLE_DEVICES=2,3 python3 bench/scaling.py --gpus 2 --skip-llm --skip-sdxl --skip-wan --fsdp \
+        --fsdp-whole-state --fsdp-offload --timeout 300 --out $R/fsdp-2.json > $R/fsdp-2.txt 2>&1 ) &
+    wait; echo "$(date +%T) phase 1 done" >> $R/queue.log
+    ( CUDA_VISIBLE_DEVICES=0,1 $SX --gpus 2 --counts 2 --out $R/sdxl-2.json > $R/sdxl-2.txt 2>&1 ) &
+    ( CUDA_VISIBLE_DEVICES=2,3 $WN --gpus 2 --counts 2 --out $R/wan-2.json > $R/wan-2.txt 2>&1 ) &
+    wait; echo "$(date +%T) phase 2 done" >> $R/queue.log
+    $SX --gpus 4 --counts 4 --out $R/sdxl-4.json > $R/sdxl-4.txt 2>&1
+    echo "$(date +%T) sdxl-4 done" >> $R/queue.log
+    $WN --gpus 4 --counts 4 --out $R/wan-4.json > $R/wan-4.txt 2>&1
+    echo "$(date +%T) wan-4 done" >> $R/queue.log
+    python3 bench/scaling.py --gpus 4 --counts 4 --skip-llm --skip-sdxl --skip-wan --fsdp --timeout 300 \
+        --out $R/fsdp-4.json > $R/fsdp-4.txt 2>&1
+    echo "$(date +%T) fsdp-4 done" >> $R/queue.log
+    CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -q -m gpu tests/test_step_sync.py -p no:cacheprovider \
+        > $R/gpu-tests.txt 2>&1
+}
