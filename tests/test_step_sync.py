@@ -68,9 +68,9 @@ def test_launching_a_step_never_waits_for_the_gpu(config, overrides, optimizer, 
     skips = []
     init = Stepper.__init__
 
-    def recording(self, trainer, inner):
-        init(self, trainer, inner)
-        skips.append((type(inner).__name__, self.skips_on_device))
+    def recording(self, parts, events):
+        init(self, parts, events)
+        skips.append((type(parts.inner).__name__, self.skips_on_device))
 
     monkeypatch.setattr(Stepper, "__init__", recording)
     code = run_cli("train", REPO / "configs/examples" / config, f"run.output_dir={tmp_path}", "train.steps=6",
