@@ -48,3 +48,13 @@ job_scale4() {
     CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -q -m gpu tests/test_step_sync.py -p no:cacheprovider \
         > $R/gpu-tests.txt 2>&1
 }
+# issue 45: SDXL's step time ran 142 to 203 ms between runs of one shape (2026-11-28f), so one 1-GPU and one 2-GPU run
+# cannot give its scaling. Alternate 1- and 2-GPU runs, three each, 60 timed steps, the step time of every logged
+# interval kept (step_ms_by_record): the spread within a run beside the spread between runs. A 2-GPU kind.
+job_sdxl_repeat() {
+    local S="python3 bench/scaling.py --skip-llm --skip-wan --stacks toolkit --timeout 300 --sdxl-warmup 5 --sdxl-steps 60 --work /tmp/w-sdxl"
+    for i in 1 2 3; do
+        CUDA_VISIBLE_DEVICES=0 $S --gpus 1 --counts 1 --out $R/sdxl-rep-1-$i.json > $R/sdxl-rep-1-$i.txt 2>&1
+        $S --gpus 2 --counts 2 --out $R/sdxl-rep-2-$i.json > $R/sdxl-rep-2-$i.txt 2>&1
+    done
+}

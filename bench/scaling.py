@@ -134,14 +134,16 @@ def toolkit_run(name: str, config_yaml: str, overrides: list[str], work: Path, g
     timed = [r for s, r in logged.items() if s > warmup]
     # Each record's steps_per_s covers the steps since the record before, timed between the CUDA events that end
     # them (the host clock on a CPU): the GPU's time, whatever the host was doing when it wrote the record.
-    seconds, previous = 0.0, warmup
+    seconds, previous, per_record = 0.0, warmup, []
     for s in sorted(r["step"] for r in timed):
         seconds += (s - previous) / logged[s]["steps_per_s"]
+        per_record.append(round(1000 / logged[s]["steps_per_s"], 2))
         previous = s
     host_seconds = last["time"] - first["time"]
     result = {"stack": "toolkit", "gpus": gpus, "seconds": seconds, "host_seconds": host_seconds, "steps": steps,
               "units_per_s": steps * units_per_gpu_step * gpus / seconds, "process_wall_s": wall,
-              "metrics_tokens_per_s": (sum(r.get("tokens_per_s", 0) for r in timed) / len(timed)) or None}
+              "metrics_tokens_per_s": (sum(r.get("tokens_per_s", 0) for r in timed) / len(timed)) or None,
+              "step_ms_by_record": per_record}   # a step's mean time in each logged interval: spread within a run
 
     reports = [json.loads(p.read_text()) for p in sorted(memory.glob("memory-*.json"))]
     # by rank, the process that trained: the launcher's agent and torch.compile's worker processes report too
