@@ -74,8 +74,9 @@ class DeviceSection:
                                "its share of the LoRA tensors only and steps those, then sends the updated tensors to "
                                "the others (ZeRO stage 1, torch's ZeroRedundancyOptimizer): the state per process is "
                                "about 1/N. Every process ends each step with the same weights, and checkpoints hold "
-                               "the whole optimizer state, so a run resumes at another process count. auto: off until "
-                               "its step time is measured on GPUs (it adds one all-gather a step); true turns it on. Needs "
+                               "the whole optimizer state, so a run resumes at another process count. auto: off (measured "
+                               "under fsdp on a 12B base over 2 GPUs: 0.2 GiB less per GPU at 15% fewer tokens/s; "
+                               "it adds one all-gather a step); true turns it on where memory is tighter. Needs "
                                "an optimizer that steps each tensor on its own (not prodigy).",
                                choices=("auto", True, False), resume_safe=True)
     collective_timeout: int = opt(1800, "Seconds a process waits for the others at a collective or barrier (cache "
