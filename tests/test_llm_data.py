@@ -183,3 +183,41 @@ def test_flatten_masks_first_token_of_each_sample():
     batch = flatten_samples([TokenizedSample([1, 2, 3], [1, 2, 3]), TokenizedSample([4, 5], [IGNORE_INDEX, 5])])
     assert batch["labels"].tolist() == [[IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+
+
+SHAREGPT_SPEAKERS = {"system": "system", "user": "human", "assistant": "gpt"}
+SHAREGPT = {"conversations": [{"from": SHAREGPT_SPEAKERS[m["role"]], "value": m["content"]} for m in CHAT["messages"]]}
+
+
+def test_sharegpt_conversations_train_as_their_messages(tokenizer):
+    """axolotl's and LLaMA-Factory's ShareGPT records: the same tokens and labels as the messages they map to, a
+    top-level system prompt first."""
+    assert tokenize_chat(SHAREGPT, tokenizer, False, "x.jsonl") == tokenize_chat(CHAT, tokenizer, False, "x.jsonl")
+    system_apart = {"system": CHAT["messages"][0]["content"], "conversations": SHAREGPT["conversations"][1:]}
+    assert tokenize_chat(system_apart, tokenizer, False, "x.jsonl") == tokenize_chat(CHAT, tokenizer, False, "x.jsonl")
+    unknown = {"conversations": [{"from": "narrator", "value": "once"}, {"from": "gpt", "value": "upon"}]}
+    with pytest.raises(UserError, match=r"x.jsonl: ShareGPT speakers \['narrator'\] are not known\n  fix: use one of "
+                                        "human, user, gpt, assistant, system, tool, function, observation in 'from'"):
+        tokenize_chat(unknown, tokenizer, False, "x.jsonl")
+
+
+def test_validate_shows_the_format_read_from_the_data_and_train_takes_sharegpt(tmp_path, run_cli, capsys):
+    from helpers import read_metrics
+
+    data = tmp_path / "sharegpt.jsonl"
+    write_records(data, [SHAREGPT] * 6)
+    run = ["configs/examples/quickstart_llm_chat.yaml", f"data.path={data}", "data.format=auto",
+           f"run.output_dir={tmp_path / 'run'}"]
+    assert run_cli("validate", *run) == 0
+    assert ("data.format=chat: the first record of data.path has ShareGPT's conversations (from/value read as "
+            "role/content)") in capsys.readouterr().out
+    assert run_cli("train", *run, "train.steps=2", "save.every=0", "sample.prompts=[]", "data.eval_fraction=0",
+                   "log.every=1") == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+    unknown = tmp_path / "unknown.jsonl"
+    write_records(unknown, [{"prompt": "a", "completion": "b"}])
+    assert run_cli("validate", *run[:-1], f"data.path={unknown}") == 2
+    err = capsys.readouterr().err
+    assert (f"'data.format' is auto, and the fields ['completion', 'prompt'] of the first record of {unknown} match no "
+            "format: use 'text' (text, data.text_field), instruction/input/output (alpaca), or messages or ShareGPT's "
+            "conversations (chat), or set data.format") in err and "Traceback" not in err

@@ -15,10 +15,11 @@ from toolkit.config.fields import opt
 @dataclass
 class TextDataSection:
     path: str = opt(MISSING, "Training data: a .jsonl, .json, .parquet or .txt file.")
-    format: str = opt("auto", "Sample format: auto (detect from the fields), text, alpaca or chat for "
-                      "train.objective=sft; preference (prompt/chosen/rejected: dpo, orpo), unpaired "
-                      "(prompt/completion/label: kto) or prompt (prompt: grpo), each plain text or conversational "
-                      "(lists of {role, content} messages) as TRL takes them; auto: the objective's.",
+    format: str = opt("auto", "Sample format: auto (detect from the fields), text, alpaca or chat ({role, content} "
+                      "messages, or ShareGPT's conversations of {from, value}) for train.objective=sft; preference "
+                      "(prompt/chosen/rejected: dpo, orpo), unpaired (prompt/completion/label: kto) or prompt "
+                      "(prompt: grpo), each plain text or conversational (lists of {role, content} messages) as TRL "
+                      "takes them; auto: the objective's.",
                       choices=("auto", "text", "alpaca", "chat", "preference", "unpaired", "prompt"))
     text_field: str = opt("text", "Field holding the text for the text format.")
     max_seq_len: int = opt(512, "Tokens per sequence; longer samples are truncated.", minimum=8)

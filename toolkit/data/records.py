@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.text_files import read_text
+from toolkit.text_files import decode_text, read_text
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 
@@ -36,21 +37,36 @@ def read_records(path: str | Path, key: str = "data.path") -> list[dict]:
     return records
 
 
+def first_record(path: str | Path, key: str = "data.path") -> dict:
+    """The file's first record; a UTF-8 .jsonl is read no further than its first non-empty line (`validate` reads
+    the format from it)."""
+    path = Path(path)
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        with path.open("rb") as file:
+            utf16 = file.read(2) in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+            file.seek(0)
+            # Split on newlines only (binary lines do), as _read_jsonl does.
+            for number, raw in enumerate([] if utf16 else file, start=1):
+                if raw.strip():
+                    return _jsonl_record(decode_text(raw, path, key), number, path)
+    return read_records(path, key)[0]
+
+
+def _jsonl_record(line: str, number: int, path: Path) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}:{number}: each line must be a JSON object, got {type(record).__name__}")
+    record["__line__"] = number
+    return record
+
+
 def _read_jsonl(path: Path, key: str) -> list[dict]:
-    records = []
     # Split on newlines only: U+2028 and friends may stand unescaped inside a JSON string.
-    for number, line in enumerate(read_text(path, key).split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
-        if not isinstance(record, dict):
-            raise UserError(f"{path}:{number}: each line must be a JSON object, got {type(record).__name__}")
-        record["__line__"] = number
-        records.append(record)
-    return records
+    return [_jsonl_record(line, number, path) for number, line in enumerate(read_text(path, key).split("\n"), start=1)
+            if line.strip()]
 
 
 def _read_json(path: Path, key: str) -> list[dict]:

@@ -4,7 +4,8 @@ Formats (data.format, auto detects from the first record's fields):
   text    {"text": ...}                                  loss on every token
   alpaca  {"instruction", "input"?, "output"}             loss on the response (unless train_on_prompt)
   chat    {"messages": [{"role", "content"}, ...]}        rendered with the tokenizer's chat template;
-                                                          loss on assistant turns (unless train_on_prompt)
+          or ShareGPT's {"conversations":                 loss on assistant turns (unless train_on_prompt)
+          [{"from", "value"}, ...], "system"?}
 """
 
 from __future__ import annotations
@@ -22,25 +23,41 @@ from toolkit.errors import UserError
 
 FORMATS = ("text", "alpaca", "chat")
 
+# ShareGPT's speakers (axolotl's and LLaMA-Factory's `from`) as chat templates name them.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
+
 ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. "
                  "Write a response that appropriately completes the request.\n\n"
                  "### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
+
+
+def format_of(record: dict, text_field: str) -> str | None:
+    """The format a record's fields say (None when they match none)."""
+    if "messages" in record or "conversations" in record:
+        return "chat"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if text_field in record:
+        return "text"
+    return None
+
+
+def format_fields(text_field: str) -> str:
+    """The fields of each format, for messages that ask for one."""
+    return (f"'{text_field}' (text, data.text_field), instruction/input/output (alpaca), or messages or ShareGPT's "
+            "conversations (chat)")
 
 
 def detect_format(record: dict, requested: str, text_field: str, path: str) -> str:
     """The sample format: `requested` unless it is auto, else taken from the first record's fields."""
     if requested != "auto":
         return requested
-    if "messages" in record:
-        return "chat"
-    if "instruction" in record and "output" in record:
-        return "alpaca"
-    if text_field in record:
-        return "text"
-    keys = sorted(k for k in record if k != "__line__")
-    raise UserError(f"{where(path, record)}: data.format is auto but the fields {keys} match no format\n"
-                    f"  fix: use '{text_field}' (text, data.text_field), instruction/input/output (alpaca) or "
-                    "messages (chat), or set data.format")
+    fmt = format_of(record, text_field)
+    if fmt is None:
+        raise UserError(f"{where(path, record)}: data.format is auto but the fields {_keys(record)} match no format\n"
+                        f"  fix: use {format_fields(text_field)}, or set data.format")
+    return fmt
 
 
 def _keys(record: dict) -> list[str]:
@@ -81,6 +98,10 @@ def tokenize_alpaca(record: dict, tokenizer, train_on_prompt: bool, path: str) -
     return TokenizedSample(prompt + response, prompt_labels + response)
 
 
+TEMPLATE_FIX = ("fix: order the turns as the model's chat template expects (many want user and assistant to "
+                "alternate, after at most one system turn)")
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
@@ -88,6 +109,38 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
 def _encode(tokenizer, text: str) -> list[int]:
     # The chat template writes the special tokens (BOS) itself.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_messages(record: dict, path: str) -> list[dict]:
+    """The record's conversation as {role, content} messages: its `messages`, or ShareGPT's `conversations` of
+    {from, value} turns (speakers mapped by SHAREGPT_ROLES), after its top-level `system` prompt if it has one."""
+    if "messages" not in record and "conversations" in record:
+        return _sharegpt_messages(record, path)
+    messages = record.get("messages")
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages)):
+        raise UserError(f"{where(path, record)}: a chat record needs 'messages': a non-empty list of "
+                        f"{{\"role\": ..., \"content\": ...}} objects, found keys {_keys(record)}\n"
+                        "  fix: give each message a string 'role' and 'content' (or use ShareGPT's 'conversations' of "
+                        "'from'/'value' turns)")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _sharegpt_messages(record: dict, path: str) -> list[dict]:
+    turns, system = record["conversations"], record.get("system") or ""
+    if (not isinstance(turns, list) or not turns or not isinstance(system, str)
+            or not all(isinstance(t, dict) and isinstance(t.get("from"), str) and isinstance(t.get("value"), str)
+                       for t in turns)):
+        raise UserError(f"{where(path, record)}: a ShareGPT record needs 'conversations': a non-empty list of "
+                        "{\"from\": ..., \"value\": ...} objects (and 'system', if given, a string)\n"
+                        "  fix: give each turn a string 'from' and 'value'")
+    unknown = sorted({t["from"] for t in turns} - SHAREGPT_ROLES.keys())
+    if unknown:
+        raise UserError(f"{where(path, record)}: ShareGPT speakers {unknown} are not known\n"
+                        f"  fix: use one of {', '.join(SHAREGPT_ROLES)} in 'from'")
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
 
 
 def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> TokenizedSample:
@@ -98,22 +151,18 @@ def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> 
     token is learned). Prefixes must tokenize to prefixes of the full conversation; a template that
     rewrites earlier turns is refused rather than silently mislabelled.
     """
-    messages = record.get("messages")
-    if (not isinstance(messages, list) or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in messages)):
-        raise UserError(f"{where(path, record)}: a chat record needs 'messages': a non-empty list of "
-                        f"{{\"role\": ..., \"content\": ...}} objects, found keys {_keys(record)}")
+    messages = chat_messages(record, path)
     if not any(m["role"] == "assistant" for m in messages):
-        raise UserError(f"{where(path, record)}: the conversation has no assistant turn to learn from")
+        raise UserError(f"{where(path, record)}: the conversation has no assistant turn to learn from\n"
+                        "  fix: add the assistant's answer (role assistant, or ShareGPT's gpt), or drop the record")
     if tokenizer.chat_template is None:
         raise UserError(f"{path}: the tokenizer has no chat template, so chat data cannot be rendered\n"
                         "  fix: use a chat/instruct model, or data in the text or alpaca format")
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     try:
         ids = _encode(tokenizer, render_chat(tokenizer, messages))
     except Exception as err:  # jinja raises its own errors, e.g. "roles must alternate"
-        raise UserError(f"{where(path, record)}: the chat template refused this conversation: {err}") from None
+        raise UserError(f"{where(path, record)}: the chat template refused this conversation: {err}\n"
+                        f"  {TEMPLATE_FIX}") from None
     if train_on_prompt:
         return TokenizedSample(ids, list(ids))
     if messages[0]["role"] == "assistant":  # nothing before it renders: its header could not be told from its text
@@ -127,8 +176,9 @@ def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> 
             start = _encode(tokenizer, render_chat(tokenizer, messages[:index], add_generation_prompt=True))
             end = _encode(tokenizer, render_chat(tokenizer, messages[:index + 1]))
         except Exception as err:  # a prefix the template refuses, as above
-            raise UserError(f"{where(path, record)}: the chat template refused part of this conversation: {err}"
-                            ) from None
+            raise UserError(f"{where(path, record)}: the chat template refused part of this conversation: {err}\n"
+                            f"  {TEMPLATE_FIX}, or set data.train_on_prompt=true (it renders the whole conversation "
+                            "only)") from None
         if ids[:len(start)] != start or ids[:len(end)] != end:
             raise UserError(f"{where(path, record)}: the chat template renders earlier turns differently once "
                             "later turns are added, so assistant tokens cannot be located\n"

@@ -420,7 +420,8 @@ OBJECTIVE_FORMATS = {"sft": ("text", "alpaca", "chat"), "dpo": ("preference",), 
 @rule("data.format", STATIC)
 def data_format(f: Facts) -> Decision | None:
     """llm: auto takes the objective's format for preference, unpaired and prompt data (sft's is read from the
-    data); a format the objective cannot train on, or packing with a non-sft objective, is refused."""
+    first record of data.path); a format the objective cannot train on, or packing with a non-sft objective, is
+    refused."""
     if not f.reads("train.objective"):
         return None
     objective, asked = f.asked("train.objective"), f.asked("data.format")
@@ -434,9 +435,34 @@ def data_format(f: Facts) -> Decision | None:
     if objective == "grpo" and (f.asked("data.eval_fraction") > 0 or f.asked("data.eval_path")):
         f.problems.append("'data.eval_fraction' / 'data.eval_path' hold out data for an eval loss, which "
                           "train.objective=grpo has none of: set data.eval_fraction=0 and data.eval_path=null")
-    if asked != "auto" or objective == "sft":
+    if asked != "auto":
         return None
+    if objective == "sft":
+        return _sft_format(f)
     return _decision("data.format", formats[0], f"train.objective={objective} trains on {formats[0]} data")
+
+
+def _sft_format(f: Facts) -> Decision | None:
+    """sft's auto: the format of data.path's first record, so that `validate` shows it (or names fields that match
+    none) before the model loads."""
+    from toolkit.data.records import first_record
+    from toolkit.data.text import format_fields, format_of
+
+    path, text_field = f.asked("data.path"), f.asked("data.text_field")
+    try:
+        record = first_record(path)
+    except UserError:
+        return None  # a path that does not exist is named by the path checks; an unreadable file when it loads
+    fmt = format_of(record, text_field)
+    keys = sorted(k for k in record if k != "__line__")
+    if fmt is None:
+        f.problems.append(f"'data.format' is auto, and the fields {keys} of the first record of {path} match no "
+                          f"format: use {format_fields(text_field)}, or set data.format")
+        return None
+    fields = {"alpaca": "instruction/output", "text": f"'{text_field}' (data.text_field)",
+              "chat": "messages" if "messages" in record else "ShareGPT's conversations (from/value read as "
+                                                              "role/content)"}[fmt]
+    return _decision("data.format", fmt, f"the first record of data.path has {fields}")
 
 
 @rule("device.shard_optimizer", STATIC)
