@@ -342,7 +342,7 @@ def test_grpo_refuses_held_out_data(run_cli, tmp_path, capsys):
 @pytest.mark.parametrize("reward, message", [
     ("nope", "'train.reward': unknown reward 'nope': use one of format, regex, length, or module:function"),
     ("regex", "'train.reward': the regex reward needs train.reward_pattern: set it to"),
-    ("no_such_module:f", "train.reward: cannot import 'no_such_module:f'"),
+    ("no_such_module:f", "'train.reward': cannot import 'no_such_module:f': there is no module 'no_such_module'"),
 ])
 def test_grpo_reward_errors_exit_2(reward, message, run_cli, tmp_path, capsys):
     rc = run_cli("train", "configs/examples/quickstart_llm_grpo.yaml", f"run.output_dir={tmp_path / 'run'}",

@@ -1,5 +1,5 @@
-"""GRPO rewards a user can get wrong: named before the model loads (unknown built-in, a pattern that is not a
-regular expression), or when the reward runs (it raised, takes other arguments, returns another count), each one
+"""GRPO rewards a user can get wrong: named before the model loads (unknown built-in, a module:function that does
+not import, a pattern that is not a regular expression), or when the reward runs (it raised, takes other arguments, returns another count), each one
 error with its fix, exit 2."""
 
 from __future__ import annotations
@@ -53,11 +53,25 @@ def test_validate_names_an_unknown_reward_and_a_pattern_that_does_not_compile(ru
     assert "the regex reward needs train.reward_pattern" in capsys.readouterr().err
 
 
-def test_the_plans_built_in_rewards_are_the_models():
-    from toolkit.models.rewards import reward_functions
-    from toolkit.plan.static_rules import BUILTIN_REWARDS
+def test_validate_names_a_module_function_reward_that_does_not_import(run_cli, capsys):
+    """Read, not run: the module is looked up as the run imports it, its file read for the function."""
+    from grpo_rewards import __file__ as rewards_file
 
-    assert [name for name, _ in reward_functions(list(BUILTIN_REWARDS), "x", 8)] == list(BUILTIN_REWARDS)
+    assert run_cli("validate", GRPO, "train.reward=[no_such_module:score,grpo_rewards:no_such_function]") == 2
+    err = capsys.readouterr().err
+    fix = "give module:function of a module importable from the working folder, or a built-in (format, regex, length)"
+    assert (f"'train.reward': cannot import 'no_such_module:score': there is no module 'no_such_module' in {REPO} or "
+            f"on Python's path: {fix}") in err
+    assert f"'train.reward': cannot import 'grpo_rewards:no_such_function': {rewards_file} defines no " \
+           f"'no_such_function': {fix}" in err
+    assert "Traceback" not in err
+    assert run_cli("validate", GRPO, "train.reward=[grpo_rewards:low_token_share,length]") == 0
+
+
+def test_the_built_in_rewards_are_one_table():
+    from toolkit.models.rewards import BUILTIN_REWARDS, reward_functions
+
+    assert [name for name, _ in reward_functions(list(BUILTIN_REWARDS), "x", 8)] == ["format", "regex", "length"]
     with pytest.raises(UserError, match="unknown reward 'other'"):
         reward_functions(["other"], "x", 8)
 

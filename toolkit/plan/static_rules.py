@@ -190,22 +190,24 @@ def dop_checks(f: Facts) -> None:
     return None
 
 
-BUILTIN_REWARDS = ("format", "regex", "length")  # models/rewards.py's built-in rewards (a test keeps them equal)
-
-
 @rule("train.reward", STATIC)
 def reward_checks(f: Facts) -> None:
-    """GRPO's rewards, before the model loads: built-in names known, regex given its pattern, the pattern an
-    expression Python's re compiles (module:function rewards are imported when the run starts)."""
+    """GRPO's rewards, before the model loads: built-in names known, a module:function's module found and defining
+    the function (read, not run: models/rewards.py's missing_reward), regex given its pattern, the pattern an
+    expression Python's re compiles."""
     if not f.reads("train.reward") or f.asked("train.objective") != "grpo":
         return None
     import re
+
+    from toolkit.models.rewards import BUILTIN_REWARDS, IMPORT_FIX, missing_reward
 
     names, pattern = list(f.asked("train.reward") or []), f.asked("train.reward_pattern")
     for name in names:
         if ":" not in name and name not in BUILTIN_REWARDS:
             f.problems.append(f"'train.reward': unknown reward '{name}': use one of {', '.join(BUILTIN_REWARDS)}, "
                               "or module:function")
+        elif ":" in name and (why := missing_reward(name)):
+            f.problems.append(f"'train.reward': cannot import '{name}': {why}: {IMPORT_FIX}")
     if "regex" in names and not pattern:
         f.problems.append("'train.reward': the regex reward needs train.reward_pattern: set it to the expression a "
                           "good completion contains")
