@@ -101,7 +101,7 @@ def test_gguf_without_the_package_is_a_user_error_before_training(tmp_path, monk
     monkeypatch.setitem(sys.modules, "gguf", None)   # import gguf then raises ImportError
     assert train_gguf(monkeypatch, tmp_path / "run") == 2
     err = capsys.readouterr().err
-    assert "save.format=gguf needs the gguf package" in err and "fix: pip install gguf" in err
+    assert "'save.format': save.format=gguf needs the gguf package" in err and ": pip install gguf" in err
     assert "Traceback" not in err
     assert not (tmp_path / "run" / "final").exists()
 

@@ -38,3 +38,14 @@ def test_what_is_allowed_passes(run_cli, capsys):
     # a regularisation dataset needs no trigger word for output preservation
     assert run_cli("validate", EXAMPLES / "quickstart_sd.yaml", "train.dop_class=shape",
                    "data.datasets=[{path: configs/examples/data/shapes, is_regularization: true}]") == 0
+
+
+def test_validate_names_the_package_save_format_gguf_needs(run_cli, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gguf", None)   # as if it were not installed
+    assert run_cli("validate", EXAMPLES / "quickstart_llm.yaml", "save.format=gguf") == 2
+    err = capsys.readouterr().err
+    assert ("'save.format': save.format=gguf needs the gguf package (llama.cpp's GGUF writer), which is not "
+            "installed: pip install gguf (or pip install -e '.[gguf]' in the toolkit's .venv), or set "
+            "save.format=peft") in err and "Traceback" not in err

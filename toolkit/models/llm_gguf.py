@@ -45,14 +45,16 @@ FILE_TYPES = {torch.float32: "ALL_F32", torch.float16: "MOSTLY_F16", torch.bfloa
 TENSOR_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
+GGUF_MISSING = "save.format=gguf needs the gguf package (llama.cpp's GGUF writer), which is not installed"
+GGUF_FIX = "pip install gguf (or pip install -e '.[gguf]' in the toolkit's .venv), or set save.format=peft"
+
+
 def import_gguf() -> Any:
     """The gguf package, or a UserError saying how to install it (it is only needed for this format)."""
     try:
         import gguf
     except ImportError:
-        raise UserError("save.format=gguf needs the gguf package (llama.cpp's GGUF writer), which is not installed\n"
-                        "  fix: pip install gguf (or pip install -e '.[gguf]' in the toolkit's .venv), or set "
-                        "save.format=peft") from None
+        raise UserError(f"{GGUF_MISSING}\n  fix: {GGUF_FIX}") from None
     return gguf
 
 

@@ -220,6 +220,21 @@ def reward_checks(f: Facts) -> None:
     return None
 
 
+@rule("save.format", STATIC)
+def save_format_checks(f: Facts) -> None:
+    """Checks only: save.format=gguf finds its package before the model loads (the base's architecture is checked
+    once its config has loaded, still before the first step)."""
+    if f.asked("save.format") != "gguf":
+        return None
+    import importlib.util
+
+    from toolkit.models.llm_gguf import GGUF_FIX, GGUF_MISSING
+
+    if importlib.util.find_spec("gguf") is None:
+        f.problems.append(f"'save.format': {GGUF_MISSING}: {GGUF_FIX}")
+    return None
+
+
 @rule("train.compile", STATIC)
 def compile_(f: Facts) -> Decision | None:
     """auto: on where the family was measured faster compiled and the run is long enough to repay the first
