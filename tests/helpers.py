@@ -65,6 +65,7 @@ TINY_RUNS = {
     "flux": ("quickstart_flux.yaml", ["train.batch_size=2", "sample.num_inference_steps=2", "sample.every=0"]),
     "wan21": ("quickstart_wan21.yaml", ["train.batch_size=1", "sample.num_inference_steps=2", "sample.num_frames=5"]),
     "llm": ("quickstart_llm.yaml", ["data.max_seq_len=32", "train.batch_size=4"]),
+    "llm_dpo": ("quickstart_llm_dpo.yaml", ["data.max_seq_len=32"]),  # no sample.prompts: an objective's data has them
 }
 
 

@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -39,12 +41,19 @@ def server(tmp_path, tiny_runs):
     root.mkdir()
     shutil.copytree(tiny_runs["llm"], root / "reference", ignore=without_others_samples)
     shutil.copytree(tiny_runs["llm"], root / "old_run", ignore=without_others_samples)
+    with ui_server(root) as url:
+        yield url, root
+
+
+@contextmanager
+def ui_server(root: Path) -> Iterator[str]:
+    """`python -m toolkit ui --port 0` on the outputs root `root`; yields its URL. Its jobs are killed after."""
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", "ui", "--port", "0", "--outputs", str(root)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = [proc.stdout.readline() for _ in range(2)]
         assert lines[1].strip().startswith("open http://127.0.0.1:"), lines
-        yield lines[1].split("open ", 1)[1].strip(), root
+        yield lines[1].split("open ", 1)[1].strip()
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)

@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--checkpoint", type=int, default=None, metavar="STEP",
                         help="the LoRA of checkpoints/step-STEP instead of final/")
     sample.add_argument("--prompt", action="append", default=None, metavar="TEXT",
-                        help="a prompt (repeat for more); default: the run's sample.prompts")
+                        help="a prompt (repeat for more); default: the run's sample.prompts, else (an llm trained "
+                        "with train.objective) the first 3 prompts of its training data")
     sample.add_argument("--seed", type=int, default=None, help="sampling seed (default: the run's sample.seed)")
     sample.add_argument("--out", default=None, metavar="DIR",
                         help="a new folder for the samples (default: RUN_DIR/samples/cli-<time>-<final|step-N>/)")

@@ -46,8 +46,10 @@ def new_output_folder(run_dir: Path, tag: str, out: Path | None) -> Path:
     raise UserError(f"sample: could not create a new folder {samples / stem}-N")
 
 
-def load_sampling_run(run_dir: Path, overrides: list[str], prompts: list[str] | None, seed: int | None):
-    """The run's resolved config with the overrides (resume-safe keys only), prompts and seed applied."""
+def load_sampling_run(run_dir: Path, overrides: list[str], prompts: list[str] | None, seed: int | None,
+                      log: Callable[[str], None] = print):
+    """The run's resolved config with the overrides (resume-safe keys only), prompts and seed applied; with no
+    prompts there, the training data's (toolkit/sample_prompts.py)."""
     from toolkit.plan.run import load_run
     from toolkit.train.resume import is_resume_safe
 
@@ -69,7 +71,10 @@ def load_sampling_run(run_dir: Path, overrides: list[str], prompts: list[str] | 
 
     run = load_run([config], overrides + extra, check_paths=sample_checks)
     if not list(run.cfg.sample.prompts):
-        raise UserError(f"sample: the run has no sample.prompts ({config})\n  fix: give --prompt TEXT")
+        from toolkit.sample_prompts import prompts_from_training_data
+
+        found = prompts_from_training_data(run.cfg, config, log)
+        run = load_run([config], overrides + extra + [f"sample.prompts={json.dumps(found)}"], check_paths=sample_checks)
     return run
 
 
@@ -84,7 +89,7 @@ def sample_run(run_dir: str | Path, step: int | None = None, prompts: list[str] 
 
     run_dir = Path(run_dir)
     source = run_lora(run_dir, step, log)  # a missing folder, step or LoRA is reported before any model loads
-    run = load_sampling_run(run_dir, list(overrides), prompts, seed)
+    run = load_sampling_run(run_dir, list(overrides), prompts, seed, log)
     cfg = run.cfg
     with LoraSnapshot(source) as lora:  # copied now: the run may rotate its checkpoints while the model loads
         runtime = Runtime(device=torch.device(run.device.torch_device), info=run.device,

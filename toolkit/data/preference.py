@@ -30,6 +30,16 @@ def is_messages(value: Any) -> bool:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value))
 
 
+def prompt_text(prompt: Any) -> str | None:
+    """A record's prompt as a sample prompt: the string, or a conversation's last user message (sampling renders
+    it through the chat template again); None when it is neither."""
+    if isinstance(prompt, str):
+        return prompt
+    if is_messages(prompt):
+        return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), None)
+    return None
+
+
 def _check_fields(record: dict, fmt: str, path: str) -> None:
     missing = [name for name in FIELDS[fmt] if name not in record]
     if missing:

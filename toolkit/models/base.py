@@ -197,6 +197,14 @@ class ModelAdapter(ABC):
         """Without training (the `sample` command: load(), load_lora(), then this): what sample() needs that
         prepare_data() would have done."""
 
+    @classmethod
+    def training_prompts(cls, cfg: DictConfig, count: int) -> tuple[list[str], str]:
+        """For `sample` with no --prompt and no sample.prompts: up to `count` prompts of the run's training data and
+        where they came from (never empty), read without loading the model; a UserError says why the data gives none."""
+        from toolkit.errors import UserError
+
+        raise UserError(f"model.family={cfg.model.family} takes no sample prompts from its training data")
+
     def begin_step(self, step: int) -> None:
         """Called before optimizer step `step` (1-based), for state that follows the step number."""
 

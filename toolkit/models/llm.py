@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import torch
 from omegaconf import DictConfig
 
-from toolkit.data.preference import ExampleData, build_example_data
+from toolkit.data.preference import ExampleData, build_example_data, prompt_text
 from toolkit.data.records import read_records
 from toolkit.data.text import TextData, build_text_data, detect_format, render_chat
 from toolkit.errors import UserError
@@ -386,6 +386,19 @@ class LLMAdapter(ModelAdapter):
         if data.format != "auto":
             return data.format
         return detect_format(read_records(data.path)[0], "auto", data.text_field, data.path)
+
+    @classmethod
+    def training_prompts(cls, cfg: DictConfig, count: int) -> tuple[list[str], str]:
+        """The first `count` distinct prompts of an objective's data (dpo, orpo, kto, grpo: the `prompt` field, of a
+        conversation its last user message); sft data has no prompts apart from their answers."""
+        if cfg.train.objective == "sft":
+            raise UserError("train.objective=sft: its training data is not split into prompts and answers")
+        records = read_records(cfg.data.path)
+        prompts = list(dict.fromkeys(p for p in (prompt_text(r.get("prompt")) for r in records) if p))[:count]
+        if not prompts:
+            raise UserError(f"data.path={cfg.data.path}: no record has a 'prompt'")
+        return prompts, (f"the first {len(prompts)} prompts of the training data (data.path={cfg.data.path}, "
+                         f"train.objective={cfg.train.objective})")
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """Token ids of a sample prompt: through the chat template (add_generation_prompt) for chat data."""

@@ -187,12 +187,19 @@ def create_app(root: Path, token: str | None = None, local_only: bool = False, j
         return JSONResponse({"job": _job_json(job)}, 201)
 
     async def sample(request: Request) -> Response:
+        """Queue `sample RUN [--checkpoint STEP] [--prompt=TEXT ...]` from {"step": N or null, "prompts": [...]}; with
+        no prompts, `sample` takes the run's sample.prompts (or its training data's, and says so in the job's log)."""
         name = request.path_params["name"]
         run = run_or_404(name)
         if not run.is_dir():
             return _error(f"run folder {run} does not exist (deleted?)", 404)
-        step = (await request.json()).get("step")
+        body = await request.json()
+        step, prompts = body.get("step"), body.get("prompts", [])
+        if not (isinstance(prompts, list) and all(isinstance(p, str) for p in prompts)):
+            raise UserError("prompts: expected a list of strings, one prompt each")
         args = ["sample", str(run)] + (["--checkpoint", str(int(step))] if step is not None else [])
+        # --prompt=TEXT: a prompt that starts with '-' stays the option's value
+        args += [f"--prompt={p.strip()}" for p in prompts if p.strip()]
         job = queue.submit("sample", name, args)
         return JSONResponse({"job": _job_json(job)}, 201)
 

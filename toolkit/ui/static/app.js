@@ -146,13 +146,20 @@ async function runPage(name) {
   const head = el("div");
   const charts = {loss: el("div", {class: "chart", id: "chart-loss"}), eval: el("div", {class: "chart", id: "chart-eval"}),
                   lr: el("div", {class: "chart", id: "chart-lr"})};
-  const sections = {samples: el("section", {id: "samples"}), checkpoints: el("section", {id: "checkpoints"}),
+  // The prompts box is made once: the checkpoint list and the sample job below it are redrawn, the box is not
+  // (what the user typed, and the focus, stay).
+  const promptBox = el("textarea", {id: "sample-prompts", rows: 3, spellcheck: "false",
+    placeholder: "one prompt a line (empty: the run's sample.prompts; an llm trained with an objective: the first 3 prompts of its data)"});
+  const checkpointList = el("div", {id: "checkpoint-list"}), sampleJobBox = el("div", {id: "sample-job-box"});
+  const sections = {samples: el("section", {id: "samples"}),
+                    checkpoints: el("section", {id: "checkpoints"}, el("h2", {}, "Checkpoints"),
+                      el("label", {class: "prompts"}, "Prompts to sample from", promptBox), checkpointList, sampleJobBox),
                     decisions: el("section", {id: "decisions"}), config: el("section", {id: "config"}),
                     job: el("section", {id: "job"})};
   main.replaceChildren(el("h1", {}, name, " ", el("span", {id: "run-status"})), head,
     el("h2", {}, "Charts"), el("div", {class: "charts"}, charts.loss, charts.eval, charts.lr),
     sections.samples, sections.checkpoints, sections.decisions, sections.config, sections.job);
-  let row = null, counts = "", source = null, poll = null, sampleIndex = null;
+  let row = null, counts = "", source = null, poll = null, sampleIndex = null, sampleRounds = 0;
 
   function redrawCharts() {
     const series = (key) => {
@@ -192,7 +199,9 @@ async function runPage(name) {
     const box = sections.samples;
     box.replaceChildren(el("h2", {}, "Samples"));
     if (!sets.length) { box.append(el("p", {class: "note"}, "no samples yet")); return; }
-    if (sampleIndex === null || sampleIndex >= sets.length) sampleIndex = sets.length - 1;
+    // on the newest round (or none yet): follow a newer one (a sample job's) as it appears
+    if (sampleIndex === null || sampleIndex >= sampleRounds - 1 || sampleIndex >= sets.length) sampleIndex = sets.length - 1;
+    sampleRounds = sets.length;
     const label = el("b", {id: "sample-step"});
     const grid = el("div", {class: "samples-grid", id: "sample-grid"});
     const show = () => {
@@ -208,22 +217,41 @@ async function runPage(name) {
     show();
   }
 
+  async function startSample(step) {
+    const prompts = promptBox.value.split("\n").map((p) => p.trim()).filter(Boolean);
+    try { await api(`/api/runs/${q}/sample`, {step, prompts}); showError(""); } catch (err) { showError(err.message); }
+    await loadDetail();
+  }
+
+  function renderSampleJob(job) {
+    sampleJobBox.replaceChildren();
+    if (!job) return;
+    const lines = (job.log_tail || "").split("\n");
+    const error = lines.map((l) => l.startsWith("error:")).lastIndexOf(true);
+    const failed = job.exit_code !== null && job.exit_code !== 0;
+    sampleJobBox.append(el("p", {id: "sample-job", class: "note"}, `sample job ${job.id}: ${job.state}` +
+      (job.exit_code !== null ? ` (exit ${job.exit_code})` : "")),
+      failed && error >= 0 ? el("pre", {id: "sample-error", class: "problem"}, lines.slice(error).join("\n")) : null,
+      el("pre", {class: "log", id: "sample-log"}, job.log_tail || ""));
+    const log = sampleJobBox.lastChild;
+    log.scrollTop = log.scrollHeight;  // its last lines: what the job ended with
+  }
+
   function renderCheckpoints(d) {
-    const box = sections.checkpoints;
-    box.replaceChildren(el("h2", {}, "Checkpoints"));
+    const box = checkpointList;
+    box.replaceChildren();
     const links = (files) => files.map((f) => el("div", {}, el("a", {href: fileUrl(name, f.url_path, true)}, f.name), " ",
       el("span", {class: "note"}, fmt.bytes(f.bytes))));
     const table = el("table", {id: "checkpoint-table"}, el("thead", {}, el("tr", {}, ["step", "saved", "LoRA files", ""].map((h) => el("th", {}, h)))),
       el("tbody", {}, d.checkpoints.map((c) => el("tr", {"data-step": c.step}, el("td", {class: "num"}, c.step),
         el("td", {}, fmt.time(c.time)), el("td", {}, links(c.files)),
-        el("td", {}, el("button", {class: "sample-from", onclick: () => api(`/api/runs/${q}/sample`, {step: c.step})
-          .then(() => { showError(""); loadDetail(); }).catch((e) => showError(e.message))}, "sample from this checkpoint"), " ",
+        el("td", {}, el("button", {class: "sample-from", onclick: () => startSample(c.step)}, "sample from this checkpoint"), " ",
           el("button", {class: "continue-from", onclick: () => { location.hash = `#/new?continue=${q}&step=${c.step}`; }},
             "continue from this LoRA"))))));
     box.append(d.checkpoints.length ? table : el("p", {class: "note"}, "no checkpoints yet"));
-    if (d.final.length) box.append(el("h3", {}, "final/"), ...links(d.final));
-    if (d.sample_job) box.append(el("p", {id: "sample-job", class: "note"}, `sample job ${d.sample_job.id}: ${d.sample_job.state}` +
-      (d.sample_job.exit_code !== null ? ` (exit ${d.sample_job.exit_code})` : "")));
+    if (d.final.length) box.append(el("h3", {}, "final/ ", el("button", {id: "sample-final", onclick: () => startSample(null)},
+      "sample from final/")), ...links(d.final));
+    renderSampleJob(d.sample_job);
   }
 
   function renderDecisions(d) {
