@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def test_layers_later_wins_and_sources(tmp_path, base_yaml):
 
 def test_interpolation_follows_the_final_value(base_yaml):
     run = load_run([base_yaml], ["run.name=other"], device=CPU)
-    assert run.cfg.run.output_dir == "outputs/other"
+    assert run.cfg.run.output_dir == os.path.abspath("outputs/other")  # made absolute where read
 
 
 def test_all_problems_reported_together(tmp_path, base_yaml):
@@ -128,7 +129,7 @@ def test_cli_validate_prints_sources(tmp_path, base_yaml):
     assert lines["train.lr"].rstrip().endswith(f"# {base_yaml}:4")
     assert "# preset cpu" in lines["train.optimizer_backend"]
     assert "# auto: frozen base weights follow train.precision" in lines["model.dtype"]
-    assert lines["run.output_dir"].split("=", 1)[1].split("#")[0].strip() == "outputs/t"
+    assert lines["run.output_dir"].split("=", 1)[1].split("#")[0].strip() == str(tmp_path / "outputs/t")
 
 
 def flux_yaml(tmp_path: Path, extra: str = "") -> Path:

@@ -14,7 +14,7 @@ from toolkit.config.fields import opt
 
 @dataclass
 class TextDataSection:
-    path: str = opt(MISSING, "Training data: a .jsonl, .json, .parquet or .txt file.")
+    path: str = opt(MISSING, "Training data: a .jsonl, .json, .parquet or .txt file.", path="local")
     format: str = opt("auto", "Sample format: auto (detect from the fields), text, alpaca or chat ({role, content} "
                       "messages, or ShareGPT's conversations of {from, value}) for train.objective=sft; preference "
                       "(prompt/chosen/rejected: dpo, orpo), unpaired (prompt/completion/label: kto) or prompt "
@@ -25,7 +25,8 @@ class TextDataSection:
     max_seq_len: int = opt(512, "Tokens per sequence; longer samples are truncated.", minimum=8)
     packing: bool = opt(False, "Pack several samples into each sequence (no attention across samples).")
     train_on_prompt: bool = opt(False, "Also compute the loss on prompt/user tokens (alpaca, chat).")
-    eval_path: Optional[str] = opt(None, "Held-out data file for eval loss; else eval_fraction of path is held out.")
+    eval_path: Optional[str] = opt(None, "Held-out data file for eval loss; else eval_fraction of path is held out.",
+                                   path="local")
     eval_fraction: float = opt(0.0, "Fraction of the training samples held out for eval when eval_path is unset.",
                                minimum=0.0)
 
@@ -35,7 +36,7 @@ class VisionChatDataSection:
     path: str = opt(MISSING, "Training data: a .jsonl, .json or .parquet file of chats, each {\"messages\": [...], "
                     "\"images\": [...]} (TRL's vision format): a message's content is a string or a list of parts, "
                     "{\"type\": \"text\", \"text\": ...} or {\"type\": \"image\"} (the record's next image; or "
-                    "{\"type\": \"image\", \"image\": PATH}). Image paths are taken from the data file's folder.")
+                    "{\"type\": \"image\", \"image\": PATH}). Image paths are taken from the data file's folder.", path="local")
     max_seq_len: int = opt(1024, "Tokens per sequence, image tokens included; longer chats are truncated after their "
                            "last image (one whose images alone are longer is an error).", minimum=8)
     min_pixels: int = opt(0, "Smallest image area the processor resizes to (its min_pixels); 0: the model's "
@@ -43,7 +44,8 @@ class VisionChatDataSection:
     max_pixels: int = opt(0, "Largest image area the processor resizes to (its max_pixels: fewer image tokens); 0: "
                           "the model's preprocessor_config.json.", minimum=0)
     train_on_prompt: bool = opt(False, "Also compute the loss on the prompt/user tokens (never on image tokens).")
-    eval_path: Optional[str] = opt(None, "Held-out data file for eval loss; else eval_fraction of path is held out.")
+    eval_path: Optional[str] = opt(None, "Held-out data file for eval loss; else eval_fraction of path is held out.",
+                                   path="local")
     eval_fraction: float = opt(0.0, "Fraction of the training samples held out for eval when eval_path is unset.",
                                minimum=0.0)
 
@@ -56,7 +58,7 @@ FILE_DATA_SCHEMAS = (TextDataSection, VisionChatDataSection)
 class DatasetEntry:
     """One more dataset beside the one data.path names (data.datasets); unset keys take the data section's."""
 
-    path: str = opt(MISSING, "Folder of images with same-name captions (or a metadata.jsonl).")
+    path: str = opt(MISSING, "Folder of images with same-name captions (or a metadata.jsonl).", path="local")
     resolution: Optional[int] = opt(None, "Training resolution for this dataset; unset: data.resolution.", minimum=64)
     resolutions: Optional[List[int]] = opt(None, "Several training resolutions for this dataset; unset: "
                                            "data.resolutions.")
@@ -74,7 +76,7 @@ class DatasetEntry:
 
 @dataclass
 class ImageDataSection:
-    path: str = opt(MISSING, "Folder of images with same-name .txt captions (or a metadata.jsonl).")
+    path: str = opt(MISSING, "Folder of images with same-name .txt captions (or a metadata.jsonl).", path="local")
     resolution: int = opt(512, "Training resolution (the side of a square of the same area).", minimum=64)
     caption_ext: str = opt(".txt", "Caption file extension (txt, without the dot, works too).")
     default_caption: str = opt("", "Caption for images that have none.")
@@ -136,7 +138,7 @@ class ImageDataSection:
     mask_min: float = opt(0.0, "Loss weight outside the mask (black); 0 ignores what the mask leaves out.",
                           minimum=0.0, maximum=1.0)
     mask_folder: Optional[str] = opt(None, "Folder of masks named as the images (name.png); unset: masks/ inside "
-                                     "each dataset's folder. A mask beside the image (name.mask.png) comes first.")
+                                     "each dataset's folder. A mask beside the image (name.mask.png) comes first.", path="local")
 
 
 @dataclass
@@ -146,7 +148,7 @@ class ReferenceImageDataSection(ImageDataSection):
     reference_paths: List[str] = opt([], "Folders of reference images (ai-toolkit's control_path, control_path_1 .. "
                                      "_3): reference i of name.png is folder i's image with the stem name. Empty: "
                                      "references/name_ref0.png, name_ref1.png, ... (or references/name.png) inside "
-                                     "the dataset folder, else name_ref0.png, name_ref1.png, ... beside the target.")
+                                     "the dataset folder, else name_ref0.png, name_ref1.png, ... beside the target.", path="local")
     references: Union[int, str] = opt("auto", "References per target: a number (a target with fewer or more is an "
                                       "error naming it), or auto: each target has the ones it has (at least one for "
                                       "the edit families; FLUX.2 trains plain when the dataset has none).",

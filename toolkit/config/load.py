@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config.layers import Layer, peek
+from toolkit.config.local_paths import make_absolute
 from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS
 from toolkit.config.foreign_keys import foreign_key_hint
 from toolkit.config.schema import SAVE_FORMATS, RunConfig, family_sections
@@ -316,6 +317,8 @@ def merge_layers(layers: list[Layer], problems: list[str] | None = None,
         except OmegaConfBaseException as err:
             key = getattr(err, "full_key", "") or "?"
             problems.append(f"'{key}' in {sources.get(key, DEFAULTS_LABEL)}: {str(err).splitlines()[0]}")
+        else:
+            make_absolute(cfg)  # config.yaml then names the same files from any working folder
     _check_values(cfg, sources, problems)
     _check_optimizer_args(cfg, sources, problems)
     if family is not None:

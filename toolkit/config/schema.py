@@ -37,7 +37,7 @@ QUANTIZED = ("8bit", "4bit", "fp8")  # model.quantize values that replace the ba
 class RunSection:
     name: str = opt("lora", "Run name; the run folder is named after it by default.", resume_safe=True)
     output_dir: str = opt("outputs/${run.name}", "Run folder: config, checkpoints, samples, logs and the final LoRA.",
-                          resume_safe=True)
+                          resume_safe=True, path="local")
     seed: int = opt(42, "Seed for python, numpy and torch RNGs, the data order and the augmentation draws.")
 
 
@@ -90,7 +90,8 @@ class DeviceSection:
 class ModelSection:
     family: str = opt(MISSING, "Model family: " + "; ".join(f"{s.name} ({s.description})" for s in FAMILY_SPECS.values())
                       + ".", choices=FAMILIES)
-    name_or_path: str = opt(MISSING, "Hub id or local folder loaded with from_pretrained; tiny:<family> for a tiny test model.")
+    name_or_path: str = opt(MISSING, "Hub id or local folder loaded with from_pretrained; tiny:<family> for a tiny "
+                            "test model.", path="existing")
     revision: Optional[str] = opt(None, "Hub revision (branch, tag or commit) of name_or_path.")
     dtype: str = opt("auto", "dtype of the frozen base weights; auto follows train.precision.", choices=PRECISIONS)
     attention: str = opt("auto", "Attention implementation: auto (the preset's), sdpa, eager, flash_attention_2.",
@@ -160,7 +161,7 @@ class NetworkSection:
                                    "PEFT adapter folder (llm), a run folder (its final/) or a checkpoint folder. Its "
                                    "rank must equal network.rank; its scale is kept (the update is the file's whatever "
                                    "network.alpha says); modules it does not cover start as usual. Steps, optimizer "
-                                   "and schedule start fresh. A run that resumes from a checkpoint ignores it.")
+                                   "and schedule start fresh. A run that resumes from a checkpoint ignores it.", path="existing")
 
 
 @dataclass
@@ -296,7 +297,7 @@ class TrainSection:
                           choices=("auto", "eager", "compiled"), resume_safe=True)
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "
-                                   "checkpoint path.", resume_safe=True)
+                                   "checkpoint path.", resume_safe=True, path="existing")
     eval_every: int = opt(0, "llm: compute the eval loss every N steps, when there is eval data (0: only at the end); "
                           "the diffusion families: eval.every.",
                           minimum=0, resume_safe=True)
@@ -369,11 +370,11 @@ class SampleSection:
     images: List[str] = opt([], "Wan image-to-video: the start image of each sample, one per prompt (or one for "
                             "all), resized to cover the sample size and centre-cropped. vlm: the image each prompt "
                             "asks about (one per prompt, or one for all), resized by the model's processor.",
-                            resume_safe=True)
+                            resume_safe=True, path="local")
     references: List[List[str]] = opt([], "Edit families (qwen_image_edit, flux_kontext, flux2): the reference images "
                                       "of each sample, one list per prompt (the edit pipeline's `image`), e.g. "
                                       "[[ref0.png, ref1.png], [other.png]]; required for the edit families.",
-                                      resume_safe=True)
+                                      resume_safe=True, path="local")
 
 
 @dataclass
@@ -392,7 +393,7 @@ class EvalSection:
                               "data.path (same caption, resolution and bucket settings; no flips or crops). Its "
                               "denoising loss is computed at eval.timesteps fixed noise levels with fixed noise, so "
                               "every evaluation of every run (resumed or not) sees the same inputs; logged as "
-                              "eval_loss and plotted in report.html beside the training loss.")
+                              "eval_loss and plotted in report.html beside the training loss.", path="local")
     every: int = opt(0, "Diffusion: compute the eval loss every N steps when eval.path is set (0: only at the end).",
                      minimum=0, resume_safe=True)
     timesteps: int = opt(4, "Diffusion: the fixed noise levels each eval image is scored at, spread evenly over the "

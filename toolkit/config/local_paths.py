@@ -1,0 +1,106 @@
+"""Paths in a config made absolute where the config is read, so that the run folder's config.yaml names the same
+files from any working folder (the web UI's resume, `sample` and `train <run>/config.yaml` run elsewhere).
+
+The schema marks each path field (fields.opt(path=...)):
+- "local": a file or folder on this machine (data.path, run.output_dir, sample.images, ...), always made absolute
+  against the working folder, as every command reads it;
+- "existing": a value that may also be a Hub id or a word (model.name_or_path, network.init_from, train.resume),
+  made absolute only when it names something that exists here.
+
+Run folders written before this recorded the paths as given; `same_path` lets a resume compare such a relative
+path with the absolute one a config gives now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+LOCAL, EXISTING = "local", "existing"
+
+
+def _absolute(value: Any, kind: str) -> Any:
+    """`value` made absolute (lists of paths, and lists of them, element by element); anything else as it is."""
+    if isinstance(value, (list, tuple, ListConfig)):
+        return [_absolute(v, kind) for v in value]
+    if not isinstance(value, str) or not value or "://" in value or value.startswith("tiny:"):
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    if kind == EXISTING and not path.exists():
+        return value  # a Hub id, or a word such as auto
+    return os.path.abspath(path)
+
+
+def _is_section(node: Any) -> bool:
+    return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
+
+
+def _section_paths(node: DictConfig) -> None:
+    kind_of = {f.name: f.metadata.get("path") for f in dataclasses.fields(OmegaConf.get_type(node))}
+    for key in list(node.keys()):
+        child = node._get_node(key)
+        if _is_section(child):
+            _section_paths(child)
+        elif isinstance(child, ListConfig) and len(child) and _is_section(child._get_node(0)):
+            for entry in child:
+                _section_paths(entry)
+        elif kind_of.get(key):
+            value = OmegaConf.select(node, str(key), throw_on_missing=False)
+            if isinstance(value, (ListConfig, DictConfig)):
+                value = OmegaConf.to_container(value, resolve=True)
+            made = _absolute(value, kind_of[key])
+            if made != value:
+                node[key] = made
+
+
+def make_absolute(cfg: DictConfig) -> None:
+    """Every path field of a merged, structured config made absolute in place (see the module's note)."""
+    _section_paths(cfg)
+
+
+def adopt_recorded_paths(saved: dict, current: dict, family: str | None) -> None:
+    """In `saved` (an older run's config.yaml), each relative path that names what `current` names replaced by
+    `current`'s absolute one, so that a resume compares the files, not how they were written."""
+    from toolkit.config.load import schema_for
+
+    _adopt(schema_for(family), saved, current)
+
+
+def _adopt(node: DictConfig, saved: dict, current: dict) -> None:
+    kind_of = {f.name: f.metadata.get("path") for f in dataclasses.fields(OmegaConf.get_type(node))}
+    for key in node.keys():
+        if key not in saved or key not in current:
+            continue
+        child, before, after = node._get_node(key), saved[key], current[key]
+        if _is_section(child):
+            if isinstance(before, dict) and isinstance(after, dict):
+                _adopt(child, before, after)
+        elif isinstance(child, ListConfig) and isinstance(before, list) and isinstance(after, list):
+            element = child._metadata.element_type
+            if dataclasses.is_dataclass(element):
+                for old, new in zip(before, after):
+                    if isinstance(old, dict) and isinstance(new, dict):
+                        _adopt(OmegaConf.structured(element), old, new)
+            elif kind_of.get(key) and before != after and same_path(before, after):
+                saved[key] = after
+        elif kind_of.get(key) and before != after and same_path(before, after):
+            saved[key] = after
+
+
+def same_path(before: Any, after: Any) -> bool:
+    """Whether a path recorded by an older run (`before`, possibly relative to a working folder not known any more)
+    names what `after` (absolute, from this toolkit) names: the same after resolving here, or `after` ending with it."""
+    if isinstance(before, list) and isinstance(after, list):
+        return len(before) == len(after) and all(same_path(b, a) for b, a in zip(before, after))
+    if not isinstance(before, str) or not isinstance(after, str) or Path(before).is_absolute():
+        return False
+    if _absolute(before, LOCAL) == after:
+        return True
+    tail = Path(os.path.normpath(before)).parts
+    return tail != (".",) and Path(after).parts[-len(tail):] == tail
