@@ -13,11 +13,12 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config.layers import Layer, peek
 from toolkit.config.local_paths import make_absolute
+from toolkit.config.objectives import OBJECTIVE_SETTINGS
 from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS
 from toolkit.config.foreign_keys import foreign_key_hint
 from toolkit.config.schema import SAVE_FORMATS, RunConfig, family_sections
@@ -248,6 +249,24 @@ def _check_family_settings(family: str, scoped: list[tuple[str, Any, Layer]], pr
                         f"(it applies to: {readers})")
 
 
+def _check_objective_settings(cfg: DictConfig, sources: dict[str, str], problems: list[str]) -> None:
+    """A setting that only some objectives read (config/objectives.py), set to other than its default for a
+    train.objective that does not read it."""
+    objective = OmegaConf.select(cfg, "train.objective", throw_on_missing=False)
+    if objective is None:  # not an LLM family: the family check reports the key
+        return
+    defaults = schema_defaults(None)
+    for key, readers in OBJECTIVE_SETTINGS.items():
+        if key not in sources or objective in readers:
+            continue
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        if value != defaults[key]:
+            problems.append(f"'{key}' in {sources[key]} has no effect with train.objective={objective}; remove it, "
+                            f"or set train.objective to one that reads it: {', '.join(readers)}")
+
+
 def _check_optimizer_args(cfg: DictConfig, sources: dict[str, str], problems: list[str]) -> None:
     """train.optimizer_args against what train.optimizer accepts (an unknown optimizer is reported by its choices)."""
     name = OmegaConf.select(cfg, "train.optimizer", throw_on_missing=False)
@@ -321,6 +340,7 @@ def merge_layers(layers: list[Layer], problems: list[str] | None = None,
             make_absolute(cfg)  # config.yaml then names the same files from any working folder
     _check_values(cfg, sources, problems)
     _check_optimizer_args(cfg, sources, problems)
+    _check_objective_settings(cfg, sources, problems)
     if family is not None:
         _check_family_settings(family, scoped, problems)
         _check_save_format(cfg, family, sources, problems)

@@ -174,6 +174,7 @@ class LLMAdapter(ModelAdapter):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         model.requires_grad_(False)
+        self._note_context(model.config)
         if self.cfg.save.format == "gguf":  # the package and the architecture's mapping, before any step
             check_gguf_export(model.config)
         if plan.after_load:
@@ -373,6 +374,16 @@ class LLMAdapter(ModelAdapter):
                     total += float(self.objective.loss(batch, self.forward_module))
                 count += self.objective.units(batch)[0]
         return total / count if count else None
+
+    def _note_context(self, config) -> None:
+        """Say so when data.max_seq_len is past the positions the model was trained on: it trains (rope runs on),
+        but the model has not learned those positions, and a length past them is most often a typo."""
+        context = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
+        if isinstance(context, int) and self.cfg.data.max_seq_len > context:
+            self.log(f"note: data.max_seq_len={self.cfg.data.max_seq_len} is past the model's context of {context} "
+                     f"tokens (max_position_embeddings in its config.json): sequences longer than {context} train on "
+                     f"positions the model never saw; set data.max_seq_len={context} unless you extend its context "
+                     "on purpose (with rope_scaling in the model's config)")
 
     # -- sampling --------------------------------------------------------------------------
     def data_format(self) -> str:
