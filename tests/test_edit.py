@@ -328,14 +328,45 @@ def test_flux_references_are_placed_as_the_pipeline_places_them(family, tmp_path
 
 
 @pytest.mark.parametrize("setting, fix", [
-    ("data.caption_dropout=0.1", "fix: set data.caption_dropout=0"),
-    ("data.shuffle_tags=true", "fix: set data.shuffle_tags=false"),
-    ("data.cache_latents=false", "fix: set data.cache_latents=true"),
+    ("data.caption_dropout=0.1", "set data.caption_dropout=0"),
+    ("data.shuffle_tags=true", "set data.shuffle_tags=false"),
+    ("data.cache_latents=false", "set data.cache_latents=true"),
 ])
-def test_qwen_image_edit_refuses_captions_that_change_per_step(setting, fix, tmp_path, run_cli, capsys):
+def test_qwen_image_edit_refuses_captions_that_change_per_step(setting, fix, run_cli, capsys):
     """Its text is encoded with each target's references and cached with the latents: settings that would change
-    it per step are refused by name before any data is read."""
-    assert run_cli(*diffusion_train_args("quickstart_qwen_image_edit.yaml", tmp_path / "run", setting)) == 2
+    it per step are named by validate (and train) before the model loads."""
+    assert run_cli("validate", REPO / "configs/examples/quickstart_qwen_image_edit.yaml", setting) == 2
     err = capsys.readouterr().err
-    assert f"{setting.split('=')[0]}: qwen_image_edit encodes each caption with its reference images once" in err
-    assert fix in err and "Traceback" not in err
+    key, value = setting.split("=")
+    assert (f"'{key}' is {value}: qwen_image_edit encodes each "
+            "caption with its reference images once and caches it with the latents, so captions cannot change per "
+            f"step: {fix}") in err and "Traceback" not in err
+
+
+KONTEXT_REF = "configs/examples/data/kontext/blue_circle_ref0.png"
+
+
+@pytest.mark.parametrize("config, overrides, expected", [
+    ("quickstart_flux_kontext.yaml", ["data.references=2"],
+     "'data.references' is 2, and flux_kontext's pipeline takes 1 reference image per target: set "
+     "data.references=1 (or auto), or train a family that takes 2: qwen_image_edit (1-3), flux2 (any number, or "
+     "none)"),
+    ("quickstart_flux_kontext.yaml", [f"sample.references=[[{KONTEXT_REF},{KONTEXT_REF}]]"],
+     "'sample.references[0]' holds 2 images, and flux_kontext's pipeline takes 1 reference image per prompt: keep 1"),
+    ("quickstart_qwen_image_edit.yaml", ["data.references=4"],
+     "'data.references' is 4, and qwen_image_edit's pipeline takes 1-3 reference images per target: set "
+     "data.references=3 (or auto), or train a family that takes 4: flux2 (any number, or none)"),
+    ("quickstart_qwen_image_edit.yaml", ["sample.references=[]"],
+     "'sample.references': qwen_image_edit edits reference images, and a sample prompt has none: set "
+     "sample.references: [[ref.png], ...] (one list per prompt), or sample.prompts: []"),
+    ("quickstart_flux_kontext.yaml", ["sample.prompts=[a,b]"],
+     "'sample.references': 1 lists for 2 prompts: give one list of reference images per prompt, in the order of "
+     "sample.prompts"),
+    ("quickstart_flux_kontext.yaml", [f"sample.references=[[{REPO}/configs/examples/data/kontext/no_such.png]]"],
+     f"'sample.references[0]' in command line: {REPO}/configs/examples/data/kontext/no_such.png does not exist; give "
+     "an image file"),
+])
+def test_validate_names_references_the_family_cannot_take(config, overrides, expected, run_cli, capsys):
+    assert run_cli("validate", REPO / "configs/examples" / config, *overrides) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err

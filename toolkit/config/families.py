@@ -61,6 +61,10 @@ class FamilySpec:
     recompute_auto: str | None = None   # train.compile_recompute=auto is pointwise; None: none
     keeps_auto: str | None = None       # train.checkpoint_keeps=auto is attention; None: nothing
     pipeline_class: str = ""            # model_index.json _class_name of a diffusers folder; "": a transformers folder
+    # Reference images per target (data.references) and per sample prompt (sample.references): the fewest and the
+    # most the family's pipeline takes (None: any number). Families without reference images leave them.
+    references: tuple[int, int | None] | None = None
+    fixed_captions: str = ""            # why a sample's caption cannot change from step to step ("": it can)
 
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
@@ -112,7 +116,9 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                EDIT_SETTINGS | {"sample.negative_prompt"}, "Qwen-Image-Edit-2509 / 2511 (1-3 reference images)",
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"qwen_image_edit": "toolkit.tiny.qwen_image_edit:write_tiny_qwen_image_edit"},
-               pipeline_class="QwenImageEditPlusPipeline"),
+               pipeline_class="QwenImageEditPlusPipeline", references=(1, 3),
+               fixed_captions="qwen_image_edit encodes each caption with its reference images once and caches it "
+                              "with the latents"),
     FamilySpec("z_image", "toolkit.models.diffusion_zimage:ZImageAdapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Z-Image / Z-Image-Turbo", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
@@ -120,7 +126,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec("flux2", "toolkit.models.diffusion_flux2:Flux2Adapter", ReferenceImageDataSection,
                FLOW_SETTINGS | {"train.guidance", "sample.references"}, "FLUX.2 [dev] (reference images optional)", timestep_sampling="logit_normal", batch_cap=1,
                save_formats=("diffusers", "comfyui"), tiny={"flux2": "toolkit.tiny.flux2:write_tiny_flux2"},
-               pipeline_class="Flux2Pipeline"),
+               pipeline_class="Flux2Pipeline", references=(0, None)),
     # Chroma's blocks are Flux's without their modulation layers: compile and the kept attention are on by Flux's
     # measurements (not yet measured on Chroma itself).
     FamilySpec("chroma", "toolkit.models.diffusion_chroma:ChromaAdapter", ImageDataSection,
@@ -146,7 +152,8 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec("flux_kontext", "toolkit.models.diffusion_flux_kontext:FluxKontextAdapter", ReferenceImageDataSection,
                EDIT_SETTINGS | {"train.guidance"}, "FLUX.1 Kontext [dev] (one reference image)",
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
-               tiny={"flux_kontext": "toolkit.tiny.flow:write_tiny_flux_kontext"}, pipeline_class="FluxKontextPipeline"),
+               tiny={"flux_kontext": "toolkit.tiny.flow:write_tiny_flux_kontext"}, pipeline_class="FluxKontextPipeline",
+               references=(1, 1)),
     FamilySpec("vlm", "toolkit.models.vlm:VLMAdapter", VisionChatDataSection, VLM_SETTINGS,
                "vision-language chat models through AutoModelForImageTextToText: Qwen2.5-VL, Qwen3-VL",
                save_formats=("peft",),

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from toolkit.config.families import family_spec
 from toolkit.data.references import ReferenceSizing, open_image, sample_references
 from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FlowMatching
@@ -70,10 +71,11 @@ class Flux2Adapter(ReferencedTargets, FlowMatching, DiffusionAdapter):
         super().setup_training()
         self.scheduler_shift()  # dynamic (the config says so) unless train.flow_shift is a number
         self.guidance_embeds = bool(self.pipe.transformer.config.guidance_embeds)
-        self.references = References(ReferenceSizing(multiple=16, upscale=False), self.encode_pixels, self.to_device,
-                                     required=False, data=self.cfg.data)
+        fewest, most = family_spec(self.cfg.model.family).references
+        self.references = References(ReferenceSizing(multiple=16, upscale=False, max_references=most),
+                                     self.encode_pixels, self.to_device, required=fewest > 0, data=self.cfg.data)
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
-                                             required=False)
+                                             required=fewest > 0)
 
     # -- noise levels ----------------------------------------------------------------------
     def sampler_for(self, latents: torch.Tensor) -> SigmaSampler:

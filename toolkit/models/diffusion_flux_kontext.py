@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from toolkit.config.families import family_spec
 from toolkit.data.references import ReferenceSizing, open_image, sample_references
 from toolkit.models.diffusion_base import DiffusionAdapter
 from toolkit.models.diffusion_flow import Flux
@@ -31,10 +32,11 @@ class FluxKontextAdapter(ReferencedTargets, Flux, DiffusionAdapter):
 
     def setup_training(self) -> None:
         super().setup_training()
-        self.references = References(ReferenceSizing(multiple=16, max_references=1), self.encode_pixels,
-                                     self.to_device, required=True, data=self.cfg.data)
+        fewest, most = family_spec(self.cfg.model.family).references
+        self.references = References(ReferenceSizing(multiple=16, max_references=most), self.encode_pixels,
+                                     self.to_device, required=fewest > 0, data=self.cfg.data)
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
-                                             required=True)
+                                             required=fewest > 0)
 
     # -- references for predict ------------------------------------------------------------
     def reference_latents(self, batch: dict[str, Any]) -> list[torch.Tensor]:

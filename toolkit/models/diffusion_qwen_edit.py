@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from toolkit.config.families import family_spec
 from toolkit.data.augment import View
 from toolkit.data.images import load_image_view
 from toolkit.data.references import ReferenceSizing, open_image, sample_references
@@ -38,7 +39,6 @@ from toolkit.models.diffusion_qwen import QwenImage
 from toolkit.models.references import References
 
 CONDITION_AREA = 384 * 384  # QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE: what the text encoder sees
-MAX_REFERENCES = 3
 
 
 def condition_size(size: tuple[int, int]) -> tuple[int, int]:
@@ -69,27 +69,15 @@ class QwenImageEditAdapter(QwenImage, DiffusionAdapter):
 
     def setup_training(self) -> None:
         super().setup_training()
-        self.refuse_varying_text()
+        # Settings that would change a caption per step are refused before the model loads (FamilySpec.fixed_captions,
+        # plan/static_checks.py): its text is encoded with the references and cached with the latents.
         self.dop_captions: list[str | None] | None = None  # train.dop_class: each training item's class caption
         self.class_caption_of: dict[tuple, str] = {}  # class_key(item) -> what its preservation pass is encoded with
-        self.references = References(ReferenceSizing(multiple=32, max_references=MAX_REFERENCES),
-                                     self.encode_pixels, self.to_device, required=True, data=self.cfg.data)
+        fewest, most = family_spec(self.cfg.model.family).references
+        self.references = References(ReferenceSizing(multiple=32, max_references=most), self.encode_pixels,
+                                     self.to_device, required=fewest > 0, data=self.cfg.data)
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
-                                             required=True)
-
-    def refuse_varying_text(self) -> None:
-        """The text embeddings are cached per view with the references: a setting that changes them per step
-        cannot apply."""
-        data = self.cfg.data
-        for key, on, fix in (("data.caption_dropout", data.caption_dropout > 0, "data.caption_dropout=0"),
-                             ("data.shuffle_tags", data.shuffle_tags, "data.shuffle_tags=false"),
-                             ("data.tag_dropout", data.tag_dropout > 0, "data.tag_dropout=0"),
-                             ("data.cache_latents", not data.cache_latents, "data.cache_latents=true"),
-                             ("data.cache_text_embeddings", not data.cache_text_embeddings,
-                              "data.cache_text_embeddings=true")):
-            if on:
-                raise UserError(f"{key}: qwen_image_edit encodes each caption with its reference images once and "
-                                  f"caches it with the latents, so captions cannot change per step\n  fix: set {fix}")
+                                             required=fewest > 0)
 
     # -- data ------------------------------------------------------------------------------
     def scan(self, data, log) -> list:

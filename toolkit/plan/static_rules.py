@@ -190,51 +190,6 @@ def dop_checks(f: Facts) -> None:
     return None
 
 
-@rule("train.reward", STATIC)
-def reward_checks(f: Facts) -> None:
-    """GRPO's rewards, before the model loads: built-in names known, a module:function's module found and defining
-    the function (read, not run: models/rewards.py's missing_reward), regex given its pattern, the pattern an
-    expression Python's re compiles."""
-    if not f.reads("train.reward") or f.asked("train.objective") != "grpo":
-        return None
-    import re
-
-    from toolkit.models.rewards import BUILTIN_REWARDS, IMPORT_FIX, missing_reward
-
-    names, pattern = list(f.asked("train.reward") or []), f.asked("train.reward_pattern")
-    for name in names:
-        if ":" not in name and name not in BUILTIN_REWARDS:
-            f.problems.append(f"'train.reward': unknown reward '{name}': use one of {', '.join(BUILTIN_REWARDS)}, "
-                              "or module:function")
-        elif ":" in name and (why := missing_reward(name)):
-            f.problems.append(f"'train.reward': cannot import '{name}': {why}: {IMPORT_FIX}")
-    if "regex" in names and not pattern:
-        f.problems.append("'train.reward': the regex reward needs train.reward_pattern: set it to the expression a "
-                          "good completion contains")
-    if pattern:
-        try:
-            re.compile(pattern)
-        except re.error as err:
-            f.problems.append(f"'train.reward_pattern': {pattern!r} is not a regular expression ({err}): fix it "
-                              "(Python's re syntax)")
-    return None
-
-
-@rule("save.format", STATIC)
-def save_format_checks(f: Facts) -> None:
-    """Checks only: save.format=gguf finds its package before the model loads (the base's architecture is checked
-    once its config has loaded, still before the first step)."""
-    if f.asked("save.format") != "gguf":
-        return None
-    import importlib.util
-
-    from toolkit.models.llm_gguf import GGUF_FIX, GGUF_MISSING
-
-    if importlib.util.find_spec("gguf") is None:
-        f.problems.append(f"'save.format': {GGUF_MISSING}: {GGUF_FIX}")
-    return None
-
-
 @rule("train.compile", STATIC)
 def compile_(f: Facts) -> Decision | None:
     """auto: on where the family was measured faster compiled and the run is long enough to repay the first

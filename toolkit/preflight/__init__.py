@@ -28,7 +28,7 @@ def path_checks(check_output: bool = True) -> PathCheck:
             return []
         files = FAMILY_SPECS[family].data_schema in FILE_DATA_SCHEMAS
         problems = data_problems(cfg, sources, files)
-        problems += sample_image_problems(cfg, sources)
+        problems += sample_image_problems(cfg, sources) + sample_reference_problems(cfg, sources)
         problems += frame_problems(cfg, sources, FAMILY_SPECS[family].data_schema)
         name = _value(cfg, "model.name_or_path")
         if isinstance(name, str) and name:
@@ -88,19 +88,27 @@ def data_problems(cfg: DictConfig, sources: dict, files: bool) -> list[str]:
 
 def sample_image_problems(cfg: DictConfig, sources: dict) -> list[str]:
     """sample.images (image-to-video start images): each an image file that exists."""
-    images = _value(cfg, "sample.images") or []
     where = sources.get("sample.images", DEFAULTS_LABEL)
-    problems = []
-    for image in images:
-        path = Path(str(image))
-        if not path.is_file():
-            relative = "" if path.is_absolute() else f" (relative paths are taken from {Path.cwd()})"
-            what = "is a folder" if path.is_dir() else "does not exist"
-            problems.append(f"'sample.images' in {where}: {path} {what}{relative}; give an image file")
-        elif (why := _unreadable_image(path)):
-            problems.append(f"'sample.images' in {where}: {path} is not an image that can be read ({why}); give a "
-                            ".png, .jpg or .webp file")
-    return problems
+    return [problem for image in _value(cfg, "sample.images") or []
+            if (problem := _image_problem("sample.images", where, Path(str(image))))]
+
+
+def sample_reference_problems(cfg: DictConfig, sources: dict) -> list[str]:
+    """sample.references (each sample prompt's reference images, edit families): each an image file that exists."""
+    where = sources.get("sample.references", DEFAULTS_LABEL)
+    return [problem for n, images in enumerate(_value(cfg, "sample.references") or []) for image in images
+            if (problem := _image_problem(f"sample.references[{n}]", where, Path(str(image))))]
+
+
+def _image_problem(key: str, where: str, path: Path) -> str:
+    """What is wrong with the image file `path` that `key` names ('' when nothing)."""
+    if not path.is_file():
+        relative = "" if path.is_absolute() else f" (relative paths are taken from {Path.cwd()})"
+        what = "is a folder" if path.is_dir() else "does not exist"
+        return f"'{key}' in {where}: {path} {what}{relative}; give an image file"
+    if (why := _unreadable_image(path)):
+        return f"'{key}' in {where}: {path} is not an image that can be read ({why}); give a .png, .jpg or .webp file"
+    return ""
 
 
 def frame_problems(cfg: DictConfig, sources: dict, schema: type) -> list[str]:
@@ -130,7 +138,7 @@ def frame_problems(cfg: DictConfig, sources: dict, schema: type) -> list[str]:
 
 def sample_checks(cfg: DictConfig, sources: dict) -> list[str]:
     """The PathCheck of the sample command: the files its sample.* overrides name."""
-    return sample_image_problems(cfg, sources)
+    return sample_image_problems(cfg, sources) + sample_reference_problems(cfg, sources)
 
 
 def _unreadable_image(path: Path) -> str:
