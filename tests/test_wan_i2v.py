@@ -198,12 +198,16 @@ def test_task_and_sample_image_mistakes_are_short_errors(tmp_path, run_cli, caps
         assert run_cli(*diffusion_train_args("quickstart_wan21_i2v.yaml", tmp_path / "run", *overrides)) == 2
         return capsys.readouterr().err
 
+    for kind in ("wan21-i2v", "wan21"):  # on this machine: the static checks read the task from the folder
+        resolve_model_path(f"tiny:{kind}")
     err = refused("model.task=t2v")
-    assert "model.task=t2v: tiny:wan21-i2v is an image-to-video model" in err and "Traceback" not in err
+    assert ("'model.task' is t2v, and tiny:wan21-i2v is an image-to-video model (its folder holds a "
+            "WanImageToVideoPipeline): set model.task=i2v (or auto)") in err and "Traceback" not in err
     err = refused("model.name_or_path=tiny:wan21", "model.task=i2v")
-    assert "model.task=i2v: tiny:wan21 is a text-to-video model" in err
-    assert "sample.images: tiny:wan21 trains text-to-video" in refused("model.name_or_path=tiny:wan21")
-    assert "sample.images: image-to-video samples start from an image, and none is set" in refused("sample.images=[]")
+    assert "model.task=i2v: tiny:wan21 is a text-to-video model" in err  # told by its transformer, once loaded
+    assert ("'sample.images': tiny:wan21 trains text-to-video (model.task=auto: its folder holds a WanPipeline), "
+            "whose samples take no start image") in refused("model.name_or_path=tiny:wan21")
+    assert "'sample.images' is empty, and tiny:wan21-i2v trains image-to-video" in refused("sample.images=[]")
     err = refused("sample.images=[missing.png]")
     assert "'sample.images' in command line: missing.png does not exist" in err
     assert run_cli("validate", REPO / "configs/examples/quickstart_sd.yaml", "model.task=i2v") == 2
@@ -216,3 +220,21 @@ def test_task_and_sample_image_mistakes_are_short_errors(tmp_path, run_cli, caps
     Image.new("RGB", (96, 64), "white").save(data / "red_circle.png")  # not the clip's 1:1 aspect ratio
     err = refused(f"data.path={data}")
     assert f"{data / 'red_circle.png'}: 96x64 does not have the aspect ratio of its clip red_circle.webp" in err
+
+
+@pytest.mark.parametrize("config, overrides, expected", [
+    ("quickstart_wan21_i2v.yaml", ["sample.images=[]"],
+     "'sample.images' is empty, and tiny:wan21-i2v trains image-to-video (model.task=auto: its folder holds a "
+     "WanImageToVideoPipeline): each sample starts from an image: set sample.images: [path/to/start.png] (one per "
+     "prompt, or one for all), or sample.prompts: []"),
+    ("quickstart_hunyuan15_i2v.yaml", ["sample.images=[]", "model.task=i2v"],
+     "'sample.images' is empty, and tiny:hunyuan15-i2v trains image-to-video (model.task=i2v): each sample starts "
+     "from an image"),
+    ("quickstart_wan21_i2v.yaml", ["sample.prompts=[a,b,c]", f"sample.images=[{START},{START}]"],
+     "'sample.images': 2 images for 3 prompts: give one image per prompt, or one for all"),
+])
+def test_validate_names_the_start_images_samples_need(config, overrides, expected, run_cli, capsys):
+    resolve_model_path("tiny:wan21-i2v")  # on this machine: validate reads model.task=auto from its folder
+    assert run_cli("validate", REPO / "configs/examples" / config, *overrides) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err

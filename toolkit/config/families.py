@@ -61,6 +61,7 @@ class FamilySpec:
     recompute_auto: str | None = None   # train.compile_recompute=auto is pointwise; None: none
     keeps_auto: str | None = None       # train.checkpoint_keeps=auto is attention; None: nothing
     pipeline_class: str = ""            # model_index.json _class_name of a diffusers folder; "": a transformers folder
+    i2v_pipeline: str = ""              # ...of the family's image-to-video folders (model.task=auto reads it)
     # Reference images per target (data.references) and per sample prompt (sample.references): the fewest and the
     # most the family's pipeline takes (None: any number). Families without reference images leave them.
     references: tuple[int, int | None] | None = None
@@ -98,7 +99,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                "Wan 2.1 text-to-video and image-to-video", timestep_sampling="logit_normal", batch_cap=1,
                save_formats=("diffusers", "comfyui"), tiny={"wan21": "toolkit.tiny.flow:write_tiny_wan21",
                                                            "wan21-i2v": "toolkit.tiny.wan_i2v:write_tiny_wan21_i2v"},
-               pipeline_class="WanPipeline",
+               pipeline_class="WanPipeline", i2v_pipeline="WanImageToVideoPipeline",
                compile_auto="wan21-compile",
                keeps_auto="wan21-keeps"),
     FamilySpec("wan22", "toolkit.models.diffusion_wan:Wan22Adapter", VideoDataSection,
@@ -107,7 +108,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"wan22": "toolkit.tiny.flow:write_tiny_wan22", "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b",
                      "wan22-i2v": "toolkit.tiny.wan_i2v:write_tiny_wan22_i2v"},
-               pipeline_class="WanPipeline"),
+               pipeline_class="WanPipeline", i2v_pipeline="WanImageToVideoPipeline"),
     FamilySpec("qwen_image", "toolkit.models.diffusion_qwen:QwenImageAdapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Qwen-Image", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
@@ -148,7 +149,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"hunyuan15": "toolkit.tiny.hunyuan15:write_tiny_hunyuan15",
                      "hunyuan15-i2v": "toolkit.tiny.hunyuan15:write_tiny_hunyuan15_i2v"},
-               pipeline_class="HunyuanVideo15Pipeline"),
+               pipeline_class="HunyuanVideo15Pipeline", i2v_pipeline="HunyuanVideo15ImageToVideoPipeline"),
     FamilySpec("flux_kontext", "toolkit.models.diffusion_flux_kontext:FluxKontextAdapter", ReferenceImageDataSection,
                EDIT_SETTINGS | {"train.guidance"}, "FLUX.1 Kontext [dev] (one reference image)",
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),

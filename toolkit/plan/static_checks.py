@@ -1,5 +1,5 @@
 """The static stage's checks of what the config asks for that the run could only refuse once the model had loaded:
-GRPO's rewards, save.format's package, captions a family caches whole, reference images per sample.
+GRPO's rewards, save.format's package, captions a family caches whole, reference and start images per sample.
 
 Each rule here decides nothing: it adds to `facts.problems` what `validate` (and `train`, before anything loads)
 reports, naming the key and the fix. What a family takes is read from its FamilySpec (config/families.py).
@@ -121,4 +121,63 @@ def reference_checks(f: Facts) -> None:
         if most is not None and len(images) > most:
             f.problems.append(f"'sample.references[{n}]' holds {len(images)} images, and {takes} per prompt: keep "
                               f"{most}")
+    return None
+
+
+def _folder_pipeline(f: Facts) -> str | None:
+    """The pipeline class of the model folder where it is on this machine already (preflight/model_location.py)."""
+    from toolkit.preflight.model_location import pipeline_class_of
+
+    return pipeline_class_of(f.asked("model.name_or_path"), f.asked("model.revision"))
+
+
+def _video_task(f: Facts, i2v_pipeline: str) -> tuple[str | None, str]:
+    """(t2v or i2v, why): model.task as set, or under auto the pipeline of the model folder where it is on this
+    machine already; (None, '') where it is not (the run reads it once downloaded), or contradicts model.task."""
+    asked, pipeline = f.asked("model.task"), _folder_pipeline(f)
+    if asked == "t2v" and pipeline == i2v_pipeline:
+        return None, ""  # task_checks names it
+    if asked == "i2v" and pipeline not in (None, i2v_pipeline):
+        return None, ""  # whether it can (TI2V-5B can): its transformer's inputs tell, once it loads
+    if asked != "auto":
+        return asked, f"model.task={asked}"
+    if pipeline is None:
+        return None, ""
+    return ("i2v" if pipeline == i2v_pipeline else "t2v"), f"model.task=auto: its folder holds a {pipeline}"
+
+
+@rule("model.task", STATIC)
+def task_checks(f: Facts) -> None:
+    """model.task=t2v on a model whose folder holds the family's image-to-video pipeline (i2v on a text-to-video
+    model is told by its transformer's inputs, once it loads: TI2V-5B's folder is a text-to-video pipeline's)."""
+    spec = family_spec(f.family)
+    if not spec.i2v_pipeline or f.asked("model.task") != "t2v" or _folder_pipeline(f) != spec.i2v_pipeline:
+        return None
+    f.problems.append(f"'model.task' is t2v, and {f.asked('model.name_or_path')} is an image-to-video model (its "
+                      f"folder holds a {spec.i2v_pipeline}): set model.task=i2v (or auto), or use a text-to-video "
+                      "model")
+    return None
+
+
+@rule("sample.images", STATIC)
+def start_image_checks(f: Facts) -> None:
+    """Video samples and their start images (sample.images): one per prompt, or one for all, for an image-to-video
+    model; none for a text-to-video one. The task is model.task's, or under auto the model folder's
+    (FamilySpec.i2v_pipeline) where the model is on this machine."""
+    spec = family_spec(f.family)
+    prompts, images = list(f.asked("sample.prompts") or []), list(f.asked("sample.images") or [])
+    if not spec.i2v_pipeline or not (images or prompts):
+        return None
+    task, why = _video_task(f, spec.i2v_pipeline)
+    name = f.asked("model.name_or_path")
+    if task == "t2v" and images:
+        f.problems.append(f"'sample.images': {name} trains text-to-video ({why}), whose samples take no start image: "
+                          "remove sample.images, or train an image-to-video model (model.task=i2v)")
+    elif task == "i2v" and prompts and not images:
+        f.problems.append(f"'sample.images' is empty, and {name} trains image-to-video ({why}): each sample starts "
+                          "from an image: set sample.images: [path/to/start.png] (one per prompt, or one for all), "
+                          "or sample.prompts: []")
+    elif images and prompts and len(images) not in (1, len(prompts)):
+        f.problems.append(f"'sample.images': {len(images)} images for {len(prompts)} prompts: give one image per "
+                          "prompt, or one for all")
     return None

@@ -75,6 +75,28 @@ def _pipeline_class(folder: Path) -> str | None:
         return None
 
 
+def pipeline_class_of(name: str, revision: str | None) -> str | None:
+    """The model_index.json _class_name of model.name_or_path where the model is on this machine already (a tiny
+    model written, a local folder, a Hub id in the local cache); None where it is not, or holds none."""
+    if name.startswith(TINY_PREFIX):
+        from toolkit.tiny import tiny_folder
+
+        folder = tiny_folder(name)
+        return _pipeline_class(folder) if (folder / "tiny_model.json").is_file() else None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return _pipeline_class(path)
+    if path.exists() or _looks_like_a_path(name):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "model_index.json", revision=revision)
+    except ValueError:  # not a valid repo id
+        return None
+    return _pipeline_class(Path(cached).parent) if isinstance(cached, str) else None
+
+
 def _layout_problems(folder: Path, spec: FamilySpec, key: str) -> list[str]:
     missing = _diffusers_missing(folder, spec) if spec.pipeline_class else _transformers_missing(folder)
     if not missing:

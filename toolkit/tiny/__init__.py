@@ -54,12 +54,16 @@ def write_tiny(kind: str, out: Path) -> Path:
     return out
 
 
+def tiny_folder(name: str) -> Path:
+    """The cache folder of `tiny:<kind>` (written there on first use; tiny_model.json marks it complete)."""
+    return cache_root() / "tiny" / f"{name[len(TINY_PREFIX):]}-v{TINY_VERSION}"
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Map `tiny:<kind>` to a cached folder (written on first use); anything else is returned as is."""
     if not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
-    kind = name_or_path[len(TINY_PREFIX):]
-    out = cache_root() / "tiny" / f"{kind}-v{TINY_VERSION}"
+    out = tiny_folder(name_or_path)
     if not (out / "tiny_model.json").exists():
-        write_tiny(kind, out)
+        write_tiny(name_or_path[len(TINY_PREFIX):], out)
     return str(out)
