@@ -236,8 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     compiled_code_folders()  # before torch is imported
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and getattr(args, "command", None) == "sample" and all("=" in a and not a.startswith("-") for a in rest):
-        args.overrides += rest  # key=value after the options, as the README writes them
+    # key=value (and for train/validate YAML files) after the options, as the README writes them: argparse gives a
+    # positional list only the words before the first option
+    later = rest and not any(a.startswith("-") for a in rest)
+    if later and getattr(args, "command", None) == "sample" and all("=" in a for a in rest):
+        args.overrides += rest
+    elif later and getattr(args, "command", None) in ("train", "validate"):
+        args.config += rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if not getattr(args, "func", None):

@@ -96,6 +96,11 @@ class ModelMemory:
         model.block_swap), by setting: the loaded stage of the run's plan."""
         return {}
 
+    def attention_without_sdpa(self) -> str | None:
+        """Why the loaded model's attention never calls scaled_dot_product_attention (device.sdpa_backend, which
+        the memory plan measures, then has nothing to choose), or None when it does."""
+        return None
+
     def quantized(self) -> str:
         """How the frozen denoiser is quantized for training (none, 8bit, 4bit, fp8), once loaded."""
         return "none"

@@ -502,6 +502,13 @@ class LLMMemory(ModelMemory):
         a = self.adapter
         return a._count_parameters({"revision": a.cfg.model.revision, "trust_remote_code": a.cfg.model.trust_remote_code})
 
+    def attention_without_sdpa(self) -> str | None:
+        a = self.adapter
+        used = getattr(a.network.config, "_attn_implementation", None)
+        if used in ("eager", "flash_attention_2", "flash_attention_3"):
+            return f"the model's attention is {used} (model.attention={a.cfg.model.attention})"
+        return None
+
     def shard_roots(self) -> dict[str, torch.nn.Module]:
         # The transformers model under PEFT: generate() calls its forward directly.
         return {"model": self.adapter.network.get_base_model()}

@@ -235,6 +235,12 @@ class MemoryPlanner:
                 self.adapter.loss(batch, self.adapter.trainable_modules())
 
         setting = self.run.cfg.device.sdpa_backend
+        unused = self.adapter.memory.attention_without_sdpa()
+        if unused is not None:
+            self.log(f"attention: {unused}; device.sdpa_backend does not apply")
+            if setting == "auto":
+                self.decisions.append(Decision("device.sdpa_backend", "auto", f"not used: {unused}", MEASURED))
+            return
         context, best, why = choose_for_run(setting, self.device, forward, self.procs.is_main, self.procs.from_main,
                                             cache_root() / "attention.json", self.log)
         if context is not None:

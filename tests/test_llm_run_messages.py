@@ -1,0 +1,32 @@
+"""What an LLM run says and takes on its command line: a max_seq_len past the model's context, eager attention, options
+between the config and its overrides."""
+
+from __future__ import annotations
+
+from conftest import REPO
+
+CONFIG = REPO / "configs/examples/quickstart_llm.yaml"
+
+
+def test_a_sequence_length_past_the_models_context_is_said(tmp_path, run_cli, capsys):
+    common = [f"run.output_dir={tmp_path / 'run'}", "train.steps=1", "save.every=0", "sample.every=0"]
+    assert run_cli("train", CONFIG, *common, "data.max_seq_len=1024") == 0
+    out = "".join(capsys.readouterr())
+    assert ("note: data.max_seq_len=1024 is past the model's context of 512 tokens (max_position_embeddings in its "
+            "config.json)") in out and "set data.max_seq_len=512" in out
+
+    assert run_cli("train", CONFIG, f"run.output_dir={tmp_path / 'within'}", *common[1:]) == 0
+    assert "past the model's context" not in "".join(capsys.readouterr())
+
+
+def test_options_between_the_config_and_its_overrides(tmp_path, run_cli, capsys):
+    """`train CONFIG --fresh key=value`: the overrides after an option count (argparse alone refused them)."""
+    out = tmp_path / "run"
+    assert run_cli("train", CONFIG, f"run.output_dir={out}", "train.steps=1", "save.every=0", "sample.every=0") == 0
+    assert run_cli("train", CONFIG, "--fresh", f"run.output_dir={out}", "train.steps=2", "save.every=0",
+                   "sample.every=0", "model.attention=eager") == 0
+    said = "".join(capsys.readouterr())
+    assert "done: 2 steps" in said and "--fresh: the previous run was moved to" in said
+    # eager attention calls no SDPA: the log says so instead of naming an SDPA choice
+    assert "attention: the model's attention is eager (model.attention=eager); device.sdpa_backend does not apply" in said
+    assert "PyTorch's own SDPA choice" not in said.split("--fresh: the previous run")[1]
