@@ -40,13 +40,22 @@ def prompt_text(prompt: Any) -> str | None:
     return None
 
 
-def _check_fields(record: dict, fmt: str, path: str) -> None:
+def missing_fields(record: dict, fmt: str) -> str:
+    """What a record of format `fmt` lacks ('' when nothing): the fields it needs, the missing and the found."""
     missing = [name for name in FIELDS[fmt] if name not in record]
-    if missing:
-        keys = sorted(k for k in record if k != "__line__")
-        raise UserError(f"{where(path, record)}: a {fmt} record needs the fields {list(FIELDS[fmt])}, missing "
-                        f"{missing} (found {keys})\n  fix: use TRL's field names, or the objective that matches "
-                        "the data (train.objective)")
+    if not missing:
+        return ""
+    keys = sorted(k for k in record if k != "__line__")
+    article = "an" if fmt[0] in "aeiou" else "a"
+    return f"{article} {fmt} record needs the fields {list(FIELDS[fmt])}, missing {missing} (found {keys})"
+
+
+FIELDS_FIX = "use TRL's field names, or the objective that matches the data (train.objective)"
+
+
+def _check_fields(record: dict, fmt: str, path: str) -> None:
+    if (missing := missing_fields(record, fmt)):
+        raise UserError(f"{where(path, record)}: {missing}\n  fix: {FIELDS_FIX}")
 
 
 class PromptEncoder:

@@ -42,6 +42,29 @@ def reward_checks(f: Facts) -> None:
     return None
 
 
+@rule("data.path", STATIC)
+def objective_data_checks(f: Facts) -> None:
+    """llm objectives beyond sft: the first record of data.path has the fields of the objective's format (TRL's),
+    read before the model loads; each record is checked as the data loads."""
+    if not f.reads("train.objective") or f.asked("train.objective") == "sft":
+        return None
+    from toolkit.data.preference import FIELDS_FIX, missing_fields
+    from toolkit.data.records import first_record
+    from toolkit.errors import UserError
+    from toolkit.plan.static_rules import OBJECTIVE_FORMATS
+
+    objective, path = f.asked("train.objective"), f.asked("data.path")
+    try:
+        record = first_record(path)
+    except UserError:
+        return None  # a path that does not exist is named by the path checks; an unreadable file when it loads
+    fmt = OBJECTIVE_FORMATS[objective][0]
+    if (missing := missing_fields(record, fmt)):
+        f.problems.append(f"'data.path': train.objective={objective} trains on {fmt} records, and the first of {path} "
+                          f"is not one: {missing}: {FIELDS_FIX}")
+    return None
+
+
 @rule("save.format", STATIC)
 def save_format_checks(f: Facts) -> None:
     """save.format=gguf finds its package before the model loads (the base's architecture is checked once its
