@@ -57,4 +57,12 @@ job_sdxl_repeat() {
         CUDA_VISIBLE_DEVICES=0 $S --gpus 1 --counts 1 --out $R/sdxl-rep-1-$i.json > $R/sdxl-rep-1-$i.txt 2>&1
         $S --gpus 2 --counts 2 --out $R/sdxl-rep-2-$i.json > $R/sdxl-rep-2-$i.txt 2>&1
     done
+    # the GPU's busy time per step beside the wall time, three fresh processes: kernels that run slower in one
+    # process (another cuDNN or GEMM choice) or the GPU waiting on the host
+    local W=/tmp/w-sdxl
+    for i in 1 2 3; do
+        CUDA_VISIBLE_DEVICES=0 python3 bench/profile_steps.py $W/sdxl-toolkit.yaml model.name_or_path=$W/sdxl \
+            data.path=$W/images data.resolution=1024 train.batch_size=2 train.compile=true \
+            run.output_dir=/tmp/sdxl-prof-$i --after 10 --steps 10 --rows 15 > $R/sdxl-profile-$i.txt 2>&1
+    done
 }
