@@ -221,3 +221,22 @@ def test_validate_shows_the_format_read_from_the_data_and_train_takes_sharegpt(t
     assert (f"'data.format' is auto, and the fields ['completion', 'prompt'] of the first record of {unknown} match no "
             "format: use 'text' (text, data.text_field), instruction/input/output (alpaca), or messages or ShareGPT's "
             "conversations (chat), or set data.format") in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("config, record, expected", [
+    ("quickstart_llm_chat.yaml", {"messages": [{"role": "user", "content": "hi"}]},
+     ":1: the conversation has no assistant turn to learn from\n  fix: add the assistant's answer (role assistant, "
+     "or ShareGPT's gpt), or drop the record"),
+    ("quickstart_llm_kto.yaml", {"prompt": "a", "completion": "b", "label": "yes"},
+     ":1: 'label' must be true or false (a desirable completion or not)\n  fix: write it as a JSON true or false"),
+    ("quickstart_llm_dpo.yaml", {"prompt": "a", "chosen": [{"role": "assistant", "content": "x"}], "rejected": "y"},
+     ":1: 'prompt' and 'chosen' must both be strings or both be message lists (TRL's plain and conversational "
+     "formats)\n  fix: write both as text, or both as messages"),
+])
+def test_a_record_the_data_cannot_train_on_is_named_with_its_fix(config, record, expected, tmp_path, run_cli, capsys):
+    data = tmp_path / "data.jsonl"
+    write_records(data, [record] * 4)
+    assert run_cli("train", f"configs/examples/{config}", f"data.path={data}", f"run.output_dir={tmp_path / 'run'}",
+                   "data.eval_fraction=0", "sample.prompts=[]") == 2
+    err = capsys.readouterr().err
+    assert f"{data}{expected}" in err and "Traceback" not in err

@@ -18,7 +18,7 @@ import torch
 
 from toolkit.data.records import read_records, where
 from toolkit.data.samples import IGNORE_INDEX, long_tensor
-from toolkit.data.text import render_chat, split_eval
+from toolkit.data.text import TEMPLATE_FIX, render_chat, split_eval
 from toolkit.errors import UserError
 
 FIELDS = {"preference": ("prompt", "chosen", "rejected"), "unpaired": ("prompt", "completion", "label"),
@@ -70,20 +70,23 @@ class PromptEncoder:
             return self._chat(record, prompt, add_generation_prompt=True)
         if not isinstance(prompt, str):
             raise UserError(f"{where(self.path, record)}: 'prompt' must be a string or a list of "
-                            "{\"role\": ..., \"content\": ...} messages")
+                            "{\"role\": ..., \"content\": ...} messages\n  fix: give the prompt as text, or as "
+                            "messages with a string 'role' and 'content' each")
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def completion(self, record: dict, name: str, prompt_ids: list[int]) -> list[int]:
         prompt, completion = record["prompt"], record[name]
         if is_messages(prompt) != is_messages(completion):
             raise UserError(f"{where(self.path, record)}: 'prompt' and '{name}' must both be strings or both be "
-                            "message lists (TRL's plain and conversational formats)")
+                            "message lists (TRL's plain and conversational formats)\n  fix: write both as text, or "
+                            f"both as messages ('{name}': [{{\"role\": \"assistant\", \"content\": ...}}])")
         if isinstance(completion, str):
             ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
             eos = self.tokenizer.eos_token_id
             return ids + [eos] if eos is not None else ids
         if not is_messages(completion):
-            raise UserError(f"{where(self.path, record)}: '{name}' must be a string or a list of messages")
+            raise UserError(f"{where(self.path, record)}: '{name}' must be a string or a list of messages\n  fix: "
+                            "give each message a string 'role' and 'content'")
         whole = self._chat(record, prompt + completion, add_generation_prompt=False)
         if whole[:len(prompt_ids)] != prompt_ids:
             raise UserError(f"{where(self.path, record)}: the chat template renders the prompt differently once "
@@ -99,8 +102,8 @@ class PromptEncoder:
         try:
             text = render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
         except Exception as err:  # jinja raises its own errors, e.g. "roles must alternate"
-            raise UserError(f"{where(self.path, record)}: the chat template refused this conversation: {err}"
-                            ) from None
+            raise UserError(f"{where(self.path, record)}: the chat template refused this conversation: {err}\n"
+                            f"  {TEMPLATE_FIX}") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -135,7 +138,8 @@ def encode_records(records: list[dict], fmt: str, tokenizer, max_seq_len: int, p
                             "completion\n  fix: raise data.max_seq_len")
         label = record.get("label", True)
         if fmt == "unpaired" and not isinstance(label, bool):
-            raise UserError(f"{where(path, record)}: 'label' must be true or false (a desirable completion or not)")
+            raise UserError(f"{where(path, record)}: 'label' must be true or false (a desirable completion or not)"
+                            "\n  fix: write it as a JSON true or false, not a string or a number")
         examples.append(Example(prompt, completions, label))
     return examples
 

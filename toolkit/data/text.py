@@ -73,7 +73,8 @@ def tokenize_text(record: dict, tokenizer, text_field: str, path: str) -> Tokeni
     text = record.get(text_field)
     if not isinstance(text, str):
         raise UserError(f"{where(path, record)}: expected a string field '{text_field}' "
-                        f"(data.text_field), found keys {_keys(record)}")
+                        f"(data.text_field), found keys {_keys(record)}\n  fix: set data.text_field to the field that "
+                        "holds the text, or data.format to the format of the records")
     ids = _with_eos(tokenizer(text, add_special_tokens=True)["input_ids"], tokenizer)
     return TokenizedSample(ids, list(ids))
 
@@ -91,7 +92,8 @@ def tokenize_alpaca(record: dict, tokenizer, train_on_prompt: bool, path: str) -
     instruction, input_text, output = record.get("instruction"), record.get("input", ""), record.get("output")
     if not isinstance(instruction, str) or not isinstance(output, str) or not isinstance(input_text, (str, type(None))):
         raise UserError(f"{where(path, record)}: an alpaca record needs string fields 'instruction' and 'output' "
-                        f"(and optionally 'input'), found keys {_keys(record)}")
+                        f"(and optionally 'input'), found keys {_keys(record)}\n  fix: give every record those "
+                        "fields, or set data.format to the format of the records")
     prompt = tokenizer(alpaca_prompt(instruction, input_text or ""), add_special_tokens=True)["input_ids"]
     response = _with_eos(tokenizer(output, add_special_tokens=False)["input_ids"], tokenizer)
     prompt_labels = list(prompt) if train_on_prompt else [IGNORE_INDEX] * len(prompt)

@@ -132,14 +132,17 @@ class VisionChatEncoder:
         the order their parts come."""
         messages, listed = record.get("messages"), record.get("images") or []
         if not isinstance(messages, list) or not messages or not isinstance(listed, list):
+            keys = sorted(k for k in record if k != "__line__")
             raise UserError(f"{where(path, record)}: a vision chat record needs 'messages' (a non-empty list) and "
-                            f"optionally 'images' (a list of paths); found keys {sorted(k for k in record if k != '__line__')}")
+                            f"optionally 'images' (a list of paths); found keys {keys}\n  fix: write it as "
+                            "{\"messages\": [...], \"images\": [\"a.png\"]} (TRL's vision format)")
         folder = Path(path).parent
         listed = iter(listed)
         out, images = [], []
         for message in messages:
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
-                raise UserError(f"{where(path, record)}: each message needs a 'role' and a 'content'")
+                raise UserError(f"{where(path, record)}: each message needs a 'role' and a 'content'\n  fix: give "
+                                "each message a string 'role' (user, assistant, system) and its 'content'")
             content = message.get("content")
             if isinstance(content, str):
                 out.append({"role": message["role"], "content": content})
@@ -157,8 +160,9 @@ class VisionChatEncoder:
                     images.append(folder / name)
                     parts.append({"type": "image"})
                 else:
-                    raise UserError(f"{where(path, record)}: a content part must be {{\"type\": \"text\", \"text\": ...}} "
-                                    f"or {{\"type\": \"image\"}}, got {part!r}")
+                    raise UserError(f"{where(path, record)}: a content part must be {{\"type\": \"text\", \"text\": "
+                                    f"...}} or {{\"type\": \"image\"}}, got {part!r}\n  fix: write the content as "
+                                    "a string, or as a list of such parts")
             out.append({"role": message["role"], "content": parts})
         if next(listed, None) is not None:
             raise UserError(f"{where(path, record)}: more images than image parts in the messages\n  fix: add a "
