@@ -98,6 +98,11 @@ class BatchOrder:
         """This process's share of the epoch's first global batch (without moving the position)."""
         return shard(self._batches[0], self.world_size, self.rank)
 
+    def largest_global_batch(self) -> int:
+        """Items in this epoch's largest global batch: fewer than batch_size x world_size when no group (bucket)
+        holds that many."""
+        return max(len(b) for b in self._batches)
+
     def batch_shapes(self) -> set[tuple[int, int]]:
         """(group, items) of every batch this process gets: the distinct shapes its model inputs take."""
         return {(self.groups[b[0] % len(self.groups)], len(shard(b, self.world_size, self.rank))) for b in self._batches}

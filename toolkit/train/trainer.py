@@ -200,6 +200,13 @@ class Trainer:
                  f"{self.grad_accum} accumulation = {total} per optimizer step"
                  + ("" if global_batch is None else f" (train.global_batch_size={global_batch}"
                     + (")" if total == global_batch else ": the least at or above it with this batch size)")))
+        largest, asked = self.order.largest_global_batch(), self.batch_size * procs.world_size
+        if largest < asked:
+            fits = max(1, largest // procs.world_size)
+            self.log(f"note: a step asks for {asked} samples{' over the processes' if procs.several else ''}, but "
+                     f"the data's largest batch holds {largest} (a batch never mixes aspect-ratio buckets; the "
+                     f"data has {len(self.dataset)} samples): each step trains at most {largest}. Set "
+                     f"train.batch_size={fits} to say what runs, or give more data")
 
     def _optimizer(self) -> tuple[torch.optim.Optimizer, str]:
         """train.optimizer over the LoRA weights; with device.shard_optimizer, over this process's share of them

@@ -1,5 +1,5 @@
-"""What an LLM run says and takes on its command line: a max_seq_len past the model's context, eager attention, options
-between the config and its overrides."""
+"""What a run says and takes on its command line: a max_seq_len past the model's context, eager attention, a batch
+larger than the data's buckets, options between the config and its overrides."""
 
 from __future__ import annotations
 
@@ -30,3 +30,14 @@ def test_options_between_the_config_and_its_overrides(tmp_path, run_cli, capsys)
     # eager attention calls no SDPA: the log says so instead of naming an SDPA choice
     assert "attention: the model's attention is eager (model.attention=eager); device.sdpa_backend does not apply" in said
     assert "PyTorch's own SDPA choice" not in said.split("--fresh: the previous run")[1]
+
+
+def test_a_batch_larger_than_the_buckets_says_what_a_step_trains(tmp_path, run_cli, capsys):
+    sd = REPO / "configs/examples/quickstart_sd.yaml"   # 24 images, two aspect-ratio buckets of 12
+    common = ["train.steps=1", "save.every=0", "sample.every=0"]
+    assert run_cli("train", sd, f"run.output_dir={tmp_path / 'big'}", "train.batch_size=64", *common) == 0
+    assert ("note: a step asks for 64 samples, but the data's largest batch holds 12 (a batch never mixes "
+            "aspect-ratio buckets; the data has 24 samples): each step trains at most 12. Set train.batch_size=12"
+            in "".join(capsys.readouterr()))
+    assert run_cli("train", sd, f"run.output_dir={tmp_path / 'fits'}", "train.batch_size=12", *common) == 0
+    assert "note: a step asks for" not in "".join(capsys.readouterr())
