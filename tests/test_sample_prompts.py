@@ -2,7 +2,7 @@
 entry point: --prompt is sampled (and beats sample.prompts); with no prompt, the first 3 distinct prompts of the
 run's training data are, token for token as --prompt samples them, and the log says so; an sft run with no
 sample.prompts, and an objective run whose data file is gone, are exit 2 naming --prompt, sample.prompts and why
-the data gives none, before any model loads."""
+the data gives none, before any model loads; given a prompt, the run with its data gone samples."""
 
 from __future__ import annotations
 
@@ -75,6 +75,12 @@ def test_no_prompt_anywhere_is_exit_2_naming_what_to_fill(runs, run_cli, capsys,
     assert err.endswith(f"and none is taken from the training data (data.path: data file not found: "
                         f"{tmp_path / 'gone.jsonl'})\n{FIX}\n")
     assert not list((moved / "samples").glob("cli-*"))
+
+    # with a prompt given, the moved data is not needed: the tokenizer says whether prompts go through a template
+    records = sample(run_cli, moved, "--prompt", "what colour is the circle")
+    assert records[0]["prompt"] == "what colour is the circle" and records[0]["completion"]
+    err = capsys.readouterr().err
+    assert f"sample: data.path: data file not found: {tmp_path / 'gone.jsonl'}; the prompts go " in err
 
 
 @pytest.mark.parametrize("config, prompts", [

@@ -391,7 +391,14 @@ class LLMAdapter(ModelAdapter):
         if self.data is not None:
             return self.data.format
         if self.cfg.train.objective != "sft":  # conversational prompts sample through the chat template
-            prompt = read_records(self.cfg.data.path)[0].get("prompt")
+            try:
+                prompt = read_records(self.cfg.data.path)[0].get("prompt")
+            except UserError as err:  # the data moved since the run trained: the tokenizer says how it chats
+                chat = self.tokenizer.chat_template is not None
+                self.log(f"sample: {str(err).splitlines()[0]}; the prompts go "
+                         f"{'through the tokenizer' + chr(39) + 's chat template' if chat else 'as plain text'} "
+                         "(whether the training prompts were conversations is read from that file)")
+                return "chat" if chat else self.cfg.data.format
             return "chat" if isinstance(prompt, list) else self.cfg.data.format
         data = self.cfg.data
         if data.format != "auto":
