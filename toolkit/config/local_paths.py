@@ -64,12 +64,11 @@ def make_absolute(cfg: DictConfig) -> None:
     _section_paths(cfg)
 
 
-def adopt_recorded_paths(saved: dict, current: dict, family: str | None) -> None:
+def adopt_recorded_paths(saved: dict, current: dict, schema: DictConfig) -> None:
     """In `saved` (an older run's config.yaml), each relative path that names what `current` names replaced by
-    `current`'s absolute one, so that a resume compares the files, not how they were written."""
-    from toolkit.config.load import schema_for
-
-    _adopt(schema_for(family), saved, current)
+    `current`'s absolute one, so that a resume compares the files, not how they were written (`schema`: the
+    run's family's structured config, load.schema_for)."""
+    _adopt(schema, saved, current)
 
 
 def _adopt(node: DictConfig, saved: dict, current: dict) -> None:

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 from toolkit.config.families import FAMILY_SPECS, applies_to
 from toolkit.config.layers import upgrade_renamed
-from toolkit.config.load import flatten, schema_defaults
+from toolkit.config.load import flatten, schema_defaults, schema_for
 from toolkit.config.local_paths import adopt_recorded_paths
 from toolkit.config.schema import RunConfig
 from toolkit.errors import UserError
@@ -100,7 +100,7 @@ def check_resume_config(checkpoint: Checkpoint, saved: dict, current: dict, noti
     """Refuse to resume from `checkpoint` when the settings it trained with (`saved`) and this run's (`current`)
     differ in what the run learns; say what changed otherwise."""
     upgrade_renamed(saved)  # settings renamed since the checkpoint was written compare under their new names
-    adopt_recorded_paths(saved, current, current.get("model", {}).get("family"))  # relative in older run folders
+    adopt_recorded_paths(saved, current, schema_for(current.get("model", {}).get("family")))  # older: relative
     allowed, refused = config_changes(saved, current, (checkpoint_processes(checkpoint), processes))
     if refused:
         keys = {r.split(":", 1)[0] for r in refused}
