@@ -272,11 +272,8 @@ def measure(row: str, args, model_dir: Path, data: Path, work: Path) -> dict:
 
 def main() -> None:
     if "--objective" in sys.argv:  # dpo and grpo rows: bench/llm_objectives.py, with the same arguments
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from llm_objectives import main as objectives
-
-        objectives()
-        return
+        script = Path(__file__).resolve().parent / "llm_objectives.py"
+        os.execv(sys.executable, [sys.executable, str(script), *sys.argv[1:]])
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     parser.add_argument("--steps", type=int, default=30)
