@@ -209,7 +209,7 @@ def test_task_and_sample_image_mistakes_are_short_errors(tmp_path, run_cli, caps
             "whose samples take no start image") in refused("model.name_or_path=tiny:wan21")
     assert "'sample.images' is empty, and tiny:wan21-i2v trains image-to-video" in refused("sample.images=[]")
     err = refused("sample.images=[missing.png]")
-    assert "'sample.images' in command line: missing.png does not exist" in err
+    assert f"'sample.images' in command line: {REPO / 'missing.png'} does not exist" in err  # made absolute
     assert run_cli("validate", REPO / "configs/examples/quickstart_sd.yaml", "model.task=i2v") == 2
     assert "'model.task' in command line has no effect for model.family sd" in capsys.readouterr().err
 
