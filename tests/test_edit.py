@@ -360,7 +360,7 @@ KONTEXT_REF = "configs/examples/data/kontext/blue_circle_ref0.png"
      "'sample.references': qwen_image_edit edits reference images, and a sample prompt has none: set "
      "sample.references: [[ref.png], ...] (one list per prompt), or sample.prompts: []"),
     ("quickstart_flux_kontext.yaml", ["sample.prompts=[a,b]"],
-     "'sample.references': 1 lists for 2 prompts: give one list of reference images per prompt, in the order of "
+     "'sample.references': 1 list for 2 prompts: give one list of reference images per prompt, in the order of "
      "sample.prompts"),
     ("quickstart_flux_kontext.yaml", [f"sample.references=[[{REPO}/configs/examples/data/kontext/no_such.png]]"],
      f"'sample.references[0]' in command line: {REPO}/configs/examples/data/kontext/no_such.png does not exist; give "

@@ -135,7 +135,8 @@ def reference_checks(f: Facts) -> None:
     if not prompts:
         return None  # nothing is sampled: the references are not read
     if lists and len(lists) != len(prompts):
-        f.problems.append(f"'sample.references': {len(lists)} lists for {len(prompts)} prompts: give one list of "
+        f.problems.append(f"'sample.references': {len(lists)} list{'s' if len(lists) != 1 else ''} for "
+                          f"{len(prompts)} prompts: give one list of "
                           "reference images per prompt, in the order of sample.prompts")
     elif fewest > 0 and (not lists or not all(lists)):
         f.problems.append(f"'sample.references': {f.family} edits reference images, and a sample prompt has none: "
