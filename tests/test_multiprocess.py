@@ -89,8 +89,10 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(tmp_pa
     assert sharded.stderr.count("processes: LoRA weights identical on all 2") == 1
     # fsdp: the untied embeddings and head of tiny:llm are units of their own, and the fused loss reads the head
     # block by block from the processes' shards (kernels/sharded_cross_entropy.py): the same LoRA as one process
+    # and the embeddings are looked up in the shards (kernels/sharded_embedding.py), never gathered
     assert ("device.distributed=fsdp: sharded model: 2 blocks (LlamaDecoderLayer) + input embeddings and output "
-            "head, each its own unit") in sharded.stderr
+            "head, each its own unit (the embeddings looked up in the processes' shards, never gathered whole)"
+            ) in sharded.stderr
     assert ("model.kernels=fused: output head and cross-entropy in chunks, no full logits; an output head sharded as "
             "a unit of its own is read block by block from the processes' shards, never gathered whole") in sharded.stderr
     # the same mean loss at every step (the loss is the mean over every token of the global batch)

@@ -110,6 +110,8 @@ class Processes:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        from toolkit.kernels.sharded_embedding import ShardedEmbedding, shardable
+
         from toolkit.models.base import repeated_blocks
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -121,13 +123,18 @@ class Processes:
                                 "blocks to shard\n  fix: device.distributed=ddp")
             edges = edge_modules(root)
             kinds = ", ".join(sorted({type(b).__name__ for b in blocks}))  # before fully_shard renames the classes
+            lookup = bool(edges) and shardable(edges[0])
             # inner blocks first: an outer one then takes what is left; the root takes what no unit holds
             for unit in [*reversed(blocks), *edges, root]:
                 fully_shard(unit, mesh=mesh, ignored_params={p for p in unit.parameters() if p.requires_grad})
+            if lookup:  # looked up in the shards (kernels/sharded_embedding.py), never gathered whole
+                counts = dist.new_group(backend="gloo") if self.device.type != "cpu" else None  # host-side counts
+                root.set_input_embeddings(ShardedEmbedding(edges[0], counts))
             for p in root.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(self.device)
-            edge_note = " + input embeddings and output head, each its own unit" if edges else ""
+            edge_note = (" + input embeddings and output head, each its own unit" if edges else "") + (
+                " (the embeddings looked up in the processes' shards, never gathered whole)" if lookup else "")
             done.append(f"{name}: {len(blocks)} blocks ({kinds}){edge_note}")
         return done
 
