@@ -219,3 +219,29 @@ def test_overrides_after_the_options_and_sample_images_checked_before_the_model_
                        (text, f"{text} is not an image that can be read (UnidentifiedImageError")):
         assert run_cli("validate", REPO / "configs/examples/quickstart_wan21_i2v.yaml", f"sample.images=[{image}]") == 2
         assert f"'sample.images' in command line: {why}" in capsys.readouterr().err
+
+
+def test_a_failed_sample_leaves_no_empty_folder(runs, run_cli, monkeypatch, tmp_path, capsys):
+    """The pipeline failing part-way (here: at its first call) is exit 2 with its message, and the samples/cli-*
+    folder made for it is taken away again: the run's samples hold only what was written."""
+    import toolkit.models as models
+    from helpers import without_others_samples
+    from toolkit.errors import UserError
+
+    run = tmp_path / "sd"
+    shutil.copytree(runs["sd"], run, ignore=without_others_samples)
+    built = models.build_adapter
+
+    def failing(cfg, runtime):
+        adapter = built(cfg, runtime)
+
+        def sample(out_dir):
+            raise UserError("the pipeline failed (a test's stand-in)")
+        adapter.sample = sample
+        return adapter
+
+    monkeypatch.setattr(models, "build_adapter", failing)
+    before = sorted(p.name for p in (run / "samples").iterdir())
+    assert run_cli("sample", run) == 2
+    assert "error: the pipeline failed (a test's stand-in)" in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "samples").iterdir()) == before

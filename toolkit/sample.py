@@ -103,10 +103,15 @@ def sample_run(run_dir: str | Path, step: int | None = None, prompts: list[str] 
         adapter.load_lora(lora.path, label=source.label)
     adapter.prepare_sampling()
     out_dir = new_output_folder(run_dir, source.tag, Path(out) if out is not None else None)
-    with torch.no_grad(), disk_full_named("samples", out_dir, fix="free space on that disk, or give --out DIR on "
-                                          "another disk, then run the same command"):
-        files = adapter.sample(out_dir)
-        (out_dir / "source.txt").write_text(f"{source.label}\nseed {cfg.sample.seed}\n", encoding="utf-8")
+    try:
+        with torch.no_grad(), disk_full_named("samples", out_dir, fix="free space on that disk, or give --out DIR "
+                                              "on another disk, then run the same command"):
+            files = adapter.sample(out_dir)
+            (out_dir / "source.txt").write_text(f"{source.label}\nseed {cfg.sample.seed}\n", encoding="utf-8")
+    except BaseException:
+        if out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # a failed sample leaves no empty folder behind in the run's samples
+        raise
     log(written_files_line(out_dir))
     from toolkit.train.report import refresh_samples
 
