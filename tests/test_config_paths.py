@@ -5,6 +5,7 @@ RUN/config.yaml`) finds its data, and a run folder written before, with relative
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import yaml
@@ -99,3 +100,23 @@ def test_what_is_made_absolute(tmp_path, monkeypatch):
     assert cfg["data"]["reference_paths"] == [str(tmp_path / "refs"), "/abs/refs"]
     assert cfg["sample"]["references"] == [[str(tmp_path / "refs/a.png"), str(tmp_path / "refs/b.png")]]
     assert cfg["run"]["output_dir"] == str(tmp_path / "outputs/lora")
+
+
+def test_a_project_moved_with_its_run_and_data_resumes_saying_so(tmp_path, monkeypatch, capsys):
+    """config.yaml records absolute paths; moved as a whole, the project's data is found under its new folder (the
+    recorded path gone, one of the same last two names there), and the resume says which path it now reads."""
+    old, new = tmp_path / "project", tmp_path / "moved"
+    shutil.copytree(REPO / SHAPES, old / "data" / "shapes")
+    assert train_from(old, monkeypatch, QUICKSTART, "run.output_dir=run", "data.path=data/shapes", *SHORT) == 0
+    old.rename(new)
+    capsys.readouterr()
+    assert train_from(new, monkeypatch, QUICKSTART, "run.output_dir=run", "data.path=data/shapes",
+                      "train.steps=4", "save.every=2", "sample.every=0") == 0
+    out = "".join(capsys.readouterr())
+    assert "resumed from" in out
+    assert (f"resume: data.path: {old / 'data/shapes'} is gone; {new / 'data/shapes'}, of the same name, is read in "
+            "its place") in out
+
+    other = tmp_path / "other" / "shapes"   # a folder of another name still counts as other data
+    shutil.copytree(new / "data" / "shapes", other)
+    assert train_from(new, monkeypatch, QUICKSTART, "run.output_dir=run", f"data.path={other}", "train.steps=6") == 2

@@ -127,6 +127,9 @@ def test_job_translates_reports_what_it_cannot_and_validates(job, tmp_path, run_
         entry["path"] = str(DATA / data)
     if "mask_folder" in config.get("data", {}):
         config["data"]["mask_folder"] = str(DATA / data)
+    if config.get("sample", {}).get("references"):  # the job's reference images, as images that exist here
+        image = str(next(p for p in sorted((DATA / data).rglob("*")) if p.suffix in (".png", ".jpg", ".webp")))
+        config["sample"]["references"] = [[image] * len(refs) for refs in config["sample"]["references"]]
     translated.write_text(yaml.safe_dump(config))
     run = load_run([translated], [f"model.name_or_path={tiny}", f"data.path={DATA / data}"], device=H100,
                    check_paths=path_checks(check_output=False))

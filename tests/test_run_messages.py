@@ -36,8 +36,8 @@ def test_a_batch_larger_than_the_buckets_says_what_a_step_trains(tmp_path, run_c
     sd = REPO / "configs/examples/quickstart_sd.yaml"   # 24 images, two aspect-ratio buckets of 12
     common = ["train.steps=1", "save.every=0", "sample.every=0"]
     assert run_cli("train", sd, f"run.output_dir={tmp_path / 'big'}", "train.batch_size=64", *common) == 0
-    assert ("note: a step asks for 64 samples, but the data's largest batch holds 12 (a batch never mixes "
-            "aspect-ratio buckets; the data has 24 samples): each step trains at most 12. Set train.batch_size=12"
-            in "".join(capsys.readouterr()))
+    assert ("note: a micro-batch asks for 64 samples, but the data gives at most 12 at once (24 samples; a batch "
+            "takes them from one bucket): each micro-batch trains at most 12; set train.batch_size=12 to say what "
+            "runs, or give more data") in "".join(capsys.readouterr())
     assert run_cli("train", sd, f"run.output_dir={tmp_path / 'fits'}", "train.batch_size=12", *common) == 0
-    assert "note: a step asks for" not in "".join(capsys.readouterr())
+    assert "note: a micro-batch asks for" not in "".join(capsys.readouterr())

@@ -119,6 +119,28 @@ def test_llm_text_samples_equal_the_trainers(runs, run_cli):
     assert read(final)[0]["prompt"] == "the red circle" and read(final)[0]["completion"]
 
 
+def test_prompts_come_back_as_written(runs, run_cli):
+    """--prompt with an emoji, `${...}` (not an OmegaConf interpolation here), a quote and a backslash."""
+    prompts = ["the red circle 😀", "fill ${name} in", 'a "quoted" back\\slash']
+    args = [a for p in prompts for a in ("--prompt", p)]
+    folder = sample(run_cli, runs["llm"], *args)
+    records = [json.loads(line) for line in (folder / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["prompt"] for r in records] == prompts
+
+
+def test_a_prompt_with_dollar_brace_survives_config_yaml(run_cli, tmp_path):
+    """A sample prompt written `\\${name}` in the config (OmegaConf's escape) is the text `${name}`: in the run's
+    samples, in its config.yaml, and when `sample` reads that back."""
+    from conftest import REPO
+
+    run = tmp_path / "run"
+    assert run_cli("train", REPO / "configs/examples/quickstart_llm.yaml", f"run.output_dir={run}", "train.steps=1",
+                   "save.every=0", "sample.every=1", r"sample.prompts=['fill \${name} in']") == 0
+    read = lambda folder: [json.loads(line)["prompt"] for line in (folder / "samples.jsonl").read_text().splitlines()]
+    assert read(run / "samples" / "step-000001") == ["fill ${name} in"]
+    assert read(sample(run_cli, run)) == ["fill ${name} in"]
+
+
 def test_missing_run_lora_or_step_is_exit_2_naming_what_exists(runs, run_cli, capsys, tmp_path):
     run = runs["sd"]
     capsys.readouterr()

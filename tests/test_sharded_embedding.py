@@ -1,7 +1,8 @@
 """The input embeddings looked up in FSDP2's row shards (kernels/sharded_embedding.py), on 2 and 3 gloo processes:
 each process gets exactly the rows nn.Embedding gives for its own ids (of a length its own, the first and last
 rows of a vocabulary that does not divide evenly among them), the FSDP unit's own forward (its all-gather of the
-whole table) never runs, and hooks others put on the embeddings' output still run."""
+whole table) never runs unless the ids outnumber the table's rows, and hooks others put on the embeddings' output
+still run."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def _worker(rank: int, world: int, port: int, errors) -> None:
             assert got.shape == (1, length, HIDDEN) and got.requires_grad
             torch.testing.assert_close(got.detach(), whole(ids), rtol=0, atol=0)
         assert hooked == []                                            # the table was never gathered
+        # more ids over the processes than the table has rows: the unit gathers it (the smaller exchange), the same rows
+        ids = torch.arange(VOCAB).reshape(1, VOCAB)
+        torch.testing.assert_close(lookup(ids).detach(), whole(ids), rtol=0, atol=0)
+        assert hooked == ["unit forward"]
     except BaseException as err:  # noqa: BLE001 - reported to the test through the queue
         errors.put(f"rank {rank}: {err!r}")
         raise

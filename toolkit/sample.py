@@ -62,10 +62,8 @@ def load_sampling_run(run_dir: Path, overrides: list[str], prompts: list[str] | 
         raise UserError(f"sample: {', '.join(refused)}: only settings that do not change the trained model may be "
                         "overridden (sample.*, device.*, save.*, log.*, ...)\n  fix: drop them; the run's own "
                         "model and network settings are used")
-    import json
-
     # --prompt and --seed as the command line's last layer: the config is read-only once loaded
-    extra = [f"sample.prompts={json.dumps(list(prompts))}"] if prompts else []
+    extra = [prompts_override(prompts)] if prompts else []
     extra += [f"sample.seed={seed}"] if seed is not None else []
     from toolkit.preflight import sample_checks
 
@@ -74,8 +72,16 @@ def load_sampling_run(run_dir: Path, overrides: list[str], prompts: list[str] | 
         from toolkit.sample_prompts import prompts_from_training_data
 
         found = prompts_from_training_data(run.cfg, config, log)
-        run = load_run([config], overrides + extra + [f"sample.prompts={json.dumps(found)}"], check_paths=sample_checks)
+        run = load_run([config], overrides + extra + [prompts_override(found)], check_paths=sample_checks)
     return run
+
+
+def prompts_override(prompts: list[str]) -> str:
+    """sample.prompts=[...] as a command-line layer that gives back each prompt as written: any character (emoji
+    too: no surrogate escapes), and `${` kept as text, not read as an OmegaConf interpolation."""
+    import json
+
+    return f"sample.prompts={json.dumps([p.replace('${', chr(92) + '${') for p in prompts], ensure_ascii=False)}"
 
 
 def sample_run(run_dir: str | Path, step: int | None = None, prompts: list[str] | None = None,
@@ -109,8 +115,8 @@ def sample_run(run_dir: str | Path, step: int | None = None, prompts: list[str] 
             files = adapter.sample(out_dir)
             (out_dir / "source.txt").write_text(f"{source.label}\nseed {cfg.sample.seed}\n", encoding="utf-8")
     except BaseException:
-        if out_dir.is_dir() and not any(out_dir.iterdir()):
-            out_dir.rmdir()  # a failed sample leaves no empty folder behind in the run's samples
+        if out is None and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # a failed sample leaves no empty folder behind in the run's samples (--out: the user's)
         raise
     log(written_files_line(out_dir))
     from toolkit.train.report import refresh_samples

@@ -356,6 +356,16 @@ def resolved_container(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
 
 
+def as_text(value: Any) -> Any:
+    """Resolved data (resolved_container) with every `${` left in its strings escaped, for a config made from it
+    again: text (a prompt's "${name}"), not an interpolation to resolve a second time."""
+    if isinstance(value, dict):
+        return {k: as_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_text(v) for v in value]
+    return value.replace("${", "\\${") if isinstance(value, str) and "${" in value else value
+
+
 def flatten(data: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Dotted (key, value) pairs of nested dicts; lists and empty dicts are leaves."""
     if isinstance(data, dict) and data:

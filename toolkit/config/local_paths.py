@@ -64,14 +64,17 @@ def make_absolute(cfg: DictConfig) -> None:
     _section_paths(cfg)
 
 
-def adopt_recorded_paths(saved: dict, current: dict, schema: DictConfig) -> None:
-    """In `saved` (an older run's config.yaml), each relative path that names what `current` names replaced by
-    `current`'s absolute one, so that a resume compares the files, not how they were written (`schema`: the
-    run's family's structured config, load.schema_for)."""
-    _adopt(schema, saved, current)
+def adopt_recorded_paths(saved: dict, current: dict, schema: DictConfig) -> list[str]:
+    """In `saved` (a run's config.yaml), each path that names what `current` names replaced by `current`'s, so that a
+    resume compares the files, not how they were written: an older run's relative path (same_path), or an absolute
+    one gone since while a file or folder of the same name is there now (the project moved: moved_path). Returns a
+    line for each moved one, to say (`schema`: the run's family's structured config, load.schema_for)."""
+    moved: list[str] = []
+    _adopt(schema, saved, current, "", moved)
+    return moved
 
 
-def _adopt(node: DictConfig, saved: dict, current: dict) -> None:
+def _adopt(node: DictConfig, saved: dict, current: dict, prefix: str, moved: list[str]) -> None:
     kind_of = {f.name: f.metadata.get("path") for f in dataclasses.fields(OmegaConf.get_type(node))}
     for key in node.keys():
         if key not in saved or key not in current:
@@ -79,17 +82,29 @@ def _adopt(node: DictConfig, saved: dict, current: dict) -> None:
         child, before, after = node._get_node(key), saved[key], current[key]
         if _is_section(child):
             if isinstance(before, dict) and isinstance(after, dict):
-                _adopt(child, before, after)
-        elif isinstance(child, ListConfig) and isinstance(before, list) and isinstance(after, list):
-            element = child._metadata.element_type
-            if dataclasses.is_dataclass(element):
-                for old, new in zip(before, after):
+                _adopt(child, before, after, f"{prefix}{key}.", moved)
+        elif isinstance(child, ListConfig) and dataclasses.is_dataclass(child._metadata.element_type):
+            if isinstance(before, list) and isinstance(after, list):
+                for n, (old, new) in enumerate(zip(before, after)):
                     if isinstance(old, dict) and isinstance(new, dict):
-                        _adopt(OmegaConf.structured(element), old, new)
-            elif kind_of.get(key) and before != after and same_path(before, after):
+                        entry = OmegaConf.structured(child._metadata.element_type)
+                        _adopt(entry, old, new, f"{prefix}{key}[{n}].", moved)
+        elif kind_of.get(key) and before != after:
+            if same_path(before, after):
                 saved[key] = after
-        elif kind_of.get(key) and before != after and same_path(before, after):
-            saved[key] = after
+            elif moved_path(before, after):
+                saved[key] = after
+                moved.append(f"{prefix}{key}: {before} is gone; {after}, of the same name, is read in its place")
+
+
+def moved_path(before: Any, after: Any) -> bool:
+    """Whether `before`, an absolute path that no longer exists, and `after`, one that does, name the same file or
+    folder moved with its project: the same last two names (data/shapes, data/train.jsonl)."""
+    if isinstance(before, list) and isinstance(after, list):
+        return len(before) == len(after) and all(b == a or moved_path(b, a) for b, a in zip(before, after))
+    if not isinstance(before, str) or not isinstance(after, str) or not Path(before).is_absolute():
+        return False
+    return not Path(before).exists() and Path(after).exists() and Path(before).parts[-2:] == Path(after).parts[-2:]
 
 
 def same_path(before: Any, after: Any) -> bool:

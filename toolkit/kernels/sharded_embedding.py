@@ -10,7 +10,9 @@ layer prefetched. Here the token ids travel instead of the table:
 - each process looks up the ids whose rows it holds (zeros for the others) for every process;
 - a reduce-scatter (a sum: every id has one owner) gives each process its own tokens' rows.
 Exact: the sums add zeros. tokens x hidden values cross the links, not the table: for 1 x 1024 tokens of a 5120-wide
-model on 2 processes, 20 MiB instead of 1.25 GiB.
+model on 2 processes, 20 MiB instead of 1.25 GiB. Where the processes' tokens together outnumber the table's rows,
+the exchange would be the larger: the unit then gathers the table as FSDP2 does (every process takes that branch,
+the counts being the same everywhere).
 
 The table is frozen (LoRA does not train it), so no gradient flows into it, and the lookup of integer ids has none
 to give back.
@@ -50,6 +52,8 @@ class ShardedEmbedding(torch.nn.Module):
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(counts, torch.tensor([ids.numel()]), group=self.counts_group)
         most = max(int(c) for c in counts)
+        if self.world * most >= self.unit.weight.shape[0]:  # more ids than the table has rows (long sequences on
+            return self.unit(ids)                           # many processes): gathering the table is the smaller
         mine = F.pad(ids.reshape(-1), (0, most - ids.numel()), value=-1)
         every = mine.new_empty(self.world * most)
         dist.all_gather_into_tensor(every, mine, group=group)

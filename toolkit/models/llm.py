@@ -390,6 +390,8 @@ class LLMAdapter(ModelAdapter):
         """The training data's format (read from data.path when dataset() has not run, e.g. for `sample`)."""
         if self.data is not None:
             return self.data.format
+        if getattr(self, "moved_data_format", None) is not None:
+            return self.moved_data_format
         if self.cfg.train.objective != "sft":  # conversational prompts sample through the chat template
             try:
                 prompt = read_records(self.cfg.data.path)[0].get("prompt")
@@ -398,7 +400,8 @@ class LLMAdapter(ModelAdapter):
                 self.log(f"sample: {str(err).splitlines()[0]}; the prompts go "
                          f"{'through the tokenizer' + chr(39) + 's chat template' if chat else 'as plain text'} "
                          "(whether the training prompts were conversations is read from that file)")
-                return "chat" if chat else self.cfg.data.format
+                self.moved_data_format = "chat" if chat else self.cfg.data.format  # said once, not per prompt
+                return self.moved_data_format
             return "chat" if isinstance(prompt, list) else self.cfg.data.format
         data = self.cfg.data
         if data.format != "auto":

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.config.layers import Layer, dotlist_layer, peek, read_yaml_layer
-from toolkit.config.load import LoadedConfig, PathCheck, merge_layers, resolved_container
+from toolkit.config.load import LoadedConfig, PathCheck, as_text, merge_layers, resolved_container
 from toolkit.config.presets import Preset, choose_preset, load_presets, presets_dir
 from toolkit.device.detect import DeviceInfo, detect_device
 from toolkit.errors import ConfigError, UserError
@@ -33,7 +33,8 @@ def frozen(cfg: DictConfig) -> DictConfig:
 def settings_view(asked: DictConfig, plan: RunPlan) -> DictConfig:
     """The values a run uses: the config as asked with the plan's decisions in place, read-only. Settings its
     family does not read keep their defaults here (config.yaml and `validate` leave them out)."""
-    return frozen(OmegaConf.create(plan.effective(OmegaConf.to_container(asked, resolve=True))))
+    return frozen(OmegaConf.create(as_text(plan.effective(OmegaConf.to_container(asked, resolve=True)))))
+
 
 
 @dataclass

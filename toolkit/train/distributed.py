@@ -103,10 +103,13 @@ class Processes:
             wrapped[name] = DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=find_unused)
         return wrapped
 
-    def shard(self, roots: Mapping[str, torch.nn.Module]) -> list[str]:
+    def shard(self, roots: Mapping[str, torch.nn.Module], timeout: timedelta) -> list[str]:
         """FSDP2 on each root: its repeated blocks (the model's `_no_split_modules` classes), its input embeddings
         and output head where they have weights of their own (`edge_modules`), then the root; the trainable (LoRA)
-        weights are not sharded and are moved to this process's device. Returns what was sharded, per root."""
+        weights are not sharded and are moved to this process's device. Each root is marked as FSDP-managed, so that
+        transformers' generate keeps the processes in step (synced_gpus: one that finished early still runs the
+        forwards the others' gathers need). `timeout`: device.collective_timeout, for the host-side group of the
+        sharded embeddings. Returns what was sharded, per root."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -127,9 +130,11 @@ class Processes:
             # inner blocks first: an outer one then takes what is left; the root takes what no unit holds
             for unit in [*reversed(blocks), *edges, root]:
                 fully_shard(unit, mesh=mesh, ignored_params={p for p in unit.parameters() if p.requires_grad})
+            root._is_fsdp_managed_module = True  # transformers' is_fsdp_managed_module: generate(synced_gpus=True)
             if lookup:  # looked up in the shards (kernels/sharded_embedding.py), never gathered whole
-                counts = dist.new_group(backend="gloo") if self.device.type != "cpu" else None  # host-side counts
+                counts = dist.new_group(backend="gloo", timeout=timeout) if self.device.type != "cpu" else None
                 root.set_input_embeddings(ShardedEmbedding(edges[0], counts))
+                lookup = isinstance(root.get_input_embeddings(), ShardedEmbedding)  # a model's own setter may not
             for p in root.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(self.device)

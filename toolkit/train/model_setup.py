@@ -8,6 +8,8 @@ blocks keep nothing). With fsdp the base is then sharded."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import functools
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -77,7 +79,7 @@ def load_model(run: ResolvedRun, plan: RunPlan, procs, device: torch.device, run
         # has chosen, PyTorch's own order may pick cuDNN, whose backward needs it (train/attention.py).
         exits.enter_context(gradient_in_output_layout())
     if sharded:  # before the optimizer and EMA see the LoRA weights: sharding moves them to the device
-        for line in procs.shard(adapter.memory.shard_roots()):
+        for line in procs.shard(adapter.memory.shard_roots(), timedelta(seconds=cfg.device.collective_timeout)):
             log(f"device.distributed=fsdp: sharded {line}")
     memory = adapter.memory
     facts.extra.update(memory=memory.decisions(), quantized=memory.quantized(), swapped=bool(memory.swaps()),

@@ -100,7 +100,8 @@ def check_resume_config(checkpoint: Checkpoint, saved: dict, current: dict, noti
     """Refuse to resume from `checkpoint` when the settings it trained with (`saved`) and this run's (`current`)
     differ in what the run learns; say what changed otherwise."""
     upgrade_renamed(saved)  # settings renamed since the checkpoint was written compare under their new names
-    adopt_recorded_paths(saved, current, schema_for(current.get("model", {}).get("family")))  # older: relative
+    for line in adopt_recorded_paths(saved, current, schema_for(current.get("model", {}).get("family"))):
+        notice(f"resume: {line}")
     allowed, refused = config_changes(saved, current, (checkpoint_processes(checkpoint), processes))
     if refused:
         keys = {r.split(":", 1)[0] for r in refused}

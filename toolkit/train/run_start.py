@@ -14,7 +14,7 @@ from typing import Callable
 import yaml
 from omegaconf import OmegaConf
 
-from toolkit.config.load import resolved_container
+from toolkit.config.load import as_text, resolved_container
 from toolkit.disk import disk_full_named
 from toolkit.plan.decisions import Decision, RunPlan
 from toolkit.plan.run import ResolvedRun
@@ -125,7 +125,7 @@ def open_run_folder(run: ResolvedRun, run_dir: RunDir, procs, fresh: bool, log: 
 
 def config_yaml(run: ResolvedRun) -> str:
     """config.yaml: the merged config as the user asked for it (defaults, preset, files, command line)."""
-    return OmegaConf.to_yaml(OmegaConf.create(resolved_container(run.asked)))
+    return OmegaConf.to_yaml(OmegaConf.create(as_text(resolved_container(run.asked))))
 
 
 def config_hash(texts: dict[str, str]) -> str:

@@ -203,10 +203,11 @@ class Trainer:
         largest, asked = self.order.largest_global_batch(), self.batch_size * procs.world_size
         if largest < asked:
             fits = max(1, largest // procs.world_size)
-            self.log(f"note: a step asks for {asked} samples{' over the processes' if procs.several else ''}, but "
-                     f"the data's largest batch holds {largest} (a batch never mixes aspect-ratio buckets; the "
-                     f"data has {len(self.dataset)} samples): each step trains at most {largest}. Set "
-                     f"train.batch_size={fits} to say what runs, or give more data")
+            fix = (f"set train.batch_size={fits} to say what runs, or give more data" if fits < self.batch_size
+                   else "give more data, or run on fewer processes")
+            self.log(f"note: a micro-batch asks for {asked} samples{' over the processes' if procs.several else ''}, "
+                     f"but the data gives at most {largest} at once ({len(self.dataset)} samples; a batch takes them "
+                     f"from one bucket): each micro-batch trains at most {largest}; {fix}")
 
     def _optimizer(self) -> tuple[torch.optim.Optimizer, str]:
         """train.optimizer over the LoRA weights; with device.shard_optimizer, over this process's share of them
