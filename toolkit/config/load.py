@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config.layers import Layer, peek
-from toolkit.config.local_paths import make_absolute
+from toolkit.config.local_paths import is_section, make_absolute
 from toolkit.config.objectives import OBJECTIVE_SETTINGS
 from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS
 from toolkit.config.foreign_keys import foreign_key_hint
@@ -97,10 +97,6 @@ def _suggest(key: str, cfg: DictConfig, prefix: str) -> str:
     return ""
 
 
-def _is_section(node: Any) -> bool:
-    return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
-
-
 def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problems: list[str],
                  scoped: list[tuple[str, Any]], prefix: str = "") -> list[str]:
     """Merge one layer into cfg key by key, so every bad key is reported, not just the first; returns the
@@ -118,7 +114,7 @@ def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problem
                 problems.append(f"unknown key '{dotted}' in {layer.where(dotted)}{_suggest(key, node, prefix)}")
                 continue
             child = node._get_node(key)
-            if _is_section(child):
+            if is_section(child):
                 if isinstance(value, dict):
                     walk(child, value, dotted + ".")
                 else:

@@ -37,7 +37,8 @@ def _absolute(value: Any, kind: str) -> Any:
     return os.path.abspath(path)
 
 
-def _is_section(node: Any) -> bool:
+def is_section(node: Any) -> bool:
+    """A node of a structured config that is a section (a dataclass), not a leaf, list or free mapping."""
     return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
 
 
@@ -45,9 +46,9 @@ def _section_paths(node: DictConfig) -> None:
     kind_of = {f.name: f.metadata.get("path") for f in dataclasses.fields(OmegaConf.get_type(node))}
     for key in list(node.keys()):
         child = node._get_node(key)
-        if _is_section(child):
+        if is_section(child):
             _section_paths(child)
-        elif isinstance(child, ListConfig) and len(child) and _is_section(child._get_node(0)):
+        elif isinstance(child, ListConfig) and len(child) and is_section(child._get_node(0)):
             for entry in child:
                 _section_paths(entry)
         elif kind_of.get(key):
@@ -80,7 +81,7 @@ def _adopt(node: DictConfig, saved: dict, current: dict, prefix: str, moved: lis
         if key not in saved or key not in current:
             continue
         child, before, after = node._get_node(key), saved[key], current[key]
-        if _is_section(child):
+        if is_section(child):
             if isinstance(before, dict) and isinstance(after, dict):
                 _adopt(child, before, after, f"{prefix}{key}.", moved)
         elif isinstance(child, ListConfig) and dataclasses.is_dataclass(child._metadata.element_type):
