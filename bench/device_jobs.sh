@@ -22,7 +22,7 @@ job_ltx2() { $D --models ltx2 --rows plain-ckpt,toolkit-auto,toolkit-swap24 --st
 # issue 43: GRPO's checkpointed rows beside unsloth in one command
 job_grpo() { python3 bench/llm_objectives.py --objective grpo --steps 5 --warmup 2 --timeout 200 --out $R/grpo.json > $R/grpo.txt 2>&1; }   # unsloth
 # issues 38 and 45: several GPUs (a kind with 2 or 4 GPUs)
-job_fsdp() { python3 bench/scaling.py --gpus 2 --skip-llm --skip-sdxl --skip-wan --fsdp --fsdp-whole-state --fsdp-offload --out $R/fsdp.json > $R/fsdp.txt 2>&1; }
+job_fsdp() { python3 bench/scaling.py --gpus 2 --skip-llm --skip-sdxl --skip-wan --fsdp --fsdp-whole-state --fsdp-gathered --timeout 300 --out $R/fsdp.json > $R/fsdp.txt 2>&1; }
 # issue 45 on a 4-GPU machine, about 20 minutes: what the 4 x H100 runs of 2026-11-28 left (Wan 1/2/4, SDXL with the
 # CUDA-event timing, fsdp on 4) and 38's fsdp rows on 2. Runs that share no GPU run side by side (the 1-GPU runs
 # beside the 2-GPU fsdp rows; SDXL on 2 beside Wan on 2); the 4-GPU runs alone. Each workload keeps one --work
@@ -65,4 +65,11 @@ job_sdxl_repeat() {
             data.path=$W/images data.resolution=1024 train.batch_size=2 train.compile=true \
             run.output_dir=/tmp/sdxl-prof-$i --after 10 --steps 10 --rows 15 > $R/sdxl-profile-$i.txt 2>&1
     done
+}
+# two single-GPU jobs side by side on a 2-GPU kind (issue 39's sd15 loss parity; issue 40's LTX-2, then
+# HunyuanVideo 1.5): each on a GPU of its own
+job_pair() {
+    ( export CUDA_VISIBLE_DEVICES=0; job_parity_sd15 ) &
+    ( export CUDA_VISIBLE_DEVICES=1; job_ltx2; echo "$(date +%T) ltx2 done" >> $R/queue.log; job_hunyuan15 ) &
+    wait
 }

@@ -2,7 +2,7 @@
 
     python bench/scaling.py [--gpus 2] [--llm-warmup 10 --llm-steps 20] [--sdxl-warmup 5 --sdxl-steps 10]
                             [--skip-llm] [--skip-sdxl] [--no-plain-sdxl] [--no-plain-compiled] [--fsdp]
-                            [--fsdp-whole-state] [--fsdp-offload]
+                            [--fsdp-whole-state] [--fsdp-offload] [--fsdp-gathered]
                             [--stacks toolkit,plain,plain-compiled] [--counts 1,2] [--out results.json] [--logs DIR]
     python bench/scaling.py --tiny      # tiny:llm and tiny:sdxl on the CPU, 2 processes over gloo (a check)
 
@@ -24,6 +24,8 @@ Each workload runs, every run a fresh process (group):
   fsdp runs with device.shard_optimizer=true; --fsdp-whole-state adds fsdp with it false (what auto runs now): the
   optimizer state's saving and the all-gather's cost, measured. --fsdp-offload adds fsdp with the optimizer state
   sharded and train.checkpoint_offload=true (the checkpointed layers' inputs in pinned CPU memory).
+  --fsdp-gathered adds fsdp-whole-state with device.fsdp_embeddings=gathered: the input embeddings gathered whole
+  by FSDP2 beside the lookup in the shards (the default), in one run.
 
 Throughput: the time from the end of the warm-up steps to the end of the last step. The toolkit's comes from its
 own logs/metrics.jsonl (log.every = warm-up steps): each record's steps_per_s, timed between the CUDA events that
@@ -454,14 +456,15 @@ def wan_scaling(args, work: Path, counts: list[int], stacks: set, tiny: bool, ti
 # (device.shard_optimizer=true; its auto stays off until these rows are measured), without, and with the
 # checkpointed layers' inputs offloaded as well
 FSDP_MODES = {"ddp": [], "fsdp": ["device.shard_optimizer=true"], "fsdp-whole-state": ["device.shard_optimizer=false"],
-              "fsdp-offload": ["device.shard_optimizer=true", "train.checkpoint_offload=true"]}
+              "fsdp-offload": ["device.shard_optimizer=true", "train.checkpoint_offload=true"],
+              "fsdp-gathered": ["device.shard_optimizer=false", "device.fsdp_embeddings=gathered"]}
 
 
 def fsdp_modes(args) -> tuple[str, ...]:
     """ddp and fsdp; --fsdp-whole-state adds fsdp with the whole optimizer state on every process (the saving of
     device.shard_optimizer, measured), --fsdp-offload fsdp with the checkpointed layers' inputs offloaded too."""
     return ("ddp", "fsdp", *(("fsdp-whole-state",) if args.fsdp_whole_state else ()),
-            *(("fsdp-offload",) if args.fsdp_offload else ()))
+            *(("fsdp-offload",) if args.fsdp_offload else ()), *(("fsdp-gathered",) if args.fsdp_gathered else ()))
 
 
 def fsdp_memory(args, work: Path, n: int, tiny: bool, tiny_overrides: list[str], measure) -> dict:
@@ -582,6 +585,9 @@ def main() -> None:
     parser.add_argument("--fsdp-whole-state", action="store_true",
                         help="with --fsdp: also fsdp with device.shard_optimizer=false (what sharding the LoRA "
                              "optimizer state saves per GPU)")
+    parser.add_argument("--fsdp-gathered", action="store_true",
+                        help="with --fsdp: also fsdp-whole-state with device.fsdp_embeddings=gathered (the input "
+                             "embeddings gathered whole, as FSDP2 does, instead of looked up in the shards)")
     parser.add_argument("--fsdp-offload", action="store_true",
                         help="with --fsdp: also fsdp with the optimizer state sharded and train.checkpoint_offload=true")
     parser.add_argument("--stacks", default="toolkit,plain,plain-compiled",

@@ -79,6 +79,12 @@ class DeviceSection:
                                "it adds one all-gather a step); true turns it on where memory is tighter. Needs "
                                "an optimizer that steps each tensor on its own (not prodigy).",
                                choices=("auto", True, False), resume_safe=True)
+    fsdp_embeddings: str = opt("shards", "device.distributed=fsdp: how a process reads an LLM's input embeddings "
+                               "(a frozen, plain nn.Embedding; others are always gathered). shards: each process "
+                               "looks up the token ids whose rows it holds and the rows are exchanged, so the table "
+                               "is never gathered whole (1.25 GiB for a 12B base, at the start of every step); "
+                               "gathered: FSDP2 gathers the whole table for the lookup, as for every other unit.",
+                               choices=("shards", "gathered"), resume_safe=True)
     collective_timeout: int = opt(1800, "Seconds a process waits for the others at a collective or barrier (cache "
                                   "filling on the main process included) before it stops with an error naming its "
                                   "rank and the collective, instead of hanging (on GPUs, NCCL's watchdog stops it and "

@@ -103,13 +103,14 @@ class Processes:
             wrapped[name] = DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=find_unused)
         return wrapped
 
-    def shard(self, roots: Mapping[str, torch.nn.Module], timeout: timedelta) -> list[str]:
+    def shard(self, roots: Mapping[str, torch.nn.Module], timeout: timedelta,
+              lookup_in_shards: bool = True) -> list[str]:
         """FSDP2 on each root: its repeated blocks (the model's `_no_split_modules` classes), its input embeddings
         and output head where they have weights of their own (`edge_modules`), then the root; the trainable (LoRA)
         weights are not sharded and are moved to this process's device. Each root is marked as FSDP-managed, so that
         transformers' generate keeps the processes in step (synced_gpus: one that finished early still runs the
         forwards the others' gathers need). `timeout`: device.collective_timeout, for the host-side group of the
-        sharded embeddings. Returns what was sharded, per root."""
+        sharded embeddings; `lookup_in_shards`: device.fsdp_embeddings=shards. Returns what was sharded, per root."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -126,7 +127,7 @@ class Processes:
                                 "blocks to shard\n  fix: device.distributed=ddp")
             edges = edge_modules(root)
             kinds = ", ".join(sorted({type(b).__name__ for b in blocks}))  # before fully_shard renames the classes
-            lookup = bool(edges) and shardable(edges[0])
+            lookup = lookup_in_shards and bool(edges) and shardable(edges[0])
             # inner blocks first: an outer one then takes what is left; the root takes what no unit holds
             for unit in [*reversed(blocks), *edges, root]:
                 fully_shard(unit, mesh=mesh, ignored_params={p for p in unit.parameters() if p.requires_grad})

@@ -79,7 +79,8 @@ def load_model(run: ResolvedRun, plan: RunPlan, procs, device: torch.device, run
         # has chosen, PyTorch's own order may pick cuDNN, whose backward needs it (train/attention.py).
         exits.enter_context(gradient_in_output_layout())
     if sharded:  # before the optimizer and EMA see the LoRA weights: sharding moves them to the device
-        for line in procs.shard(adapter.memory.shard_roots(), timedelta(seconds=cfg.device.collective_timeout)):
+        for line in procs.shard(adapter.memory.shard_roots(), timedelta(seconds=cfg.device.collective_timeout),
+                                 lookup_in_shards=cfg.device.fsdp_embeddings == "shards"):
             log(f"device.distributed=fsdp: sharded {line}")
     memory = adapter.memory
     facts.extra.update(memory=memory.decisions(), quantized=memory.quantized(), swapped=bool(memory.swaps()),
