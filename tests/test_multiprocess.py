@@ -311,3 +311,22 @@ def test_fsdp_shards_untied_embeddings_and_head_as_units_of_their_own(tied):
     layer = model.model.layers[0]
     layer.__class__ = type("FSDP" + type(layer).__name__, (type(layer),), {})
     assert repeated_blocks(model, outermost=True) == [layer]
+
+
+def test_fsdp_embeddings_gathered_trains_what_the_lookup_in_shards_trains(tmp_path):
+    """device.fsdp_embeddings: the lookup in the shards (the default) and FSDP2's gather of the whole table give the
+    same LoRA; the log says which ran, and auto shards the optimizer state under fsdp (bench/results/evidence.json,
+    fsdp-shard-optimizer)."""
+    common = ("train.steps=4", "train.batch_size=2", "data.max_seq_len=32", "device.distributed=fsdp")
+    shards = train(2, LLM, tmp_path / "shards", *common)
+    gathered = train(2, LLM, tmp_path / "gathered", *common, "device.fsdp_embeddings=gathered")
+    assert shards.returncode == 0 and gathered.returncode == 0, gathered.stderr
+    looked_up = "(the embeddings looked up in the processes' shards, never gathered whole)"
+    assert looked_up in shards.stderr and looked_up not in gathered.stderr
+    assert "input embeddings and output head, each its own unit" in gathered.stderr
+    for proc in (shards, gathered):
+        assert "device.shard_optimizer=auto -> true: auto: on under fsdp" in proc.stderr
+        assert "this process steps and keeps the state of" in proc.stderr
+    a, b = adapter(tmp_path / "shards"), adapter(tmp_path / "gathered")
+    assert a.keys() == b.keys() and len(a) == 28
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6

@@ -141,7 +141,8 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                (VIDEO_SETTINGS - {"model.task", "sample.images"}) | {"train.frame_rate", "train.audio_loss_weight"},
                "LTX-2 text-to-video (Lightricks/LTX-2: the video branch, and the audio branch on clips with sound; Gemma 3 text)",
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
-               tiny={"ltx2": "toolkit.tiny.ltx2:write_tiny_ltx2"}, pipeline_class="LTX2Pipeline"),
+               tiny={"ltx2": "toolkit.tiny.ltx2:write_tiny_ltx2"}, pipeline_class="LTX2Pipeline",
+               compile_auto="ltx2-compile", compile_auto_steps=200),
     # HunyuanVideo 1.5 T2V and I2V (one family, model.task as Wan's); diffusers' pipelines have no LoRA loader
     # mixin, so the file is read by the transformer's load_lora_adapter (models/diffusion_hunyuan15.py).
     FamilySpec("hunyuan_video15", "toolkit.models.diffusion_hunyuan15:HunyuanVideo15Adapter", VideoDataSection,

@@ -74,10 +74,11 @@ class DeviceSection:
                                "its share of the LoRA tensors only and steps those, then sends the updated tensors to "
                                "the others (ZeRO stage 1, torch's ZeroRedundancyOptimizer): the state per process is "
                                "about 1/N. Every process ends each step with the same weights, and checkpoints hold "
-                               "the whole optimizer state, so a run resumes at another process count. auto: off (measured "
-                               "under fsdp on a 12B base over 2 GPUs: 0.2 GiB less per GPU at 15% fewer tokens/s; "
-                               "it adds one all-gather a step); true turns it on where memory is tighter. Needs "
-                               "an optimizer that steps each tensor on its own (not prodigy).",
+                               "the whole optimizer state, so a run resumes at another process count. auto: on under "
+                               "device.distributed=fsdp (asked for memory; measured on a 12B base over 2 GPUs: 0.21 "
+                               "GiB less per GPU, no step-rate cost beyond a fresh process's spread), off under ddp "
+                               "(the whole model is on every GPU; the state is small beside it). It adds one "
+                               "all-gather a step. Needs an optimizer that steps each tensor on its own (not prodigy).",
                                choices=("auto", True, False), resume_safe=True)
     fsdp_embeddings: str = opt("shards", "device.distributed=fsdp: how a process reads an LLM's input embeddings "
                                "(a frozen, plain nn.Embedding; others are always gathered). shards: each process "
