@@ -45,6 +45,10 @@ def _worker(rank: int, world: int, port: int, errors) -> None:
             assert got.shape == (1, length, HIDDEN) and got.requires_grad
             torch.testing.assert_close(got.detach(), whole(ids), rtol=0, atol=0)
         assert hooked == []                                            # the table was never gathered
+        # an id outside the table is refused, as nn.Embedding refuses it, not looked up as zeros
+        for bad in (VOCAB, -1):
+            with pytest.raises(RuntimeError, match="outside the vocabulary"):
+                lookup(torch.tensor([[1, bad]]))
         # more ids over the processes than the table has rows: the unit gathers it (the smaller exchange), the same rows
         ids = torch.arange(VOCAB).reshape(1, VOCAB)
         torch.testing.assert_close(lookup(ids).detach(), whole(ids), rtol=0, atol=0)

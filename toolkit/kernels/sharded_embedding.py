@@ -49,6 +49,10 @@ class ShardedEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local, group = self.unit.weight.to_local(), self.mesh.get_group()
+        # nn.Embedding refuses an id outside the table; the shards would give it zeros (no process holds it). On a
+        # GPU the check runs there, without the host waiting for it (a device-side assert, as the embedding's own)
+        torch._assert_async(((ids >= 0) & (ids < self.unit.weight.shape[0])).all(),
+                            "input embeddings: a token id is outside the vocabulary (index out of range)")
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(counts, torch.tensor([ids.numel()]), group=self.counts_group)
         most = max(int(c) for c in counts)
