@@ -3,6 +3,8 @@ larger than the data's buckets, options between the config and its overrides."""
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import REPO
 
 CONFIG = REPO / "configs/examples/quickstart_llm.yaml"
@@ -41,3 +43,17 @@ def test_a_batch_larger_than_the_buckets_says_what_a_step_trains(tmp_path, run_c
             "runs, or give more data") in "".join(capsys.readouterr())
     assert run_cli("train", sd, f"run.output_dir={tmp_path / 'fits'}", "train.batch_size=12", *common) == 0
     assert "note: a micro-batch asks for" not in "".join(capsys.readouterr())
+
+
+@pytest.mark.parametrize("used, calls_sdpa", [("sdpa", True), ("sdpa_paged", True), (None, True), ("eager", False),
+                                              ("flash_attention_2", False), ("flex_attention", False),
+                                              ("kernels-community/flash-attn3", False)])
+def test_which_attention_implementations_leave_the_sdpa_choice_unused(used, calls_sdpa):
+    from types import SimpleNamespace
+
+    from toolkit.models.llm import LLMMemory
+
+    memory = LLMMemory(SimpleNamespace(network=SimpleNamespace(config=SimpleNamespace(_attn_implementation=used)),
+                                       cfg=SimpleNamespace(model=SimpleNamespace(attention="auto"))))
+    said = memory.attention_without_sdpa()
+    assert said is None if calls_sdpa else said == f"the model's attention is {used} (model.attention=auto)"

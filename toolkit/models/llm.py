@@ -515,7 +515,8 @@ class LLMMemory(ModelMemory):
     def attention_without_sdpa(self) -> str | None:
         a = self.adapter
         used = getattr(a.network.config, "_attn_implementation", None)
-        if used in ("eager", "flash_attention_2", "flash_attention_3"):
+        # transformers' sdpa and sdpa_paged call it; eager, flash_attention_2/3, flex_attention and hub kernels do not
+        if used and "sdpa" not in used:
             return f"the model's attention is {used} (model.attention={a.cfg.model.attention})"
         return None
 
