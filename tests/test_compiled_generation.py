@@ -319,7 +319,7 @@ def test_auto_generates_eagerly_in_a_run_too_short_to_repay_the_compile():
     from toolkit.config.presets import load_presets
     from toolkit.device.detect import DeviceInfo
     from toolkit.plan.run import frozen, static_plan
-    from toolkit.plan.static_rules import GENERATION_COMPILED_STEPS
+    from toolkit.plan.llm_rules import GENERATION_COMPILED_STEPS
 
     from omegaconf import OmegaConf
 

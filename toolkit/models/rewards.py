@@ -40,7 +40,7 @@ def length_reward(target: int) -> RewardFn:
 
 
 # The built-in rewards by name, each made from (train.reward_pattern, train.reward_length). The plan's checks read
-# the names from here (plan/static_rules.py: reward_checks).
+# the names from here (plan/static_checks.py: reward_checks).
 BUILTIN_REWARDS: dict[str, Callable[[str | None, int], RewardFn]] = {
     "format": lambda pattern, length: format_reward(pattern),
     "regex": lambda pattern, length: regex_reward(pattern),

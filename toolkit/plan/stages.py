@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import toolkit.plan.loaded_rules  # noqa: F401  (registers the loaded stage's rules)
-import toolkit.plan.static_checks  # noqa: F401  (registers the static stage's checks, after its rules)
+import toolkit.plan.static_checks  # noqa: F401  (registers the static stage's checks, after its rules and llm_rules)
 import toolkit.plan.static_rules  # noqa: F401  (registers the static stage's rules)
 from toolkit.plan.decisions import Decision
 from toolkit.plan.rules import RULES, Facts

@@ -8,6 +8,7 @@ reports, naming the key and the fix. What a family takes is read from its Family
 from __future__ import annotations
 
 from toolkit.config.families import FAMILY_SPECS, family_spec
+from toolkit.plan.llm_rules import OBJECTIVE_FORMATS  # and its rules, registered before these checks
 from toolkit.plan.rules import Facts, rule
 from toolkit.plan.static_rules import STATIC
 
@@ -51,7 +52,6 @@ def objective_data_checks(f: Facts) -> None:
     from toolkit.data.preference import FIELDS_FIX, missing_fields
     from toolkit.data.records import first_record
     from toolkit.errors import UserError
-    from toolkit.plan.static_rules import OBJECTIVE_FORMATS
 
     objective, path = f.asked("train.objective"), f.asked("data.path")
     try:

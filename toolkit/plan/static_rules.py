@@ -17,7 +17,7 @@ from toolkit.plan.rules import Facts, rule
 STATIC = "static"
 
 
-def _decision(key: str, value, reason: str, evidence: str | None = None) -> Decision:
+def static_decision(key: str, value, reason: str, evidence: str | None = None) -> Decision:
     return Decision(key, value, reason, STATIC, evidence)
 
 
@@ -27,11 +27,11 @@ def precision(f: Facts) -> Decision | None:
     requested, device = f.asked("train.precision"), f.device
     if requested == "auto":
         if device.backend == "cpu":
-            return _decision("train.precision", "fp32", "auto on the CPU: fp32 (bf16 matmuls are slower than fp32 "
+            return static_decision("train.precision", "fp32", "auto on the CPU: fp32 (bf16 matmuls are slower than fp32 "
                                                         "on most CPUs)")
         if device.bf16:
-            return _decision("train.precision", "bf16", f"auto: {device.arch} supports bf16")
-        return _decision("train.precision", "fp16", f"auto: {device.arch} has no bf16: fp16 with loss scaling")
+            return static_decision("train.precision", "bf16", f"auto: {device.arch} supports bf16")
+        return static_decision("train.precision", "fp16", f"auto: {device.arch} has no bf16: fp16 with loss scaling")
     if requested == "bf16" and device.backend != "cpu" and not device.bf16:
         f.problems.append(f"'train.precision' is bf16, but {device.arch} has no bf16 support: "
                           "use train.precision=fp16 (trained with loss scaling) or fp32")
@@ -41,15 +41,15 @@ def precision(f: Facts) -> Decision | None:
     if device.backend == "cpu":
         note = ("; bf16 matmuls are slower than fp32 on most CPUs (auto chooses fp32 there)" if requested == "bf16"
                 else "")
-        return _decision("train.precision", requested, f"set in {where}: the CPU trains in {requested}{note}")
-    return _decision("train.precision", requested, f"set in {where}")
+        return static_decision("train.precision", requested, f"set in {where}: the CPU trains in {requested}{note}")
+    return static_decision("train.precision", requested, f"set in {where}")
 
 
 @rule("model.dtype", STATIC)
 def base_dtype(f: Facts) -> Decision | None:
     if f.asked("model.dtype") != "auto":
         return None
-    return _decision("model.dtype", f.value("train.precision"), "frozen base weights follow train.precision")
+    return static_decision("model.dtype", f.value("train.precision"), "frozen base weights follow train.precision")
 
 
 @rule("train.batch_size", STATIC)
@@ -67,7 +67,7 @@ def batch_size(f: Facts) -> Decision | None:
         value, why = cap, f"{why}, capped at {cap} for {f.family} (large samples)"
     why += ("; on the CPU auto keeps the preset's table (the batch probe measures on GPUs)" if f.device.backend == "cpu"
             else "; until the trainer measures the largest batch that fits, at the start (train/batch_size.py)")
-    return _decision("train.batch_size", value, why)
+    return static_decision("train.batch_size", value, why)
 
 
 @rule("train.gradient_checkpointing", STATIC)
@@ -77,7 +77,7 @@ def gradient_checkpointing(f: Facts) -> Decision | None:
         f.problems.append("'train.checkpoint_offload' moves the inputs of checkpointed layers, and "
                           "train.gradient_checkpointing is false: set it to true or auto, or remove checkpoint_offload")
     if setting == "auto":
-        return _decision("train.gradient_checkpointing", False, (
+        return static_decision("train.gradient_checkpointing", False, (
             "off on the CPU (memory is not measured there)" if f.device.backend == "cpu" else
             "off unless a step at the run's batch size does not fit without it, measured at the start "
             "(train/memory_plan.py; with train.batch_size=auto: unless a batch of 1 does not fit)"))
@@ -202,26 +202,26 @@ def compile_(f: Facts) -> Decision | None:
         return None
     spec, steps = family_spec(f.family), f.asked("train.steps")
     if f.device.backend == "cpu":
-        return _decision("train.compile", False, "off on the CPU")
+        return static_decision("train.compile", False, "off on the CPU")
     if not spec.compile_auto:
-        return _decision("train.compile", False, f"not measured faster for {f.family} yet")
+        return static_decision("train.compile", False, f"not measured faster for {f.family} yet")
     if f.reads("train.objective") and f.asked("train.objective") == "grpo":
-        return _decision("train.compile", False, "train.objective=grpo: its generation runs eagerly and its scored "
+        return static_decision("train.compile", False, "train.objective=grpo: its generation runs eagerly and its scored "
                          "rows keep one width, but compiled GRPO has not been measured faster on a GPU yet (true "
                          "compiles anyway)")
     if steps < spec.compile_auto_steps:
         seen = f.extra["compiled_runs"].get(signature(f.cfg, f.device.name))
         if seen is not None:
-            return _decision("train.compile", True, (
+            return static_decision("train.compile", True, (
                 f"train.steps={steps} is short of the {spec.compile_auto_steps} steps that repay a cold compile "
                 f"({cite(spec.compile_auto)}), but a run of these settings compiled on this machine on "
                 f"{seen['date']} (first step {seen['first_step_s']:.0f} s) and its code is cached: this run loads "
                 "it"), spec.compile_auto)
-        return _decision("train.compile", False, (
+        return static_decision("train.compile", False, (
             f"a run of train.steps={steps} (in all, a resumed run's steps counted) is too short to repay the first "
             f"step's compile: {cite(spec.compile_auto)}; auto compiles {f.family} from {spec.compile_auto_steps} "
             "steps, train.compile=true compiles any run"), spec.compile_auto)
-    return _decision("train.compile", True, cite(spec.compile_auto), spec.compile_auto)
+    return static_decision("train.compile", True, cite(spec.compile_auto), spec.compile_auto)
 
 
 @rule("train.compile_recompute", STATIC)
@@ -230,7 +230,7 @@ def compile_recompute(f: Facts) -> Decision | None:
         return None  # read only when compiling
     measured = family_spec(f.family).recompute_auto
     value = "pointwise" if measured else "none"
-    return _decision("train.compile_recompute", value,
+    return static_decision("train.compile_recompute", value,
                      cite(measured) if measured else f"PyTorch's default: pointwise not measured for {f.family} yet",
                      measured)
 
@@ -244,11 +244,11 @@ def checkpoint_keeps(f: Facts) -> Decision | None:
     measured = family_spec(f.family).keeps_auto
     keep = bool(measured) and f.value("train.compile") is True  # eager, the policy runs in Python per op
     if keep:
-        return _decision("train.checkpoint_keeps", "attention", cite(measured), measured)
+        return static_decision("train.checkpoint_keeps", "attention", cite(measured), measured)
     why = ("a checkpointed block recomputes everything: keeping attention was measured compiled, and train.compile "
            "is off" if measured else
            f"a checkpointed block recomputes everything: keeping attention not measured faster for {f.family} yet")
-    return _decision("train.checkpoint_keeps", "nothing", why)
+    return static_decision("train.checkpoint_keeps", "nothing", why)
 
 
 @rule("train.compile_regions", STATIC)
@@ -258,15 +258,15 @@ def compile_regions(f: Facts) -> Decision | None:
         return None
     spec, steps = family_spec(f.family), f.asked("train.steps")
     if f.value("train.compile") is not True:
-        return _decision("train.compile_regions", "whole", "not used: train.compile is off")
+        return static_decision("train.compile_regions", "whole", "not used: train.compile is off")
     if not spec.regions_auto:
-        return _decision("train.compile_regions", "whole", f"block by block not measured for {f.family} yet")
+        return static_decision("train.compile_regions", "whole", f"block by block not measured for {f.family} yet")
     if steps < spec.regions_blocks_below:
-        return _decision("train.compile_regions", "blocks", f"a run of train.steps={steps} (under "
+        return static_decision("train.compile_regions", "blocks", f"a run of train.steps={steps} (under "
                          f"{spec.regions_blocks_below}) ends first compiled block by block: {cite(spec.regions_auto)}",
                          spec.regions_auto)
     longer = f"a run of train.steps={steps}: " if spec.regions_blocks_below else ""
-    return _decision("train.compile_regions", "whole", longer + cite(spec.regions_auto), spec.regions_auto)
+    return static_decision("train.compile_regions", "whole", longer + cite(spec.regions_auto), spec.regions_auto)
 
 
 @rule("train.cuda_graphs", STATIC)
@@ -283,158 +283,7 @@ def timestep_sampling(f: Facts) -> Decision | None:
     if not f.reads("train.timestep_sampling") or f.asked("train.timestep_sampling") != "auto":
         return None
     sampling = family_spec(f.family).timestep_sampling or "uniform"
-    return _decision("train.timestep_sampling", sampling, f"the {f.family} family's usual")
-
-
-@rule("model.kernels", STATIC)
-def kernels(f: Facts) -> Decision | None:
-    if not f.reads("model.kernels") or f.asked("model.kernels") != "auto":
-        return None
-    if f.device.backend == "cpu":
-        return _decision("model.kernels", "none", "the CPU keeps the model's own loss")
-    return _decision("model.kernels", "fused", "on a GPU, no tokens x vocabulary logits held: "
-                     + cite("llm-fused-loss"), "llm-fused-loss")
-
-
-@rule("model.fuse_projections", STATIC)
-def fuse_projections(f: Facts) -> Decision | None:
-    """auto turns it on with train.compile on an NVIDIA GPU; true where it cannot apply is refused, naming what
-    stands in the way."""
-    if not f.reads("model.fuse_projections"):
-        return None
-    value = f.asked("model.fuse_projections")
-    if not (isinstance(value, bool) or value == "auto"):
-        f.problems.append(f"'model.fuse_projections' must be true, false or auto, got {value!r}")
-        return None
-    blockers = [why for why, blocks in (
-        ("network.type=dora (each layer normalises its own weight)", f.asked("network.type") == "dora"),
-        (f"network.dropout={f.asked('network.dropout')} (each layer drops its own input)",
-         f.asked("network.dropout") > 0),
-        (f"model.quantize={f.asked('model.quantize')} (the frozen weights are quantized)",
-         f.asked("model.quantize") in QUANTIZED),
-        ("device.distributed=fsdp (the frozen weights are sharded per layer)", f.asked("device.distributed") == "fsdp"),
-    ) if blocks]
-    if value is True and blockers:
-        f.problems.append(f"'model.fuse_projections'=true cannot apply with {'; '.join(blockers)}: set "
-                          "model.fuse_projections=auto or false")
-    if value != "auto":
-        return None
-    if blockers:
-        return _decision("model.fuse_projections", False, "off with " + "; ".join(blockers))
-    if f.asked("train.objective") != "sft":  # true applies: a disabled LoRA (the reference) runs PEFT's own layers
-        return _decision("model.fuse_projections", False, f"off with train.objective={f.asked('train.objective')}: "
-                         "measured with sft only (true turns it on)")
-    if f.device.backend != "cuda":
-        where = "the CPU" if f.device.backend == "cpu" else "ROCm"
-        return _decision("model.fuse_projections", False,
-                         f"off on {where}: measured on NVIDIA GPUs only (true turns it on)")
-    if f.value("train.compile") is not True:
-        return _decision("model.fuse_projections", False, "off with train.compile off (measured compiled only)")
-    return _decision("model.fuse_projections", True, cite("llm-fuse-projections"), "llm-fuse-projections")
-
-
-@rule("model.attention", STATIC)
-def attention(f: Facts) -> Decision | None:
-    if not f.reads("model.attention") or f.asked("model.attention") != "auto":
-        return None
-    return _decision("model.attention", "sdpa", "PyTorch scaled_dot_product_attention, the default")
-
-
-# The shortest GRPO run auto generates compiled for: the decode's compile costs at most 90.5 s once (evidence
-# grpo-generation-compiled, bounded from the checkpointed command's wall time) and saves 5.9 s a step, so it is
-# repaid within 16 steps.
-GENERATION_COMPILED_STEPS = 20
-
-
-@rule("train.generation", STATIC)
-def generation(f: Facts) -> Decision | None:
-    """auto: compiled on NVIDIA GPUs, where it was measured faster (evidence grpo-generation-compiled), unless its
-    merged copy cannot be made; eager on the CPU (it decodes eagerly either way) and on AMD GPUs (not measured there
-    yet). compiled where its merged copy cannot be made is refused, naming what stands in the way."""
-    if not f.reads("train.generation"):
-        return None
-    asked = f.asked("train.generation")
-    blockers = [why for why, blocks in (
-        (f"network.type={f.asked('network.type')} (it merges plain LoRA only)", f.asked("network.type") != "lora"),
-        (f"model.quantize={f.asked('model.quantize')} (the merged copy needs 16-bit weights)",
-         f.asked("model.quantize") in QUANTIZED),
-        ("model.fuse_projections=true (the grouped layers are not PEFT's)", f.asked("model.fuse_projections") is True),
-        ("device.distributed=fsdp (the frozen weights are sharded)", f.asked("device.distributed") == "fsdp"),
-    ) if blocks]
-    if asked == "compiled" and blockers:
-        f.problems.append(f"'train.generation'=compiled cannot apply with {'; '.join(blockers)}: set "
-                          "train.generation=eager (or auto)")
-    if asked != "auto":
-        return None
-    if f.asked("train.objective") != "grpo":
-        return _decision("train.generation", "eager", f"train.objective={f.asked('train.objective')} generates "
-                         "nothing while training")
-    if f.device.backend != "cuda":
-        where = "on the CPU, which decodes eagerly either way" if f.device.backend == "cpu" else \
-            f"on {f.device.backend} GPUs, where compiled generation has not been measured yet (compiled turns it on)"
-        return _decision("train.generation", "eager", where)
-    if blockers:
-        return _decision("train.generation", "eager", "compiled generation merges the LoRA into a copy of the "
-                         f"weights, which cannot be made with {'; '.join(blockers)}")
-    if f.asked("train.steps") < GENERATION_COMPILED_STEPS:
-        return _decision("train.generation", "eager", (
-            f"train.steps={f.asked('train.steps')} is short of the {GENERATION_COMPILED_STEPS} steps that repay the "
-            f"decode's compile ({cite('grpo-generation-compiled')})"), "grpo-generation-compiled")
-    return _decision("train.generation", "compiled", (
-        "the LoRA merged into a copy of the adapted weights (one more copy of them in memory), a static KV cache "
-        f"and the decode step in CUDA graphs: {cite('grpo-generation-compiled')}"), "grpo-generation-compiled")
-
-
-OBJECTIVE_FORMATS = {"sft": ("text", "alpaca", "chat"), "dpo": ("preference",), "orpo": ("preference",),
-                     "kto": ("unpaired",), "grpo": ("prompt",)}
-
-
-@rule("data.format", STATIC)
-def data_format(f: Facts) -> Decision | None:
-    """llm: auto takes the objective's format for preference, unpaired and prompt data (sft's is read from the
-    first record of data.path); a format the objective cannot train on, or packing with a non-sft objective, is
-    refused."""
-    if not f.reads("train.objective"):
-        return None
-    objective, asked = f.asked("train.objective"), f.asked("data.format")
-    formats = OBJECTIVE_FORMATS[objective]
-    if asked != "auto" and asked not in formats:
-        f.problems.append(f"'data.format' is {asked}, which train.objective={objective} cannot train on: set "
-                          f"data.format={' or '.join(formats)} (or auto)")
-    if objective != "sft" and f.asked("data.packing"):
-        f.problems.append(f"'data.packing' packs samples for sft; train.objective={objective} compares whole "
-                          "sequences: set data.packing=false")
-    if objective == "grpo" and (f.asked("data.eval_fraction") > 0 or f.asked("data.eval_path")):
-        f.problems.append("'data.eval_fraction' / 'data.eval_path' hold out data for an eval loss, which "
-                          "train.objective=grpo has none of: set data.eval_fraction=0 and data.eval_path=null")
-    if asked != "auto":
-        return None
-    if objective == "sft":
-        return _sft_format(f)
-    return _decision("data.format", formats[0], f"train.objective={objective} trains on {formats[0]} data")
-
-
-def _sft_format(f: Facts) -> Decision | None:
-    """sft's auto: the format of data.path's first record, so that `validate` shows it (or names fields that match
-    none) before the model loads."""
-    from toolkit.data.records import first_record
-    from toolkit.data.text import format_fields, format_of
-
-    path, text_field = f.asked("data.path"), f.asked("data.text_field")
-    try:
-        record = first_record(path)
-    except UserError:
-        return None  # a path that does not exist is named by the path checks; an unreadable file when it loads
-    fmt = format_of(record, text_field)
-    keys = sorted(k for k in record if k != "__line__")
-    if fmt is None:
-        f.problems.append(f"'data.format' is auto, and the fields {keys} of the first record of {path} match no "
-                          f"format: use {format_fields(text_field)}, or set data.format")
-        return None
-    fields = {"alpaca": "instruction/output", "text": f"'{text_field}' (data.text_field)",
-              "chat": "messages" if "messages" in record else "ShareGPT's conversations (from/value read as "
-                                                              "role/content)"}[fmt]
-    return _decision("data.format", fmt, f"the first record of data.path has {fields}")
+    return static_decision("train.timestep_sampling", sampling, f"the {f.family} family's usual")
 
 
 @rule("device.shard_optimizer", STATIC)
