@@ -57,3 +57,23 @@ def test_which_attention_implementations_leave_the_sdpa_choice_unused(used, call
                                        cfg=SimpleNamespace(model=SimpleNamespace(attention="auto"))))
     said = memory.attention_without_sdpa()
     assert said is None if calls_sdpa else said == f"the model's attention is {used} (model.attention=auto)"
+
+
+def test_fresh_with_init_from_inside_the_moved_run_names_where_it_went(tmp_path, run_cli, capsys):
+    """`train --fresh network.init_from=RUN/final`: the earlier run (its final/ included) is moved aside before this
+    run writes its own final/ there, so config.yaml and the checkpoints' copies name the moved folder, and the run
+    resumes from its own config.yaml."""
+    out = tmp_path / "run"
+    common = [f"run.output_dir={out}", "train.steps=2", "save.every=1", "sample.every=0"]
+    assert run_cli("train", CONFIG, *common) == 0
+    capsys.readouterr()
+    assert run_cli("train", CONFIG, "--fresh", *common, f"network.init_from={out / 'final'}") == 0
+    said = "".join(capsys.readouterr())
+    [old] = tmp_path.glob("run.old-*")
+    assert f"network.init_from: {out / 'final'} was moved with the earlier run; the run's config names it at " \
+           f"{old / 'final'}" in said
+    assert f"network.init_from: the LoRA starts from folder {old / 'final'}" in said
+    for config in (out / "config.yaml", out / "checkpoints" / "step-000002" / "config.yaml"):
+        assert f"init_from: {old / 'final'}\n" in config.read_text(), config
+    assert run_cli("train", str(out / "config.yaml"), "train.steps=3") == 0
+    assert f"resumed from {out / 'checkpoints' / 'step-000002'} (step 2)" in "".join(capsys.readouterr())

@@ -116,12 +116,13 @@ def check_resume_config(checkpoint: Checkpoint, saved: dict, current: dict, noti
         notice(f"resume: applying changed setting {change}")
 
 
-def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], None]) -> Checkpoint | None:
+def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], None],
+                 moved: Callable[[Path], None] = lambda to: None) -> Checkpoint | None:
     """The checkpoint to resume from (None: start from step 0), following train.resume and --fresh.
 
-    Nothing in an existing run folder is deleted: a fresh start moves the old folder aside. The one exception is
-    a folder that holds only what a failed start wrote (run_dir.py's cleanup rule): it is cleared and reused.
-    The caller holds the folder's lock.
+    Nothing in an existing run folder is deleted: a fresh start moves the old folder aside (`moved` is told where).
+    The one exception is a folder that holds only what a failed start wrote (run_dir.py's cleanup rule): it is
+    cleared and reused. The caller holds the folder's lock.
     """
     foreign = run_dir.foreign_files()
     if foreign:  # preflight says so first (output_location.py); a folder filled since is refused here too
@@ -132,7 +133,9 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
         if run_dir.has_content() and run_dir.holds_only_start_files():
             run_dir.clear_start_files()
         elif run_dir.has_content():
-            notice(f"--fresh: the previous run was moved to {run_dir.move_aside()}")
+            to = run_dir.move_aside()
+            notice(f"--fresh: the previous run was moved to {to}")
+            moved(to)
         return None
     if isinstance(resume, str) and resume not in ("auto",):
         path = Path(resume)
@@ -160,7 +163,9 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
             run_dir.clear_start_files()
             notice(f"{run_dir.root}: an earlier start failed before its first step; its start files were removed")
         else:
-            notice(f"no checkpoint to resume from; the earlier attempt was kept at {run_dir.move_aside()}")
+            to = run_dir.move_aside()
+            notice(f"no checkpoint to resume from; the earlier attempt was kept at {to}")
+            moved(to)
     return latest
 
 

@@ -5,6 +5,7 @@ quietly (the main process prints it)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from omegaconf import OmegaConf
 from toolkit.config.load import as_text, resolved_container
 from toolkit.disk import disk_full_named
 from toolkit.plan.decisions import Decision, RunPlan
-from toolkit.plan.run import ResolvedRun
+from toolkit.plan.run import ResolvedRun, frozen, settings_view
 from toolkit.train.batch_size import accumulate_to, checkpoint_batch
 from toolkit.train.checkpoint import Checkpoint, list_checkpoints
 from toolkit.train.checkpointer import OtherProcessFailed
@@ -95,7 +96,8 @@ def open_run_folder(run: ResolvedRun, run_dir: RunDir, procs, fresh: bool, log: 
             run_dir.remove_unfinished(log)
             run_dir.remove_failed_starts_beside(log)
             resume = "auto" if restarted and list_checkpoints(run_dir.checkpoints) else run.cfg.train.resume
-            checkpoint = choose_start(resume, run_dir, fresh, log)
+            moved_to: list[Path] = []
+            checkpoint = choose_start(resume, run_dir, fresh, log, moved=moved_to.append)
             decisions, resumed = settle_batch(run, checkpoint, procs.world_size)
             if resumed:
                 log(f"train.batch_size=auto -> {decisions[0].value}: {decisions[0].reason}")
@@ -110,6 +112,8 @@ def open_run_folder(run: ResolvedRun, run_dir: RunDir, procs, fresh: bool, log: 
                     current = plan.effective(current)
                 check_resume_config(checkpoint, saved, current, log, processes=procs.world_size)
             run_dir.create()
+            if moved_to:
+                follow_moved_init_from(run, run_dir.root, moved_to[0], log)
             write_atomic(run_dir.config, config_yaml(run))
             outcome = ("ok", Start(checkpoint, plan, resumed))
         except BaseException:
@@ -121,6 +125,22 @@ def open_run_folder(run: ResolvedRun, run_dir: RunDir, procs, fresh: bool, log: 
     if status != "ok":
         raise OtherProcessFailed()
     return start, lock
+
+
+def follow_moved_init_from(run: ResolvedRun, moved_from: Path, moved_to: Path, log: Callable[[str], None]) -> None:
+    """A network.init_from inside the run folder whose earlier content was just moved aside (`moved_from` ->
+    `moved_to`) names where it went, in `run` itself: config.yaml, the checkpoints' copies and the report then name
+    the LoRA the run started from (already copied, train/lora_source.py), not what this run writes at that place."""
+    init = run.asked.network.get("init_from")
+    if not init or not Path(init).is_relative_to(moved_from):
+        return
+    asked = copy.deepcopy(run.asked)
+    OmegaConf.set_readonly(asked, False)
+    asked.network.init_from = str(moved_to / Path(init).relative_to(moved_from))
+    run.asked = frozen(asked)
+    run.cfg = settings_view(run.asked, run.plan)
+    log(f"network.init_from: {init} was moved with the earlier run; the run's config names it at "
+        f"{asked.network.init_from}")
 
 
 def config_yaml(run: ResolvedRun) -> str:

@@ -21,6 +21,7 @@ import tempfile
 import time
 import traceback
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -115,6 +116,9 @@ class Trainer:
                                                restarted=self.restarted)
             if start.checkpoint is None and init is not None and init_from is None:
                 lora_source(init)  # raises: it does not exist
+            moved = self.resolved.cfg.network.init_from  # where --fresh moved it, when it was inside the run folder
+            if init_from is not None and moved != cfg.network.init_from:
+                init_from.source = replace(init_from.source, label=init_from.source.label.replace(str(init), moved))
             self._setup(start, init_from if start.checkpoint is None else None, exits)
         finally:
             if init_from is not None:
