@@ -18,6 +18,12 @@ job_flux() { $D --models flux --rows toolkit-auto,toolkit-cap25,kohya,kohya-24g,
 job_qwen_image() { $D --models qwen_image --rows toolkit-auto,toolkit-swap24,musubi,musubi-24g,aitk,aitk-24g --steps 5 --warmup 3 --timeout 400 --out $R/qwen_image.json > $R/qwen_image.txt 2>&1; }   # musubi, aitk
 # issue 40: the new families' low-memory rows and compile evidence, LTX-2 (writes 38 GB)
 job_hunyuan15() { $D --models hunyuan15 --rows toolkit-swap24,toolkit-ckpt --steps 5 --warmup 3 --timeout 400 --out $R/hunyuan15.json > $R/hunyuan15.txt 2>&1; }
+# issue 40 part 2: train.compile=auto's evidence for HunyuanVideo 1.5 and Chroma (each compiled row beside its eager
+# twin in one run; on 2026-11-28 HunyuanVideo's compiled rows and its eager auto row came from different runs)
+job_compile_evidence() {
+    $D --models hunyuan15 --rows toolkit-ckpt-eager,toolkit-ckpt --steps 5 --warmup 3 --timeout 400 --out $R/hunyuan15-compile.json > $R/hunyuan15-compile.txt 2>&1
+    $D --models chroma --rows toolkit-eager,toolkit-auto --steps 8 --warmup 4 --timeout 400 --out $R/chroma-compile.json > $R/chroma-compile.txt 2>&1
+}
 job_ltx2() { $D --models ltx2 --rows plain-ckpt,toolkit-auto,toolkit-swap24 --steps 4 --warmup 2 --timeout 400 --out $R/ltx2.json > $R/ltx2.txt 2>&1; }
 # issue 43: GRPO's checkpointed rows beside unsloth in one command
 job_grpo() { python3 bench/llm_objectives.py --objective grpo --steps 5 --warmup 2 --timeout 200 --out $R/grpo.json > $R/grpo.txt 2>&1; }   # unsloth
