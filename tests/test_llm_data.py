@@ -197,7 +197,7 @@ def test_sharegpt_conversations_train_as_their_messages(tokenizer):
     assert tokenize_chat(system_apart, tokenizer, False, "x.jsonl") == tokenize_chat(CHAT, tokenizer, False, "x.jsonl")
     unknown = {"conversations": [{"from": "narrator", "value": "once"}, {"from": "gpt", "value": "upon"}]}
     with pytest.raises(UserError, match=r"x.jsonl: ShareGPT speakers \['narrator'\] are not known\n  fix: use one of "
-                                        "human, user, gpt, assistant, system, tool, function, observation in 'from'"):
+                                        "human, user, gpt, assistant, system, tool, function, observation, function_call in 'from'"):
         tokenize_chat(unknown, tokenizer, False, "x.jsonl")
 
 

@@ -5,7 +5,7 @@ Formats (data.format, auto detects from the first record's fields):
   alpaca  {"instruction", "input"?, "output"}             loss on the response (unless train_on_prompt)
   chat    {"messages": [{"role", "content"}, ...]}        rendered with the tokenizer's chat template;
           or ShareGPT's {"conversations":                 loss on assistant turns (unless train_on_prompt)
-          [{"from", "value"}, ...], "system"?}
+          [{"from", "value"}, ...], "system"?}             tools and tool calls: data/chat_tools.py
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from toolkit.data.chat_tools import check_rendered, openai_message, record_tools, sharegpt_call
 from toolkit.data.packing import PackedTextDataset
 from toolkit.data.records import read_records, where
 from toolkit.data.samples import IGNORE_INDEX, TokenizedSample, long_tensor
@@ -25,7 +26,8 @@ FORMATS = ("text", "alpaca", "chat")
 
 # ShareGPT's speakers (axolotl's and LLaMA-Factory's `from`) as chat templates name them.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
+                  "system": "system", "tool": "tool", "function": "tool", "observation": "tool",
+                  "function_call": "assistant"}  # LLaMA-Factory's: a JSON call (data/chat_tools.py)
 
 ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. "
                  "Write a response that appropriately completes the request.\n\n"
@@ -104,8 +106,10 @@ TEMPLATE_FIX = ("fix: order the turns as the model's chat template expects (many
                 "alternate, after at most one system turn)")
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+                tools: list[dict] | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -115,18 +119,18 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 def chat_messages(record: dict, path: str) -> list[dict]:
     """The record's conversation as {role, content} messages: its `messages`, or ShareGPT's `conversations` of
-    {from, value} turns (speakers mapped by SHAREGPT_ROLES), after its top-level `system` prompt if it has one."""
+    {from, value} turns (speakers mapped by SHAREGPT_ROLES), after its top-level `system` prompt if it has one.
+    Tool calls and results are kept (data/chat_tools.py)."""
     if "messages" not in record and "conversations" in record:
         return _sharegpt_messages(record, path)
     messages = record.get("messages")
-    if (not isinstance(messages, list) or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in messages)):
+    kept = [openai_message(m) for m in messages] if isinstance(messages, list) else []
+    if not kept or None in kept:
         raise UserError(f"{where(path, record)}: a chat record needs 'messages': a non-empty list of "
                         f"{{\"role\": ..., \"content\": ...}} objects, found keys {_keys(record)}\n"
-                        "  fix: give each message a string 'role' and 'content' (or use ShareGPT's 'conversations' of "
-                        "'from'/'value' turns)")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+                        "  fix: give each message a string 'role' and 'content' (an assistant's tool_calls may stand "
+                        "for its content), or use ShareGPT's 'conversations' of 'from'/'value' turns")
+    return kept
 
 
 def _sharegpt_messages(record: dict, path: str) -> list[dict]:
@@ -142,7 +146,8 @@ def _sharegpt_messages(record: dict, path: str) -> list[dict]:
         raise UserError(f"{where(path, record)}: ShareGPT speakers {unknown} are not known\n"
                         f"  fix: use one of {', '.join(SHAREGPT_ROLES)} in 'from'")
     head = [{"role": "system", "content": system}] if system else []
-    return head + [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+    return head + [sharegpt_call(t["value"], record, path) if t["from"] == "function_call" else
+                   {"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
 
 
 def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> TokenizedSample:
@@ -160,8 +165,13 @@ def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> 
     if tokenizer.chat_template is None:
         raise UserError(f"{path}: the tokenizer has no chat template, so chat data cannot be rendered\n"
                         "  fix: use a chat/instruct model, or data in the text or alpaca format")
+    tools = record_tools(record, path)
     try:
-        ids = _encode(tokenizer, render_chat(tokenizer, messages))
+        if tools or any("tool_calls" in m for m in messages):
+            check_rendered(lambda m, tools: render_chat(tokenizer, m, tools=tools), messages, tools, record, path)
+        ids = _encode(tokenizer, render_chat(tokenizer, messages, tools=tools))
+    except UserError:
+        raise
     except Exception as err:  # jinja raises its own errors, e.g. "roles must alternate"
         raise UserError(f"{where(path, record)}: the chat template refused this conversation: {err}\n"
                         f"  {TEMPLATE_FIX}") from None
@@ -175,8 +185,9 @@ def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> 
         if message["role"] != "assistant":
             continue
         try:
-            start = _encode(tokenizer, render_chat(tokenizer, messages[:index], add_generation_prompt=True))
-            end = _encode(tokenizer, render_chat(tokenizer, messages[:index + 1]))
+            start = _encode(tokenizer, render_chat(tokenizer, messages[:index], add_generation_prompt=True,
+                                                   tools=tools))
+            end = _encode(tokenizer, render_chat(tokenizer, messages[:index + 1], tools=tools))
         except Exception as err:  # a prefix the template refuses, as above
             raise UserError(f"{where(path, record)}: the chat template refused part of this conversation: {err}\n"
                             f"  {TEMPLATE_FIX}, or set data.train_on_prompt=true (it renders the whole conversation "
