@@ -1,7 +1,7 @@
 """Diffusion and video LoRA step time: the toolkit beside the plain diffusers loop a user writes, eager and with
 torch.compile, in one run on one GPU, every row in a fresh process of its own.
 
-    python bench/diffusion.py [--models sd15,sdxl,flux,chroma,wan,wan22,ltx2,hunyuan15,qwen_image] [--rows plain,plain-compiled,toolkit] [--steps 6]
+    python bench/diffusion.py [--models sd15,sdxl,flux,flux_kontext,chroma,wan,wan22,ltx2,hunyuan15,qwen_image] [--rows plain,plain-compiled,toolkit] [--steps 6]
                               [--warmup 4] [--out result.json] [--tiny] [--profile] [--set KEY=VALUE ...]
 
 Workloads (random weights in the real shapes, bench/diffusion_models.py; nothing downloaded), LoRA r=16 alpha 16
@@ -23,6 +23,9 @@ under bf16 autocast, fused AdamW, gradient norm clipped to 1.0:
         the plain loop the high-noise `transformer` at sigmas >= the boundary, 0.875. 17 frames, not 81: at 81
         the activations alone (~27 GiB) exceed toolkit-swap24's cap. Not in the default --models: it writes
         ~29 GB to the temporary folder (the two experts share their files)
+  flux_kontext  FLUX.1 Kontext [dev] (Flux.1-dev's transformer), 1024 px, batch 1, one 1024 px reference image per
+        target (name_ref0.png): the reference's 4096 tokens follow the image's, as FluxKontextPipeline passes them
+        (ids' first axis 1), so a step sees twice Flux's image tokens. Not in the default --models
   qwen_image  Qwen-Image 20B transformer (60 dual-stream blocks, 3072 wide), 1024 px, batch 1; the plain loop feeds 16
         text tokens (a caption's length: the pipeline pads a batch to its longest prompt only). Not in the default
         --models: it writes ~41 GB to the temporary folder
@@ -113,11 +116,12 @@ WORKLOADS = {  # family, batch, resolution (or frames x height x width), images 
     "ltx2": dict(family="ltx2", batch=1, frames=121, height=512, width=768),
     "hunyuan15": dict(family="hunyuan_video15", batch=1, frames=33, height=480, width=832),
     "qwen_image": dict(family="qwen_image", batch=1, size=1024),
+    "flux_kontext": dict(family="flux_kontext", batch=1, size=1024, references=1),
 }
 TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "chroma": dict(size=64),
         "wan": dict(frames=5, height=64, width=64),
         "wan22": dict(frames=5, height=64, width=64), "ltx2": dict(frames=9, height=64, width=64),
-        "hunyuan15": dict(frames=5, height=64, width=64), "qwen_image": dict(size=64)}
+        "hunyuan15": dict(frames=5, height=64, width=64), "qwen_image": dict(size=64), "flux_kontext": dict(size=64)}
 ROWS = ("plain", "plain-compiled", "toolkit-eager", "toolkit")
 TOOLKIT_ROWS = ("toolkit", "toolkit-auto", "toolkit-eager", "toolkit-nographs", "toolkit-ckpt", "toolkit-swap24", "toolkit-cap25")
 CAP_GIB = 24
@@ -150,6 +154,7 @@ def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
     cls, sub, targets = {"sd15": (UNet2DConditionModel, "unet", UNET_TARGETS),
                          "sdxl": (UNet2DConditionModel, "unet", UNET_TARGETS),
                          "flux": (FluxTransformer2DModel, "transformer", FLUX_TARGETS),
+                         "flux_kontext": (FluxTransformer2DModel, "transformer", FLUX_TARGETS),
                          "chroma": (ChromaTransformer2DModel, "transformer", FLUX_TARGETS),
                          "wan": (WanTransformer3DModel, "transformer", WAN_TARGETS),
                          "wan22": (WanTransformer3DModel, "transformer", WAN_TARGETS),  # the high-noise expert
@@ -176,6 +181,21 @@ def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
     return model
 
 
+def kontext_plain_inputs(model, latents, img_ids, txt_ids, b: int):
+    dev, bf16 = latents.device, torch.bfloat16
+    reference = torch.randn_like(latents).to(bf16)
+    ref_ids = img_ids.clone()
+    ref_ids[:, 0] = 1
+    ids = torch.cat([img_ids, ref_ids])
+    text = torch.randn(b, 512, model.config.joint_attention_dim, device=dev, dtype=bf16)
+    pooled = torch.randn(b, model.config.pooled_projection_dim, device=dev, dtype=bf16)
+    guidance, n = torch.ones(b, device=dev), latents.shape[1]
+    return latents, lambda noisy, sigma: model(
+        hidden_states=torch.cat([noisy.to(bf16), reference], 1), timestep=sigma, guidance=guidance,
+        pooled_projections=pooled, encoder_hidden_states=text, txt_ids=txt_ids, img_ids=ids,
+        return_dict=False)[0][:, :n]
+
+
 def plain_inputs(kind: str, model, w: dict):
     """(latents, forward(noisy, sigma) -> prediction) for one batch of random conditioning."""
     dev, b = device(), w["batch"]
@@ -191,13 +211,15 @@ def plain_inputs(kind: str, model, w: dict):
             extra = {"added_cond_kwargs": {"text_embeds": torch.randn(b, pooled, device=dev, dtype=bf16),
                                            "time_ids": time_ids}}
         return latents, lambda noisy, sigma: model(noisy.to(bf16), (sigma * 999).long(), text, **extra).sample
-    if kind in ("flux", "chroma"):
+    if kind in ("flux", "chroma", "flux_kontext"):
         side = w["size"] // 16
         latents = torch.randn(b, side * side, 64, device=dev)
         ids = torch.zeros(side, side, 3, device=dev)
         ids[..., 1] += torch.arange(side, device=dev)[:, None]
         ids[..., 2] += torch.arange(side, device=dev)[None, :]
         img_ids, txt_ids = ids.reshape(-1, 3), torch.zeros(512, 3, device=dev)
+        if kind == "flux_kontext":  # as FluxKontextPipeline: the reference's tokens after the image's (ids' first
+            return kontext_plain_inputs(model, latents, img_ids, txt_ids, b)  # axis 1), the prediction the image's
         text = torch.randn(b, 512, model.config.joint_attention_dim, device=dev, dtype=bf16)
         if kind == "chroma":  # the pipeline's mask: a caption's tokens and its first padding token, then the image
             mask = torch.ones(b, 512 + side * side, dtype=torch.bool, device=dev)
@@ -535,7 +557,7 @@ def main() -> None:
             write_clip(data, w["frames"], w["height"], w["width"])
             what = f"{w['frames']} x {w['height']} x {w['width']}, batch 1"
         else:
-            write_images(data, max(8, 2 * w["batch"]), w["size"])
+            write_images(data, max(8, 2 * w["batch"]), w["size"], references=w.get("references", 0))
             what = f"{w['size']} px, batch {w['batch']}"
         per_image = kind in ("sd15", "sdxl")
         print(f"\n{kind}: {what}\n{'row':<22} {'s/step':>8} {'img/s':>7} {'peak GiB':>9} {'vs plain':>9}", flush=True)

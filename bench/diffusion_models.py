@@ -103,7 +103,7 @@ def _build(cls, config: dict, device: str):
 
 
 def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> None:
-    """The pipeline folder of `kind` (sd15, sdxl, flux, chroma, wan, wan22, ltx2, hunyuan15) with its denoiser built on `device`, which
+    """The pipeline folder of `kind` (sd15, sdxl, flux, flux_kontext, chroma, wan, wan22, ltx2, hunyuan15) with its denoiser built on `device`, which
     gives the GPU memory back afterwards: each row runs in a process of its own and needs all of it."""
     _write_pipeline(kind, folder, device, tiny)
     if device == "cuda":
@@ -112,14 +112,16 @@ def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> 
 
 
 def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
-    from diffusers import (DDPMScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-                           StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel)
+    from diffusers import (DDPMScheduler, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline,
+                           FluxTransformer2DModel, StableDiffusionPipeline, StableDiffusionXLPipeline,
+                           UNet2DConditionModel)
     from transformers import CLIPTokenizer, T5EncoderModel
 
     from toolkit.tiny.diffusion import write_clip_tokenizer
     from toolkit.tiny.flow import t5_config, write_t5_tokenizer
 
-    config = SHAPES[kind] if tiny else {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "chroma": CHROMA1_HD,
+    config = SHAPES[kind.removesuffix("_kontext")] if tiny else {
+        "sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "flux_kontext": FLUX_DEV, "chroma": CHROMA1_HD,
                                         "wan": WAN_1P3B, "wan22": WAN22_A14B, "ltx2": LTX2_19B,
                                         "hunyuan15": HUNYUAN15_480P, "qwen_image": QWEN_IMAGE_20B}[kind]
     if kind == "qwen_image":
@@ -196,7 +198,8 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
                                                     base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                                                     max_image_seq_len=4096)
-        FluxPipeline(scheduler=scheduler, vae=_vae(16, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+        pipeline = FluxKontextPipeline if kind == "flux_kontext" else FluxPipeline  # Kontext: Flux dev's shape
+        pipeline(scheduler=scheduler, vae=_vae(16, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
                                                    use_post_quant_conv=False),
                      text_encoder=clip, tokenizer=tokenizer, text_encoder_2=t5, tokenizer_2=tokenizer_2,
                      transformer=transformer, image_encoder=None, feature_extractor=None).save_pretrained(folder)
@@ -269,14 +272,17 @@ def _write_ltx2(folder: Path, transformer) -> None:
                  vocoder=vocoder).save_pretrained(folder, safe_serialization=True)
 
 
-def write_images(folder: Path, count: int, size: int) -> None:
+def write_images(folder: Path, count: int, size: int, references: int = 0) -> None:
+    """`count` random-pattern images with captions; with `references`, each with that many reference images beside
+    it (name_ref0.png, ...: the edit families' layout, toolkit/data/references.py)."""
     from PIL import Image
 
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     for i in range(count):
-        pixels = (torch.rand(size // 8, size // 8, 3, generator=g) * 255).to(torch.uint8).numpy()
-        Image.fromarray(pixels).resize((size, size), Image.NEAREST).save(folder / f"{i:03d}.png")
+        for name in [f"{i:03d}", *(f"{i:03d}_ref{r}" for r in range(references))]:
+            pixels = (torch.rand(size // 8, size // 8, 3, generator=g) * 255).to(torch.uint8).numpy()
+            Image.fromarray(pixels).resize((size, size), Image.NEAREST).save(folder / f"{name}.png")
         (folder / f"{i:03d}.txt").write_text(f"a random pattern number {i}\n")
 
 
