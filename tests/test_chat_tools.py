@@ -103,3 +103,17 @@ def test_train_refuses_tools_its_model_cannot_render_and_trains_with_one_that_ca
     assert run_cli("train", config, f"run.output_dir={tmp_path / 'tools'}", f"model.name_or_path={model}",
                    *common) == 0
     assert (tmp_path / "tools" / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_preference_records_pass_their_tools_to_the_template_or_are_refused():
+    from toolkit.data.preference import encode_records
+
+    record = {"prompt": [{"role": "user", "content": "weather in paris?"}],
+              "chosen": [{"role": "assistant", "content": "sunny"}],
+              "rejected": [{"role": "assistant", "content": "rain"}], "tools": TOOLS, "__line__": 2}
+    tok = tokenizer(TOOL_TEMPLATE)
+    [example] = encode_records([record], "preference", tok, 256, "pairs.jsonl")
+    assert "<|tools|>\nget_weather<|end|>" in tok.decode(example.prompt)
+    assert [tok.decode(c) for c in example.completions] == ["sunny<|end|>\n", "rain<|end|>\n"]
+    with pytest.raises(UserError, match="pairs.jsonl:2: the record gives 'tools', but the tokenizer's chat template"):
+        encode_records([record], "preference", tokenizer(), 256, "pairs.jsonl")

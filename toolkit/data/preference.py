@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from toolkit.data.chat_tools import check_rendered, openai_message, record_tools
 from toolkit.data.records import read_records, where
 from toolkit.data.samples import IGNORE_INDEX, long_tensor
 from toolkit.data.text import TEMPLATE_FIX, render_chat, split_eval
@@ -98,9 +99,15 @@ class PromptEncoder:
         if self.tokenizer.chat_template is None:
             raise UserError(f"{self.path}: the tokenizer has no chat template, so conversational records cannot be "
                             "rendered\n  fix: use a chat/instruct model, or plain-text records")
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = [openai_message(m) or {"role": m["role"], "content": m["content"]} for m in messages]
+        tools = record_tools(record, self.path)  # tools and tool calls reach the template, or are refused by name
         try:
-            text = render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+            if tools or any("tool_calls" in m for m in messages):
+                check_rendered(lambda m, tools: render_chat(self.tokenizer, m, tools=tools), messages, tools, record,
+                               self.path)
+            text = render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        except UserError:
+            raise
         except Exception as err:  # jinja raises its own errors, e.g. "roles must alternate"
             raise UserError(f"{where(self.path, record)}: the chat template refused this conversation: {err}\n"
                             f"  {TEMPLATE_FIX}") from None
