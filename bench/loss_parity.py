@@ -17,8 +17,10 @@ For every LoRA file, from the trainer's own output: `held_out` is the denoising 
 loaded by diffusers' `load_lora_weights` (diffusers converts kohya and musubi files itself) over the 8 training
 images, at 8 fixed noise levels spread over the schedule ((i + 0.5) / 8), 2 fixed noise draws each (a generator
 seeded 1234), each family's own target (epsilon for sd15, the flow velocity noise - x0 for flux and wan) and no loss
-weighting; `base` is the same without the LoRA. `last100` is the mean of the trainer's own per-step losses over its
-last 100 steps (its timestep distribution, so compare it between trainers of one kind only).
+weighting; `base` is the same without the LoRA. A file of which diffusers adapts fewer layers than it holds LoRA
+modules (diffusers skips a key it cannot place with a log line at most) gets no number: its row says so. `last100`
+is the mean of the trainer's own per-step losses over its last 100 steps (its timestep distribution, so compare it
+between trainers of one kind only).
 
 --tiny-cpu: 20 steps, seed 0, on the CPU (the toolkit and the scorer; a peer only where .whl-peers/NAME exists),
 to check the bench."""
@@ -29,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -146,12 +149,7 @@ def held_out_loss(kind: str, folder: Path, data: Path, lora: Path | None = None,
     """The denoising loss of the pipeline in `folder` with `lora` loaded by diffusers (at `scale`; none: the base)
     over the images in `data` with their captions: LEVELS noise levels (i + 0.5) / LEVELS of the schedule, DRAWS
     noise draws each from a generator seeded SCORE_SEED, the family's own target, unweighted, in fp32."""
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32).to(device())
-    if lora is not None:
-        pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="scored")
-        pipe.set_adapters(["scored"], [scale])
+    pipe = scored_pipeline(folder, lora, scale)
     images = sorted(data.glob("*.png"))
     captions = [image.with_suffix(".txt").read_text().strip() for image in images]
     with torch.no_grad():  # all images in one batch: each level and draw is one forward
@@ -164,6 +162,41 @@ def held_out_loss(kind: str, folder: Path, data: Path, lora: Path | None = None,
                 prediction, target = predict(latents, noises[i, draw], (i + 0.5) / LEVELS)
                 losses.append(torch.nn.functional.mse_loss(prediction.float(), target.float()).item())
     return sum(losses) / len(losses)
+
+
+LORA_PARTS = re.compile(r"\.(lora_down|lora_up|lora_A|lora_B|lora\.down|lora\.up|lora_mid|alpha|dora_scale)"
+                        r"(\.[^.]+)?(\.weight)?$")
+
+
+def scored_pipeline(folder: Path, lora: Path | None = None, scale: float = 1.0):
+    """The pipeline in `folder` in fp32 on the device with `lora` loaded by diffusers' load_lora_weights as adapter
+    `scored` at `scale`. RuntimeError when diffusers adapted fewer layers than the file holds LoRA modules (it skips
+    keys it cannot place with a log line at most): the score would not be the file's."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32).to(device())
+    if lora is not None:
+        pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="scored")
+        pipe.set_adapters(["scored"], [scale])
+        in_file, applied = lora_coverage(pipe, lora)
+        if applied < in_file:
+            raise RuntimeError(f"diffusers applied {applied} of the {in_file} LoRA modules in {lora.name}")
+    return pipe
+
+
+def lora_coverage(pipe, lora: Path, adapter: str = "scored") -> tuple[int, int]:
+    """(LoRA modules in the file: its keys less the down/up/alpha suffix, layers of the pipeline's models that
+    hold `adapter`). A fused layer that diffusers splits (kohya Flux's qkv, linear1) counts once in the file and
+    once per part in the pipeline."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from safetensors import safe_open
+
+    with safe_open(str(lora), "pt") as handle:
+        modules = {LORA_PARTS.sub("", key) for key in handle.keys()}
+    applied = sum(1 for component in pipe.components.values() if isinstance(component, torch.nn.Module)
+                  for layer in component.modules()
+                  if isinstance(layer, BaseTunerLayer) and adapter in getattr(layer, "lora_A", {}))
+    return len(modules), applied
 
 
 def pixels(image: Path) -> torch.Tensor:

@@ -18,12 +18,18 @@ Settings, from its docs (docs/train_network.md, sdxl_train_network.md, flux_trai
   -24g   flux: + --fp8_base (its docs' 24 GB row: "basic settings work fine"; no block swap). SD1.5 and SDXL: the
          same settings (its docs give nothing else for 24 GB LoRA)
 
+Text encoders: transformers 5 (the toolkit's, which writes the bench's pipelines) saves a CLIPTextModel without the
+`text_model.` prefix; the pinned transformers 4.54 then loads none of it and initialises it at random (a warning
+only), so kohya gets a copy of the folder with those text encoders saved again under the prefix, and parity() fails
+when kohya's log says weights were left out.
+
 Losses: read from its tensorboard event files (`loss/current`, one per step) with tensorboard's EventAccumulator.
 A CPU check (--tiny) needs torchvision and OpenCV importable by the peer; PEER_EXTRA_SITE=DIR adds DIR to its path
 (on a CPU-only torch the PyPI torchvision cannot load its CUDA ops: only its transforms are used)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -76,6 +82,8 @@ def _model_args(kind: str, folder: Path, work: Path, env: dict, log: Path, timeo
             raise PeerFailed(f"sd-scripts builds the {kind} UNet at its real shape only (library/original_unet.py): "
                              f"{folder}/unet is smaller")
         path, notes = real_unet_folder(kind, folder, models / "pipeline", _device())
+        path, renamed = transformers4_text_encoders(path, models / "pipeline-te")
+        notes += [f"{sub} saved again in the names its pinned transformers 4 reads (text_model.*)" for sub in renamed]
         return ["--pretrained_model_name_or_path", str(path), *tokenizers], notes
     if same_model and (why := flux_width_differs(folder)):
         raise PeerFailed(why)
@@ -85,6 +93,64 @@ def _model_args(kind: str, folder: Path, work: Path, env: dict, log: Path, timeo
         raise PeerFailed("kohya would train with other weights than the pipeline's: " + "; ".join(random))
     return ["--pretrained_model_name_or_path", str(dit), "--clip_l", str(files["clip_l"]), "--t5xxl",
             str(files["t5xxl"]), "--ae", str(files["ae"]), *tokenizers], notes
+
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+NOT_LOADED = re.compile(r"were not initialized from the model checkpoint|newly initialized|"
+                        r"were not used when initializing", re.I)  # transformers' words for weights left out
+
+
+def _stale_names(sub: Path) -> bool:
+    """True when `sub` is a CLIPTextModel saved by transformers 5, which leaves out the `text_model.` prefix its
+    weights have in transformers 4 (CLIPTextModelWithProjection keeps it)."""
+    from safetensors import safe_open
+
+    config = sub / "config.json"
+    if not config.exists() or json.loads(config.read_text()).get("architectures") != ["CLIPTextModel"]:
+        return False
+    keys = []
+    for file in sorted(sub.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            keys += list(handle.keys())
+    return bool(keys) and not all(k.startswith("text_model.") for k in keys)
+
+
+def transformers4_text_encoders(path: Path, out: Path) -> tuple[Path, list[str]]:
+    """(`path`, []) when sd-scripts' pinned transformers 4.54 reads its text encoders as they are, else (a copy of
+    `path` (links) with those CLIPTextModels saved again under `text_model.*`, their names). transformers 5 saves a
+    CLIPTextModel without that prefix; transformers 4 then finds none of its weights and initialises the whole text
+    encoder at random (a warning, not an error): kohya would train on captions encoded by another model than the
+    pipeline's, and its LoRA would meet text states at scoring that it never saw in training."""
+    from safetensors.torch import load_file, save_file
+
+    stale = [sub for sub in TEXT_ENCODERS if _stale_names(path / sub)]
+    if not stale:
+        return path, []
+    if all((out / sub / "config.json").exists() for sub in stale):
+        return out, stale
+    out.mkdir(parents=True, exist_ok=True)
+    for item in path.iterdir():
+        if item.name not in stale and not item.name.startswith(".") and not (out / item.name).exists():
+            (out / item.name).symlink_to(item.resolve())
+    for sub in stale:
+        (out / sub).mkdir(exist_ok=True)
+        for item in (path / sub).iterdir():
+            if item.suffix == ".safetensors":
+                save_file({f"text_model.{k}": v for k, v in load_file(str(item)).items()}, str(out / sub / item.name),
+                          metadata={"format": "pt"})
+            elif item.name.endswith(".index.json"):
+                index = json.loads(item.read_text())
+                index["weight_map"] = {f"text_model.{k}": v for k, v in index["weight_map"].items()}
+                (out / sub / item.name).write_text(json.dumps(index, indent=2))
+        shutil.copy(path / sub / "config.json", out / sub / "config.json")  # last: it marks the folder done
+    return out, stale
+
+
+def _check_loaded(log: Path) -> None:
+    """PeerFailed when kohya's log says a model of the pipeline was not loaded whole (weights left at random)."""
+    lines = re.split(r"[\r\n]", log.read_text(errors="replace")) if log.exists() else []
+    if said := [line for line in lines if NOT_LOADED.search(line)]:
+        raise PeerFailed(f"kohya did not load the pipeline's weights whole: {said[0][:300]} (whole output: {log})")
 
 
 def _common(kind: str, out: Path, steps: int, seed: int, lr: float, rank: int, alpha: float) -> list[str]:
@@ -162,6 +228,7 @@ def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: in
     if kind == "flux":
         cmd += ["--timestep_sampling", "flux_shift", "--sigmoid_scale", "1.0"]
     timed_run(cmd, src, env, log, 0, timeout, progress=STEPS)
+    _check_loaded(log)
     lora = work / "out" / "lora.safetensors"
     if not lora.exists():
         raise PeerFailed(f"no LoRA file at {lora}")
