@@ -1,6 +1,6 @@
 # The jobs bench/device_queue.sh runs, one function each, in the order of what the open issues still need
 # (bench/results/session-note-*.md says which). R is the results folder; each job writes R/NAME.txt and R/NAME.json.
-# What each needs carried (device call `carry`): .whl-dpo always; the peer named (.whl-peers/kohya, musubi or
+# What each needs carried (device call `carry`): .whl-dpo always (bash bench/device_wheels.sh); the peer named (.whl-peers/kohya, musubi or
 # aitk, about 23 MB each) and .whl-unsloth for the unsloth rows. Carry is limited to 64 MiB a call, so at most two
 # peers with .whl-dpo.
 D="python3 bench/diffusion.py"
