@@ -24,8 +24,10 @@ job_compile_evidence() {
     $D --models hunyuan15 --rows toolkit-ckpt-eager,toolkit-ckpt --steps 5 --warmup 3 --timeout 400 --out $R/hunyuan15-compile.json > $R/hunyuan15-compile.txt 2>&1
     $D --models chroma --rows toolkit-eager,toolkit-auto --steps 8 --warmup 4 --timeout 400 --out $R/chroma-compile.json > $R/chroma-compile.txt 2>&1
 }
-# issue 40: an edit family on the GPU (FLUX.1 Kontext, one reference per target); its compile evidence too
+# issue 40: the edit families on the GPU (FLUX.1 Kontext, Qwen-Image-Edit-2509; one reference per target), with
+# their compile evidence; Qwen-Image-Edit writes ~41 GB
 job_kontext() { $D --models flux_kontext --rows plain,plain-compiled,toolkit-eager,toolkit-auto,toolkit-swap24 --steps 5 --warmup 3 --timeout 400 --out $R/kontext.json > $R/kontext.txt 2>&1; }
+job_qwen_edit() { $D --models qwen_image_edit --rows plain-ckpt,toolkit-eager,toolkit-auto,toolkit-swap24 --steps 5 --warmup 3 --timeout 400 --out $R/qwen_edit.json > $R/qwen_edit.txt 2>&1; }
 job_ltx2() { $D --models ltx2 --rows plain-ckpt,toolkit-auto,toolkit-swap24 --steps 4 --warmup 2 --timeout 400 --out $R/ltx2.json > $R/ltx2.txt 2>&1; }
 # issue 43: GRPO's checkpointed rows beside unsloth in one command
 job_grpo() { python3 bench/llm_objectives.py --objective grpo --steps 5 --warmup 2 --timeout 200 --out $R/grpo.json > $R/grpo.txt 2>&1; }   # unsloth

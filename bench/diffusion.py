@@ -1,7 +1,7 @@
 """Diffusion and video LoRA step time: the toolkit beside the plain diffusers loop a user writes, eager and with
 torch.compile, in one run on one GPU, every row in a fresh process of its own.
 
-    python bench/diffusion.py [--models sd15,sdxl,flux,flux_kontext,chroma,wan,wan22,ltx2,hunyuan15,qwen_image] [--rows plain,plain-compiled,toolkit] [--steps 6]
+    python bench/diffusion.py [--models sd15,sdxl,flux,flux_kontext,chroma,wan,wan22,ltx2,hunyuan15,qwen_image,qwen_image_edit] [--rows plain,plain-compiled,toolkit] [--steps 6]
                               [--warmup 4] [--out result.json] [--tiny] [--profile] [--set KEY=VALUE ...]
 
 Workloads (random weights in the real shapes, bench/diffusion_models.py; nothing downloaded), LoRA r=16 alpha 16
@@ -26,6 +26,9 @@ under bf16 autocast, fused AdamW, gradient norm clipped to 1.0:
   flux_kontext  FLUX.1 Kontext [dev] (Flux.1-dev's transformer), 1024 px, batch 1, one 1024 px reference image per
         target (name_ref0.png): the reference's 4096 tokens follow the image's, as FluxKontextPipeline passes them
         (ids' first axis 1), so a step sees twice Flux's image tokens. Not in the default --models
+  qwen_image_edit  Qwen-Image-Edit-2509 (Qwen-Image's 20B transformer), 1024 px, batch 1, one 1024 px reference per
+        target: its 4096 tokens after the image's; the plain loop adds 16 text tokens for the reference's vision
+        tokens (the bench's processor makes 4 to 16). Not in the default --models: it writes ~41 GB
   qwen_image  Qwen-Image 20B transformer (60 dual-stream blocks, 3072 wide), 1024 px, batch 1; the plain loop feeds 16
         text tokens (a caption's length: the pipeline pads a batch to its longest prompt only). Not in the default
         --models: it writes ~41 GB to the temporary folder
@@ -117,11 +120,13 @@ WORKLOADS = {  # family, batch, resolution (or frames x height x width), images 
     "hunyuan15": dict(family="hunyuan_video15", batch=1, frames=33, height=480, width=832),
     "qwen_image": dict(family="qwen_image", batch=1, size=1024),
     "flux_kontext": dict(family="flux_kontext", batch=1, size=1024, references=1),
+    "qwen_image_edit": dict(family="qwen_image_edit", batch=1, size=1024, references=1),
 }
 TINY = {"sd15": dict(size=64), "sdxl": dict(size=64), "flux": dict(size=64), "chroma": dict(size=64),
         "wan": dict(frames=5, height=64, width=64),
         "wan22": dict(frames=5, height=64, width=64), "ltx2": dict(frames=9, height=64, width=64),
-        "hunyuan15": dict(frames=5, height=64, width=64), "qwen_image": dict(size=64), "flux_kontext": dict(size=64)}
+        "hunyuan15": dict(frames=5, height=64, width=64), "qwen_image": dict(size=64), "flux_kontext": dict(size=64),
+        "qwen_image_edit": dict(size=64)}
 ROWS = ("plain", "plain-compiled", "toolkit-eager", "toolkit")
 TOOLKIT_ROWS = ("toolkit", "toolkit-auto", "toolkit-eager", "toolkit-nographs", "toolkit-ckpt", "toolkit-swap24", "toolkit-cap25")
 CAP_GIB = 24
@@ -160,7 +165,8 @@ def plain_model(kind: str, folder: Path, ckpt: bool, compiled: bool):
                          "wan22": (WanTransformer3DModel, "transformer", WAN_TARGETS),  # the high-noise expert
                          "ltx2": (LTX2VideoTransformer3DModel, "transformer", LTX2_TARGETS),
                          "hunyuan15": (HunyuanVideo15Transformer3DModel, "transformer", HUNYUAN15_TARGETS),
-                         "qwen_image": (QwenImageTransformer2DModel, "transformer", QWEN_TARGETS)}[kind]
+                         "qwen_image": (QwenImageTransformer2DModel, "transformer", QWEN_TARGETS),
+                         "qwen_image_edit": (QwenImageTransformer2DModel, "transformer", QWEN_TARGETS)}[kind]
     torch.manual_seed(0)
     model = cls.from_pretrained(folder / sub, torch_dtype=torch.bfloat16).to(device())
     model.requires_grad_(False)
@@ -234,15 +240,20 @@ def plain_inputs(kind: str, model, w: dict):
                                                    txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
     if kind == "ltx2":
         return ltx2_plain_inputs(model, w)
-    if kind == "qwen_image":  # 2x2-packed latents; the caption's text tokens (16, all attended), as the pipeline
-        side = w["size"] // 16  # pads a batch to its longest prompt only
+    if kind in ("qwen_image", "qwen_image_edit"):  # 2x2-packed latents; the caption's text tokens (16, all attended),
+        side = w["size"] // 16  # as the pipeline pads a batch to its longest prompt only
         latents = torch.randn(b, side * side, model.config.in_channels, device=dev)
-        text = torch.randn(b, 16, model.config.joint_attention_dim, device=dev, dtype=bf16)
-        mask = torch.ones(b, 16, device=dev, dtype=torch.long)
-        shapes = [[(1, side, side)]] * b
-        return latents, lambda noisy, sigma: model(hidden_states=noisy.to(bf16), timestep=sigma,
-                                                   encoder_hidden_states=text, encoder_hidden_states_mask=mask,
-                                                   img_shapes=shapes, return_dict=False)[0]
+        n, edit = latents.shape[1], kind == "qwen_image_edit"
+        # the edit pipeline: the reference's tokens after the image's (img_shapes lists both), its vision tokens in
+        # the text (16 more), the prediction the image's
+        reference = torch.randn_like(latents).to(bf16) if edit else latents[:, :0].to(bf16)
+        text = torch.randn(b, 32 if edit else 16, model.config.joint_attention_dim, device=dev, dtype=bf16)
+        mask = torch.ones(b, text.shape[1], device=dev, dtype=torch.long)
+        shapes = [[(1, side, side)] * (2 if edit else 1)] * b
+        return latents, lambda noisy, sigma: model(hidden_states=torch.cat([noisy.to(bf16), reference], 1),
+                                                   timestep=sigma, encoder_hidden_states=text,
+                                                   encoder_hidden_states_mask=mask, img_shapes=shapes,
+                                                   return_dict=False)[0][:, :n]
     if kind == "hunyuan15":  # [noisy | zero condition | zero mask], the pipeline's text-to-video inputs
         c = model.config
         latents = torch.randn(b, c.out_channels, (w["frames"] - 1) // 4 + 1, w["height"] // 16, w["width"] // 16,

@@ -103,8 +103,9 @@ def _build(cls, config: dict, device: str):
 
 
 def write_pipeline(kind: str, folder: Path, device: str, tiny: bool = False) -> None:
-    """The pipeline folder of `kind` (sd15, sdxl, flux, flux_kontext, chroma, wan, wan22, ltx2, hunyuan15) with its denoiser built on `device`, which
-    gives the GPU memory back afterwards: each row runs in a process of its own and needs all of it."""
+    """The pipeline folder of `kind` (sd15, sdxl, flux, flux_kontext, chroma, wan, wan22, ltx2, hunyuan15, qwen_image,
+    qwen_image_edit) with its denoiser built on `device`, which gives the GPU memory back afterwards: each row runs
+    in a process of its own and needs all of it."""
     _write_pipeline(kind, folder, device, tiny)
     if device == "cuda":
         gc.collect()
@@ -120,14 +121,18 @@ def _write_pipeline(kind: str, folder: Path, device: str, tiny: bool) -> None:
     from toolkit.tiny.diffusion import write_clip_tokenizer
     from toolkit.tiny.flow import t5_config, write_t5_tokenizer
 
-    config = SHAPES[kind.removesuffix("_kontext")] if tiny else {
+    config = SHAPES[kind.removesuffix("_kontext").removesuffix("_edit")] if tiny else {
         "sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV, "flux_kontext": FLUX_DEV, "chroma": CHROMA1_HD,
                                         "wan": WAN_1P3B, "wan22": WAN22_A14B, "ltx2": LTX2_19B,
-                                        "hunyuan15": HUNYUAN15_480P, "qwen_image": QWEN_IMAGE_20B}[kind]
-    if kind == "qwen_image":
+                                        "hunyuan15": HUNYUAN15_480P, "qwen_image": QWEN_IMAGE_20B,
+                                        "qwen_image_edit": QWEN_IMAGE_20B}[kind]
+    if kind in ("qwen_image", "qwen_image_edit"):  # the edit model: Qwen-Image's transformer, its own pipeline
         from diffusers import QwenImageTransformer2DModel
 
-        _write_qwen_image(folder, _build(QwenImageTransformer2DModel, config, device))
+        from toolkit.tiny.qwen_image_edit import write_tiny_qwen_image_edit
+
+        write = _write_qwen_image if kind == "qwen_image" else write_tiny_qwen_image_edit
+        write(folder, _build(QwenImageTransformer2DModel, config, device))
         return
     if kind == "ltx2":
         _write_ltx2(folder, _build(_ltx2_transformer_class(), config, device))
@@ -217,13 +222,9 @@ def _write_qwen_image(folder: Path, transformer) -> None:
 
     tokenizer = write_qwen_tokenizer(folder / "tokenizer")
     width = transformer.config.joint_attention_dim
-    config = qwen25_vl_config(tokenizer, hidden_size=width)
-    if width % 128 == 0:  # the real width: the 7B's heads
-        text = config.text_config
-        text.num_attention_heads, text.num_key_value_heads, text.head_dim = width // 128, 4, 128
-        text.rope_parameters = {**text.rope_parameters, "mrope_section": [16, 24, 24]}
     torch.manual_seed(0)
-    encoder = Qwen2_5_VLForConditionalGeneration(config)
+    encoder = Qwen2_5_VLForConditionalGeneration(qwen25_vl_config(tokenizer, hidden_size=width,
+                                                                  real_heads=width % 128 == 0))
     vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                  temperal_downsample=[False, True, True], latents_mean=QWEN_IMAGE_LATENTS_MEAN,
                                  latents_std=QWEN_IMAGE_LATENTS_STD)

@@ -100,9 +100,10 @@ def write_qwen_tokenizer(out: Path, extra_words: tuple[str, ...] = (), extra_tok
     return tokenizer
 
 
-def qwen25_vl_config(tokenizer, hidden_size: int = 32):
+def qwen25_vl_config(tokenizer, hidden_size: int = 32, real_heads: bool = False):
     """A Qwen2.5-VL config: a 2-layer text model (hidden `hidden_size`, multimodal RoPE sections summing to half
-    the head dim, as 16/24/24 of 128 in the 7B) and a 1-block vision tower, with the tokenizer's special ids."""
+    the head dim, as 16/24/24 of 128 in the 7B; `real_heads`: the 7B's heads, 128 wide, 4 key-value heads, for the
+    bench's real widths) and a 1-block vision tower, with the tokenizer's special ids."""
     from transformers import Qwen2_5_VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
@@ -113,6 +114,9 @@ def qwen25_vl_config(tokenizer, hidden_size: int = 32):
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden_size,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                   fullatt_block_indexes=[0])
+    if real_heads:
+        text.update(num_attention_heads=hidden_size // 128, num_key_value_heads=4, head_dim=128,
+                    rope_parameters={**text["rope_parameters"], "mrope_section": [16, 24, 24]})
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                             video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                             vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)

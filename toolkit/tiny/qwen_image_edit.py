@@ -26,7 +26,9 @@ EDIT_PIXELS = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 16}
 
 
 @keeps_global_rng
-def write_tiny_qwen_image_edit(out: Path) -> None:
+def write_tiny_qwen_image_edit(out: Path, transformer=None) -> None:
+    """`transformer`: another QwenImageTransformer2DModel (bench/diffusion_models.py's real shape): the text encoder
+    is then as wide as its joint_attention_dim, with the 7B's heads at a real width."""
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline,
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
@@ -42,10 +44,13 @@ def write_tiny_qwen_image_edit(out: Path) -> None:
     image_processor.save_pretrained(out / "processor")
     processor = ImageQwen2VLProcessor(image_processor, tokenizer)
     torch.manual_seed(0)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(qwen25_vl_config(tokenizer, hidden_size=32))
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6))
+    width = 32 if transformer is None else transformer.config.joint_attention_dim
+    text_encoder = Qwen2_5_VLForConditionalGeneration(qwen25_vl_config(tokenizer, hidden_size=width,
+                                                                       real_heads=width % 128 == 0))
+    if transformer is None:
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6))
     vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                  temperal_downsample=[False, True, True],
                                  latents_mean=QWEN_IMAGE_LATENTS_MEAN, latents_std=QWEN_IMAGE_LATENTS_STD)

@@ -1,6 +1,6 @@
-"""bench/diffusion.py's flux_kontext workload on the CPU (--tiny): the pipeline folder is FluxKontextPipeline's, each
-image has its reference beside it, and the plain loop (the reference's tokens after the image's) and the toolkit
-row both train."""
+"""bench/diffusion.py's edit workloads on the CPU (--tiny): flux_kontext and qwen_image_edit, each image with its
+reference beside it; the plain loop (the reference's tokens after the image's, as the edit pipeline passes them) and
+the toolkit row both train."""
 
 from __future__ import annotations
 
@@ -9,19 +9,22 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
-def test_flux_kontext_workload_runs_plain_and_toolkit_rows(tmp_path):
-    out = tmp_path / "kontext.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "diffusion.py"), "--models", "flux_kontext", "--tiny",
+@pytest.mark.parametrize("kind", ["flux_kontext", "qwen_image_edit"])
+def test_edit_workload_runs_plain_and_toolkit_rows(kind, tmp_path):
+    out = tmp_path / "edit.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "diffusion.py"), "--models", kind, "--tiny",
                            "--rows", "plain,toolkit-auto", "--steps", "2", "--warmup", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"flux_kontext:plain", "flux_kontext:toolkit-auto"}
+    assert set(rows) == {f"{kind}:plain", f"{kind}:toolkit-auto"}
     assert all(r["s_per_step"] > 0 for r in rows.values())
-    losses = rows["flux_kontext:toolkit-auto"]["losses"]
+    losses = rows[f"{kind}:toolkit-auto"]["losses"]
     assert len(losses) == 3 and all(math.isfinite(x) and 0.1 < x < 10 for x in losses)
 
 
