@@ -83,7 +83,11 @@ def test_refused_resume_points_at_init_from_and_that_command_keeps_the_weights(r
     # As it says: --fresh moves the run aside (its checkpoint with it), the new run starts from that checkpoint's LoRA.
     assert run_cli(*args, *hint.split()) == 0
     [old] = tmp_path.glob("run.old-*")
-    assert f"the LoRA starts from checkpoint {checkpoint}" in capsys.readouterr().err
+    moved = old / "checkpoints" / "step-000002"  # where --fresh put it: the log and the run's config name it there
+    err = capsys.readouterr().err
+    assert f"network.init_from: {checkpoint} was moved with the earlier run; the run's config names it at {moved}" in err
+    assert f"the LoRA starts from checkpoint {moved}" in err
+    assert f"init_from: {moved}\n" in (run / "config.yaml").read_text()
     assert_same_lora(trainable(run / "checkpoints" / "step-000001"), trainable(old / "checkpoints" / "step-000002"))
 
 
