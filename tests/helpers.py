@@ -161,3 +161,23 @@ def per_sample_generators(batch: dict) -> list:
     import torch
 
     return [torch.Generator().manual_seed(int(seed)) for seed in batch["draw_seeds"]]
+
+
+def kohya_env(tmp_path: Path) -> tuple[dict, Path]:
+    """(environment, source folder) of kohya sd-scripts unpacked from .whl-peers/kohya (bench/peers/common.py; the
+    caller has bench/ on sys.path); skips the test when its library cannot import torchvision and OpenCV there
+    (PEER_EXTRA_SITE adds them on a CPU-only torch)."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    from peers.common import install, peer_env
+
+    src, site = install("kohya")
+    env = peer_env(site, src, tmp_path)
+    if os.environ.get("PEER_EXTRA_SITE"):
+        env["PYTHONPATH"] += os.pathsep + os.environ["PEER_EXTRA_SITE"]
+    if subprocess.run([sys.executable, "-c", "import torchvision, cv2"], env=env, capture_output=True).returncode:
+        pytest.skip("kohya's library needs torchvision and OpenCV (PEER_EXTRA_SITE on a CPU-only torch)")
+    return env, src

@@ -7,13 +7,14 @@ to the tiny width (kohya reads only the block counts from a file); both models s
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import kohya_env
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -61,7 +62,7 @@ def test_flux_bfl_file_loads_in_kohya_with_the_same_output(tmp_path):
     from diffusion_models import SHAPES
     from peers.kohya_files import flux_to_bfl
 
-    env, src = _peer_env(tmp_path)
+    env, src = kohya_env(tmp_path)
     torch.manual_seed(0)
     model = FluxTransformer2DModel(**SHAPES["flux"]).eval()
     c = dict(model.config)
@@ -111,7 +112,7 @@ def test_flux_vae_in_bfl_names_is_kohyas_autoencoder(tmp_path):
 
     from peers.kohya_files import flux_vae_to_bfl
 
-    env, src = _peer_env(tmp_path)
+    env, src = kohya_env(tmp_path)
     torch.manual_seed(0)
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(32, 64),
                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
@@ -128,15 +129,3 @@ def test_flux_vae_in_bfl_names_is_kohyas_autoencoder(tmp_path):
     for name in ours:
         gap = (theirs[name] - ours[name]).abs().max()
         assert torch.allclose(theirs[name], ours[name], atol=1e-5, rtol=0), (name, gap)
-
-
-def _peer_env(tmp_path):
-    from peers.common import install, peer_env
-
-    src, site = install("kohya")
-    env = peer_env(site, src, tmp_path)
-    if os.environ.get("PEER_EXTRA_SITE"):
-        env["PYTHONPATH"] += os.pathsep + os.environ["PEER_EXTRA_SITE"]
-    if subprocess.run([sys.executable, "-c", "import torchvision, cv2"], env=env, capture_output=True).returncode:
-        pytest.skip("kohya's library needs torchvision and OpenCV (PEER_EXTRA_SITE on a CPU-only torch)")
-    return env, src

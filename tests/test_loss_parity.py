@@ -10,7 +10,6 @@ kohya encodes the captions with the pipeline's text encoder (the scorer's text s
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO
+from helpers import kohya_env
 
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -153,7 +153,7 @@ def test_kohya_encodes_the_captions_with_the_pipelines_text_encoder(tmp_path: Pa
     from peers import kohya
     from peers.kohya_files import tokenizer_cache
 
-    env, src = _kohya_env(tmp_path)
+    env, src = kohya_env(tmp_path)
     folder, data = tmp_path / "sd15", tmp_path / "data"
     write_pipeline("sd15", folder, "cpu", tiny=True)
     loss_parity.write_block_images(data)
@@ -204,7 +204,7 @@ def test_scorer_applies_a_kohya_lora_file_whole(tmp_path: Path):
     """kohya's networks.lora on the pipeline's UNet (every Linear and 1x1 conv in its Transformer2DModels), saved by
     its save_weights: the scorer adapts as many layers as the file has modules, and its UNet's output is the output
     of kohya's UNet with the LoRA applied."""
-    env, src = _kohya_env(tmp_path)
+    env, src = kohya_env(tmp_path)
     folder = tmp_path / "sd15"
     write_pipeline("sd15", folder, "cpu", tiny=True)
     torch.manual_seed(0)
@@ -226,15 +226,3 @@ def test_scorer_applies_a_kohya_lora_file_whole(tmp_path: Path):
         base = pipe.unet(x["x"], x["t"], encoder_hidden_states=x["c"]).sample
     assert (theirs["y"] - base).abs().max() > 1e-2  # the LoRA moves kohya's output
     assert torch.allclose(ours, theirs["y"], atol=1e-5, rtol=0), (ours - theirs["y"]).abs().max()
-
-
-def _kohya_env(tmp_path: Path):
-    from peers.common import install, peer_env
-
-    src, site = install("kohya")
-    env = peer_env(site, src, tmp_path)
-    if os.environ.get("PEER_EXTRA_SITE"):
-        env["PYTHONPATH"] += os.pathsep + os.environ["PEER_EXTRA_SITE"]
-    if subprocess.run([sys.executable, "-c", "import torchvision, cv2"], env=env, capture_output=True).returncode:
-        pytest.skip("kohya's library needs torchvision and OpenCV (PEER_EXTRA_SITE on a CPU-only torch)")
-    return env, src

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from peers.common import PeerFailed, install, peak_gib, peer_env, tensorboard_losses, timed_run
-from peers.kohya_files import (flux_width_differs, real_unet_folder, tokenizer_cache, unet_is_real, write_flux_encoders,
-                               write_flux_transformer)
+from peers.kohya_files import (flux_width_differs, linked_copy, real_unet_folder, tokenizer_cache, unet_is_real,
+                               write_flux_encoders, write_flux_transformer)
 
 KINDS = {"sd15": "train_network.py", "sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py"}
 STEPS = re.compile(r"steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")  # its training bar, not the caching bars
@@ -128,10 +128,7 @@ def transformers4_text_encoders(path: Path, out: Path) -> tuple[Path, list[str]]
         return path, []
     if all((out / sub / "config.json").exists() for sub in stale):
         return out, stale
-    out.mkdir(parents=True, exist_ok=True)
-    for item in path.iterdir():
-        if item.name not in stale and not item.name.startswith(".") and not (out / item.name).exists():
-            (out / item.name).symlink_to(item.resolve())
+    linked_copy(path, out, leave_out=stale)
     for sub in stale:
         (out / sub).mkdir(exist_ok=True)
         for item in (path / sub).iterdir():

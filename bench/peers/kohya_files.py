@@ -73,6 +73,14 @@ def text_encoder_too_shallow(kind: str, folder: Path) -> bool:
     return config["num_hidden_layers"] < SDXL_TEXT_LAYERS
 
 
+def linked_copy(folder: Path, out: Path, leave_out) -> None:
+    """`out` holding a link to each entry of the pipeline `folder` but those in `leave_out` (written there anew)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        if item.name not in leave_out and not item.name.startswith(".") and not (out / item.name).exists():
+            (out / item.name).symlink_to(item.resolve())
+
+
 def real_unet_folder(kind: str, folder: Path, out: Path, device: str) -> tuple[Path, list[str]]:
     """`folder` if sd-scripts can read it as it is, else a copy (links) with what it cannot: a random real-shaped
     UNet in place of a smaller one, and for SDXL a random 12-layer first text encoder (same width and vocabulary) in
@@ -92,10 +100,7 @@ def real_unet_folder(kind: str, folder: Path, out: Path, device: str) -> tuple[P
                      "11); the pipeline's has fewer")
     if all((out / name / "config.json").exists() for name in replace):
         return out, notes
-    out.mkdir(parents=True, exist_ok=True)
-    for item in folder.iterdir():
-        if item.name not in replace and not item.name.startswith(".") and not (out / item.name).exists():
-            (out / item.name).symlink_to(item.resolve())
+    linked_copy(folder, out, leave_out=replace)
     if "unet" in replace:
         from diffusers import UNet2DConditionModel
 
