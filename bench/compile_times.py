@@ -34,6 +34,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 
+STARTUP = re.compile(r"start-up: .*")
 FIRST_STEP = re.compile(r"train\.compile: the first step took ([\d.]+) s \(compilation included\), ([\d.]+) s after")
 
 
@@ -63,7 +64,9 @@ def job_config(kind: str, regions: str, folder: Path, data: Path, tiny: bool) ->
 
 
 def one_run(config: Path, overrides: list[str], out: Path, env: dict, steps: int, warmup: int, log: Path,
-            timeout: float) -> dict:
+            timeout: float, profile: Path | None = None) -> dict:
+    if profile is not None:  # the start-up only: the entry point to the end of the first step (toolkit/startup.py)
+        env = dict(env, TOOLKIT_PROFILE_STARTUP=str(profile))
     cmd = [sys.executable, "-m", "toolkit", "train", str(config), *overrides, f"train.steps={warmup + steps}",
            f"run.output_dir={out}", f"log.every={warmup}", "--fresh"]
     started = time.perf_counter()
@@ -76,10 +79,24 @@ def one_run(config: Path, overrides: list[str], out: Path, env: dict, steps: int
     records = {r["step"]: r for r in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())
                if "steps_per_s" in r}
     steady = records.get(warmup + steps, {}).get("steps_per_s")
-    return {"first_step_s": float(first.group(1)) if first else None,
+    startup = STARTUP.search(text)
+    result = {"first_step_s": float(first.group(1)) if first else None,
             "first_step_after_start_s": float(first.group(2)) if first else None,
             "s_per_step": 1 / steady if steady else None, "process_s": time.perf_counter() - started,
-            "notes": [line for line in text.splitlines() if line.startswith(("blocks:", "train.compile:"))]}
+            "startup": startup.group(0) if startup else None,
+            "notes": [line for line in text.splitlines() if line.startswith(("blocks:", "train.compile:", "latents:",
+                                                                            "text embeddings:", "attention:"))]}
+    if profile is not None and profile.is_file():  # where the start-up's Python time goes, the slowest calls first
+        import io
+        import pstats
+
+        listing = io.StringIO()
+        stats = pstats.Stats(str(profile), stream=listing).sort_stats("cumulative")
+        stats.print_stats(120)
+        stats.print_callers(r"\(compile\)|_register_to_dispatcher|packages_distributions|from_pretrained|add_adapter")
+        profile.with_suffix(".txt").write_text(listing.getvalue())
+        result["profile"] = str(profile.with_suffix(".txt"))
+    return result
 
 
 def run_job(job: str, gpu: int | None, args, work: Path, results: dict) -> None:
@@ -100,7 +117,8 @@ def run_job(job: str, gpu: int | None, args, work: Path, results: dict) -> None:
                  "write_pipeline; write_pipeline(sys.argv[3], __import__('pathlib').Path(sys.argv[4]), sys.argv[5], "
                  "sys.argv[6] == '1')", str(REPO), str(BENCH), kind, str(folder),
                  "cpu" if args.tiny else "cuda", "1" if args.tiny else "0"]
-        subprocess.run(write, env=env, check=True, capture_output=True, timeout=args.timeout)
+        if not (folder / "model_index.json").is_file():  # a kept --work folder has it from an earlier call
+            subprocess.run(write, env=env, check=True, capture_output=True, timeout=args.timeout)
         if "frames" in w:
             write_clip(data, w["frames"], w["height"], w["width"])
         else:
@@ -109,9 +127,10 @@ def run_job(job: str, gpu: int | None, args, work: Path, results: dict) -> None:
         config = place / "job.yaml"
         config.write_text(config_yaml)
         row = {}
-        for phase in ("cold", "warm"):
+        for phase in args.phases.split(","):  # cold first: warm and profile read what it kept
             row[phase] = one_run(config, overrides, place / f"run-{phase}", env, args.steps, args.warmup,
-                                 place / f"{phase}.log", args.timeout)
+                                 place / f"{phase}.log", args.timeout,
+                                 profile=place / "startup-profile.prof" if phase == "profile" else None)
         results[job] = row
     except Exception as err:  # noqa: BLE001 (one job failing leaves the others)
         results[job] = {"error": f"{type(err).__name__}: {err}"}
@@ -127,11 +146,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--phases", default="cold,warm",
+                        help="runs per job, in order: cold (an empty cache; give it first), warm (what cold kept), "
+                             "profile (a warm run under cProfile: JOB/warm.txt lists where its Python time went)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="the jobs' folder (models, data, caches), kept: a later --phases warm reuses it")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     groups = [group.split(",") for group in args.jobs.split("|")]  # "a,b|c": a then b on one GPU, c on another
     jobs = [job for group in groups for job in group]
-    work = Path(tempfile.mkdtemp(prefix="bench-compile-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-compile-"))
     name = "CPU" if args.tiny else torch.cuda.get_device_name()
     print(f"device: {name}; torch {torch.__version__}; jobs {jobs}", flush=True)
     results: dict = {}
@@ -151,15 +175,21 @@ def main() -> None:
     else:
         for job in jobs:
             run_job(job, None, args, work, results)
-    print(f"\n{'job':<14} {'cold first step':>16} {'warm first step':>16} {'warm, from start':>17} {'s/step':>8}")
+    print(f"\n{'job':<14} {'run':<8} {'first step':>11} {'from start':>11} {'s/step':>8}")
     for job in jobs:
         r = results.get(job, {})
-        if "error" in r or any("error" in r.get(p, {}) for p in ("cold", "warm")):
-            print(f"{job:<14} FAILED: {r.get('error') or r.get('cold', {}).get('error') or r['warm'].get('error')}")
+        if "error" in r:
+            print(f"{job:<14} FAILED: {r['error']}")
             continue
-        cold, warm = r["cold"], r["warm"]
-        print(f"{job:<14} {cold['first_step_s']:>14.1f} s {warm['first_step_s']:>14.1f} s "
-              f"{warm['first_step_after_start_s']:>15.1f} s {warm['s_per_step']:>8.3f}")
+        for phase, run in r.items():
+            if "error" in run:
+                print(f"{job:<14} {phase:<8} FAILED: {run['error']}")
+                continue
+            shown = [f"{v:>9.1f} s" if v is not None else f"{'-':>11}" for v in
+                     (run["first_step_s"], run["first_step_after_start_s"])]
+            print(f"{job:<14} {phase:<8} {shown[0]} {shown[1]} {run['s_per_step'] or 0:>8.3f}")
+            if run.get("startup"):
+                print(f"{'':<14}   {run['startup']}")
     if args.out:
         args.out.write_text(json.dumps({"device": name, "torch": torch.__version__, "steps": args.steps,
                                         "warmup": args.warmup, "jobs": results}, indent=1))

@@ -25,8 +25,15 @@ if [ ! -f "$Q/queue.started" ]; then
     fi
     if [ -f .whl-unsloth/peer.tar.gz ]; then tar xzf .whl-unsloth/peer.tar.gz -C "$Q/peer" || exit 1; fi
     cat > "$Q/queue.sh" <<EOS
-export PYTHONPATH=$Q/site:$Q/w R=$R
+export PYTHONPATH=$Q/site:$Q/w R=$R PYTHONPYCACHEPREFIX=$Q/pyc
 cd $Q/w && source ${JOBS_FILE:-bench/device_jobs.sh}
+if [ "${BYTECODE:-1}" = 1 ]; then  # BYTECODE=0: the queue's own test, which has no time for it
+    # Bytecode for every package and the checkout, as a user's pip install keeps it: the wheels above go in with
+    # --no-compile, and the machine's own packages may come without __pycache__ (start-up times count imports).
+    echo "bytecode: \$(find "\$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')" -name '*.pyc' | wc -l) .pyc files under torch before" > $R/bytecode.txt
+    python3 -m compileall -q -j 0 \$(python3 -c "import sys; print(' '.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))") $Q/site $Q/w/toolkit $Q/w/bench > /dev/null 2>&1
+    echo "compiled into $Q/pyc: \$(find $Q/pyc -name '*.pyc' | wc -l) files" >> $R/bytecode.txt
+fi
 for job in $JOBS; do
     echo "\$(date +%T) start \$job" >> $R/queue.log
     job_\$job; rc=\$?

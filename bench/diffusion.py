@@ -301,7 +301,7 @@ def ltx2_plain_inputs(model, w: dict):
 def plain_loop(kind: str, folder: Path, w: dict, steps: int, warmup: int, ckpt: bool, compiled: bool) -> dict:
     from toolkit.tiny.flow import WAN22_BOUNDARY_RATIO
 
-    if kind in ("flux", "chroma"):  # cuDNN SDPA crashes on Flux shapes (FINDINGS.md): a user turns it off
+    if kind in ("flux", "chroma", "flux_kontext"):  # cuDNN SDPA crashes on Flux shapes (FINDINGS.md): a user turns it off
         torch.backends.cuda.enable_cudnn_sdp(False)
     model = plain_model(kind, folder, ckpt, compiled)
     params = [p for p in model.parameters() if p.requires_grad]

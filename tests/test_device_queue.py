@@ -20,7 +20,7 @@ def queue(checkout: Path, root: Path, out: Path, wait: int, **env) -> subprocess
     out.mkdir(parents=True, exist_ok=True)
     return subprocess.run(["bash", str(REPO / "bench" / "device_queue.sh")], cwd=checkout, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "QUEUE_ROOT": str(root), "OUT": str(out),
-                                                      "WAIT": str(wait), "JOBS_FILE": "jobs.sh", **env})
+                                                      "WAIT": str(wait), "JOBS_FILE": "jobs.sh", "BYTECODE": "0", **env})
 
 
 def test_the_queue_runs_the_named_jobs_across_calls(tmp_path: Path):

@@ -41,7 +41,9 @@ def _quiet_libraries() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from toolkit import launch
+    from toolkit import launch, startup
+
+    startup.CLOCK.profile_from_env()
     from toolkit.plan.run import load_run, split_args
 
     files, overrides = split_args(args.config)
@@ -60,6 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # locations are checked with the config, before any model loads; the output location by the process that
     # owns the run folder.
     run = load_run(files, overrides, check_paths=path_checks(check_output=main_process))
+    startup.mark("imports and config")
     if not worker and launch.launch_requested(args):
         visible = 0 if run.device.backend == "cpu" else run.device.device_count
         plan = launch.plan_from_args(args, visible, run.device.backend)
@@ -67,6 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             return launch.launch_train(plan, args.config, fresh=args.fresh)
     from toolkit.train.trainer import Trainer
 
+    startup.mark("trainer imports")
     fresh = args.fresh
     restart = launch.restart_number()
     if restart:  # the launcher restarted every process after one died: go on from what the run saved

@@ -14,7 +14,6 @@ from typing import Callable
 
 import torch
 
-from toolkit.train.optimizer_shards import gather_state
 from toolkit.disk import DiskFull, is_disk_full
 from toolkit.errors import UserError
 from toolkit.data.order import OrderMismatch
@@ -65,7 +64,9 @@ class Checkpointer:
         others whether it could, so that a full disk stops every process at once rather than leaving them
         waiting). `step_rng`: the step streams as the next step began (one that failed part-way, undone)."""
         trainer_state = self._trainer_state(loop, step_rng)
-        gather_state(self.optimizer)  # device.shard_optimizer: every process's part to the main process
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer wraps it
+        if hasattr(inner, "gather_state"):  # device.shard_optimizer (train/optimizer_shards.py, imported only then)
+            inner.gather_state()  # collective: every process's part to the main process
         if not self.procs.is_main:
             if self.procs.from_main(None) != "ok":
                 raise OtherProcessFailed()

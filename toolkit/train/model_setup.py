@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from toolkit import startup
 from toolkit.errors import UserError
 from toolkit.models import build_adapter
 from toolkit.models.base import DTYPES, ModelAdapter, Runtime
@@ -63,7 +64,9 @@ def load_model(run: ResolvedRun, plan: RunPlan, procs, device: torch.device, run
             log(f"{d.key}={_shown(run.asked_value(d.key))} -> {_shown(d.value)}: {d.reason}")
     sharded = facts.value("device.distributed") == "fsdp" and procs.several
     _log_distributed(facts.decided["device.distributed"], cfg.device.distributed, procs.world_size, log)
+    startup.mark("model built")
     adapter.load(shard_base=sharded)
+    startup.mark("model loaded")
     if init_from is not None:  # before the EMA, the optimizer and any wrapping see the LoRA weights
         adapter.load_lora(init_from.path, partial=True, label=f"network.init_from ({init_from.source.label})")
         log(f"network.init_from: the LoRA starts from {init_from.source.label}; steps, optimizer state and "
@@ -72,6 +75,7 @@ def load_model(run: ResolvedRun, plan: RunPlan, procs, device: torch.device, run
     # same either way.
     with rng_untouched():
         dataset = adapter.prepare_data()
+    startup.mark("data")
     if len(dataset) == 0:
         raise UserError(f"data.path: {cfg.data.path} gave no training samples")
     if device.type == "cuda" and torch.version.hip is None:  # cuDNN: NVIDIA only

@@ -123,10 +123,3 @@ class _Local:
 
     def __call__(self, groups: list[dict], **_defaults) -> torch.optim.Optimizer:
         return self.build(groups)
-
-
-def gather_state(optimizer: Any) -> None:
-    """Collective before a checkpoint: a sharded optimizer's parts to the main process (else nothing)."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-    if isinstance(inner, ShardedOptimizer):
-        inner.gather_state()

@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-import toolkit
-
+from toolkit import startup
 from toolkit.config.load import resolved_container
 from toolkit.disk import as_disk_full, disk_full_named, format_bytes, free_bytes
 from toolkit.errors import UserError
@@ -46,7 +45,6 @@ from toolkit.train.lora_source import LoraSnapshot, lora_source
 from toolkit.train.memory_plan import MemoryPlanner
 from toolkit.train.metrics import MetricsLogger
 from toolkit.train.model_setup import load_model
-from toolkit.train.optimizer_shards import ShardedOptimizer
 from toolkit.train.out_of_memory import batch_shapes, memory_fixes, out_of_memory_error
 from toolkit.train.report import RunReport
 from toolkit.train.resume import check_resume_plan
@@ -107,6 +105,7 @@ class Trainer:
     def _train(self, exits: ExitStack) -> Path:
         cfg = self.cfg
         self._start_processes()
+        startup.mark("processes")
         # network.init_from is copied before --fresh may move a run folder (the LoRA's own, perhaps) aside; a resumed
         # run does not read it, so a path that is gone is an error only for a run that starts
         init = Path(cfg.network.init_from) if cfg.network.init_from else None
@@ -114,12 +113,14 @@ class Trainer:
         try:
             start, self.lock = open_run_folder(self.resolved, self.run_dir, self.procs, self.fresh, self.log,
                                                restarted=self.restarted)
+            startup.mark("run folder")
             if start.checkpoint is None and init is not None and init_from is None:
                 lora_source(init)  # raises: it does not exist
             moved = self.resolved.cfg.network.init_from  # where --fresh moved it, when it was inside the run folder
             if init_from is not None and moved != cfg.network.init_from:
                 init_from.source = replace(init_from.source, label=init_from.source.label.replace(str(init), moved))
             self._setup(start, init_from if start.checkpoint is None else None, exits)
+            startup.mark("optimizer and wrappers")
         finally:
             if init_from is not None:
                 init_from.close()
@@ -153,6 +154,7 @@ class Trainer:
         self.planner = MemoryPlanner(self.resolved, model.plan, self.adapter, self.dataset, procs, self.accelerator,
                                      self.sharded, start.batch_resumed, exits, self.log)
         memory = self.planner.measure()
+        startup.mark("measurements")
         self.plan, self.order = memory.plan, memory.order
         if start.checkpoint is not None:
             self._check_resume_plan(start.checkpoint)
@@ -177,7 +179,7 @@ class Trainer:
         # a sharded optimizer's state is whole on the main process only, while saving: accelerate's round trip through
         # state_dict (device placement) cannot apply; its local optimizer places a loaded state itself
         self.optimizer = self.accelerator.prepare_optimizer(
-            optimizer, device_placement=not isinstance(optimizer, ShardedOptimizer))
+            optimizer, device_placement=not self.resolved.setting(self.plan, "device.shard_optimizer"))
         self.stepper = Stepper(StepParts(
             self.dataset, self.order, self.adapter.loss, self.adapter.batch_units, modules, self.params,
             self.optimizer, optimizer, self.scheduler, self.ema, procs, self.accelerator, memory.grad_accum,
@@ -228,6 +230,8 @@ class Trainer:
 
         if not self.resolved.setting(self.plan, "device.shard_optimizer"):
             return build(self.params), reasons[0]
+        from toolkit.train.optimizer_shards import ShardedOptimizer  # torch.distributed.optim: seconds to import
+
         sharded = ShardedOptimizer(self.params, build)
         owned = sum(p.numel() for group in sharded.optim.param_groups for p in group["params"])
         return sharded, (f"{reasons[0]}; device.shard_optimizer: this process steps and keeps the state of "
@@ -276,6 +280,7 @@ class Trainer:
         if report is not None:
             events.subscribe(report)
         self.adapter.network.train()
+        startup.mark("logs and report")
         step, started = start, time.perf_counter()
         lagging = None  # (step, sums) launched, not read yet: read once the next step is launched
         doing = "the step's forward and backward"  # what runs now, named if it runs out of memory
@@ -291,8 +296,8 @@ class Trainer:
                     sums = self.stepper.launch(stop.requested is not None)
                     doing = "the step's bookkeeping"
                     events.step_launched(step, sums)
-                    if self.compiled and step == start + 1:
-                        self._compiled_first_step(time.perf_counter() - step_started)
+                    if step == start + 1:
+                        self._first_step(step_started)
                     if lagging is not None:
                         stopping = self._record(loop, *lagging) or stopping
                         lagging = None
@@ -344,11 +349,21 @@ class Trainer:
         self.procs.finish()
         return final
 
-    def _compiled_first_step(self, seconds: float) -> None:
-        """Say what the first compiled step took, and note the run's compiled code as cached (plan/compiled_runs.py:
-        train.compile=auto then compiles a later short run of the same settings)."""
+    def _first_step(self, step_started: float) -> None:
+        """Say where the start-up time went (toolkit/startup.py) and what a first compiled step took; note the run's
+        compiled code as cached (plan/compiled_runs.py: train.compile=auto then compiles a later short run of the
+        same settings)."""
+        if self.accelerator.device.type == "cuda":  # its launch is not its end: the one wait of the start-up line
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - step_started
+        startup.mark("first step")
+        said = startup.CLOCK.summary_once()
+        if said is not None:
+            self.log(said)
+        if not self.compiled:
+            return
         self.log(f"train.compile: the first step took {seconds:.1f} s (compilation included), "
-                 f"{time.time() - toolkit.STARTED:.1f} s after the process started")
+                 f"{time.time() - startup.CLOCK.started:.1f} s after the process started")
         if self.is_main:
             run = self.resolved
             try:
