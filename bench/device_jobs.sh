@@ -29,6 +29,8 @@ job_compile_evidence() {
 # issue 38 part 2: a warm SDXL run's start-up, phase by phase (the cold run fills the cache; profile: a warm run
 # under cProfile); about 6 minutes
 job_startup() { python3 bench/compile_times.py --jobs sdxl:blocks --phases cold,warm,profile --work /tmp/w-startup --timeout 400 --out $R/startup.json > $R/startup.txt 2>&1; cp /tmp/w-startup/sdxl-blocks/startup-profile.txt /tmp/w-startup/sdxl-blocks/startup-profile.prof $R/ 2>/dev/null; }
+# FLUX.1 Kontext compiled (none checkpointed) beside 2026-11-29's eager toolkit-auto row: train.compile=auto's evidence
+job_kontext_compiled() { $D --models flux_kontext --rows toolkit,toolkit-eager --steps 5 --warmup 3 --timeout 400 --out $R/kontext-compiled.json > $R/kontext-compiled.txt 2>&1; }
 job_kontext3() { $D --models flux_kontext --rows plain,toolkit-auto,toolkit-swap24 --steps 5 --warmup 3 --timeout 400 --out $R/kontext.json > $R/kontext.txt 2>&1; }
 job_kontext() { $D --models flux_kontext --rows plain,plain-compiled,toolkit-eager,toolkit-auto,toolkit-swap24 --steps 5 --warmup 3 --timeout 400 --out $R/kontext.json > $R/kontext.txt 2>&1; }
 job_qwen_edit() { $D --models qwen_image_edit --rows plain-ckpt,toolkit-eager,toolkit-auto,toolkit-swap24 --steps 5 --warmup 3 --timeout 400 --out $R/qwen_edit.json > $R/qwen_edit.txt 2>&1; }
