@@ -47,3 +47,19 @@ def test_phases_add_up_and_a_phase_marked_twice_adds():
     assert clock.summary() == ("start-up: 3.5 s to the end of the first step: python 0.5 s, imports and config "
                                "2.0 s, data 1.0 s")
     assert clock.summary_once() is not None and clock.summary_once() is None
+
+
+def test_the_package_map_is_read_once_and_answers_as_before(monkeypatch):
+    import importlib.metadata
+
+    from toolkit.startup import share_package_map
+
+    original = importlib.metadata.packages_distributions
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", getattr(original, "__wrapped__", original))
+    expected = importlib.metadata.packages_distributions()
+    share_package_map()
+    share_package_map()  # a second entry (the tests' in-process runs) wraps nothing twice
+    shared = importlib.metadata.packages_distributions
+    assert shared.__wrapped__ is getattr(original, "__wrapped__", original)
+    assert shared() == expected and shared() is shared()
+    assert shared.cache_info().misses == 1  # three calls, one read

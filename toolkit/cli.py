@@ -236,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     from toolkit.paths import compiled_code_folders
+    from toolkit.startup import share_package_map
+
+    share_package_map()  # before transformers and diffusers are imported
 
     compiled_code_folders()  # before torch is imported
     parser = build_parser()
