@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from conftest import REPO
 from helpers import read_metrics
 from toolkit.train import batch_size as bs
+from toolkit.train import checkpointing_probe
 
 GiB = 2**30
 SD = REPO / "configs/examples/quickstart_sd.yaml"
@@ -429,13 +430,13 @@ def test_auto_keeps_attention_only_where_every_block_keeping_it_fits(shapes, own
     test above, kept attention adding 4 GiB: 20 GiB without checkpointing, 9 with every block keeping attention
     (over 8.10), 5 keeping nothing, so 4 blocks (8 GiB) keeping nothing. train.compile is on (auto keeps
     attention in compiled blocks only), torch.compile a no-op here."""
-    keeping, checkpointed_while = [], bs.checkpointed_while
+    keeping, checkpointed_while = [], checkpointing_probe.checkpointed_while
 
     def recording(regions, setting, keeps="nothing"):
         keeping.append(keeps)
         return checkpointed_while(regions, setting, keeps)
 
-    monkeypatch.setattr(bs, "checkpointed_while", recording)
+    monkeypatch.setattr(checkpointing_probe, "checkpointed_while", recording)
     peaks = modelled_peaks(monkeypatch, lambda count: 20 - 3 * count + (4 if count and keeping[-1] == "attention"
                                                                         else 0))
     out = tmp_path / "auto"

@@ -8,7 +8,7 @@ import torch
 from conftest import REPO
 from helpers import read_metrics
 from toolkit.models.checkpoint_offload import InputOffload
-from toolkit.models.llm import checkpoint_layers
+from toolkit.models.llm_loading import checkpoint_layers
 
 QUICKSTART = REPO / "configs/examples/quickstart_llm.yaml"
 

@@ -90,7 +90,7 @@ def test_required_presets_exist_and_are_valid():
         assert name in presets
     for preset in presets.values():
         assert preset.batch_size_by_memory_gb, preset.name
-        # a GPU measures whether a step needs it (train/batch_size.py); the CPU does not
+        # a GPU measures whether a step needs it (train/checkpointing_probe.py); the CPU does not
         assert preset.layer.data["train"]["gradient_checkpointing"] == (False if preset.name == "cpu" else "auto")
     assert presets["gfx1030"].layer.data["train"]["precision"] == "fp16"
     assert all(p.layer.data["train"]["optimizer_backend"] == "toolkit" for p in presets.values() if p.backend == "hip")

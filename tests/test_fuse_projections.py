@@ -364,7 +364,7 @@ def test_a_set_not_every_layer_of_which_is_adapted_is_left_alone_and_counted():
 def test_checkpointed_and_compiled_layers_compile_whole_and_train_like_peft():
     """transformers' gradient checkpointing around each compiled layer (as the toolkit runs it): fullgraph
     compiles the checkpointed layer with the group inside, and the numbers are PEFT's."""
-    from toolkit.models.llm import checkpoint_layers
+    from toolkit.models.llm_loading import checkpoint_layers
 
     torch._dynamo.reset()
     reference = lora_llama()

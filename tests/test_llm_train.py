@@ -268,7 +268,7 @@ def test_hip_quantizes_after_loading_16bit_weights(tmp_path):
 
 
 def test_plan_quantization_rules():
-    from toolkit.models.llm import plan_quantization
+    from toolkit.models.llm_loading import plan_quantization
 
     assert plan_quantization("none", "cuda", None, "m").mode == "none"
     assert not plan_quantization("4bit", "cuda", None, "m").after_load
@@ -281,7 +281,7 @@ def test_plan_quantization_rules():
 def test_quantize_without_bitsandbytes_names_the_fix(monkeypatch):
     import importlib.util
 
-    from toolkit.models.llm import plan_quantization
+    from toolkit.models.llm_loading import plan_quantization
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))

@@ -1,4 +1,5 @@
-"""toolkit.device.rocm_env and toolkit.device.archs on fake KFD sysfs trees and saved rocminfo output."""
+"""toolkit.device.rocm_env, toolkit.device.amd_gpus and toolkit.device.archs on fake KFD sysfs trees and saved
+rocminfo output."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.device.amd_gpus import AmdGpu, detect_gpus
 from toolkit.device.archs import AMD_ARCHS, bare_arch_name, gfx_from_target_version, lookup_amd_arch
-from toolkit.device.rocm_env import AmdGpu, compute_rocm_env, detect_gpus, format_exports
+from toolkit.device.rocm_env import compute_rocm_env, format_exports
 
 REPO = Path(__file__).resolve().parents[1]
 KFD = REPO / "tests" / "fixtures" / "kfd"

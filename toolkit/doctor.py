@@ -65,7 +65,7 @@ def _finish_probe(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[bool,
 
 def _amd_gpus_in_sysfs() -> list:
     """AMD GPUs the kernel driver reports, whatever torch thinks (finds a CPU-only torch on an AMD machine)."""
-    from toolkit.device.rocm_env import KFD_NODES, detect_gpus
+    from toolkit.device.amd_gpus import KFD_NODES, detect_gpus
 
     return detect_gpus(Path("/"), None) if (Path("/") / KFD_NODES).is_dir() else []
 
@@ -82,8 +82,9 @@ def _check_rocm_env(checks: Checklist, device) -> None:
     """Compare what the launcher (toolkit.device.rocm_env) would export with this process's environment."""
     import torch
 
+    from toolkit.device.amd_gpus import AmdGpu
     from toolkit.device.archs import bare_arch_name
-    from toolkit.device.rocm_env import PATH_LIST_VARIABLES, AmdGpu, compute_rocm_env
+    from toolkit.device.rocm_env import PATH_LIST_VARIABLES, compute_rocm_env
 
     gpus = [AmdGpu(node=None, gfx=device.arch, name=device.name)]
     torch_archs = [bare_arch_name(a) for a in torch.cuda.get_arch_list()]

@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from toolkit.aitk.job import Section, Translation, account_for_every_key, as_float, as_int, read_job
-from toolkit.aitk.sections import VIDEO_FAMILIES, clip_frames, datasets, dtype, network, save, train
+from toolkit.aitk.dataset_sections import VIDEO_FAMILIES, clip_frames, datasets
+from toolkit.aitk.sections import dtype, network, save, train
 from toolkit.errors import ConfigError, UserError
 
 # ai-toolkit model.arch -> model.family (ai-toolkit has no HunyuanVideo 1.5 arch: its extensions_built_in models,
@@ -203,7 +204,7 @@ def sample(out: Translation, s: Section) -> None:
 def control_images(out: Translation, entry: Section) -> list[str]:
     """A sample's ctrl_img (or ctrl_img_1 .. _3, the multi-control models') -> its sample.references list, for the
     families that take reference images (the others leave them to the not-translated list)."""
-    from toolkit.aitk.sections import REFERENCE_FAMILIES
+    from toolkit.aitk.dataset_sections import REFERENCE_FAMILIES
 
     if out.family not in REFERENCE_FAMILIES:
         return []

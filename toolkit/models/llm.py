@@ -1,129 +1,37 @@
-"""The `llm` family: PEFT LoRA on any transformers causal LM."""
+"""The `llm` family: PEFT LoRA on any transformers causal LM (what loading its base decides: llm_loading.py;
+its samples: llm_sampling.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from omegaconf import DictConfig
 
-from toolkit.data.preference import ExampleData, build_example_data, prompt_text
+from toolkit.data.preference import ExampleData, build_example_data
 from toolkit.data.records import read_records
 from toolkit.data.text import TextData, build_text_data, detect_format, render_chat
 from toolkit.errors import UserError
 from toolkit.models.base import ModelAdapter, ModelMemory, Runtime, eval_mode
-from toolkit.models.checkpoint_offload import InputOffload, offloading
+from toolkit.models.checkpoint_offload import InputOffload
 from toolkit.models.compiled_generation import CompiledGeneration
-from toolkit.models.generation import EagerGeneration, generating
+from toolkit.models.generation import EagerGeneration
 from toolkit.models.llm_gguf import check_gguf_export, write_gguf_adapter
+from toolkit.models.llm_loading import (bnb_config, check_attention, checkpoint_layers, checkpoint_quantization_config,
+                                        count_base_parameters, group_projections, plan_quantization,
+                                        takes_num_items_in_batch)
 from toolkit.models.llm_logps import TokenScorer, head_math_for
 from toolkit.models.llm_loss import CAUSAL_DECODERS, DecoderHiddenStates, fused_loss_for, no_packed_sequence_search
 from toolkit.models.llm_objectives import Generator, Objective, StatsFile, build_objective
+from toolkit.models.llm_sampling import objective_prompts, sample_completions, write_samples
 from toolkit.models.lora import lora_config, target_modules
 from toolkit.models.lora_export import peft_factors
-from toolkit.models.lora_loading import LOADED, copy_loaded_adapter, reading_lora, refuse_unplaced, second_adapter
-from toolkit.models.quantize import choose_backend, choose_quantize, quantize_linear_layers
-from toolkit.models.shared_input import group_shared_inputs
+from toolkit.models.lora_loading import load_peft_folder
+from toolkit.models.quantize import choose_quantize, quantize_linear_layers
 from toolkit.models.token_loss import label_tokens, mean_token_loss
 from toolkit.tiny import resolve_model_path
-
-
-@dataclass
-class QuantPlan:
-    """How the frozen base is quantized: mode none/4bit/8bit/fp8/prequantized, and when."""
-
-    mode: str
-    after_load: bool = False   # load 16-bit weights, then replace the linear layers (HIP, torchao)
-    note: str | None = None
-    library: str = "bitsandbytes"
-
-
-def plan_quantization(quantize: str, backend: str, checkpoint_quantization: dict | None, name: str,
-                      library: str = "auto") -> QuantPlan:
-    """Decide how to quantize the base from model.quantize (already resolved from auto), the backend, the
-    library (model.quantize_backend) and the checkpoint's quantization_config.
-
-    On HIP the bitsandbytes loading path of transformers is not used: prequantized checkpoints are refused
-    (they hold no 16-bit weights), and model.quantize loads the 16-bit weights and quantizes them afterwards.
-    """
-    if checkpoint_quantization is not None:
-        method = checkpoint_quantization.get("quant_method", "unknown")
-        if backend == "hip":
-            raise UserError(f"model.name_or_path: '{name}' is a prequantized checkpoint ({method}); on ROCm "
-                            "prequantized checkpoints are not loaded and it holds no 16-bit weights\n"
-                            "  fix: point model.name_or_path at the 16-bit model and set model.quantize=4bit "
-                            "(it is quantized after loading)")
-        if quantize not in ("none", "auto"):
-            raise UserError(f"model.quantize: '{name}' is already quantized ({method}); set model.quantize=none")
-        return QuantPlan("prequantized", note=f"model: prequantized checkpoint ({method}), loaded as it is")
-    if quantize in ("none", "auto"):
-        return QuantPlan("none")
-    library, why = choose_backend(library, quantize, backend)
-    if library == "toolkit":
-        return QuantPlan(quantize, after_load=True, library=library,
-                         note=f"model.quantize={quantize}: the linear layers quantized after loading ({why})")
-    if library == "torchao":
-        return QuantPlan(quantize, after_load=True, library=library,
-                         note=f"model.quantize={quantize}: torchao int8 weights after loading ({why})")
-    if backend == "hip":
-        return QuantPlan(quantize, after_load=True,
-                         note=f"model.quantize={quantize} on ROCm: loading the 16-bit weights and quantizing the "
-                              "linear layers after loading (bitsandbytes load-time quantization is not used on HIP)")
-    return QuantPlan(quantize, note=f"model.quantize={quantize}: frozen base quantized by bitsandbytes at load (QLoRA)")
-
-
-def bnb_config(mode: str, compute_dtype: torch.dtype):
-    from transformers import BitsAndBytesConfig
-
-    if mode == "4bit":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=compute_dtype)
-    return BitsAndBytesConfig(load_in_8bit=True)
-
-
-def check_attention(attention: str) -> None:
-    if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise UserError("model.attention: flash_attention_2 needs the flash_attn package, which is not installed\n"
-                        "  fix: pip install flash-attn (CUDA/ROCm builds), or set model.attention=sdpa")
-
-
-def checkpoint_quantization_config(path: str, common: dict) -> dict | None:
-    """The checkpoint's quantization_config (config.json), or None."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path, **common)
-    value = getattr(config, "quantization_config", None)
-    if value is None:
-        return None
-    return value if isinstance(value, dict) else value.to_dict()
-
-
-def takes_num_items_in_batch(model: torch.nn.Module) -> bool:
-    """Whether the model's loss honours num_items_in_batch: every causal LM that ships with transformers
-    (4.46 and later) passes it to its loss function. Remote code may take **kwargs and drop it, which would
-    silently turn a sum into a mean, so for those the adapter multiplies the mean by the token count."""
-    return type(model).__module__.startswith("transformers.models.")
-
-
-def checkpoint_layers(model, offload: InputOffload | None = None) -> int:
-    """transformers' gradient checkpointing of every decoder layer, non-reentrant (no inputs need grad); with
-    `offload` (train.checkpoint_offload), each checkpointed call's saved inputs go through it. Returns how many
-    checkpointed layers it wrapped (0 without `offload`)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if offload is None:
-        return 0
-    from transformers import PreTrainedModel
-
-    layers = 0
-    for module in model.modules():  # the layers' own functions, and the model's (older transformers call that)
-        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = offloading(module._gradient_checkpointing_func, offload)
-            layers += not isinstance(module, PreTrainedModel)
-    return layers
 
 
 class LLMAdapter(ModelAdapter):
@@ -153,7 +61,8 @@ class LLMAdapter(ModelAdapter):
         check_attention(cfg.attention)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **common)
-            quantize, why = choose_quantize(self.quantize_setting(), lambda: self._count_parameters(common),
+            quantize, why = choose_quantize(self.quantize_setting(),
+                                            lambda: count_base_parameters(self.model_path, common),
                                             self.runtime.info, self.cfg.device.memory_fraction)
             if cfg.quantize == "auto" and self.runtime.info.backend != "cpu":
                 self.log(why)
@@ -205,7 +114,7 @@ class LLMAdapter(ModelAdapter):
         if not self.shard_base:
             self.network.to(self.runtime.device)
         if cfg.fuse_projections is True:
-            self._group_projections(plan.mode)
+            group_projections(self.network, self.shard_base, plan.mode, self.log)
         if self.cfg.train.objective != "sft":
             self._score_tokens()
             return
@@ -230,25 +139,6 @@ class LLMAdapter(ModelAdapter):
             "per-token log-probs from the output head in chunks, no full logits" if math_ is not None else
             "the model's own logits (its output head is not one the chunked log-probs cover)"))
 
-    def _group_projections(self, quantized: str) -> None:
-        """model.fuse_projections: q/k/v and gate/up LoRA layers as groups (models/shared_input.py), where the base
-        is whole on this device and in 16 bits (fsdp and the quantize mode are only known here when auto)."""
-        if self.shard_base:
-            self.log("model.fuse_projections: not applied: the frozen base is sharded (device.distributed=fsdp), "
-                     "and a group holds its layers' weights whole")
-            return
-        if quantized != "none":
-            self.log(f"model.fuse_projections: not applied: the base is {quantized} (model.quantize); groups need "
-                     "16-bit weights")
-            return
-        grouping = group_shared_inputs(self.network, reset_before=self.network.get_base_model().get_decoder())
-        left = (f"; {grouping.left} sets left as PEFT's layers (not every layer of the set adapted, or not a plain "
-                "LoRA over an unquantized nn.Linear)" if grouping.left else "")
-        self.log(f"model.fuse_projections: {len(grouping.groups)} groups of LoRA layers that read one input "
-                 f"(q/k/v, gate/up) run as one group each (their LoRA B inside the frozen product){left}; "
-                 f"{len(grouping.rows)} layers (o_proj, down_proj) run their LoRA A inside the frozen product; "
-                 f"{grouping.mlps} gated MLPs compute down_proj's A gradient in their activation's backward")
-
     def _checkpoint_layers(self, model) -> None:
         if not self.cfg.train.checkpoint_offload:
             checkpoint_layers(model)
@@ -260,15 +150,6 @@ class LLMAdapter(ModelAdapter):
         else:
             self.log(f"train.checkpoint_offload: on the {self.runtime.device.type} the inputs of {count} "
                      "checkpointed layers stay where they are (no device memory to free)")
-
-    def _count_parameters(self, common: dict) -> int:
-        """Parameters of the base, counted on the meta device (nothing is allocated or loaded)."""
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path, **common))
-        return sum(p.numel() for p in model.parameters())
 
     # -- data and loss ---------------------------------------------------------------------
     def prepare_data(self):
@@ -410,16 +291,8 @@ class LLMAdapter(ModelAdapter):
 
     @classmethod
     def training_prompts(cls, cfg: DictConfig, count: int) -> tuple[list[str], str]:
-        """The first `count` distinct prompts of an objective's data (dpo, orpo, kto, grpo: the `prompt` field, of a
-        conversation its last user message); sft data has no prompts apart from their answers."""
-        if cfg.train.objective == "sft":
-            raise UserError("train.objective=sft: its training data is not split into prompts and answers")
-        records = read_records(cfg.data.path)
-        prompts = list(dict.fromkeys(p for p in (prompt_text(r.get("prompt")) for r in records) if p))[:count]
-        if not prompts:
-            raise UserError(f"data.path={cfg.data.path}: no record has a 'prompt'")
-        return prompts, (f"the first {len(prompts)} prompts of the training data (data.path={cfg.data.path}, "
-                         f"train.objective={cfg.train.objective})")
+        """The first `count` distinct prompts of an objective's data (llm_sampling.objective_prompts)."""
+        return objective_prompts(cfg, count)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """Token ids of a sample prompt: through the chat template (add_generation_prompt) for chat data."""
@@ -433,27 +306,9 @@ class LLMAdapter(ModelAdapter):
         prompts = list(self.cfg.sample.prompts)
         if not prompts:
             return []
-        model = self.network
-        results = []
-        generator_seed = self.cfg.sample.seed
-        for prompt in prompts:
-            torch.manual_seed(generator_seed)
-            input_ids = torch.tensor([self.prompt_ids(prompt)], device=self.runtime.device)
-            greedy = self.cfg.sample.temperature == 0
-            with eval_mode(model), generating():  # eager, no cuDNN attention
-                output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                        max_new_tokens=self.cfg.sample.max_new_tokens, do_sample=not greedy,
-                                        temperature=None if greedy else self.cfg.sample.temperature,
-                                        top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id,
-                                        use_cache=True)
-            completion = self.tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
-            results.append({"prompt": prompt, "completion": completion})
-        out_dir.mkdir(parents=True, exist_ok=True)
-        jsonl = out_dir / "samples.jsonl"
-        jsonl.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")
-        text = out_dir / "samples.txt"
-        text.write_text("".join(f"### {r['prompt']}\n{r['completion']}\n\n" for r in results), encoding="utf-8")
-        return [jsonl, text]
+        results = sample_completions(self.network, self.tokenizer, prompts, self.prompt_ids, self.cfg.sample,
+                                     self.runtime.device)
+        return write_samples(out_dir, results)
 
     # -- LoRA files ------------------------------------------------------------------------
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
@@ -478,27 +333,7 @@ class LLMAdapter(ModelAdapter):
         folder means its final/) with PEFT's own load_adapter, then copy its update into the trained adapter
         (toolkit/models/lora_loading.py; `partial`: modules it does not cover keep their weights; `label`: how
         messages name it, else its path)."""
-        folder = Path(path)
-        if not (folder / "adapter_config.json").is_file() and (folder / "final" / "adapter_config.json").is_file():
-            folder = folder / "final"
-        if not ((folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()):
-            raise UserError(f"{label or path}: not a PEFT adapter folder (adapter_config.json + "
-                            "adapter_model.safetensors), nor a run folder with one in final/\n  fix: give the folder "
-                            "PEFT's save_pretrained wrote (a run's final/ or checkpoint folder), not the .safetensors "
-                            "file alone")
-        model = f"llm ({self.cfg.model.name_or_path})"
-        with second_adapter():
-            self._load_adapter(folder, partial, label or str(folder), model)
-
-    def _load_adapter(self, folder: Path, partial: bool, label: str, model: str) -> None:
-        try:
-            with reading_lora(label, model):
-                result = self.network.load_adapter(str(folder), adapter_name=LOADED)
-            refuse_unplaced(label, [k for k in result.unexpected_keys if ".lora_" in k], model)
-            copy_loaded_adapter(self.network, label, "model", partial, self.log)
-        finally:
-            if LOADED in self.network.peft_config:
-                self.network.delete_adapter(LOADED)
+        load_peft_folder(self.network, Path(path), partial, label, f"llm ({self.cfg.model.name_or_path})", self.log)
 
 
 class LLMMemory(ModelMemory):
@@ -510,7 +345,8 @@ class LLMMemory(ModelMemory):
 
     def base_parameters(self) -> int:
         a = self.adapter
-        return a._count_parameters({"revision": a.cfg.model.revision, "trust_remote_code": a.cfg.model.trust_remote_code})
+        return count_base_parameters(a.model_path, {"revision": a.cfg.model.revision,
+                                                    "trust_remote_code": a.cfg.model.trust_remote_code})
 
     def attention_without_sdpa(self) -> str | None:
         a = self.adapter

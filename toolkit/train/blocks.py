@@ -135,7 +135,7 @@ def checkpointed_while(regions: Mapping[str, list[torch.nn.Module]], setting,
     """The blocks of `regions` checkpointed as train.gradient_checkpointing=`setting` (keeping `keeps`) would
     checkpoint them (eager, nothing swapped) for the span of a measurement, then as they were:
     train.gradient_checkpointing=auto measures steps this way before the blocks are wrapped for good
-    (train/batch_size.py)."""
+    (train/checkpointing_probe.py)."""
     replaced = []
     for blocks in regions.values():
         for index in checkpointed_indices(setting, len(blocks), []):

@@ -1,11 +1,12 @@
 """The measured stage of a run's plan: what fits the device, measured on it once the model is loaded and placed.
 
-In order: gradient checkpointing (train.gradient_checkpointing=auto: a step without it, then blocks checkpointed,
-measured on the main process), the denoiser's blocks wrapped as the plan says (train/blocks.py: compiled,
-checkpointed, swapped, replayed as a CUDA graph), the batch size (train.batch_size=auto: train/batch_size.py's
-probe on the blocks as they train) and the SDPA backend (device.sdpa_backend=auto: train/attention.py). Each gives a
-Decision of the "measured" stage; the settings the steps use come back as one MemoryPlan. Measurements never move
-the training RNG streams, so a run with and without them trains the same LoRA.
+In order: gradient checkpointing (train.gradient_checkpointing=auto: train/checkpointing_probe.py, a step without
+it, then blocks checkpointed, measured on the main process), the denoiser's blocks wrapped as the plan says
+(train/blocks.py: compiled, checkpointed, swapped, replayed as a CUDA graph), the batch size
+(train.batch_size=auto: train/batch_size.py's probe on the blocks as they train) and the SDPA backend
+(device.sdpa_backend=auto: train/attention.py). Each gives a Decision of the "measured" stage; the settings the
+steps use come back as one MemoryPlan. Measurements never move the training RNG streams, so a run with and without
+them trains the same LoRA.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from toolkit.paths import cache_root
 from toolkit.plan.decisions import Decision, RunPlan
 from toolkit.plan.run import ResolvedRun
 from toolkit.train.attention import choose_for_run
-from toolkit.train.batch_size import (Probe, accumulate_to, checkpointing_for_run, measures_on, probe_cap,
-                                      probe_for_run, release_probe)
+from toolkit.train.batch_size import Probe, accumulate_to, measures_on, probe_cap, probe_for_run, release_probe
 from toolkit.train.blocks import prepare_blocks
 from toolkit.train.checkpointer import OtherProcessFailed
+from toolkit.train.checkpointing_probe import checkpointing_for_run
 from toolkit.train.compile import compile_blocks, recompute_elementwise
 from toolkit.rng import rng_untouched
 
