@@ -65,9 +65,9 @@ def test_a_disk_without_room_is_refused_at_start_naming_the_space(tmp_path, run_
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_once_the_lora_is_built(tmp_path, run_cli, capsys, monkeypatch):
-    import toolkit.train.trainer as trainer
+    import toolkit.train.checkpointer as checkpointer
 
-    monkeypatch.setattr(trainer, "free_bytes", lambda path: 2**20)
+    monkeypatch.setattr(checkpointer, "free_bytes", lambda path: 2**20)
     assert run_cli("train", LLM, f"run.output_dir={tmp_path / 'run'}", "train.steps=1") == 2
     err = capsys.readouterr().err
     checkpoints = tmp_path / "run" / "checkpoints"

@@ -296,3 +296,24 @@ def checkpoint_batch(saved_batch: int, saved_processes: int, processes: int) -> 
         size = saved_batch * saved_processes // processes
     return size, (f"train.batch_size=auto -> {size}: the checkpoint's batch size (a resumed run keeps it; "
                   "nothing is measured)")
+
+
+def batch_lines(batch_size: int, world_size: int, grad_accum: int, global_batch: int | None, largest: int,
+                samples: int) -> list[str]:
+    """The log's batch line, and a note when the data cannot give a micro-batch the size asked for (a batch takes
+    its samples from one bucket)."""
+    several = world_size > 1
+    total = batch_size * world_size * grad_accum
+    lines = [f"batch: {batch_size} per process x {world_size} process{'es' if several else ''} x {grad_accum} "
+             f"accumulation = {total} per optimizer step"
+             + ("" if global_batch is None else f" (train.global_batch_size={global_batch}"
+                + (")" if total == global_batch else ": the least at or above it with this batch size)"))]
+    asked = batch_size * world_size
+    if largest < asked:
+        fits = max(1, largest // world_size)
+        fix = (f"set train.batch_size={fits} to say what runs, or give more data" if fits < batch_size
+               else "give more data, or run on fewer processes")
+        lines.append(f"note: a micro-batch asks for {asked} samples{' over the processes' if several else ''}, but "
+                     f"the data gives at most {largest} at once ({samples} samples; a batch takes them from one "
+                     f"bucket): each micro-batch trains at most {largest}; {fix}")
+    return lines

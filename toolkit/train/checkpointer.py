@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from toolkit.disk import DiskFull, is_disk_full
+from toolkit.disk import DiskFull, format_bytes, free_bytes, is_disk_full
 from toolkit.errors import UserError
 from toolkit.data.order import OrderMismatch
 from toolkit.models.base import DTYPES, load_trainable_state_dict, trainable_state_dict
@@ -160,3 +160,21 @@ def _order_fix(err: OrderMismatch, checkpoint) -> str:
     return (f"the data changed since the run began ({err.before} items then, {err.now} now: files added or removed, "
             "or data.repeats, data.resolutions or the datasets changed); put it back to resume, or keep what the "
             f"run learned in a new run on this data: network.init_from={checkpoint.path} --fresh")
+
+
+def check_checkpoint_room(procs, checkpoints: Path, n_train: int, ema: bool) -> int | None:
+    """Once the LoRA's size is known: room on the disk for a checkpoint, checked by the main process (which writes
+    them); every process stops when there is none. Returns the room one checkpoint takes (main process)."""
+    problem = needed = None
+    if procs.is_main:
+        # fp32 LoRA weights, the EMA's copy, and up to two fp32 optimizer states per weight, plus small files.
+        needed = n_train * 4 * (1 + ema + 2) + 2**20
+        free = free_bytes(checkpoints)
+        if free < needed:
+            problem = (f"not enough room for a checkpoint in {checkpoints}: one needs about {format_bytes(needed)} "
+                       f"({n_train:,} trainable parameters), {format_bytes(free)} is free"
+                       "\n  fix: free space on that disk, or set run.output_dir on another disk")
+    problem = procs.from_main(problem)
+    if problem:
+        raise UserError(problem) if procs.is_main else OtherProcessFailed()
+    return needed

@@ -185,6 +185,24 @@ class Processes:
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def check_same_weights(self, network: torch.nn.Module, log) -> None:
+        """With several processes, every one must hold the same LoRA weights at the end: compared by checksum,
+        so a broken gradient all-reduce can never pass silently."""
+        if not self.several:
+            return
+        import hashlib
+
+        digest = hashlib.sha256()
+        for name, p in sorted(network.named_parameters()):
+            if p.requires_grad:
+                digest.update(name.encode())
+                digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digests = self.gather(digest.hexdigest())
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"the processes ended with different LoRA weights (sha256 by rank: {digests}); "
+                               "this is a bug in the toolkit, please report it")
+        log(f"processes: LoRA weights identical on all {self.world_size} (sha256 {digests[0][:16]})")
+
     def gather(self, value: Any) -> list[Any]:
         """Every process's `value`, by rank, on every process."""
         if not self.several:

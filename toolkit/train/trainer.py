@@ -13,7 +13,6 @@ written once, as plan.json, and the loop runs with what it says. The config is n
 
 from __future__ import annotations
 
-import hashlib
 import math
 import shutil
 import sys
@@ -26,18 +25,18 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from toolkit import startup
 from toolkit.config.load import resolved_container
-from toolkit.disk import as_disk_full, disk_full_named, format_bytes, free_bytes
+from toolkit.disk import as_disk_full, disk_full_named
 from toolkit.errors import UserError
 from toolkit.models.base import lora_targets, trainable_parameters
-from toolkit.optim import build_optimizer, optimizer_spec
+from toolkit.optim import optimizer_spec
 from toolkit.plan.compiled_runs import record_compiled, signature
 from toolkit.plan.run import ResolvedRun
+from toolkit.train.batch_size import batch_lines
 from toolkit.train.checkpoint import find_latest_checkpoint, set_aside_checkpoints_after
-from toolkit.train.checkpointer import Checkpointer, LoopState, OtherProcessFailed
+from toolkit.train.checkpointer import Checkpointer, LoopState, OtherProcessFailed, check_checkpoint_room
 from toolkit.train.distributed import Processes
 from toolkit.train.ema import LoraEMA
 from toolkit.train.events import Events, StepEvents
@@ -50,6 +49,7 @@ from toolkit.train.report import RunReport
 from toolkit.train.resume import check_resume_plan
 from toolkit.rng import seed_everything
 from toolkit.train.run_dir import RunDir
+from toolkit.train.run_optimizer import run_optimizer
 from toolkit.train.run_start import config_hash, config_yaml, open_run_folder, saved_plan, write_atomic
 from toolkit.train.signals import GracefulStop, StopRequested
 from toolkit.train.step import StepParts, Stepper, StepSums
@@ -164,7 +164,8 @@ class Trainer:
             raise UserError(f"train.ema_decay: {decay} would never move from the initial weights; "
                             "use a value below 1 (0.999 is usual) or 0 to turn the EMA off")
         self.ema = LoraEMA(self.adapter.network, decay) if decay > 0 else None
-        optimizer, reason = self._optimizer()
+        optimizer, reason = run_optimizer(cfg.train, self.params, self.resolved.device.backend,
+                                          shard=self.resolved.setting(self.plan, "device.shard_optimizer"))
         self.log(f"optimizer: {reason}")
         from transformers import get_scheduler
         self.scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
@@ -193,49 +194,17 @@ class Trainer:
         if self.is_main:
             write_atomic(self.run_dir.root / "plan.json", texts["plan.json"])
         n_train = sum(p.numel() for p in self.params)
-        self._check_checkpoint_room(n_train)
+        self.checkpoint_bytes = check_checkpoint_room(self.procs, self.run_dir.checkpoints, n_train,
+                                                      self.cfg.train.ema_decay > 0)
         self.checkpointer = Checkpointer(self.run_dir, procs, self.adapter.network, self.adapter.save_lora, self.ema,
                                          self.optimizer, self.scheduler, self.order, self.accelerator.scaler, texts,
                                          config_hash(texts), cfg.save.keep_last, cfg.save.dtype, cfg.run.seed,
                                          self.log, needed=self.checkpoint_bytes)
         self.log(f"model: {cfg.model.family} {cfg.model.name_or_path}; {len(lora_targets(self.adapter.network))} "
                  f"LoRA modules, {n_train:,} trainable parameters; {len(self.dataset)} training samples")
-        total = self.batch_size * procs.world_size * self.grad_accum
-        global_batch = cfg.train.global_batch_size
-        self.log(f"batch: {self.batch_size} per process x {procs.world_size} process{'es' if procs.several else ''} x "
-                 f"{self.grad_accum} accumulation = {total} per optimizer step"
-                 + ("" if global_batch is None else f" (train.global_batch_size={global_batch}"
-                    + (")" if total == global_batch else ": the least at or above it with this batch size)")))
-        largest, asked = self.order.largest_global_batch(), self.batch_size * procs.world_size
-        if largest < asked:
-            fits = max(1, largest // procs.world_size)
-            fix = (f"set train.batch_size={fits} to say what runs, or give more data" if fits < self.batch_size
-                   else "give more data, or run on fewer processes")
-            self.log(f"note: a micro-batch asks for {asked} samples{' over the processes' if procs.several else ''}, "
-                     f"but the data gives at most {largest} at once ({len(self.dataset)} samples; a batch takes them "
-                     f"from one bucket): each micro-batch trains at most {largest}; {fix}")
-
-    def _optimizer(self) -> tuple[torch.optim.Optimizer, str]:
-        """train.optimizer over the LoRA weights; with device.shard_optimizer, over this process's share of them
-        (train/optimizer_shards.py)."""
-        cfg, reasons = self.cfg, []
-
-        def build(params):
-            optimizer, reason = build_optimizer(
-                cfg.train.optimizer, params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
-                weight_decay=cfg.train.weight_decay, backend=cfg.train.optimizer_backend,
-                device_type=self.resolved.device.backend, args=OmegaConf.to_container(cfg.train.optimizer_args))
-            reasons.append(reason)
-            return optimizer
-
-        if not self.resolved.setting(self.plan, "device.shard_optimizer"):
-            return build(self.params), reasons[0]
-        from toolkit.train.optimizer_shards import ShardedOptimizer  # torch.distributed.optim: seconds to import
-
-        sharded = ShardedOptimizer(self.params, build)
-        owned = sum(p.numel() for group in sharded.optim.param_groups for p in group["params"])
-        return sharded, (f"{reasons[0]}; device.shard_optimizer: this process steps and keeps the state of "
-                         f"{owned:,} of the {sum(p.numel() for p in self.params):,} LoRA weights (ZeRO stage 1)")
+        for line in batch_lines(self.batch_size, procs.world_size, self.grad_accum, cfg.train.global_batch_size,
+                                self.order.largest_global_batch(), len(self.dataset)):
+            self.log(line)
 
     def _check_resume_plan(self, checkpoint) -> None:
         """A resumed run's plan against its checkpoint's: a later stage that decided otherwise, where that changes
@@ -246,22 +215,6 @@ class Trainer:
                 check_resume_plan(checkpoint, saved_plan(checkpoint), self.plan, self.log)
             except UserError as error:
                 problem = str(error)
-        problem = self.procs.from_main(problem)
-        if problem:
-            raise UserError(problem) if self.procs.is_main else OtherProcessFailed()
-
-    def _check_checkpoint_room(self, n_train: int) -> None:
-        """Now that the LoRA's size is known: room on the disk for a checkpoint (checked by the main process, which
-        writes them; every process stops when there is none)."""
-        problem = None
-        if self.procs.is_main:
-            # fp32 LoRA weights, the EMA's copy, and up to two fp32 optimizer states per weight, plus small files.
-            needed = self.checkpoint_bytes = n_train * 4 * (1 + (self.cfg.train.ema_decay > 0) + 2) + 2**20
-            free = free_bytes(self.run_dir.checkpoints)
-            if free < needed:
-                problem = (f"not enough room for a checkpoint in {self.run_dir.checkpoints}: one needs about "
-                           f"{format_bytes(needed)} ({n_train:,} trainable parameters), {format_bytes(free)} is free"
-                           "\n  fix: free space on that disk, or set run.output_dir on another disk")
         problem = self.procs.from_main(problem)
         if problem:
             raise UserError(problem) if self.procs.is_main else OtherProcessFailed()
@@ -327,7 +280,7 @@ class Trainer:
                         raise StopRequested(stop.exit_code, f"stopped at step {step}; checkpoint saved, "
                                                             "run the same command to resume")
             elapsed = time.perf_counter() - started
-            self._check_processes_agree()
+            self.procs.check_same_weights(self.adapter.network, self.log)
             doing = "the eval loss"
             if eval_every == 0 or steps % eval_every:
                 self._eval(steps)
@@ -472,19 +425,3 @@ class Trainer:
             saved = self.checkpointer.save(loop, step_rng)
         self.events.saved(loop.step, saved)
         return f"the state after step {loop.step} is saved: {saved}"
-
-    def _check_processes_agree(self) -> None:
-        """With several processes, every one must hold the same LoRA weights at the end: compared by checksum,
-        so a broken gradient all-reduce can never pass silently."""
-        if not self.procs.several:
-            return
-        digest = hashlib.sha256()
-        for name, p in sorted(self.adapter.network.named_parameters()):
-            if p.requires_grad:
-                digest.update(name.encode())
-                digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        digests = self.procs.gather(digest.hexdigest())
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"the processes ended with different LoRA weights (sha256 by rank: {digests}); "
-                               "this is a bug in the toolkit, please report it")
-        self.log(f"processes: LoRA weights identical on all {self.procs.world_size} (sha256 {digests[0][:16]})")
