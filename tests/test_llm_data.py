@@ -225,18 +225,95 @@ def test_validate_shows_the_format_read_from_the_data_and_train_takes_sharegpt(t
 
 @pytest.mark.parametrize("config, record, expected", [
     ("quickstart_llm_chat.yaml", {"messages": [{"role": "user", "content": "hi"}]},
-     ":1: the conversation has no assistant turn to learn from\n  fix: add the assistant's answer (role assistant, "
+     ":1: the conversation has no assistant turn to learn from\n    fix: add the assistant's answer (role assistant, "
      "or ShareGPT's gpt), or drop the record"),
+    ("quickstart_llm_chat.yaml", {"messages": [{"role": "assistant", "content": "hi"}]},
+     ":1: the conversation begins with an assistant turn, which has no prompt before it\n    fix: start it with a "
+     "user (or system) turn, or set data.train_on_prompt=true"),
+    ("quickstart_llm_chat.yaml", {"conversations": [{"from": "human", "value": "hi"},
+                                                    {"from": "function_call", "value": "get_weather(paris)"}]},
+     ":1: a 'function_call' turn's value is not JSON"),
+    ("quickstart_llm_chat.yaml", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}],
+                                  "tools": "{not json"},
+     ":1: 'tools' is a string that is not JSON"),
+    ("quickstart_llm_alpaca.yaml", {"instruction": "a", "input": "b"},
+     ":1: an alpaca record needs string fields 'instruction' and 'output' (and optionally 'input'), found keys "
+     "['input', 'instruction']\n    fix: give every record those fields"),
     ("quickstart_llm_kto.yaml", {"prompt": "a", "completion": "b", "label": "yes"},
-     ":1: 'label' must be true or false (a desirable completion or not)\n  fix: write it as a JSON true or false"),
+     ":1: 'label' must be true or false (a desirable completion or not)\n    fix: write it as a JSON true or false"),
     ("quickstart_llm_dpo.yaml", {"prompt": "a", "chosen": [{"role": "assistant", "content": "x"}], "rejected": "y"},
      ":1: 'prompt' and 'chosen' must both be strings or both be message lists (TRL's plain and conversational "
-     "formats)\n  fix: write both as text, or both as messages"),
+     "formats)\n    fix: write both as text, or both as messages"),
+    ("quickstart_llm_grpo.yaml", {"prompt": 7},
+     ":1: 'prompt' must be a string or a list of {\"role\": ..., \"content\": ...} messages\n    fix: give the "
+     "prompt as text"),
 ])
-def test_a_record_the_data_cannot_train_on_is_named_with_its_fix(config, record, expected, tmp_path, run_cli, capsys):
+def test_a_record_the_data_cannot_train_on_is_named_with_its_fix_before_the_run_folder(config, record, expected,
+                                                                                       tmp_path, run_cli, capsys):
+    """Read with the config (toolkit/preflight/data_records.py): nothing is loaded or written, not even the run
+    folder."""
     data = tmp_path / "data.jsonl"
     write_records(data, [record] * 4)
     assert run_cli("train", f"configs/examples/{config}", f"data.path={data}", f"run.output_dir={tmp_path / 'run'}",
                    "data.eval_fraction=0", "sample.prompts=[]") == 2
     err = capsys.readouterr().err
-    assert f"{data}{expected}" in err and "Traceback" not in err
+    assert f"'data.path' in command line: {data}{expected}" in err and "Traceback" not in err
+    assert err.count(f"{data}:") == 4  # each record named
+    assert not (tmp_path / "run").exists()
+
+
+def _files(folder) -> dict[str, tuple[int, int]]:
+    """Every file under `folder`: relative path -> (size, modification time in ns)."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
+            if p.is_file()}
+
+
+def test_train_names_bad_chat_records_before_it_makes_or_touches_a_run_folder(tmp_path):
+    """Through `python -m toolkit train`: malformed records of a chat file (OpenAI messages, ShareGPT) exit 2 with one
+    message naming the file, each record's line and the fix, before anything is written: a new run folder is not
+    made, and an existing one (even with --fresh, which would move it aside) is left as it was."""
+    from conftest import REPO, run_toolkit
+
+    config = "configs/examples/quickstart_llm_chat.yaml"
+    good = (REPO / "configs/examples/data/quickstart_chat.jsonl").read_text().splitlines()[:3]
+    narrator = {"conversations": [{"from": "narrator", "value": "once"}, {"from": "gpt", "value": "upon"}]}
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(good + ['{"messages": "hello"}', json.dumps(narrator)]) + "\n")
+    new = tmp_path / "new"
+    done = run_toolkit("train", config, f"data.path={data}", f"run.output_dir={new}")
+    assert done.returncode == 2, done.stderr
+    assert (f"  - 'data.path' in command line: {data}:4: a chat record needs 'messages': a non-empty list of "
+            "{\"role\": ..., \"content\": ...} objects, found keys ['messages']\n"
+            "    fix: give each message a string 'role' and 'content'") in done.stderr
+    assert (f"  - 'data.path' in command line: {data}:5: ShareGPT speakers ['narrator'] are not known\n"
+            "    fix: use one of human, user") in done.stderr
+    assert "Traceback" not in done.stderr and not new.exists()
+
+    run = tmp_path / "run"
+    short = ["train.steps=2", "save.every=2", "sample.prompts=[]", "data.eval_fraction=0"]
+    assert run_toolkit("train", config, f"run.output_dir={run}", *short).returncode == 0
+    before, beside = _files(run), sorted(p.name for p in tmp_path.iterdir())
+    assert "config.yaml" in before and "plan.json" in before
+    for fresh in ([], ["--fresh"]):
+        done = run_toolkit("train", config, f"data.path={data}", f"run.output_dir={run}", *short, *fresh)
+        assert done.returncode == 2 and f"{data}:4: a chat record needs 'messages'" in done.stderr
+        assert _files(run) == before and sorted(p.name for p in tmp_path.iterdir()) == beside
+
+
+def test_validate_names_the_first_bad_records_of_each_data_file_and_counts_the_rest(tmp_path, run_cli, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data, held_out = tmp_path / "train.jsonl", tmp_path / "eval.parquet"
+    write_records(data, [CHAT] + [{"messages": [{"role": "user", "content": f"question {n}"}]} for n in range(8)])
+    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "user", "content": "q"}]}]), held_out)
+    assert run_cli("validate", "configs/examples/quickstart_llm_chat.yaml", f"data.path={data}",
+                   f"data.eval_path={held_out}") == 2
+    err = capsys.readouterr().err
+    assert "invalid config (7 problems):" in err and "Traceback" not in err
+    named = [n for n in range(1, 10) if f"{data}:{n}: the conversation has no assistant turn" in err]
+    assert named == [2, 3, 4, 5, 6]
+    assert (f"  - 'data.path' in command line: 3 more records of {data} cannot be trained on either, from {data}:7 "
+            "on: fix those above, and `validate` names the rest") in err
+    assert (f"  - 'data.eval_path' in command line: {held_out} (row 0): the conversation has no assistant turn to learn "
+            "from\n    fix: add the assistant's answer") in err

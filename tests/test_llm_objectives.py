@@ -338,10 +338,10 @@ def test_validate_names_data_without_the_objectives_fields(run_cli, capsys):
     data = REPO / "configs/examples/data/quickstart_preference.jsonl"
     assert run_cli("validate", "configs/examples/quickstart_llm_kto.yaml", f"data.path={data}") == 2
     err = capsys.readouterr().err
-    assert (f"'data.path': train.objective=kto trains on unpaired records, and the first of {data} is not one: an "
-            "unpaired record needs the fields ['prompt', 'completion', 'label'], missing ['completion', 'label'] "
-            "(found ['chosen', 'prompt', 'rejected']): use TRL's field names, or the objective that matches the data "
-            "(train.objective)") in err and "Traceback" not in err
+    assert (f"'data.path' in command line: train.objective=kto trains on unpaired records, and the first of {data} "
+            "is not one: an unpaired record needs the fields ['prompt', 'completion', 'label'], missing ['completion', "
+            "'label'] (found ['chosen', 'prompt', 'rejected']): use TRL's field names, or the objective that matches "
+            "the data (train.objective)") in err and "Traceback" not in err
 
 
 def test_grpo_refuses_held_out_data(run_cli, tmp_path, capsys):

@@ -87,7 +87,32 @@ def test_frame_rules():
 def test_num_frames_not_4k_plus_1_is_a_user_error(tmp_path):
     with pytest.raises(UserError) as err:
         scan_clips(_data(tmp_path, num_frames=6), print)
-    assert "data.num_frames: 6 is not 4k+1" in str(err.value) and "fix: set data.num_frames to 5 or 9" in str(err.value)
+    assert str(err.value) == "data.num_frames: 6 is not 4k+1 (the VAE compresses time by 4); use 5 or 9"
+
+
+@pytest.mark.parametrize("config, frames, factor, fix", [
+    ("quickstart_wan21.yaml", 6, 4, "use 5 or 9"),
+    ("quickstart_hunyuan15.yaml", 2, 4, "use 1 or 5"),
+    ("quickstart_ltx2.yaml", 13, 8, "use 9 or 17"),
+    ("quickstart_ltx2.yaml", 5, 8, "use 1 or 9"),     # 4k+1, which the scan of the Wan families would take
+])
+def test_validate_and_the_clip_scan_refuse_a_frame_count_in_the_same_words(config, frames, factor, fix, tmp_path,
+                                                                           run_cli, capsys):
+    """One rule (data/video.py's frame_count_problem) behind the preflight and the clip scan: the same message for
+    data.num_frames and data.target_frames, at the family's time compression."""
+    said = f"{frames} is not {factor}k+1 (the VAE compresses time by {factor}); {fix}"
+    for key, override in (("data.num_frames", f"data.num_frames={frames}"),
+                          ("data.target_frames", f"data.target_frames=[{factor + 1},{frames}]")):
+        assert run_cli("validate", f"configs/examples/{config}", "data.frame_extraction=head", override) == 2
+        err = capsys.readouterr().err
+        assert f"'{key}' in command line: {said}" in err and "Traceback" not in err
+    with pytest.raises(UserError) as err:
+        scan_clips(_data(tmp_path, num_frames=frames), print, time_compression=factor)
+    assert str(err.value) == f"data.num_frames: {said}"
+    with pytest.raises(UserError) as err:
+        scan_clips(_data(tmp_path, frame_extraction="head", target_frames=[factor + 1, frames]), print,
+                   time_compression=factor)
+    assert str(err.value) == f"data.target_frames: {said}"
 
 
 def test_gif_webp_still_and_a_corrupt_file(tmp_path):

@@ -183,6 +183,7 @@ def test_a_bad_record_is_one_message_naming_file_and_line(run_cli, tmp_path, cap
         data.unlink()
     err = capsys.readouterr().err
     assert f"{data}:2: " in err and message in err and "fix:" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # read with the config (preflight/data_records.py), before the run folder
 
 
 def test_unsloth_and_llama_factory_names_point_at_the_vlm_keys(run_cli, capsys):

@@ -1,9 +1,13 @@
 """The LLM settings that only some values of train.objective read (docs/objectives.md). A value set for an
-objective that does not read it is a config error, as a setting of another model family is: it would be ignored."""
+objective that does not read it is a config error, as a setting of another model family is: it would be ignored.
+Beside them, the data formats each objective trains on (the first: data.format=auto's)."""
 
 from __future__ import annotations
 
 PREFERENCE = ("dpo", "orpo", "kto")
+
+OBJECTIVE_FORMATS = {"sft": ("text", "alpaca", "chat"), "dpo": ("preference",), "orpo": ("preference",),
+                     "kto": ("unpaired",), "grpo": ("prompt",)}
 
 OBJECTIVE_SETTINGS: dict[str, tuple[str, ...]] = {
     "train.beta": PREFERENCE,

@@ -24,6 +24,7 @@ from toolkit.errors import UserError
 
 FIELDS = {"preference": ("prompt", "chosen", "rejected"), "unpaired": ("prompt", "completion", "label"),
           "prompt": ("prompt",)}
+COMPLETIONS = {"preference": ("chosen", "rejected"), "unpaired": ("completion",), "prompt": ()}
 
 
 def is_messages(value: Any) -> bool:
@@ -54,13 +55,36 @@ def missing_fields(record: dict, fmt: str) -> str:
 FIELDS_FIX = "use TRL's field names, or the objective that matches the data (train.objective)"
 
 
-def _check_fields(record: dict, fmt: str, path: str) -> None:
+def check_example(record: dict, fmt: str, path: str) -> None:
+    """Raise the UserError encode_records would raise for the record itself, without a tokenizer (the preflight
+    reads every record of the data with it before the run folder is made): its fields, a prompt and completions
+    that are all strings or all message lists, a kto label that is a boolean, the tools of a conversation."""
     if (missing := missing_fields(record, fmt)):
         raise UserError(f"{where(path, record)}: {missing}\n  fix: {FIELDS_FIX}")
+    prompt = record["prompt"]
+    if not isinstance(prompt, str) and not is_messages(prompt):
+        raise UserError(f"{where(path, record)}: 'prompt' must be a string or a list of "
+                        "{\"role\": ..., \"content\": ...} messages\n  fix: give the prompt as text, or as "
+                        "messages with a string 'role' and 'content' each")
+    for name in COMPLETIONS[fmt]:
+        completion = record[name]
+        if is_messages(prompt) != is_messages(completion):
+            raise UserError(f"{where(path, record)}: 'prompt' and '{name}' must both be strings or both be "
+                            "message lists (TRL's plain and conversational formats)\n  fix: write both as text, or "
+                            f"both as messages ('{name}': [{{\"role\": \"assistant\", \"content\": ...}}])")
+        if not isinstance(completion, str) and not is_messages(completion):
+            raise UserError(f"{where(path, record)}: '{name}' must be a string or a list of messages\n  fix: "
+                            "give each message a string 'role' and 'content'")
+    if fmt == "unpaired" and not isinstance(record["label"], bool):
+        raise UserError(f"{where(path, record)}: 'label' must be true or false (a desirable completion or not)"
+                        "\n  fix: write it as a JSON true or false, not a string or a number")
+    if is_messages(prompt):
+        record_tools(record, path)  # a conversation's tools reach the chat template
 
 
 class PromptEncoder:
-    """Token ids of prompts and completions, plain or through the chat template, with the exact boundary."""
+    """Token ids of prompts and completions, plain or through the chat template, with the exact boundary (of
+    records check_example has passed)."""
 
     def __init__(self, tokenizer, path: str):
         self.tokenizer, self.path = tokenizer, path
@@ -69,25 +93,14 @@ class PromptEncoder:
         prompt = record["prompt"]
         if is_messages(prompt):
             return self._chat(record, prompt, add_generation_prompt=True)
-        if not isinstance(prompt, str):
-            raise UserError(f"{where(self.path, record)}: 'prompt' must be a string or a list of "
-                            "{\"role\": ..., \"content\": ...} messages\n  fix: give the prompt as text, or as "
-                            "messages with a string 'role' and 'content' each")
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def completion(self, record: dict, name: str, prompt_ids: list[int]) -> list[int]:
         prompt, completion = record["prompt"], record[name]
-        if is_messages(prompt) != is_messages(completion):
-            raise UserError(f"{where(self.path, record)}: 'prompt' and '{name}' must both be strings or both be "
-                            "message lists (TRL's plain and conversational formats)\n  fix: write both as text, or "
-                            f"both as messages ('{name}': [{{\"role\": \"assistant\", \"content\": ...}}])")
         if isinstance(completion, str):
             ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
             eos = self.tokenizer.eos_token_id
             return ids + [eos] if eos is not None else ids
-        if not is_messages(completion):
-            raise UserError(f"{where(self.path, record)}: '{name}' must be a string or a list of messages\n  fix: "
-                            "give each message a string 'role' and 'content'")
         whole = self._chat(record, prompt + completion, add_generation_prompt=False)
         if whole[:len(prompt_ids)] != prompt_ids:
             raise UserError(f"{where(self.path, record)}: the chat template renders the prompt differently once "
@@ -129,25 +142,20 @@ def encode_records(records: list[dict], fmt: str, tokenizer, max_seq_len: int, p
     (TRL truncates prompts from the left) and the completion's first; a completion left empty is refused."""
     encoder, examples = PromptEncoder(tokenizer, path), []
     for record in records:
-        _check_fields(record, fmt, path)
+        check_example(record, fmt, path)
         prompt = encoder.prompt(record)
         if fmt == "prompt":
             examples.append(Example(prompt[-max_seq_len:], [], record={k: v for k, v in record.items()
                                                                          if k != "__line__"}))
             continue
-        names = ("chosen", "rejected") if fmt == "preference" else ("completion",)
-        completions = [encoder.completion(record, name, prompt) for name in names]
+        completions = [encoder.completion(record, name, prompt) for name in COMPLETIONS[fmt]]
         keep = max(1, max_seq_len - max(len(c) for c in completions))
         prompt = prompt[-min(keep, len(prompt)):]
         completions = [c[:max_seq_len - len(prompt)] for c in completions]
         if not all(completions):
             raise UserError(f"data.max_seq_len: the prompt of {where(path, record)} leaves no room for its "
                             "completion\n  fix: raise data.max_seq_len")
-        label = record.get("label", True)
-        if fmt == "unpaired" and not isinstance(label, bool):
-            raise UserError(f"{where(path, record)}: 'label' must be true or false (a desirable completion or not)"
-                            "\n  fix: write it as a JSON true or false, not a string or a number")
-        examples.append(Example(prompt, completions, label))
+        examples.append(Example(prompt, completions, record.get("label", True)))
     return examples
 
 

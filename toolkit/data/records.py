@@ -27,7 +27,8 @@ def read_records(path: str | Path, key: str = "data.path") -> list[dict]:
         records = _read_json(path, key)
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
-        records = pq.read_table(path).to_pylist()
+        rows = pq.read_table(path).to_pylist()
+        records = [{**record, "__line__": f"row {index}"} for index, record in enumerate(rows)]
     elif suffix == ".txt":
         records = [{"text": line} for line in read_text(path, key).splitlines() if line.strip()]
     else:

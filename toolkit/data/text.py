@@ -70,13 +70,19 @@ def _with_eos(ids: list[int], tokenizer) -> list[int]:
     return ids + [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else ids
 
 
-def tokenize_text(record: dict, tokenizer, text_field: str, path: str) -> TokenizedSample:
-    """Raw-text (completion) sample: loss on every token, EOS appended."""
+def record_text(record: dict, text_field: str, path: str) -> str:
+    """A text record's text (its data.text_field, a string)."""
     text = record.get(text_field)
     if not isinstance(text, str):
         raise UserError(f"{where(path, record)}: expected a string field '{text_field}' "
                         f"(data.text_field), found keys {_keys(record)}\n  fix: set data.text_field to the field that "
                         "holds the text, or data.format to the format of the records")
+    return text
+
+
+def tokenize_text(record: dict, tokenizer, text_field: str, path: str) -> TokenizedSample:
+    """Raw-text (completion) sample: loss on every token, EOS appended."""
+    text = record_text(record, text_field, path)
     ids = _with_eos(tokenizer(text, add_special_tokens=True)["input_ids"], tokenizer)
     return TokenizedSample(ids, list(ids))
 
@@ -89,14 +95,20 @@ def alpaca_prompt(instruction: str, input_text: str = "") -> str:
     return ALPACA_PROMPT.format(with_input="", instruction=instruction, input_block="")
 
 
-def tokenize_alpaca(record: dict, tokenizer, train_on_prompt: bool, path: str) -> TokenizedSample:
-    """Prompt and response are tokenized apart, so the boundary is exact; EOS ends the response."""
+def alpaca_fields(record: dict, path: str) -> tuple[str, str, str]:
+    """An alpaca record's instruction, input ('' without one) and output."""
     instruction, input_text, output = record.get("instruction"), record.get("input", ""), record.get("output")
     if not isinstance(instruction, str) or not isinstance(output, str) or not isinstance(input_text, (str, type(None))):
         raise UserError(f"{where(path, record)}: an alpaca record needs string fields 'instruction' and 'output' "
                         f"(and optionally 'input'), found keys {_keys(record)}\n  fix: give every record those "
                         "fields, or set data.format to the format of the records")
-    prompt = tokenizer(alpaca_prompt(instruction, input_text or ""), add_special_tokens=True)["input_ids"]
+    return instruction, input_text or "", output
+
+
+def tokenize_alpaca(record: dict, tokenizer, train_on_prompt: bool, path: str) -> TokenizedSample:
+    """Prompt and response are tokenized apart, so the boundary is exact; EOS ends the response."""
+    instruction, input_text, output = alpaca_fields(record, path)
+    prompt = tokenizer(alpaca_prompt(instruction, input_text), add_special_tokens=True)["input_ids"]
     response = _with_eos(tokenizer(output, add_special_tokens=False)["input_ids"], tokenizer)
     prompt_labels = list(prompt) if train_on_prompt else [IGNORE_INDEX] * len(prompt)
     return TokenizedSample(prompt + response, prompt_labels + response)
@@ -150,6 +162,20 @@ def _sharegpt_messages(record: dict, path: str) -> list[dict]:
                    {"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
 
 
+def chat_conversation(record: dict, train_on_prompt: bool, path: str) -> tuple[list[dict], list[dict] | None]:
+    """A chat record's messages and tools, as far as they can be checked without the chat template: an assistant
+    turn to learn from, and (unless train_on_prompt) a prompt before the first one."""
+    messages = chat_messages(record, path)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where(path, record)}: the conversation has no assistant turn to learn from\n"
+                        "  fix: add the assistant's answer (role assistant, or ShareGPT's gpt), or drop the record")
+    if not train_on_prompt and messages[0]["role"] == "assistant":
+        # nothing before it renders: its header could not be told from its text
+        raise UserError(f"{where(path, record)}: the conversation begins with an assistant turn, which has no prompt "
+                        "before it\n  fix: start it with a user (or system) turn, or set data.train_on_prompt=true")
+    return messages, record_tools(record, path)
+
+
 def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> TokenizedSample:
     """Render with the chat template; label only the assistant turns.
 
@@ -158,14 +184,10 @@ def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> 
     token is learned). Prefixes must tokenize to prefixes of the full conversation; a template that
     rewrites earlier turns is refused rather than silently mislabelled.
     """
-    messages = chat_messages(record, path)
-    if not any(m["role"] == "assistant" for m in messages):
-        raise UserError(f"{where(path, record)}: the conversation has no assistant turn to learn from\n"
-                        "  fix: add the assistant's answer (role assistant, or ShareGPT's gpt), or drop the record")
+    messages, tools = chat_conversation(record, train_on_prompt, path)
     if tokenizer.chat_template is None:
         raise UserError(f"{path}: the tokenizer has no chat template, so chat data cannot be rendered\n"
                         "  fix: use a chat/instruct model, or data in the text or alpaca format")
-    tools = record_tools(record, path)
     try:
         if tools or any("tool_calls" in m for m in messages):
             check_rendered(lambda m, tools: render_chat(tokenizer, m, tools=tools), messages, tools, record, path)
@@ -177,9 +199,6 @@ def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> 
                         f"  {TEMPLATE_FIX}") from None
     if train_on_prompt:
         return TokenizedSample(ids, list(ids))
-    if messages[0]["role"] == "assistant":  # nothing before it renders: its header could not be told from its text
-        raise UserError(f"{where(path, record)}: the conversation begins with an assistant turn, which has no prompt "
-                        "before it\n  fix: start it with a user (or system) turn, or set data.train_on_prompt=true")
     labels = [IGNORE_INDEX] * len(ids)
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -198,6 +217,17 @@ def tokenize_chat(record: dict, tokenizer, train_on_prompt: bool, path: str) -> 
                             "  fix: set data.train_on_prompt=true, or use a template that only appends")
         labels[len(start):len(end)] = ids[len(start):len(end)]
     return TokenizedSample(ids, labels)
+
+
+def check_record(record: dict, fmt: str, text_field: str, train_on_prompt: bool, path: str) -> None:
+    """Raise the UserError tokenize_record would raise for the record itself (its fields, its conversation), without
+    a tokenizer: the preflight reads every record of the data with it before the run folder is made."""
+    if fmt == "text":
+        record_text(record, text_field, path)
+    elif fmt == "alpaca":
+        alpaca_fields(record, path)
+    else:
+        chat_conversation(record, train_on_prompt, path)
 
 
 def tokenize_record(record: dict, fmt: str, tokenizer, data_cfg, path: str) -> TokenizedSample:

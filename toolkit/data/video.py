@@ -55,13 +55,19 @@ class ClipItem:
     soundtrack: bool = False        # LTX-2 with data.audio on: the file has an audio stream (data/audio.py)
 
 
-def check_num_frames(num_frames: int, key: str = "data.num_frames") -> None:
-    """Raise a UserError unless num_frames is 4k+1 (what the video VAEs can compress)."""
-    if num_frames < 1 or (num_frames - 1) % TIME_COMPRESSION:
-        below = max(1, (num_frames - 1) // TIME_COMPRESSION * TIME_COMPRESSION + 1)
-        above = below + TIME_COMPRESSION
-        raise UserError(f"{key}: {num_frames} is not 4k+1 (the video VAEs compress time by 4)\n"
-                        f"  fix: set {key} to {below} or {above}")
+def frame_count_problem(frames: int, factor: int = TIME_COMPRESSION) -> str:
+    """What is wrong with clips of `frames` frames for a VAE that compresses time by `factor` ('' when nothing):
+    it takes factor k + 1 (4k+1; LTX-2's 8k+1). The one rule and message of the preflight and the clip scan."""
+    if frames >= 1 and (frames - 1) % factor == 0:
+        return ""
+    below = max(1, (frames - 1) // factor * factor + 1)
+    return f"{frames} is not {factor}k+1 (the VAE compresses time by {factor}); use {below} or {below + factor}"
+
+
+def check_num_frames(frames: int, key: str = "data.num_frames", factor: int = TIME_COMPRESSION) -> None:
+    """Raise a UserError naming `key` unless `frames` is factor k + 1 (frame_count_problem)."""
+    if (problem := frame_count_problem(frames, factor)):
+        raise UserError(f"{key}: {problem}")
 
 
 def clip_frames(frame_count: int, num_frames: int) -> int:
@@ -69,11 +75,11 @@ def clip_frames(frame_count: int, num_frames: int) -> int:
     return min(num_frames, (frame_count - 1) // TIME_COMPRESSION * TIME_COMPRESSION + 1)
 
 
-def target_frames(data) -> list[int]:
-    """data.target_frames (each checked 4k+1), or [data.num_frames] when it is empty."""
+def target_frames(data, factor: int = TIME_COMPRESSION) -> list[int]:
+    """data.target_frames (each checked factor k + 1), or [data.num_frames] when it is empty."""
     lengths = list(data.target_frames) or [data.num_frames]
     for length in lengths:
-        check_num_frames(length, "data.target_frames" if data.target_frames else "data.num_frames")
+        check_num_frames(length, "data.target_frames" if data.target_frames else "data.num_frames", factor)
     return lengths
 
 
@@ -159,13 +165,15 @@ def _probe(path: Path) -> tuple[tuple[int, int], int]:
 
 
 def scan_clips(data, log: Callable[[str], None],
-               select: Callable[[list[ClipItem]], list[ClipItem]] | None = None) -> list[ClipItem]:
+               select: Callable[[list[ClipItem]], list[ClipItem]] | None = None,
+               time_compression: int = TIME_COMPRESSION) -> list[ClipItem]:
     """Every readable clip or image under data.path with its caption and (width, height, frames) bucket;
     unreadable files are skipped and named. `select` narrows the list before the bucket table is printed
-    (image-to-video: start images are not items)."""
-    check_num_frames(data.num_frames)
+    (image-to-video: start images are not items); `time_compression`: the VAE's, which the clip lengths asked for
+    (data.num_frames, data.target_frames) must suit."""
+    check_num_frames(data.num_frames, factor=time_compression)
     if data.frame_extraction != "spread":
-        target_frames(data)  # each checked before any file is read
+        target_frames(data, time_compression)  # each checked before any file is read
     root = Path(data.path)
     if not root.is_dir():
         raise UserError(f"data.path: {root} is not a folder\n  fix: point data.path at a folder of videos/images "

@@ -52,7 +52,7 @@ class VisionChatEncoder:
         self.merge = int(getattr(image_processor, "merge_size", 1))
 
     def encode(self, record: dict, path: str) -> VisionSample:
-        messages, images = self.messages_and_images(record, path)
+        messages, images = vision_conversation(record, path)
         if self.tokenizer.chat_template is None:
             raise UserError(f"{path}: the model's tokenizer has no chat template\n  fix: use an instruct model")
         full = self.render(messages)
@@ -66,9 +66,6 @@ class VisionChatEncoder:
                                 "later ones follow, so the assistant turns cannot be found\n  fix: use a model whose "
                                 "template renders each turn once")
             spans.append((len(start), len(end)))
-        if not spans:
-            raise UserError(f"{where(path, record)}: the conversation has no assistant turn to learn from\n  fix: "
-                            "add the assistant's answer, or leave the record out")
         pixel_values = grid = None
         tokens_per_image: list[int] = []
         if images:
@@ -127,48 +124,6 @@ class VisionChatEncoder:
             labels += [i if learned and i != self.image_token_id else IGNORE_INDEX for i in ids]
         return input_ids, labels
 
-    def messages_and_images(self, record: dict, path: str) -> tuple[list[dict], list[Path]]:
-        """The messages as the chat template takes them (image parts as {"type": "image"}) and the image files in
-        the order their parts come."""
-        messages, listed = record.get("messages"), record.get("images") or []
-        if not isinstance(messages, list) or not messages or not isinstance(listed, list):
-            keys = sorted(k for k in record if k != "__line__")
-            raise UserError(f"{where(path, record)}: a vision chat record needs 'messages' (a non-empty list) and "
-                            f"optionally 'images' (a list of paths); found keys {keys}\n  fix: write it as "
-                            "{\"messages\": [...], \"images\": [\"a.png\"]} (TRL's vision format)")
-        folder = Path(path).parent
-        listed = iter(listed)
-        out, images = [], []
-        for message in messages:
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
-                raise UserError(f"{where(path, record)}: each message needs a 'role' and a 'content'\n  fix: give "
-                                "each message a string 'role' (user, assistant, system) and its 'content'")
-            content = message.get("content")
-            if isinstance(content, str):
-                out.append({"role": message["role"], "content": content})
-                continue
-            parts = []
-            for part in content if isinstance(content, list) else [None]:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text" and isinstance(part.get("text"), str):
-                    parts.append({"type": "text", "text": part["text"]})
-                elif kind == "image":
-                    name = part.get("image") or next(listed, None)
-                    if not isinstance(name, str):
-                        raise UserError(f"{where(path, record)}: more image parts than images\n  fix: list one path "
-                                        "in 'images' for each {\"type\": \"image\"} part")
-                    images.append(folder / name)
-                    parts.append({"type": "image"})
-                else:
-                    raise UserError(f"{where(path, record)}: a content part must be {{\"type\": \"text\", \"text\": "
-                                    f"...}} or {{\"type\": \"image\"}}, got {part!r}\n  fix: write the content as "
-                                    "a string, or as a list of such parts")
-            out.append({"role": message["role"], "content": parts})
-        if next(listed, None) is not None:
-            raise UserError(f"{where(path, record)}: more images than image parts in the messages\n  fix: add a "
-                            "{\"type\": \"image\"} part where each image belongs")
-        return out, images
-
     @staticmethod
     def open_image(file: Path, record: dict, path: str):
         from PIL import Image, UnidentifiedImageError
@@ -177,8 +132,73 @@ class VisionChatEncoder:
             with Image.open(file) as image:
                 return image.convert("RGB")
         except (FileNotFoundError, UnidentifiedImageError, OSError) as err:
-            raise UserError(f"{where(path, record)}: cannot read image {file}: {err.__class__.__name__}\n  fix: give "
-                            f"an image file ({', '.join(IMAGE_SUFFIXES)}) relative to the data file's folder") from None
+            raise unreadable_image(file, err.__class__.__name__, record, path) from None
+
+
+def vision_messages(record: dict, path: str) -> tuple[list[dict], list[Path]]:
+    """The messages as the chat template takes them (image parts as {"type": "image"}) and the image files in
+    the order their parts come."""
+    messages, listed = record.get("messages"), record.get("images") or []
+    if not isinstance(messages, list) or not messages or not isinstance(listed, list):
+        keys = sorted(k for k in record if k != "__line__")
+        raise UserError(f"{where(path, record)}: a vision chat record needs 'messages' (a non-empty list) and "
+                        f"optionally 'images' (a list of paths); found keys {keys}\n  fix: write it as "
+                        "{\"messages\": [...], \"images\": [\"a.png\"]} (TRL's vision format)")
+    folder = Path(path).parent
+    listed = iter(listed)
+    out, images = [], []
+    for message in messages:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+            raise UserError(f"{where(path, record)}: each message needs a 'role' and a 'content'\n  fix: give "
+                            "each message a string 'role' (user, assistant, system) and its 'content'")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": message["role"], "content": content})
+            continue
+        parts = []
+        for part in content if isinstance(content, list) else [None]:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image":
+                name = part.get("image") or next(listed, None)
+                if not isinstance(name, str):
+                    raise UserError(f"{where(path, record)}: more image parts than images\n  fix: list one path "
+                                    "in 'images' for each {\"type\": \"image\"} part")
+                images.append(folder / name)
+                parts.append({"type": "image"})
+            else:
+                raise UserError(f"{where(path, record)}: a content part must be {{\"type\": \"text\", \"text\": "
+                                f"...}} or {{\"type\": \"image\"}}, got {part!r}\n  fix: write the content as "
+                                "a string, or as a list of such parts")
+        out.append({"role": message["role"], "content": parts})
+    if next(listed, None) is not None:
+        raise UserError(f"{where(path, record)}: more images than image parts in the messages\n  fix: add a "
+                        "{\"type\": \"image\"} part where each image belongs")
+    return out, images
+
+
+def vision_conversation(record: dict, path: str) -> tuple[list[dict], list[Path]]:
+    """vision_messages, with an assistant turn to learn from."""
+    messages, images = vision_messages(record, path)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where(path, record)}: the conversation has no assistant turn to learn from\n  fix: "
+                        "add the assistant's answer, or leave the record out")
+    return messages, images
+
+
+def check_vision_record(record: dict, path: str) -> None:
+    """Raise the UserError VisionChatEncoder.encode would raise for the record itself, without the tokenizer or the
+    image processor (the preflight reads every record of the data with it before the run folder is made): its
+    messages and image parts, an assistant turn, image files that are there (decoding them waits for the encoder)."""
+    for file in vision_conversation(record, path)[1]:
+        if not file.is_file():
+            raise unreadable_image(file, "IsADirectoryError" if file.is_dir() else "FileNotFoundError", record, path)
+
+
+def unreadable_image(file: Path, why: str, record: dict, path: str) -> UserError:
+    return UserError(f"{where(path, record)}: cannot read image {file}: {why}\n  fix: give an image file "
+                     f"({', '.join(IMAGE_SUFFIXES)}) relative to the data file's folder")
 
 
 class VisionChatDataset(TextDataset):

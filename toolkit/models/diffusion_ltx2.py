@@ -40,13 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from toolkit.data.audio import MelSetup, has_soundtrack
 from toolkit.data.augment import View
 from toolkit.data.datasets import dataset_settings
 from toolkit.errors import UserError
-from toolkit.models.base import Runtime
 from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.flow_matching import SigmaSampler, flux_mu
@@ -64,21 +62,12 @@ LTX2_AUDIO_TARGETS = f"{_BLOCK}(audio_)?(attn1|attn2){_PROJECTIONS}|{_AUDIO_FEED
 LTX2_AUDIO_ALL_LINEAR = (f"{_BLOCK}((audio_)?(attn1|attn2)|audio_to_video_attn|video_to_audio_attn){_PROJECTIONS}"
                          f"|{_AUDIO_FEED_FORWARD}")
 AUDIO_SIGMA = 1.0  # the untrained audio stream: pure noise
-TIME_COMPRESSION = 8  # LTX-2's video VAE (2.0 and 2.3): latent frames = 1 + (frames - 1) / 8
 
 
 def audio_mode(data) -> str:
     """data.audio as auto, off or required (YAML reads a bare `off` as false)."""
     value = data.get("audio", "off")
     return "off" if value is False or value == "off" else str(value)
-
-
-def check_num_frames(frames: int, time_factor: int = TIME_COMPRESSION) -> None:
-    """Raise a UserError unless `frames` is 8k+1 (what the LTX-2 VAE compresses)."""
-    if (frames - 1) % time_factor:
-        below = max(1, (frames - 1) // time_factor * time_factor + 1)
-        raise UserError(f"data.num_frames: {frames} is not {time_factor}k+1 (the LTX-2 VAE compresses time by "
-                        f"{time_factor})\n  fix: set data.num_frames to {below} or {below + time_factor}")
 
 
 class CachedConnectors(torch.nn.Module):
@@ -103,10 +92,6 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
     audio_generator: torch.Generator | None = None  # the eval loss's audio noise (loss_at); None: the training streams
     trains_audio = False  # set by setup_training: data.audio is not off and the data has a soundtrack
     audio_loss: torch.Tensor | None = None  # the step's per-sample audio loss, left by predict for loss()
-
-    def __init__(self, cfg: DictConfig, runtime: Runtime):
-        super().__init__(cfg, runtime)
-        check_num_frames(cfg.data.num_frames)  # before the model loads: a 19B transformer takes minutes
 
     def pipeline_class(self):
         from diffusers import LTX2Pipeline
@@ -168,8 +153,7 @@ class LTX2Adapter(FlowMatching, DiffusionAdapter):
         from toolkit.data.video import scan_clips
 
         t, s = self.time_factor, self.space_factor
-        check_num_frames(data.num_frames, t)
-        scanned = scan_clips(data, log)
+        scanned = scan_clips(data, log, time_compression=t)
         items = [dataclasses.replace(item, bucket=(*item.bucket[:2], (item.bucket[2] - 1) // t * t + 1))
                  for item in scanned]
         shortened = sum(a.bucket[2] != b.bucket[2] for a, b in zip(scanned, items))

@@ -4,6 +4,7 @@ plan/static_rules.py's (plan/stages.py imports both), so they may read what thos
 
 from __future__ import annotations
 
+from toolkit.config.objectives import OBJECTIVE_FORMATS
 from toolkit.config.schema import QUANTIZED
 from toolkit.errors import UserError
 from toolkit.plan.decisions import Decision
@@ -111,10 +112,6 @@ def generation(f: Facts) -> Decision | None:
         f"and the decode step in CUDA graphs: {cite('grpo-generation-compiled')}"), "grpo-generation-compiled")
 
 
-OBJECTIVE_FORMATS = {"sft": ("text", "alpaca", "chat"), "dpo": ("preference",), "orpo": ("preference",),
-                     "kto": ("unpaired",), "grpo": ("prompt",)}
-
-
 @rule("data.format", STATIC)
 def data_format(f: Facts) -> Decision | None:
     """llm: auto takes the objective's format for preference, unpaired and prompt data (sft's is read from the
@@ -150,7 +147,7 @@ def _sft_format(f: Facts) -> Decision | None:
     try:
         record = first_record(path)
     except UserError:
-        return None  # a path that does not exist is named by the path checks; an unreadable file when it loads
+        return None  # a path that does not exist, or a file that cannot be read, is named by the path checks
     fmt = format_of(record, text_field)
     keys = sorted(k for k in record if k != "__line__")
     if fmt is None:

@@ -7,8 +7,8 @@ reports, naming the key and the fix. What a family takes is read from its Family
 
 from __future__ import annotations
 
+import toolkit.plan.llm_rules  # noqa: F401  (its rules registered before these checks)
 from toolkit.config.families import FAMILY_SPECS, family_spec
-from toolkit.plan.llm_rules import OBJECTIVE_FORMATS  # and its rules, registered before these checks
 from toolkit.plan.rules import Facts, rule
 from toolkit.plan.static_rules import STATIC
 
@@ -40,28 +40,6 @@ def reward_checks(f: Facts) -> None:
         except re.error as err:
             f.problems.append(f"'train.reward_pattern': {pattern!r} is not a regular expression ({err}): fix it "
                               "(Python's re syntax)")
-    return None
-
-
-@rule("data.path", STATIC)
-def objective_data_checks(f: Facts) -> None:
-    """llm objectives beyond sft: the first record of data.path has the fields of the objective's format (TRL's),
-    read before the model loads; each record is checked as the data loads."""
-    if not f.reads("train.objective") or f.asked("train.objective") == "sft":
-        return None
-    from toolkit.data.preference import FIELDS_FIX, missing_fields
-    from toolkit.data.records import first_record
-    from toolkit.errors import UserError
-
-    objective, path = f.asked("train.objective"), f.asked("data.path")
-    try:
-        record = first_record(path)
-    except UserError:
-        return None  # a path that does not exist is named by the path checks; an unreadable file when it loads
-    fmt = OBJECTIVE_FORMATS[objective][0]
-    if (missing := missing_fields(record, fmt)):
-        f.problems.append(f"'data.path': train.objective={objective} trains on {fmt} records, and the first of {path} "
-                          f"is not one: {missing}: {FIELDS_FIX}")
     return None
 
 

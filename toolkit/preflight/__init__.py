@@ -1,11 +1,14 @@
-"""What the config points at, checked before any model loads: the data, the model, the output location.
+"""What the config points at, checked before any model loads: the data (a data file's every record:
+data_records.py), the model, the output location.
 
 `validate` and `train` pass `path_checks(...)` to `load_run`, so these problems are reported together with the
-config's own. Only the process that owns the run folder (the main one) checks the output location.
+config's own, before the run folder is made. Only the process that owns the run folder (the main one) checks the
+output location.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 from toolkit.config.data_schemas import FILE_DATA_SCHEMAS
 from toolkit.config.families import FAMILY_SPECS
 from toolkit.config.load import DEFAULTS_LABEL, PathCheck
+from toolkit.data.video import frame_count_problem
+from toolkit.preflight.data_records import record_problems
 from toolkit.preflight.model_location import model_problems
 from toolkit.preflight.output_location import output_problems
 
@@ -28,6 +33,7 @@ def path_checks(check_output: bool = True) -> PathCheck:
             return []
         files = FAMILY_SPECS[family].data_schema in FILE_DATA_SCHEMAS
         problems = data_problems(cfg, sources, files)
+        problems += record_problems(FAMILY_SPECS[family].data_schema, partial(_value, cfg), sources)
         problems += sample_image_problems(cfg, sources) + sample_reference_problems(cfg, sources)
         problems += frame_problems(cfg, sources, FAMILY_SPECS[family].data_schema)
         name = _value(cfg, "model.name_or_path")
@@ -113,7 +119,8 @@ def _image_problem(key: str, where: str, path: Path) -> str:
 
 def frame_problems(cfg: DictConfig, sources: dict, schema: type) -> list[str]:
     """The clip lengths of a video family (data.num_frames, data.target_frames, and each dataset's): each k x the
-    VAE's time compression + 1 (4k+1; LTX-2's 8k+1), checked before any model loads."""
+    VAE's time compression + 1 (4k+1; LTX-2's 8k+1), checked before any model loads by the rule the clip scan
+    applies (data/video.py's frame_count_problem)."""
     factor = getattr(schema, "time_compression", 0)
     if not factor:
         return []
@@ -126,13 +133,11 @@ def frame_problems(cfg: DictConfig, sources: dict, schema: type) -> list[str]:
             lengths.append(("num_frames", [section.get("num_frames")]))
         for name, values in lengths:
             for frames in values:
-                if not isinstance(frames, int) or (frames >= 1 and (frames - 1) % factor == 0):
+                if not isinstance(frames, int) or not (problem := frame_count_problem(frames, factor)):
                     continue
-                below = max(1, (frames - 1) // factor * factor + 1)
                 where = sources.get(f"data.{name}", DEFAULTS_LABEL) if prefix == "data" else sources.get(
                     "data.datasets", DEFAULTS_LABEL)
-                problems.append(f"'{prefix}.{name}' in {where}: {frames} is not {factor}k+1 (the VAE compresses time "
-                                f"by {factor}); use {below} or {below + factor}")
+                problems.append(f"'{prefix}.{name}' in {where}: {problem}")
     return problems
 
 
