@@ -30,6 +30,9 @@ job_compile_evidence() {
 # under cProfile); about 6 minutes
 job_startup() { python3 bench/compile_times.py --jobs sdxl:blocks --phases cold,warm,profile --work /tmp/w-startup --timeout 400 --out $R/startup.json > $R/startup.txt 2>&1; cp /tmp/w-startup/sdxl-blocks/startup-profile.txt /tmp/w-startup/sdxl-blocks/startup-profile.prof $R/ 2>/dev/null; }
 # FLUX.1 Kontext compiled (none checkpointed) beside 2026-11-29's eager toolkit-auto row: train.compile=auto's evidence
+# issue 38 part 2: cold and warm compile times of the DiT families (SD1.5, SDXL and the LLM are measured), each a
+# cold run then a warm one with its own cache folder; about 25 minutes, the large ones write 17-41 GB each
+job_compile_families() { python3 bench/compile_times.py --jobs flux:blocks,chroma:blocks,wan:blocks,hunyuan15:blocks,flux_kontext:blocks,ltx2:blocks,qwen_image:blocks --work /tmp/w-compile --timeout 600 --out $R/compile-families.json > $R/compile-families.txt 2>&1; }
 job_kontext_compiled() { $D --models flux_kontext --rows toolkit,toolkit-eager --steps 5 --warmup 3 --timeout 400 --out $R/kontext-compiled.json > $R/kontext-compiled.txt 2>&1; }
 job_kontext3() { $D --models flux_kontext --rows plain,toolkit-auto,toolkit-swap24 --steps 5 --warmup 3 --timeout 400 --out $R/kontext.json > $R/kontext.txt 2>&1; }
 job_kontext() { $D --models flux_kontext --rows plain,plain-compiled,toolkit-eager,toolkit-auto,toolkit-swap24 --steps 5 --warmup 3 --timeout 400 --out $R/kontext.json > $R/kontext.txt 2>&1; }
