@@ -6,21 +6,24 @@ tiny model on the same 8 images with the same hyperparameters, and one scorer me
 
 Pairs: sd15 and flux against kohya sd-scripts, wan (2.1) against musubi-tuner. Models: bench/diffusion_models.py's
 tiny pipelines (random weights, the real diffusers layout); sd15 beside kohya on a GPU is SD1.5 at its real shape
-(random weights), the only UNet sd-scripts builds. Data: 8 images of 64 px, each a background and two
-coloured blocks whose colours and corners the caption names ("a red block top left and a blue block bottom right
-on a grey background"), so the LoRA has something to learn that the caption predicts; wan trains them as 1-frame
-videos. Every trainer: LoRA rank/alpha, torch AdamW (weight decay 0.01), constant lr, no warm-up, batch 1, no noise
-offset, no caption dropout, gradient norm clipped to 1.0, the seed of the row; timestep sampling as the peer does it
-(TOOLKIT_SETTINGS says how the toolkit matches each peer; the peer module's notes say what it runs).
+(random weights), the only UNet sd-scripts builds; kohya and musubi build their Flux and Wan models at the tiny
+pipeline's shapes (bench/peers/kohya_launch.py, musubi_launch.py) from the pipeline's own weights, every tensor.
+Data: 8 images of 64 px, each a background and two coloured blocks whose colours and corners the caption names
+("a red block top left and a blue block bottom right on a grey background"), so the LoRA has something to learn that
+the caption predicts; wan trains them as 1-frame videos. Every trainer: LoRA rank/alpha, torch AdamW (weight decay
+0.01), constant lr, no warm-up, batch 1, no noise offset, no caption dropout, gradient norm clipped to 1.0, the seed
+of the row; timestep sampling as the peer does it (TOOLKIT_SETTINGS says how the toolkit matches each peer; the peer
+module's notes say what it runs).
 
 For every LoRA file, from the trainer's own output: `held_out` is the denoising loss of the pipeline with the LoRA
-loaded by diffusers' `load_lora_weights` (diffusers converts kohya and musubi files itself) over the 8 training
-images, at 8 fixed noise levels spread over the schedule ((i + 0.5) / 8), 2 fixed noise draws each (a generator
-seeded 1234), each family's own target (epsilon for sd15, the flow velocity noise - x0 for flux and wan) and no loss
-weighting; `base` is the same without the LoRA. A file of which diffusers adapts fewer layers than it holds LoRA
-modules (diffusers skips a key it cannot place with a log line at most) gets no number: its row says so. `last100`
-is the mean of the trainer's own per-step losses over its last 100 steps (its timestep distribution, so compare it
-between trainers of one kind only).
+loaded by diffusers' `load_lora_weights` (diffusers converts kohya and musubi files itself; of a kohya Flux file on
+another width than Flux.1's, the fused linear1 is split by peers/kohya_files.py: diffusers splits it at Flux.1's only)
+over the 8 training images, at 8 fixed noise levels spread over the schedule ((i + 0.5) / 8), 2 fixed noise draws
+each (a generator seeded 1234), each family's own target (epsilon for sd15, the flow velocity noise - x0 for flux
+and wan) and no loss weighting; `base` is the same without the LoRA. A file of which diffusers adapts fewer layers
+than it holds LoRA modules (diffusers skips a key it cannot place with a log line at most) gets no number: its row
+says so. `last100` is the mean of the trainer's own per-step losses over its last 100 steps (its timestep
+distribution, so compare it between trainers of one kind only).
 
 --tiny-cpu: 20 steps, seed 0, on the CPU (the toolkit and the scorer; a peer only where .whl-peers/NAME exists),
 to check the bench."""
@@ -174,9 +177,15 @@ def scored_pipeline(folder: Path, lora: Path | None = None, scale: float = 1.0):
     keys it cannot place with a log line at most): the score would not be the file's."""
     from diffusers import DiffusionPipeline
 
+    from peers.kohya_files import kohya_flux_lora_at_width
+
     pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32).to(device())
     if lora is not None:
-        pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="scored")
+        converted = kohya_flux_lora_at_width(pipe, lora)  # None: diffusers reads the file itself
+        if converted is not None:
+            pipe.load_lora_weights(converted, adapter_name="scored")
+        else:
+            pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="scored")
         pipe.set_adapters(["scored"], [scale])
         in_file, applied = lora_coverage(pipe, lora)
         if applied < in_file:

@@ -20,8 +20,12 @@ Settings, from its docs (docs/train_network.md, sdxl_train_network.md, flux_trai
 
 Text encoders: transformers 5 (the toolkit's, which writes the bench's pipelines) saves a CLIPTextModel without the
 `text_model.` prefix; the pinned transformers 4.54 then loads none of it and initialises it at random (a warning
-only), so kohya gets a copy of the folder with those text encoders saved again under the prefix, and parity() fails
-when kohya's log says weights were left out.
+only), so kohya gets a copy of the folder with those text encoders saved again under the prefix. Flux's parity: kohya
+builds Flux.1, its AE, CLIP-L and T5-XXL at their real shapes whatever the files hold, so kohya_launch.py sets them
+to the pipeline's (the bench's tiny Flux) and kohya_files.write_flux_pipeline writes every model whole in the names
+its loaders read (CLIP-L under the prefix too). Those loaders load with strict=False and only log what they left
+out: parity() fails when kohya's log says weights were left out (transformers' warning, or a "Loaded MODEL: ..."
+line of kohya's other than all keys matched, or none for a model it loads).
 
 Losses: read from its tensorboard event files (`loss/current`, one per step) with tensorboard's EventAccumulator.
 A CPU check (--tiny) needs torchvision and OpenCV importable by the peer; PEER_EXTRA_SITE=DIR adds DIR to its path
@@ -39,12 +43,15 @@ from pathlib import Path
 import torch
 
 from peers.common import PeerFailed, install, peak_gib, peer_env, tensorboard_losses, timed_run
-from peers.kohya_files import (flux_width_differs, linked_copy, real_unet_folder, tokenizer_cache, unet_is_real,
-                               write_flux_encoders, write_flux_transformer)
+from peers.kohya_files import (linked_copy, real_unet_folder, tokenizer_cache, unet_is_real, write_flux_encoders,
+                               write_flux_pipeline, write_flux_transformer)
 
 KINDS = {"sd15": "train_network.py", "sdxl": "sdxl_train_network.py", "flux": "flux_train_network.py"}
 STEPS = re.compile(r"steps:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")  # its training bar, not the caching bars
 NETWORK = {"sd15": "networks.lora", "sdxl": "networks.lora", "flux": "networks.lora_flux"}
+# kohya logs through rich, which wraps a record at the terminal's width (80 without one): one line a record, as
+# check_loaded reads them
+LOG_COLUMNS = "1000"
 
 
 def _device() -> str:
@@ -53,7 +60,8 @@ def _device() -> str:
 
 def _env(work: Path) -> tuple[Path, dict]:
     src, site = install("kohya")
-    env = peer_env(site, src, work, TQDM_MININTERVAL="0", TQDM_MINITERS="1")  # every step's line, for the stamps
+    # TQDM_*: every step's line, for the stamps
+    env = peer_env(site, src, work, TQDM_MININTERVAL="0", TQDM_MINITERS="1", COLUMNS=LOG_COLUMNS)
     if os.environ.get("PEER_EXTRA_SITE"):
         env["PYTHONPATH"] += os.pathsep + os.environ["PEER_EXTRA_SITE"]
     return src, env
@@ -74,7 +82,8 @@ def _dataset(work: Path, data: Path, size: int, batch: int) -> Path:
 def _model_args(kind: str, folder: Path, work: Path, env: dict, log: Path, timeout: float,
                 same_model: bool = False) -> tuple[list[str], list[str]]:
     """The model arguments of `kind` (files converted once beside work/) and notes on what was written. With
-    `same_model` (parity), PeerFailed where kohya would train other weights than the pipeline's."""
+    `same_model` (SD1.5's parity), PeerFailed where kohya would train other weights than the pipeline's. The speed
+    rows' Flux: kohya's real shapes, random where the pipeline's are not those (Flux's parity: flux_parity_args)."""
     models = folder / ".kohya"  # shared by the rows and seeds on one pipeline, and removed with it (Flux: ~34 GB)
     tokenizers = ["--tokenizer_cache_dir", str(tokenizer_cache(kind, folder, models / "tokenizers"))]
     if kind in ("sd15", "sdxl"):
@@ -85,19 +94,31 @@ def _model_args(kind: str, folder: Path, work: Path, env: dict, log: Path, timeo
         path, renamed = transformers4_text_encoders(path, models / "pipeline-te")
         notes += [f"{sub} saved again in the names its pinned transformers 4 reads (text_model.*)" for sub in renamed]
         return ["--pretrained_model_name_or_path", str(path), *tokenizers], notes
-    if same_model and (why := flux_width_differs(folder)):
-        raise PeerFailed(why)
     dit = write_flux_transformer(folder, models / "flux1-dev.safetensors")
     files, notes = write_flux_encoders(folder, models, env, _device(), log, timeout)
-    if same_model and (random := [n for n in notes if "random" in n]):
-        raise PeerFailed("kohya would train with other weights than the pipeline's: " + "; ".join(random))
     return ["--pretrained_model_name_or_path", str(dit), "--clip_l", str(files["clip_l"]), "--t5xxl",
             str(files["t5xxl"]), "--ae", str(files["ae"]), *tokenizers], notes
+
+
+def flux_parity_args(folder: Path) -> tuple[list[str], list[str]]:
+    """(the launcher before the script, the model arguments) that make kohya train the Flux pipeline `folder` itself
+    at its own shapes: kohya_launch.py sets kohya's fixed Flux.1 configs to the pipeline's (the bench's tiny one),
+    and kohya_files.write_flux_pipeline gives every model's weights whole in the names its loaders read."""
+    models = folder / ".kohya-parity"
+    files, shapes = write_flux_pipeline(folder, models)
+    tokenizers = tokenizer_cache("flux", folder, models / "tokenizers")
+    return ([str(Path(__file__).with_name("kohya_launch.py")), str(shapes)],
+            ["--pretrained_model_name_or_path", str(files["flux"]), "--clip_l", str(files["clip_l"]), "--t5xxl",
+             str(files["t5xxl"]), "--ae", str(files["ae"]), "--tokenizer_cache_dir", str(tokenizers)])
 
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 NOT_LOADED = re.compile(r"were not initialized from the model checkpoint|newly initialized|"
                         r"were not used when initializing", re.I)  # transformers' words for weights left out
+# kohya's own loaders (library/flux_utils.py) load with strict=False and log load_state_dict's answer
+KOHYA_LOADED = re.compile(r"Loaded (Flux|Chroma|AE|CLIP-L|T5xxl|ControlNet): (.*)")
+ALL_KEYS = "<All keys matched successfully>"
+FLUX_MODELS = ("Flux", "CLIP-L", "T5xxl", "AE")  # what flux_train_network.py loads
 
 
 def _stale_names(sub: Path) -> bool:
@@ -143,10 +164,16 @@ def transformers4_text_encoders(path: Path, out: Path) -> tuple[Path, list[str]]
     return out, stale
 
 
-def _check_loaded(log: Path) -> None:
-    """PeerFailed when kohya's log says a model of the pipeline was not loaded whole (weights left at random)."""
+def check_loaded(log: Path, expected: tuple[str, ...] = ()) -> None:
+    """PeerFailed when kohya's log says a model of the pipeline was not loaded whole: transformers' warning of
+    weights left at random, or one of kohya's "Loaded MODEL: ..." lines other than all keys matched (missing keys
+    stay on the meta device or at random, unexpected ones are dropped), or no such line for a model in `expected`."""
     lines = re.split(r"[\r\n]", log.read_text(errors="replace")) if log.exists() else []
-    if said := [line for line in lines if NOT_LOADED.search(line)]:
+    said = [line for line in lines if NOT_LOADED.search(line)]
+    loaded = {m[1]: m[2].strip() for line in lines if (m := KOHYA_LOADED.search(line))}
+    said += [f"Loaded {name}: {info}" for name, info in loaded.items() if not info.startswith(ALL_KEYS)]
+    said += [f"no 'Loaded {name}: {ALL_KEYS}' line" for name in expected if name not in loaded]
+    if said:
         raise PeerFailed(f"kohya did not load the pipeline's weights whole: {said[0][:300]} (whole output: {log})")
 
 
@@ -207,17 +234,21 @@ def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: in
     Flux: --timestep_sampling flux_shift (the sigmoid of a standard normal shifted by exp(mu), mu linear in the
     image tokens from 0.5 at 256 to 1.15 at 4096: the toolkit's flux default, logit_normal with the pipeline
     scheduler's dynamic shift, exactly), the raw prediction (target noise - latents), guidance 1.0 (train.guidance's
-    default). The pipeline must hold what kohya builds (SD1.5's real UNet; Flux 3072 wide, any block counts, real
-    CLIP-L / T5-XXL / AE shapes), else PeerFailed: kohya would train other weights. Returns (its LoRA file, the
-    per-step `loss/current` of its tensorboard log)."""
+    default). SD1.5: the pipeline must hold the real UNet kohya builds, else PeerFailed (kohya would train other
+    weights). Flux: kohya trains the pipeline itself at its own shapes (flux_parity_args). PeerFailed when kohya's
+    log says a model was not loaded whole (check_loaded). Returns (its LoRA file, the per-step `loss/current` of its
+    tensorboard log)."""
     if kind not in ("sd15", "flux"):
         raise PeerFailed(f"kohya parity covers sd15 and flux, not {kind}")
     work = work / f"kohya-parity-{kind}-{seed}"
     work.mkdir(parents=True, exist_ok=True)
     log = work / "output.log"
     src, env = _env(work)
-    model, _ = _model_args(kind, folder, work, env, log, timeout, same_model=True)
-    cmd = [sys.executable, str(src / KINDS[kind]), *model,
+    if kind == "flux":
+        launch, model = flux_parity_args(folder)
+    else:
+        launch, model = [], _model_args(kind, folder, work, env, log, timeout, same_model=True)[0]
+    cmd = [sys.executable, *launch, str(src / KINDS[kind]), *model,
            "--dataset_config", str(_dataset(work, data, resolution, 1)),
            *_common(kind, work / "out", steps, seed, lr, rank, alpha), *_kind_args(kind),
            "--optimizer_args", "weight_decay=0.01", "--noise_offset", "0",
@@ -225,7 +256,7 @@ def parity(kind: str, folder: Path, data: Path, work: Path, seed: int, steps: in
     if kind == "flux":
         cmd += ["--timestep_sampling", "flux_shift", "--sigmoid_scale", "1.0"]
     timed_run(cmd, src, env, log, 0, timeout, progress=STEPS)
-    _check_loaded(log)
+    check_loaded(log, FLUX_MODELS if kind == "flux" else ())
     lora = work / "out" / "lora.safetensors"
     if not lora.exists():
         raise PeerFailed(f"no LoRA file at {lora}")

@@ -9,12 +9,21 @@ holds a folder named after the Hub id ("openai/clip-vit-large-patch14" -> openai
 Flux.1: flux_train_network.py reads single files: the transformer in BFL names (written here from the diffusers
 names, the reverse of diffusers' convert_flux_transformer_checkpoint_to_diffusers), and CLIP-L, T5-XXL and the
 AutoEncoder, which library/flux_utils.py builds from fixed real configs (a transformer's width too: only its block
-counts are read from the file). The pipeline's text encoders are copied where their shapes are those; otherwise
-(the bench's two-layer stand-ins, its small VAE) kohya_shapes.py writes random weights of the shapes kohya builds."""
+counts are read from the file). The speed rows (write_flux_encoders): the pipeline's text encoders are copied where
+their shapes are those; otherwise (the bench's two-layer stand-ins, its small VAE) kohya_shapes.py writes random
+weights of the shapes kohya builds. The loss parity (write_flux_pipeline): every model is the pipeline's own, whole,
+in the names kohya's loaders read, and shapes.json the shapes kohya_launch.py sets kohya's configs to.
+
+transformers 5 (the toolkit's, which writes the pipelines) saves a CLIPTextModel without the `text_model.` prefix
+that kohya's transformers 4.54 names its weights with (CLIP_PREFIX): every CLIP file written for kohya has it.
+
+Back from kohya: its Flux LoRA file, which diffusers' converter reads at Flux.1's width only, for the loss parity's
+scorer on the tiny pipeline (kohya_flux_lora_at_width)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -49,17 +58,6 @@ def unet_is_real(kind: str, folder: Path) -> bool:
     real = diffusion_models.SD15_UNET if kind == "sd15" else diffusion_models.SDXL_UNET
     config = json.loads((folder / "unet" / "config.json").read_text())
     return list(config["block_out_channels"]) == list(real.get("block_out_channels", (320, 640, 1280, 1280)))
-
-
-FLUX_BUILT = dict(num_attention_heads=24, attention_head_dim=128, joint_attention_dim=4096, pooled_projection_dim=768,
-                  in_channels=64, axes_dims_rope=[16, 56, 56], guidance_embeds=True)  # kohya's configs["dev"]
-
-
-def flux_width_differs(folder: Path) -> str:
-    """Why kohya cannot load folder/transformer ("" when it can: it reads only the block counts from the file)."""
-    config = json.loads((folder / "transformer" / "config.json").read_text())
-    wrong = {k: config.get(k) for k, v in FLUX_BUILT.items() if config.get(k) != v}
-    return f"kohya builds Flux.1 with {FLUX_BUILT}; {folder}/transformer has {wrong}" if wrong else ""
 
 
 SDXL_TEXT_LAYERS = 12  # sdxl_train_util / strategy_sdxl.py reads text_encoder's hidden_states[11]: CLIP-L's 12 layers
@@ -194,8 +192,6 @@ _VAE = [(r"(encoder|decoder)\.mid_block\.resnets\.(\d)\.", lambda m: f"{m[1]}.mi
 def flux_vae_to_bfl(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A diffusers AutoencoderKL of Flux's kind (no quant convs) in the names of BFL's ae.safetensors: the decoder's
     up blocks in reverse order, attention projections as 1x1 convolutions."""
-    import re
-
     if any("quant_conv" in k for k in sd):
         raise ValueError("a VAE with quant_conv / post_quant_conv is not Flux's AutoEncoder")
     ups = 1 + max((int(k.split(".")[2]) for k in sd if k.startswith("decoder.up_blocks.")), default=-1)
@@ -238,3 +234,102 @@ def write_flux_encoders(folder: Path, out: Path, env: dict, device: str, log: Pa
                    out, env, log, timeout)
     notes = (out / "notes.txt").read_text().splitlines()
     return files, notes
+
+
+# -- Flux.1 for the loss parity: the pipeline's own models, whole ------------------------------------------------------
+CLIP_PREFIX = "text_model."
+
+
+def transformers4_clip_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CLIPTextModel state dict in transformers 4's names (`text_model.*`), whichever transformers saved it."""
+    return {k if k.startswith(CLIP_PREFIX) else CLIP_PREFIX + k: v for k, v in state.items()}
+
+
+def _weights(sub: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for shard in sorted(sub.glob("*.safetensors")):
+        state.update(load_file(shard))
+    return state
+
+
+def _config(sub: Path) -> dict:
+    return json.loads((sub / "config.json").read_text())
+
+
+def flux_shapes(folder: Path) -> dict:
+    """What kohya_launch.py sets kohya's fixed Flux.1 configs to: the pipeline's transformer (kohya reads its block
+    counts from the file), its AutoEncoder and group count, its CLIP-L and T5 configs."""
+    dit, vae = _config(folder / "transformer"), _config(folder / "vae")
+    heads, widths = dit["num_attention_heads"], vae["block_out_channels"]
+    if any(width % widths[0] for width in widths):
+        raise ValueError(f"{folder}/vae: block_out_channels {widths} are not multiples of the first (kohya's ch_mult)")
+    return {"flux": dict(in_channels=dit["in_channels"], vec_in_dim=dit["pooled_projection_dim"],
+                         context_in_dim=dit["joint_attention_dim"], hidden_size=heads * dit["attention_head_dim"],
+                         num_heads=heads, axes_dim=list(dit["axes_dims_rope"]), guidance_embed=dit["guidance_embeds"]),
+            "ae": dict(in_channels=vae["in_channels"], out_ch=vae["out_channels"], ch=widths[0],
+                       ch_mult=[width // widths[0] for width in widths], num_res_blocks=vae["layers_per_block"],
+                       z_channels=vae["latent_channels"], scale_factor=vae["scaling_factor"],
+                       shift_factor=vae["shift_factor"]),
+            "ae_groups": vae["norm_num_groups"],
+            "clip_l": _config(folder / "text_encoder"), "t5xxl": _config(folder / "text_encoder_2")}
+
+
+FLUX_FILES = ("flux", "clip_l", "t5xxl", "ae")  # kohya's --pretrained_model_name_or_path, --clip_l, --t5xxl, --ae
+
+
+def write_flux_pipeline(folder: Path, out: Path) -> tuple[dict[str, Path], Path]:
+    """({name: file} of FLUX_FILES, shapes.json), written once under `out`: the Flux pipeline `folder`'s transformer
+    in BFL names, CLIP-L in transformers 4's, T5 with its tied embedding under both names transformers 4 has, the VAE
+    in BFL names, each tensor as the pipeline holds it (kohya casts to its own precision)."""
+    from safetensors.torch import save_file
+
+    files, shapes = {name: out / f"{name}.safetensors" for name in FLUX_FILES}, out / "shapes.json"
+    if shapes.exists():
+        return files, shapes
+    out.mkdir(parents=True, exist_ok=True)
+    write_flux_transformer(folder, files["flux"])
+    save_file(transformers4_clip_names(_weights(folder / "text_encoder")), str(files["clip_l"]))
+    t5 = _weights(folder / "text_encoder_2")
+    t5.setdefault("encoder.embed_tokens.weight", t5["shared.weight"].clone())  # saved once, tied in the model
+    save_file(t5, str(files["t5xxl"]))
+    save_file({k: v.contiguous() for k, v in flux_vae_to_bfl(_weights(folder / "vae")).items()}, str(files["ae"]))
+    shapes.write_text(json.dumps(flux_shapes(folder), indent=1))  # last: it marks the folder done
+    return files, shapes
+
+
+# -- kohya's Flux LoRA file read by diffusers at any width (the loss parity's scorer) ------------------------------
+KOHYA_LINEAR1 = re.compile(r"(lora_unet_single_blocks_(\d+)_linear1)\.lora_down\.weight")
+FLUX_SPLIT = [3072] * 3 + [12288]  # what diffusers' converter splits a kohya single block's linear1 into
+
+
+def kohya_flux_lora_at_width(pipe, lora: Path) -> dict | None:
+    """A kohya Flux LoRA file in diffusers' names for the pipeline's transformer when diffusers cannot convert it
+    itself, else None. diffusers' converter splits a single block's fused linear1 (q, k, v and the MLP's input) at
+    Flux.1's sizes (FLUX_SPLIT); on another width (the bench's tiny Flux) that split is made here at the
+    transformer's own sizes, alpha / rank folded into the down weights as diffusers does, and the rest of the file
+    is left to diffusers' converter."""
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+    from safetensors.torch import load_file
+
+    if not hasattr(pipe, "transformer") or not hasattr(pipe.transformer, "single_transformer_blocks"):
+        return None
+    state = load_file(str(lora))
+    fused = [m for key in state if (m := KOHYA_LINEAR1.fullmatch(key))]
+    block = pipe.transformer.single_transformer_blocks[0]
+    parts = {"attn.to_q": block.attn.to_q, "attn.to_k": block.attn.to_k, "attn.to_v": block.attn.to_v,
+             "proj_mlp": block.proj_mlp}
+    sizes = [layer.out_features for layer in parts.values()]
+    if not fused or sizes == FLUX_SPLIT:
+        return None
+    split = {}
+    for match in fused:
+        name, block_index = match[1], match[2]
+        down, up = state.pop(f"{name}.lora_down.weight"), state.pop(f"{name}.lora_up.weight")
+        alpha = state.pop(f"{name}.alpha", torch.tensor(float(down.shape[0]))).item()
+        for part, rows in zip(parts, up.split(sizes)):
+            prefix = f"transformer.single_transformer_blocks.{block_index}.{part}"
+            split[f"{prefix}.lora_A.weight"] = down * (alpha / down.shape[0])
+            split[f"{prefix}.lora_B.weight"] = rows
+    return {**_convert_kohya_flux_lora_to_diffusers(state), **split}

@@ -4,10 +4,11 @@ from their fixed configs, the AutoEncoder from flux_models.configs["dev"]).
 
     python kohya_shapes.py PIPELINE_FOLDER OUT_FOLDER DEVICE
 
-A pipeline text encoder whose every tensor has kohya's name and shape is copied (transformers' names are kohya's);
-anything else gets random bf16 weights of kohya's shapes (norm scales 1, biases 0, the rest N(0, 0.02)), built on
-DEVICE: T5-XXL is 4.7B parameters. The pipeline's VAE is converted to BFL names (kohya_files.flux_vae_to_bfl) and
-used when its shapes are the AE's. OUT_FOLDER/notes.txt says which is which."""
+A pipeline text encoder whose every tensor has kohya's name and shape is copied (CLIP-L's in transformers 4's
+`text_model.*` names, which transformers 5 leaves out); anything else gets random bf16 weights of kohya's shapes
+(norm scales 1, biases 0, the rest N(0, 0.02)), built on DEVICE: T5-XXL is 4.7B parameters. The pipeline's VAE is
+converted to BFL names (kohya_files.flux_vae_to_bfl) and used when its shapes are the AE's. OUT_FOLDER/notes.txt says
+which is which."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def main() -> None:
     from library import flux_models, flux_utils
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from peers.kohya_files import flux_vae_to_bfl
+    from peers.kohya_files import flux_vae_to_bfl, transformers4_clip_names
 
     pipeline, out, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     out.mkdir(parents=True, exist_ok=True)
@@ -56,6 +57,8 @@ def main() -> None:
     for name, model in built.items():
         shapes = {k: v.shape for k, v in model.state_dict().items()}
         theirs = pipeline_weights(sources[name])
+        if name == "clip_l":  # transformers 5 saves CLIP-L without the prefix kohya's transformers 4 reads
+            theirs = transformers4_clip_names(theirs)
         if "shared.weight" in theirs:  # T5's tied embedding, saved once
             theirs.setdefault("encoder.embed_tokens.weight", theirs["shared.weight"])
         if name == "ae":

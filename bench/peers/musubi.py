@@ -85,7 +85,6 @@ def prepare(kind: str, folder: Path, data: Path, work: Path, w: dict, timeout: f
     """Model files, dataset toml and both caches; the pieces train() needs."""
     from .musubi_files import write_qwen_image, write_wan
 
-    src, site = install("musubi")
     work = work / f"musubi-{kind}"
     work.mkdir(parents=True, exist_ok=True)
     family = "qwen_image" if kind == "qwen_image" else "wan"
@@ -93,11 +92,7 @@ def prepare(kind: str, folder: Path, data: Path, work: Path, w: dict, timeout: f
     shapes = writer(folder, work / "files", torch.bfloat16 if _cuda() or family == "qwen_image" else torch.float32)
     latents_script, text_script, trainer, text_option, text_file = SCRIPTS[family]
     shapes_file = work / "files" / "shapes.json"
-    env = peer_env(site, src, work)
-    env["HF_HOME"] = shapes["hf_home"]  # the tokenizer under the hub name musubi asks for
-    paths = [str(src / "src")] + [os.environ.get("BENCH_PEER_EXTRA_PATH", ""),  # the package; a CPU check's opencv
-                                  str(STANDINS)]  # last: PyAV's import-only stand-in (the clip is a folder of frames)
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *filter(None, paths)])
+    src, env = musubi_env(shapes, work)
     toml = write_dataset(data, work, w)
     device = "cuda" if _cuda() else "cpu"
     launch = [sys.executable, str(HERE / "musubi_launch.py"), str(shapes_file)]
@@ -111,6 +106,18 @@ def prepare(kind: str, folder: Path, data: Path, work: Path, w: dict, timeout: f
                                     "--num_workers", "2"], src, env, log, timeout)
     return {"work": work, "shapes": shapes, "env": env, "toml": toml, "launch": launch, "src": src, "log": log,
             "trainer": script(trainer), "caching_s": caching, "out": work / "out"}
+
+
+def musubi_env(shapes: dict, work: Path) -> tuple[Path, dict]:
+    """(musubi's source folder, the environment of its processes) for the files of `shapes`: its pinned packages,
+    its package, the tokenizer under the hub name musubi asks for."""
+    src, site = install("musubi")
+    env = peer_env(site, src, work)
+    env["HF_HOME"] = shapes["hf_home"]
+    paths = [str(src / "src")] + [os.environ.get("BENCH_PEER_EXTRA_PATH", ""),  # the package; a CPU check's opencv
+                                  str(STANDINS)]  # last: PyAV's import-only stand-in (the clip is a folder of frames)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *filter(None, paths)])
+    return src, env
 
 
 def common_args(kind: str, shapes: dict) -> list[str]:
