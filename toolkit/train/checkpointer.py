@@ -6,7 +6,6 @@ processes contribute (their RNG states) or must stop together (a full disk on th
 from __future__ import annotations
 
 import shutil
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from toolkit.models.base import DTYPES, load_trainable_state_dict, trainable_sta
 from toolkit.train.checkpoint import (TRAINABLE, load_checkpoint_files, rotate_checkpoints, save_checkpoint,
                                       trainable_file_state)
 from toolkit.rng import restore_rng_state, rng_state, seed_everything, with_step_rng
-from toolkit.train.run_dir import RunDir
+from toolkit.train.run_dir import RunDir, name_aside
 
 
 class OtherProcessFailed(UserError):
@@ -114,7 +113,7 @@ class Checkpointer:
                                "the same command: it exports the LoRA from the last checkpoint") from None
             raise
         if final.exists():  # an earlier final (a run extended with more steps): keep it
-            final.rename(final.with_name(f"final.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
+            final.rename(name_aside(final, "replaced"))
         tmp.rename(final)
         return final
 

@@ -20,6 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def name_aside(path: Path, label: str) -> Path:
+    """<name>.<label>-<timestamp>, beside `path`, with -1, -2, ... added while that name is taken (two in one
+    second: an extended run exported twice, a --fresh start repeated)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = path.with_name(f"{path.name}.{label}-{stamp}"), 1
+    while target.exists():
+        target, n = path.with_name(f"{path.name}.{label}-{stamp}-{n}"), n + 1
+    return target
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path
@@ -62,12 +72,7 @@ class RunDir:
 
     def move_aside(self) -> Path:
         """Rename the run folder to <name>.old-<timestamp>[-n] and return the new path."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        target = self.root.with_name(f"{self.root.name}.old-{stamp}")
-        n = 1
-        while target.exists():
-            target = self.root.with_name(f"{self.root.name}.old-{stamp}-{n}")
-            n += 1
+        target = name_aside(self.root, "old")
         self.root.rename(target)
         return target
 
