@@ -6,14 +6,12 @@ get exactly the tokens the same model gives it unsharded on one process."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from test_sharded_cross_entropy import _free_port
+from gloo import gloo_process
 
 NEW_TOKENS = (3, 11)  # rank 0 stops after 3 new tokens, rank 1 after 11
 
@@ -39,10 +37,8 @@ def _generate(network, rank: int) -> torch.Tensor:
                                     pad_token_id=0, eos_token_id=None)
 
 
-def _worker(rank: int, world: int, port: int, folder: str, expected: list, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+def _worker(rank: int, world: int, store: str, folder: str, expected: list, errors) -> None:
+    with gloo_process(rank, world, store, errors):
         from datetime import timedelta
 
         from toolkit.train.distributed import Processes
@@ -55,11 +51,6 @@ def _worker(rank: int, world: int, port: int, folder: str, expected: list, error
         got = _generate(network, rank)
         assert got.shape[1] == expected[rank].shape[1], (got.shape, expected[rank].shape)
         torch.testing.assert_close(got, expected[rank], rtol=0, atol=0)
-    except BaseException as err:  # noqa: BLE001 - reported to the test through the queue
-        errors.put(f"rank {rank}: {err!r}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp_generation_with_unequal_completion_lengths_gives_each_process_its_unsharded_tokens(tmp_path):
@@ -69,6 +60,6 @@ def test_fsdp_generation_with_unequal_completion_lengths_gives_each_process_its_
     expected = [_generate(_model(folder), rank) for rank in range(2)]  # one process, nothing sharded
     assert [e.shape[1] for e in expected] == [5 + NEW_TOKENS[0], 6 + NEW_TOKENS[1]]
     errors = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(2, _free_port(), folder, expected, errors), nprocs=2, join=True,
+    mp.start_processes(_worker, args=(2, str(tmp_path / "store"), folder, expected, errors), nprocs=2, join=True,
                        start_method="spawn")
     assert errors.empty(), errors.get()

@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo import gloo_process
 from test_multiprocess import LLM, adapter, train
 from toolkit.train.checkpoint import find_latest_checkpoint, load_checkpoint_state
 from toolkit.train.optimizer_shards import ShardedOptimizer
@@ -44,9 +44,8 @@ def _run(steps: int, params, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def _worker(rank: int, world: int, init: str, results, resume_from) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+def _worker(rank: int, world: int, store: str, results, resume_from) -> None:
+    with gloo_process(rank, world, store):
         params = _params()
         storage = [p.data_ptr() for p in params]
         optimizer = ShardedOptimizer(params, _adamw)
@@ -62,13 +61,11 @@ def _worker(rank: int, world: int, init: str, results, resume_from) -> None:
         # the weights keep their storage (a CUDA graph captured before the optimizer reads them there)
         assert [p.data_ptr() for p in params] == storage
         results[rank] = ([p.detach().clone() for p in params], optimizer.owned_elements(), state)
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(world: int, tmp_path, resume_from=None) -> dict:
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(world, f"file://{tmp_path / f'store-{world}'}", results, resume_from), nprocs=world)
+    mp.spawn(_worker, args=(world, str(tmp_path / f'store-{world}'), results, resume_from), nprocs=world)
     return dict(results)
 
 
@@ -166,9 +163,8 @@ def test_shard_optimizer_true_with_prodigy_is_a_config_error(run_cli, capsys, tm
     assert "fix: set device.shard_optimizer to auto or false" in err
 
 
-def _skip_worker(rank: int, world: int, init: str, results) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+def _skip_worker(rank: int, world: int, store: str, results) -> None:
+    with gloo_process(rank, world, store):
         params = _params()
         optimizer = ShardedOptimizer(params, _adamw)
         _run(1, params, optimizer)
@@ -182,13 +178,11 @@ def _skip_worker(rank: int, world: int, init: str, results) -> None:
         optimizer.step()
         results[rank] = (optimizer._step_supports_amp_scaling, skipped,
                          not any(torch.equal(a, p.detach()) for a, p in zip(before, params)))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_non_finite_step_is_skipped_on_every_process_without_a_wait(tmp_path):
     """fused AdamW's found_inf reaches each process's local optimizer: the step is skipped on the device, and a
     finite one then moves every tensor, owned or not."""
     results = mp.Manager().dict()
-    mp.spawn(_skip_worker, args=(2, f"file://{tmp_path / 'store'}", results), nprocs=2)
+    mp.spawn(_skip_worker, args=(2, str(tmp_path / 'store'), results), nprocs=2)
     assert dict(results) == {0: (True, True, True), 1: (True, True, True)}

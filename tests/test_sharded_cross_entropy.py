@@ -4,14 +4,11 @@ tokens, with a vocabulary that does not divide evenly, several blocks, and the s
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo import gloo_process
 from toolkit.kernels.linear_cross_entropy import HeadMath, linear_cross_entropy
 from toolkit.kernels.sharded_cross_entropy import VocabBlocks, sharded_linear_cross_entropy
 
@@ -19,16 +16,8 @@ VOCAB, HIDDEN, TOKENS = 37, 8, 11
 CASES = [HeadMath(), HeadMath(scale=0.5), HeadMath(softcap=3.0)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, block_sizes: list[int], errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+def _worker(rank: int, world: int, store: str, block_sizes: list[int], errors) -> None:
+    with gloo_process(rank, world, store, errors):
         torch.manual_seed(0)
         weight = torch.randn(VOCAB, HIDDEN, dtype=torch.float64)       # the same head on every process
         local = weight.chunk(world)[rank]                               # FSDP2's dim-0 shard
@@ -48,18 +37,13 @@ def _worker(rank: int, world: int, port: int, block_sizes: list[int], errors) ->
             torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-10)
             torch.testing.assert_close(hidden.grad, expected_hidden.grad, rtol=1e-10, atol=1e-10)
             assert hidden.grad[[2, 7]].abs().sum() == 0                 # ignored tokens get no gradient
-    except BaseException as err:  # noqa: BLE001 - reported to the test through the queue
-        errors.put(f"rank {rank}: {err!r}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world, block_sizes", [(2, [10**6, 3 * HIDDEN * 2]), (3, [2 * HIDDEN * 3])])
-def test_each_process_gets_the_whole_head_s_loss_and_gradient_for_its_tokens(world, block_sizes):
+def test_each_process_gets_the_whole_head_s_loss_and_gradient_for_its_tokens(world, block_sizes, tmp_path):
     """One block (the whole head), and blocks of 3 or 2 rows per process (7 and 4 blocks, the last padded)."""
     errors = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(world, _free_port(), block_sizes, errors), nprocs=world, join=True,
+    mp.start_processes(_worker, args=(world, str(tmp_path / "store"), block_sizes, errors), nprocs=world, join=True,
                        start_method="spawn")
     assert errors.empty()
 

@@ -6,22 +6,17 @@ still run."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from test_sharded_cross_entropy import _free_port
+from gloo import gloo_process
 
 VOCAB, HIDDEN = 37, 8
 
 
-def _worker(rank: int, world: int, port: int, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+def _worker(rank: int, world: int, store: str, errors) -> None:
+    with gloo_process(rank, world, store, errors):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -53,17 +48,12 @@ def _worker(rank: int, world: int, port: int, errors) -> None:
         ids = torch.arange(VOCAB).reshape(1, VOCAB)
         torch.testing.assert_close(lookup(ids).detach(), whole(ids), rtol=0, atol=0)
         assert hooked == ["unit forward"]
-    except BaseException as err:  # noqa: BLE001 - reported to the test through the queue
-        errors.put(f"rank {rank}: {err!r}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_each_process_gets_its_own_ids_rows_exactly(world):
+def test_each_process_gets_its_own_ids_rows_exactly(world, tmp_path):
     errors = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(world, _free_port(), errors), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(world, str(tmp_path / "store"), errors), nprocs=world, join=True, start_method="spawn")
     assert errors.empty()
 
 
