@@ -120,3 +120,30 @@ def test_a_project_moved_with_its_run_and_data_resumes_saying_so(tmp_path, monke
     other = tmp_path / "other" / "shapes"   # a folder of another name still counts as other data
     shutil.copytree(new / "data" / "shapes", other)
     assert train_from(new, monkeypatch, QUICKSTART, "run.output_dir=run", f"data.path={other}", "train.steps=6") == 2
+
+
+def test_an_older_runs_bare_name_matches_only_the_file_in_the_folder_it_was_started_from(tmp_path, monkeypatch):
+    """An older run's config.yaml kept paths as given. With run.output_dir relative too, the folder it was started
+    from is known (the run folder without that tail), and a bare name is resolved there exactly; without it, a bare
+    name is never taken for any folder of that name elsewhere (a folder and a name at least must match)."""
+    from toolkit.config.load import schema_for
+    from toolkit.config.local_paths import adopt_recorded_paths
+
+    schema = schema_for("sd")
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    monkeypatch.chdir(tmp_path)
+
+    def adopted(saved_run: str, saved_data: str, data: Path) -> bool:
+        saved = {"run": {"output_dir": saved_run}, "data": {"path": saved_data}}
+        current = {"run": {"output_dir": str(project / "runs/a")}, "data": {"path": str(data)}}
+        adopt_recorded_paths(saved, current, schema)
+        return saved["data"]["path"] == str(data)
+
+    assert adopted("runs/a", "shapes", project / "shapes")           # started from project/: its shapes
+    assert not adopted("runs/a", "shapes", elsewhere / "shapes")     # another folder's shapes
+    assert adopted("runs/a", "../data/shapes", tmp_path / "data/shapes")
+    assert adopted("./runs/a", "data/./shapes", project / "data/shapes")
+    # the run folder given absolute: the old working folder is not known
+    assert not adopted(str(project / "runs/a"), "shapes", elsewhere / "shapes")
+    assert adopted(str(project / "runs/a"), "data/shapes", elsewhere / "data/shapes")  # as before: two names
+    assert adopted(str(project / "runs/a"), "shapes", tmp_path / "shapes")             # this folder's own

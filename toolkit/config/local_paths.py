@@ -71,11 +71,24 @@ def adopt_recorded_paths(saved: dict, current: dict, schema: DictConfig) -> list
     one gone since while a file or folder of the same name is there now (the project moved: moved_path). Returns a
     line for each moved one, to say (`schema`: the run's family's structured config, load.schema_for)."""
     moved: list[str] = []
-    _adopt(schema, saved, current, "", moved)
+    _adopt(schema, saved, current, "", moved, _old_working_folder(saved, current))
     return moved
 
 
-def _adopt(node: DictConfig, saved: dict, current: dict, prefix: str, moved: list[str]) -> None:
+def _old_working_folder(saved: dict, current: dict) -> Path | None:
+    """The working folder an older run was started from, when its config.yaml kept run.output_dir relative: the
+    run folder is the same one now (absolute in `current`), so the folder is what remains of it without that tail."""
+    before, after = saved.get("run", {}).get("output_dir"), current.get("run", {}).get("output_dir")
+    if not isinstance(before, str) or not isinstance(after, str) or Path(before).is_absolute():
+        return None
+    tail = Path(os.path.normpath(before)).parts
+    if tail in ((), (".",)) or ".." in tail or Path(after).parts[-len(tail):] != tail:
+        return None
+    return Path(*Path(after).parts[:-len(tail)])
+
+
+def _adopt(node: DictConfig, saved: dict, current: dict, prefix: str, moved: list[str],
+           old_cwd: Path | None) -> None:
     kind_of = {f.name: f.metadata.get("path") for f in dataclasses.fields(OmegaConf.get_type(node))}
     for key in node.keys():
         if key not in saved or key not in current:
@@ -83,15 +96,15 @@ def _adopt(node: DictConfig, saved: dict, current: dict, prefix: str, moved: lis
         child, before, after = node._get_node(key), saved[key], current[key]
         if is_section(child):
             if isinstance(before, dict) and isinstance(after, dict):
-                _adopt(child, before, after, f"{prefix}{key}.", moved)
+                _adopt(child, before, after, f"{prefix}{key}.", moved, old_cwd)
         elif isinstance(child, ListConfig) and dataclasses.is_dataclass(child._metadata.element_type):
             if isinstance(before, list) and isinstance(after, list):
                 for n, (old, new) in enumerate(zip(before, after)):
                     if isinstance(old, dict) and isinstance(new, dict):
                         entry = OmegaConf.structured(child._metadata.element_type)
-                        _adopt(entry, old, new, f"{prefix}{key}[{n}].", moved)
+                        _adopt(entry, old, new, f"{prefix}{key}[{n}].", moved, old_cwd)
         elif kind_of.get(key) and before != after:
-            if same_path(before, after):
+            if same_path(before, after, old_cwd):
                 saved[key] = after
             elif moved_path(before, after):
                 saved[key] = after
@@ -108,14 +121,18 @@ def moved_path(before: Any, after: Any) -> bool:
     return not Path(before).exists() and Path(after).exists() and Path(before).parts[-2:] == Path(after).parts[-2:]
 
 
-def same_path(before: Any, after: Any) -> bool:
-    """Whether a path recorded by an older run (`before`, possibly relative to a working folder not known any more)
-    names what `after` (absolute, from this toolkit) names: the same after resolving here, or `after` ending with it."""
+def same_path(before: Any, after: Any, old_cwd: Path | None = None) -> bool:
+    """Whether a path recorded by an older run (`before`, relative to the folder it was started from) names what
+    `after` (absolute, from this toolkit) names. Resolved against `old_cwd` when that folder is known
+    (_old_working_folder), else against this one, else by `after` ending with it: with a folder and a name at least,
+    so that a bare file name (train.jsonl) is not taken for any file of that name."""
     if isinstance(before, list) and isinstance(after, list):
-        return len(before) == len(after) and all(same_path(b, a) for b, a in zip(before, after))
+        return len(before) == len(after) and all(same_path(b, a, old_cwd) for b, a in zip(before, after))
     if not isinstance(before, str) or not isinstance(after, str) or Path(before).is_absolute():
         return False
+    if old_cwd is not None:
+        return os.path.normpath(old_cwd / before) == os.path.normpath(after)
     if _absolute(before, LOCAL) == after:
         return True
     tail = Path(os.path.normpath(before)).parts
-    return tail != (".",) and Path(after).parts[-len(tail):] == tail
+    return len(tail) >= 2 and ".." not in tail and Path(after).parts[-len(tail):] == tail
