@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +31,6 @@ from toolkit.config.load import resolved_container
 from toolkit.disk import as_disk_full, disk_full_named
 from toolkit.errors import UserError
 from toolkit.models.base import lora_targets, trainable_parameters
-from toolkit.optim import optimizer_spec
 from toolkit.plan.compiled_runs import record_compiled, signature
 from toolkit.plan.run import ResolvedRun
 from toolkit.train.batch_size import batch_lines
@@ -49,7 +48,7 @@ from toolkit.train.report import RunReport
 from toolkit.train.resume import check_resume_plan
 from toolkit.rng import seed_everything
 from toolkit.train.run_dir import RunDir
-from toolkit.train.run_optimizer import run_optimizer
+from toolkit.train.run_optimizer import evaluation_weights, run_optimizer
 from toolkit.train.run_start import config_hash, config_yaml, open_run_folder, saved_plan, write_atomic
 from toolkit.train.signals import GracefulStop, StopRequested
 from toolkit.train.step import StepParts, Stepper, StepSums
@@ -135,7 +134,7 @@ class Trainer:
         steps = cfg.train.steps
         if loop.step >= steps:
             if self.is_main and not self.run_dir.final.exists():  # the export failed last time (a full disk)
-                with self._optimizer_eval_mode():
+                with self._evaluation_weights():
                     self.checkpointer.export_final()
             self.log(f"run already complete at step {loop.step} (train.steps={steps}); final LoRA: {self.run_dir.final}"
                      "\n  raise train.steps to continue it, or use --fresh to start over")
@@ -267,7 +266,7 @@ class Trainer:
                         doing = "the eval loss"
                         self._eval(step)
                     if stopping or step == steps or (cfg.save.every and step % cfg.save.every == 0):
-                        with self._optimizer_eval_mode():
+                        with self._evaluation_weights():
                             saved = self.checkpointer.save(loop)
                         if saved is not None:
                             events.saved(step, saved)
@@ -287,7 +286,7 @@ class Trainer:
             doing = "sampling"
             self._sample(steps)
             doing = "the final export"
-            with self._optimizer_eval_mode():
+            with self._evaluation_weights():
                 final = self.checkpointer.export_final() if self.is_main else self.run_dir.final
             events.finished(steps, final)
             if report is not None:
@@ -342,18 +341,8 @@ class Trainer:
         loop.smoothed_loss = self.metrics.smoothed
         return sums.stops > 0
 
-    @contextmanager
-    def _optimizer_eval_mode(self):
-        """Optimizers that keep other weights for evaluation than for training (schedule-free) are switched to
-        them around eval, sampling, checkpoints and the export, as their spec says."""
-        if not optimizer_spec(self.cfg.train.optimizer).needs_eval_mode:
-            yield
-            return
-        self.optimizer.eval()
-        try:
-            yield
-        finally:
-            self.optimizer.train()
+    def _evaluation_weights(self):
+        return evaluation_weights(self.optimizer, self.cfg.train.optimizer)
 
     def _sample(self, step: int) -> None:
         """Samples from the main process. With a sharded base every process must run the forwards (each holds
@@ -364,7 +353,7 @@ class Trainer:
         # Sampling must not disturb the training RNG streams, or resumed runs would diverge.
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), self._optimizer_eval_mode(), self.planner.eager(), \
+            with torch.random.fork_rng(devices=devices), self._evaluation_weights(), self.planner.eager(), \
                     disk_full_named("samples", out_dir):
                 files = self.adapter.sample(out_dir)
         finally:
@@ -377,7 +366,7 @@ class Trainer:
         """The eval loss, on the main process (on every process when the base is sharded: see _sample)."""
         if not (self.is_main or self.sharded):
             return
-        with self._optimizer_eval_mode(), self.planner.eager():
+        with self._evaluation_weights(), self.planner.eager():
             loss = self.adapter.eval_loss(self.batch_size)
         if loss is not None and self.is_main:
             self.events.evaluated(step, loss)
@@ -421,7 +410,7 @@ class Trainer:
             return "no step had completed, so there was nothing to save"
         if latest is not None and latest.step == loop.step:
             return f"the state after step {loop.step} is in {latest.path}"
-        with self._optimizer_eval_mode():
+        with self._evaluation_weights():
             saved = self.checkpointer.save(loop, step_rng)
         self.events.saved(loop.step, saved)
         return f"the state after step {loop.step} is saved: {saved}"
