@@ -89,6 +89,13 @@ def test_refused_resume_points_at_init_from_and_that_command_keeps_the_weights(r
     assert f"the LoRA starts from checkpoint {moved}" in err
     assert f"init_from: {moved}\n" in (run / "config.yaml").read_text()
     assert_same_lora(trainable(run / "checkpoints" / "step-000001"), trainable(old / "checkpoints" / "step-000002"))
+    # The same command again, with more steps (or after a stop): it resumes the new run, although that run's config
+    # names the LoRA where --fresh moved it and the command where it was
+    more = [a if a != "train.steps=1" else "train.steps=2" for a in args]
+    assert "train.steps=2" in more and run_cli(*more, *hint.split()[:1]) == 0
+    out = "".join(capsys.readouterr())
+    assert f"resumed from {run / 'checkpoints' / 'step-000001'}" in out and not list(tmp_path.glob("run.old-*-1"))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
 
 
 @pytest.mark.parametrize("family, config, lora", [

@@ -178,6 +178,49 @@ def test_output_preservation_on_two_processes(tmp_path):
     assert largest_difference("dop", "dop-allreduce") <= 1e-6
 
 
+# Loaded by every process through PYTHONPATH: rank 1 takes its copy of network.init_from 3 s late (a slow disk).
+SLOW_SNAPSHOT = """
+import importlib.abc, importlib.machinery, os, sys, time
+
+class SlowSnapshot(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "toolkit.train.lora_source" or os.environ.get("RANK") != "1":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            take = module.LoraSnapshot._take
+            module.LoraSnapshot._take = lambda self: (time.sleep(3), take(self))[1]
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, SlowSnapshot())
+"""
+
+
+def test_fresh_from_a_lora_inside_the_run_folder_waits_for_every_process_s_copy(tmp_path):
+    """--fresh with network.init_from inside the run folder on 2 processes: the main process moves the folder aside
+    only once every process has its copy of the LoRA (rank 1 is made 3 s slow to take it)."""
+    out = tmp_path / "sd"
+    common = ("train.batch_size=2", "save.every=2", "train.gradient_checkpointing=false")
+    assert train(2, SD, out, "train.steps=2", *common).returncode == 0
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_SNAPSHOT)
+    ENV["PYTHONPATH"] = os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])
+    try:
+        proc = train(2, SD, out, "train.steps=1", *common, f"network.init_from={out / 'checkpoints/step-000002'}",
+                     "--fresh")
+    finally:
+        del ENV["PYTHONPATH"]
+    assert proc.returncode == 0, proc.stderr
+    [old] = tmp_path.glob("sd.old-*")
+    assert f"the LoRA starts from checkpoint {old / 'checkpoints/step-000002'}" in proc.stderr
+    assert proc.stderr.count("processes: LoRA weights identical on all 2") == 1
+
+
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
 def test_sd_on_two_processes_keeps_every_rank_in_step_and_saves_each_ranks_rng(tmp_path, distributed):
     out = tmp_path / "sd"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Callable, Iterator
-
 
 from toolkit.config.families import FAMILY_SPECS, applies_to
 from toolkit.config.layers import upgrade_renamed
@@ -95,6 +95,25 @@ INIT_FROM_FIXED = frozenset({"model.family", "model.name_or_path", "model.revisi
                              "network.lokr_factor", "network.lokr_full_rank", "network.init_from"})
 
 
+def adopt_moved_init_from(saved: dict, current: dict) -> None:
+    """A run started with --fresh from a LoRA inside its own folder recorded where --fresh moved that LoRA
+    (<run>.old-<time>/..., train/run_start.py follow_moved_init_from), while the command that started it, run again
+    to resume, still names <run>/...: the same file. In `saved`, that moved path is replaced by the command's."""
+    before = saved.get("network", {}).get("init_from")
+    after, root = current.get("network", {}).get("init_from"), current.get("run", {}).get("output_dir")
+    if not (isinstance(before, str) and isinstance(after, str) and isinstance(root, str)) or before == after:
+        return
+    root, before_path, after_path = Path(root), Path(before), Path(after)
+    if not after_path.is_relative_to(root) or before_path.parent == before_path:
+        return
+    aside = re.compile(re.escape(root.name) + r"\.old-\d{8}-\d{6}(-\d+)?")
+    for top in before_path.parents:
+        if top.parent == root.parent and aside.fullmatch(top.name):
+            if before_path.relative_to(top) == after_path.relative_to(root):
+                saved["network"]["init_from"] = after
+            return
+
+
 def check_resume_config(checkpoint: Checkpoint, saved: dict, current: dict, notice: Callable[[str], None],
                         processes: int = 1) -> None:
     """Refuse to resume from `checkpoint` when the settings it trained with (`saved`) and this run's (`current`)
@@ -102,6 +121,7 @@ def check_resume_config(checkpoint: Checkpoint, saved: dict, current: dict, noti
     upgrade_renamed(saved)  # settings renamed since the checkpoint was written compare under their new names
     for line in adopt_recorded_paths(saved, current, schema_for(current.get("model", {}).get("family"))):
         notice(f"resume: {line}")
+    adopt_moved_init_from(saved, current)
     allowed, refused = config_changes(saved, current, (checkpoint_processes(checkpoint), processes))
     if refused:
         keys = {r.split(":", 1)[0] for r in refused}

@@ -109,6 +109,8 @@ class Trainer:
         # run does not read it, so a path that is gone is an error only for a run that starts
         init = Path(cfg.network.init_from) if cfg.network.init_from else None
         init_from = LoraSnapshot(lora_source(init, self.log)) if init is not None and init.exists() else None
+        if init is not None:
+            self.procs.barrier()  # every process has its copy before the main process may move it aside
         try:
             start, self.lock = open_run_folder(self.resolved, self.run_dir, self.procs, self.fresh, self.log,
                                                restarted=self.restarted)
