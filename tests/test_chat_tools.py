@@ -70,6 +70,40 @@ def test_openai_tool_calls_with_null_content_are_kept():
     assert 'call get_weather {"city": "paris"}' in labelled_text(tok, sample)
 
 
+def test_openai_arguments_as_a_json_string_are_learned_as_the_object():
+    """OpenAI's API writes a call's arguments as a JSON string; the template's `tojson` would render that string
+    quoted and escaped. The string is parsed: the model learns the object, as with arguments given as one."""
+    tok = tokenizer(TOOL_TEMPLATE)
+
+    def record(arguments):
+        return {"messages": [
+            {"role": "user", "content": "weather in paris?"},
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "0"},
+            {"role": "assistant", "content": "sunny"}], "tools": TOOLS, "__line__": 3}
+
+    as_string = tokenize_chat(record('{"city": "paris"}'), tok, train_on_prompt=False, path="data.jsonl")
+    as_object = tokenize_chat(record({"city": "paris"}), tok, train_on_prompt=False, path="data.jsonl")
+    assert as_string.input_ids == as_object.input_ids and as_string.labels == as_object.labels
+    assert 'call get_weather {"city": "paris"}<|end|>' in labelled_text(tok, as_string)
+    with pytest.raises(UserError, match=r"data.jsonl:3: the arguments of the call to 'get_weather' are a string "
+                                        r"that is not JSON") as err:
+        tokenize_chat(record("city=paris"), tok, train_on_prompt=False, path="data.jsonl")
+    assert "fix: give them as a JSON object" in str(err.value)
+
+
+def test_an_empty_tool_calls_list_is_a_plain_message():
+    """Chat exports that write "tool_calls": [] on every message train as plain chat, with any template."""
+    plain = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+             "__line__": 2}
+    empty = {"messages": [{"role": "user", "content": "hi", "tool_calls": []},
+                          {"role": "assistant", "content": "hello", "tool_calls": []}], "__line__": 2}
+    tok = tokenizer()  # the tiny model's own template: no tools
+    got, expected = (tokenize_chat(r, tok, train_on_prompt=False, path="d.jsonl") for r in (empty, plain))
+    assert got.input_ids == expected.input_ids and got.labels == expected.labels
+
+
 @pytest.mark.parametrize("record, said", [
     ({**SHAREGPT}, "the record gives 'tools', but the tokenizer's chat template does not render them"),
     ({**SHAREGPT, "tools": None}, "the conversation has tool calls, but the tokenizer's chat template does not render "

@@ -63,3 +63,14 @@ def test_the_package_map_is_read_once_and_answers_as_before(monkeypatch):
     assert shared.__wrapped__ is getattr(original, "__wrapped__", original)
     assert shared() == expected and shared() is shared()
     assert shared.cache_info().misses == 1  # three calls, one read
+
+
+def test_each_process_of_a_launch_profiles_into_a_file_of_its_own(monkeypatch):
+    from toolkit.startup import profile_file
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert profile_file("/tmp/p.prof") == "/tmp/p.prof"
+    monkeypatch.setenv("RANK", "0")
+    assert profile_file("/tmp/p.prof") == "/tmp/p.prof"
+    monkeypatch.setenv("RANK", "3")
+    assert profile_file("/tmp/p.prof") == "/tmp/p.prof.rank3"

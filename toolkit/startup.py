@@ -7,7 +7,8 @@ clock per process, said once: start-up is the process's, and a second Trainer in
 UI's in-process runs) has none to say.
 
 TOOLKIT_PROFILE_STARTUP=FILE profiles the start-up (cProfile, from the entry point to the end of the first step) into
-FILE, for pstats or snakeviz: bench/compile_times.py's `profile` run sets it.
+FILE, for pstats or snakeviz: bench/compile_times.py's `profile` run sets it. With several processes the main one
+writes FILE and each other FILE.rank<N>.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class StartupClock:
         self.said = True
         if self.profiler is not None:
             self.profiler.disable()
-            self.profiler.dump_stats(os.environ["TOOLKIT_PROFILE_STARTUP"])
+            self.profiler.dump_stats(profile_file(os.environ["TOOLKIT_PROFILE_STARTUP"]))
         return self.summary()
 
     def summary(self) -> str:
@@ -78,6 +79,13 @@ class StartupClock:
 
 
 CLOCK = StartupClock()
+
+
+def profile_file(asked: str) -> str:
+    """Where this process writes its start-up profile: `asked`, or `asked`.rank<N> for a process other than the
+    first of a several-process launch (each writing the one file would leave whichever finished last)."""
+    rank = os.environ.get("RANK", "0") or "0"
+    return asked if rank == "0" else f"{asked}.rank{rank}"
 
 
 def share_package_map() -> None:

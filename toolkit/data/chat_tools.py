@@ -58,23 +58,41 @@ def sharegpt_call(value: str, record: dict, path: str) -> dict:
                            for c in calls]}
 
 
-def openai_message(message) -> dict | None:
+def openai_message(message, record: dict, path: str) -> dict | None:
     """An OpenAI-style message as the chat template takes it (None when it is not one): role and content, an
-    assistant's tool_calls (its content then may be empty or null), a tool result's tool_call_id and name."""
+    assistant's tool_calls (its content then may be empty or null; an empty list is no calls), a tool result's
+    tool_call_id and name. A call's `arguments` given as a JSON string, as OpenAI's API writes them, are parsed:
+    the templates render them with `tojson`, and would otherwise teach the model a quoted, escaped string."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         return None
-    calls = message.get("tool_calls")
+    calls = message.get("tool_calls") or None
     content = message.get("content")
     if calls is not None:
         if message["role"] != "assistant" or not isinstance(calls, list) or not all(
                 isinstance(c, dict) and isinstance((c.get("function") or {}).get("name"), str) for c in calls):
             return None
         content = "" if content is None else content
+        calls = [_parsed_arguments(c, record, path) for c in calls]
     if not isinstance(content, str):
         return None
     kept = {"role": message["role"], "content": content}
-    kept.update({k: message[k] for k in ("tool_calls", "tool_call_id", "name") if message.get(k) is not None})
+    kept.update({k: message[k] for k in ("tool_call_id", "name") if message.get(k) is not None})
+    if calls is not None:
+        kept["tool_calls"] = calls
     return kept
+
+
+def _parsed_arguments(call: dict, record: dict, path: str) -> dict:
+    arguments = call["function"].get("arguments")
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError as err:
+        raise UserError(f"{where(path, record)}: the arguments of the call to '{call['function']['name']}' are a "
+                        f"string that is not JSON ({err})\n  fix: give them as a JSON object, or a string of one "
+                        "(as OpenAI's API writes them)") from None
+    return {**call, "function": {**call["function"], "arguments": parsed}}
 
 
 def check_rendered(render: Callable[..., str], messages: list[dict], tools: list[dict] | None, record: dict,

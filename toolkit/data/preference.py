@@ -112,7 +112,7 @@ class PromptEncoder:
         if self.tokenizer.chat_template is None:
             raise UserError(f"{self.path}: the tokenizer has no chat template, so conversational records cannot be "
                             "rendered\n  fix: use a chat/instruct model, or plain-text records")
-        messages = [openai_message(m) for m in messages]  # is_messages checked each: role and content strings
+        messages = [openai_message(m, record, self.path) for m in messages]  # is_messages checked each
         tools = record_tools(record, self.path)  # tools and tool calls reach the template, or are refused by name
         try:
             if tools or any("tool_calls" in m for m in messages):

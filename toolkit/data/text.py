@@ -136,7 +136,7 @@ def chat_messages(record: dict, path: str) -> list[dict]:
     if "messages" not in record and "conversations" in record:
         return _sharegpt_messages(record, path)
     messages = record.get("messages")
-    kept = [openai_message(m) for m in messages] if isinstance(messages, list) else []
+    kept = [openai_message(m, record, path) for m in messages] if isinstance(messages, list) else []
     if not kept or None in kept:
         raise UserError(f"{where(path, record)}: a chat record needs 'messages': a non-empty list of "
                         f"{{\"role\": ..., \"content\": ...}} objects, found keys {_keys(record)}\n"
