@@ -20,6 +20,7 @@ USAGE_EXAMPLES = """examples:
   ./start_toolkit.sh presets
   ./start_toolkit.sh doctor
   ./start_toolkit.sh import-aitk job.yaml > config.yaml   # from an ai-toolkit job
+  ./start_toolkit.sh caption data/my_images --prefix "sks, "   # captions for the images that have none
   ./start_toolkit.sh ui                                   # the web UI on http://127.0.0.1:8642/
 """
 
@@ -174,6 +175,17 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_caption(args: argparse.Namespace) -> int:
+    from toolkit.caption import CaptionJob, caption_folder, summary
+
+    job = CaptionJob(Path(args.folder), model=args.model, prompt=args.prompt, prefix=args.prefix,
+                     caption_ext=args.caption_ext, replace=args.replace, max_new_tokens=args.max_new_tokens,
+                     max_pixels=args.max_pixels, device=args.device, revision=args.revision)
+    report = caption_folder(job, lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(summary(job, report), file=sys.stderr)
+    return 0
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     from toolkit.ui.serve import serve
 
@@ -225,12 +237,34 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--out", default=None, metavar="DIR",
                         help="a new folder for the samples (default: RUN_DIR/samples/cli-<time>-<final|step-N>/)")
     sample.set_defaults(func=cmd_sample)
+    caption = sub.add_parser("caption", help="write a caption file for each image of a training folder that has none, "
+                             "with a vision-language model (Qwen2.5-VL, Qwen3-VL)")
+    add_caption_arguments(caption)
+    caption.set_defaults(func=cmd_caption)
     ui = sub.add_parser("ui", help="a local web UI: start, watch and compare runs (localhost; other hosts need a token)")
     from toolkit.ui.serve import add_arguments as add_ui_arguments
 
     add_ui_arguments(ui)
     ui.set_defaults(func=cmd_ui)
     return parser
+
+
+def add_caption_arguments(caption: argparse.ArgumentParser) -> None:
+    from toolkit.caption import DEFAULT_MODEL
+
+    caption.add_argument("folder", metavar="FOLDER", help="the folder of training images (data.path)")
+    caption.add_argument("--model", default=DEFAULT_MODEL, help=f"a Hub id or folder (default: {DEFAULT_MODEL})")
+    caption.add_argument("--prompt", default=None, help="what the model is asked about each image (default: a "
+                         "training-caption instruction: subject, setting, composition, light, style)")
+    caption.add_argument("--prefix", default="", help='text before each caption, e.g. a trigger word: "sks, "')
+    caption.add_argument("--caption-ext", default=".txt", help="caption file suffix, as data.caption_ext (.txt)")
+    caption.add_argument("--replace", action="store_true",
+                         help="caption images that have a caption too (each old one kept as NAME.txt.old-<time>)")
+    caption.add_argument("--max-new-tokens", type=int, default=160, help="longest caption, in tokens (160)")
+    caption.add_argument("--max-pixels", type=int, default=None,
+                         help="largest image area the model sees (default: the model's image processor's)")
+    caption.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:1, ...")
+    caption.add_argument("--revision", default=None, help="the model's Hub revision")
 
 
 def main(argv: list[str] | None = None) -> int:

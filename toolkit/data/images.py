@@ -97,7 +97,7 @@ def captioned_files(root: Path, caption_ext: str, exts: tuple[str, ...] = IMAGE_
     return pairs
 
 
-def _kohya_subfolders(root: Path) -> list[str]:
+def kohya_subfolders(root: Path) -> list[str]:
     """The subfolders of `root` named as kohya's DreamBooth layout names them (`10_sks shape`: repeats, then the
     class and trigger words)."""
     return sorted(p.name for p in root.iterdir() if p.is_dir() and re.fullmatch(r"\d+_.+", p.name))
@@ -189,7 +189,7 @@ def scan_folder(data, log: Callable[[str], None], noun: str, exts: tuple[str, ..
         raise all_too_small(data, step, root, noun, small, max(sides), len(skipped))
     warn_skipped(log, root, noun, skipped, small, step)
     if not found:
-        kohya = _kohya_subfolders(root)
+        kohya = kohya_subfolders(root)
         fix = (f"this toolkit reads the images of one folder per dataset, with repeats set in the config, not "
                f"kohya's N_name subfolders ({', '.join(kohya[:3])}): set data.path to the subfolder and data.repeats to "
                f"its N (data.datasets, or a `data:` list, for several)" if kohya else
