@@ -27,7 +27,6 @@ from toolkit.data.references import is_reference_file
 from toolkit.errors import UserError
 from toolkit.train.run_dir import name_aside
 
-DEFAULT_MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 DEFAULT_PROMPT = ("Write a caption for this image as one paragraph of plain sentences, for training an image "
                   "model: the main subject and what it looks like, what it is doing, the setting, the composition, "
                   "the lighting and colours, and the style or medium. Describe only what is visible. Do not begin "
@@ -37,7 +36,7 @@ DEFAULT_PROMPT = ("Write a caption for this image as one paragraph of plain sent
 @dataclass
 class CaptionJob:
     folder: Path
-    model: str = DEFAULT_MODEL
+    model: str                        # a Hub id or folder (the command's default: cli.CAPTION_MODEL)
     prompt: str | None = None         # DEFAULT_PROMPT
     prefix: str = ""
     caption_ext: str = ".txt"

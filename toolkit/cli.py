@@ -249,11 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_caption_arguments(caption: argparse.ArgumentParser) -> None:
-    from toolkit.caption import DEFAULT_MODEL
+CAPTION_MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"  # caption's default (here: --help stays free of torch)
 
+
+def add_caption_arguments(caption: argparse.ArgumentParser) -> None:
     caption.add_argument("folder", metavar="FOLDER", help="the folder of training images (data.path)")
-    caption.add_argument("--model", default=DEFAULT_MODEL, help=f"a Hub id or folder (default: {DEFAULT_MODEL})")
+    caption.add_argument("--model", default=CAPTION_MODEL, help=f"a Hub id or folder (default: {CAPTION_MODEL})")
     caption.add_argument("--prompt", default=None, help="what the model is asked about each image (default: a "
                          "training-caption instruction: subject, setting, composition, light, style)")
     caption.add_argument("--prefix", default="", help='text before each caption, e.g. a trigger word: "sks, "')

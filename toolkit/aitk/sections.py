@@ -265,7 +265,7 @@ def optimizer(out: Translation, s: Section, lr: float) -> None:
     for key, value in settings.items():
         out.set(f"train.{key}", value, params.key(key))
     extra = {}
-    from toolkit.optim.build import optimizer_spec
+    from toolkit.optim.specs import optimizer_spec
 
     for key in list(params.rest):
         if key in optimizer_spec(ours).accepts:

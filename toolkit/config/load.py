@@ -22,7 +22,7 @@ from toolkit.config.objectives import OBJECTIVE_SETTINGS
 from toolkit.config.families import FAMILY_SCOPED_SETTINGS, FAMILY_SPECS
 from toolkit.config.foreign_keys import foreign_key_hint
 from toolkit.config.schema import SAVE_FORMATS, RunConfig, family_sections
-from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_args_problem
+from toolkit.optim.specs import OPTIMIZER_NAMES, optimizer_args_problem
 from toolkit.errors import ConfigError
 
 DEFAULTS_LABEL = "default"

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
 from toolkit.config.fields import opt
-from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_spec
+from toolkit.optim.specs import OPTIMIZER_NAMES, optimizer_spec
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # train.precision's choices, and model.dtype's
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
-# train.optimizer's and train.optimizer_args' docs, from the optimizer registry (toolkit/optim/build.py).
+# train.optimizer's and train.optimizer_args' docs, from the optimizer registry (toolkit/optim/specs.py).
 _OPTIMIZERS = "; ".join(f"{name} ({optimizer_spec(name).description})" for name in OPTIMIZER_NAMES)
 _OPTIMIZER_ARGS = "; ".join(f"{name}: {', '.join(sorted(optimizer_spec(name).accepts))}"
                             for name in OPTIMIZER_NAMES if optimizer_spec(name).accepts)

@@ -1,14 +1,12 @@
-"""The optimizer registry: one OptimizerSpec per exact name, and the selection function the trainer calls.
+"""Building the optimizer a run names: one builder per name of the registry (specs.py, which config validation
+reads without torch), and the selection function the trainer calls.
 
-Optional libraries (bitsandbytes, transformers' Adafactor, prodigyopt) are imported inside the builders, so the
-names and specs can be read (config validation does) without them.
+Optional libraries (bitsandbytes, transformers' Adafactor, prodigyopt) are imported inside the builders.
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -19,26 +17,14 @@ from toolkit.kernels import triton_available
 from toolkit.optim.bnb_compat import bnb_self_check
 from toolkit.optim.eight_bit import AdamW8bit, Lion8bit
 from toolkit.optim.lion import Lion
+from toolkit.optim.specs import OPTIMIZER_NAMES, optimizer_args_problem, optimizer_spec
 
 BACKENDS = ("auto", "toolkit", "bitsandbytes")
 DEVICE_TYPES = ("cuda", "hip", "cpu")
 _EIGHT_BIT = {"adamw8bit": AdamW8bit, "lion8bit": Lion8bit}
-# Settings with their own train.* key; optimizer_args must not set them a second way.
-_OWN_SETTINGS = {"lr": "train.lr", "betas": "train.betas", "eps": "train.eps", "weight_decay": "train.weight_decay"}
 
 # build(params, lr, betas, eps, weight_decay, device_type, backend, args) -> (optimizer, reason)
 Builder = Callable[..., tuple[torch.optim.Optimizer, str]]
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    build: Builder
-    accepts: frozenset[str]     # the keyword arguments train.optimizer_args may pass
-    memory_light: bool          # state well under fp32 AdamW's two moments (suggested when memory runs out)
-    needs_eval_mode: bool       # optimizer.eval() around eval, sampling and saving, train() after (schedule-free)
-    description: str
-    per_tensor: bool = True     # each tensor's step reads only its own gradient and state (device.shard_optimizer
-                                # can give each process a share of the tensors); Prodigy's step size reads them all
 
 
 def _on_gpu(params: list) -> bool:
@@ -115,49 +101,11 @@ def _eight_bit(params, lr, betas, eps, weight_decay, device_type, backend, args,
     return opt, f"{name}: toolkit ({impl}) — {reason}"
 
 
-_REGISTRY: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec(_adamw, frozenset({"amsgrad", "maximize"}), memory_light=False, needs_eval_mode=False,
-                           description="torch AdamW with fp32 state, fused on the GPU"),
-    "adamw8bit": OptimizerSpec(partial(_eight_bit, name="adamw8bit"), frozenset(), memory_light=True,
-                               needs_eval_mode=False,
-                               description="AdamW with 8-bit block-quantized state, the toolkit's or bitsandbytes'"),
-    "lion8bit": OptimizerSpec(partial(_eight_bit, name="lion8bit"), frozenset(), memory_light=True,
-                              needs_eval_mode=False,
-                              description="Lion with 8-bit block-quantized state, the toolkit's or bitsandbytes'"),
-    "lion": OptimizerSpec(_lion, frozenset(), memory_light=False, needs_eval_mode=False,
-                          description="Lion with one fp32 state tensor"),
-    "adafactor": OptimizerSpec(_adafactor, frozenset({"clip_threshold", "decay_rate", "beta1", "scale_parameter"}),
-                               memory_light=True, needs_eval_mode=False,
-                               description="transformers Adafactor, factored second moments, fixed lr"),
-    "prodigy": OptimizerSpec(_prodigy, frozenset({"beta3", "decouple", "use_bias_correction", "safeguard_warmup",
-                                                  "d0", "d_coef", "growth_rate"}),
-                             memory_light=False, needs_eval_mode=False, per_tensor=False,
-                             description="prodigyopt Prodigy, which estimates the step size: lr 1.0 is usual, needs pip install prodigyopt"),
+BUILDERS: dict[str, Builder] = {
+    "adamw": _adamw, "adamw8bit": partial(_eight_bit, name="adamw8bit"), "lion8bit": partial(_eight_bit, name="lion8bit"),
+    "lion": _lion, "adafactor": _adafactor, "prodigy": _prodigy,
 }
-OPTIMIZER_NAMES: tuple[str, ...] = tuple(_REGISTRY)
-
-
-def optimizer_spec(name: str) -> OptimizerSpec:
-    """The spec registered under exactly `name`; an unknown name lists the valid ones."""
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, OPTIMIZER_NAMES, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise UserError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZER_NAMES)}{hint}")
-    return _REGISTRY[name]
-
-
-def optimizer_args_problem(name: str, key: str) -> str | None:
-    """Why optimizer `name` cannot take keyword argument `key` from train.optimizer_args (None: it can)."""
-    spec = optimizer_spec(name)
-    if key in spec.accepts:
-        return None
-    if key in _OWN_SETTINGS:
-        return f"{name} takes {key} from {_OWN_SETTINGS[key]}, not from optimizer_args"
-    if not spec.accepts:
-        return f"{name} accepts no optimizer_args"
-    close = difflib.get_close_matches(key, sorted(spec.accepts), n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return f"{name} does not accept '{key}'; it accepts: {', '.join(sorted(spec.accepts))}{hint}"
+assert BUILDERS.keys() == set(OPTIMIZER_NAMES)
 
 
 def build_optimizer(name: str, params, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -175,7 +123,7 @@ def build_optimizer(name: str, params, *, lr: float, betas: tuple[float, float] 
     problems = [problem for key in args if (problem := optimizer_args_problem(name, key))]
     if problems:
         raise UserError("train.optimizer_args: " + "; ".join(problems))
-    opt, reason = spec.build(list(params), lr, tuple(betas), eps, weight_decay, device_type, backend, args)
+    opt, reason = BUILDERS[name](list(params), lr, tuple(betas), eps, weight_decay, device_type, backend, args)
     if backend != "auto" and name not in _EIGHT_BIT:
         # Presets set optimizer_backend per device; it only chooses between 8-bit implementations.
         reason += f" (optimizer_backend={backend} applies to adamw8bit and lion8bit only)"

@@ -123,7 +123,7 @@ def gradient_sync(f: Facts) -> Decision | None:
 @rule("device.shard_optimizer", LOADED, needs=("processes", "sharded"))
 def shard_optimizer(f: Facts) -> Decision | None:
     """Whether each process keeps the optimizer state of its share of the LoRA tensors only (ZeRO stage 1)."""
-    from toolkit.optim.build import optimizer_spec
+    from toolkit.optim.specs import optimizer_spec
 
     setting, processes = f.asked("device.shard_optimizer"), f.extra["processes"]
     if processes < 2:

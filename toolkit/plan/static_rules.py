@@ -290,7 +290,7 @@ def timestep_sampling(f: Facts) -> Decision | None:
 def shard_optimizer_fits(f: Facts) -> Decision | None:
     """device.shard_optimizer=true with an optimizer whose step reads every tensor (Prodigy's step size): refused
     before the model loads. The value itself is decided at the loaded stage, once fsdp or ddp is known."""
-    from toolkit.optim.build import OPTIMIZER_NAMES, optimizer_spec
+    from toolkit.optim.specs import OPTIMIZER_NAMES, optimizer_spec
 
     name = f.asked("train.optimizer")
     if f.asked("device.shard_optimizer") is True and name in OPTIMIZER_NAMES and not optimizer_spec(name).per_tensor:
