@@ -66,6 +66,9 @@ class FamilySpec:
     # most the family's pipeline takes (None: any number). Families without reference images leave them.
     references: tuple[int, int | None] | None = None
     fixed_captions: str = ""            # why a sample's caption cannot change from step to step ("": it can)
+    # A sample's width and height must be multiples of this (the VAE's downscale times the patch: diffusers' pipelines
+    # refuse other sizes, or resize them with a warning); 0: the family samples no images
+    sample_multiple: int = 16
 
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
@@ -73,18 +76,19 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                "any transformers causal LM", save_formats=("peft", "gguf"),
                tiny={"llm": "toolkit.tiny.llm:write_tiny_llm"},
                compile_auto="llm-compile",
-               recompute_auto="llm-recompute"),
+               recompute_auto="llm-recompute", sample_multiple=0),
     FamilySpec("sd", "toolkit.models.diffusion_sd:StableDiffusionAdapter", ImageDataSection, DDPM_SETTINGS,
                "Stable Diffusion 1.x/2.x", timestep_sampling="uniform",
                save_formats=("diffusers", "kohya", "comfyui"), pipeline_class="StableDiffusionPipeline",
                tiny={"sd": "toolkit.tiny.diffusion:write_tiny_sd", "sd-v": "toolkit.tiny.diffusion:write_tiny_sd_v"},
-               compile_auto="sd-compile-cold", compile_auto_steps=1000, regions_auto="sd-compile-regions"),
+               compile_auto="sd-compile-cold", compile_auto_steps=1000, regions_auto="sd-compile-regions",
+               sample_multiple=8),
     FamilySpec("sdxl", "toolkit.models.diffusion_sd:StableDiffusionXLAdapter", ImageDataSection, DDPM_SETTINGS,
                "Stable Diffusion XL", timestep_sampling="uniform", save_formats=("diffusers", "kohya", "comfyui"),
                pipeline_class="StableDiffusionXLPipeline",
                tiny={"sdxl": "toolkit.tiny.diffusion:write_tiny_sdxl"},
                compile_auto="sdxl-compile-blocks", compile_auto_steps=200,
-               regions_auto="sdxl-compile-regions", regions_blocks_below=5000),
+               regions_auto="sdxl-compile-regions", regions_blocks_below=5000, sample_multiple=8),
     FamilySpec("flux", "toolkit.models.diffusion_flow:FluxAdapter", ImageDataSection,
                FLOW_SETTINGS | {"train.guidance"}, "Flux.1 dev/schnell", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
@@ -142,7 +146,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                "LTX-2 text-to-video (Lightricks/LTX-2: the video branch, and the audio branch on clips with sound; Gemma 3 text)",
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"ltx2": "toolkit.tiny.ltx2:write_tiny_ltx2"}, pipeline_class="LTX2Pipeline",
-               compile_auto="ltx2-compile", compile_auto_steps=200),
+               compile_auto="ltx2-compile", compile_auto_steps=200, sample_multiple=32),
     # HunyuanVideo 1.5 T2V and I2V (one family, model.task as Wan's); diffusers' pipelines have no LoRA loader
     # mixin, so the file is read by the transformer's load_lora_adapter (models/diffusion_hunyuan15.py).
     FamilySpec("hunyuan_video15", "toolkit.models.diffusion_hunyuan15:HunyuanVideo15Adapter", VideoDataSection,
@@ -160,7 +164,8 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec("vlm", "toolkit.models.vlm:VLMAdapter", VisionChatDataSection, VLM_SETTINGS,
                "vision-language chat models through AutoModelForImageTextToText: Qwen2.5-VL, Qwen3-VL",
                save_formats=("peft",),
-               tiny={"qwen25_vl": "toolkit.tiny.vlm:write_tiny_qwen25_vl", "qwen3_vl": "toolkit.tiny.vlm:write_tiny_qwen3_vl"}),
+               tiny={"qwen25_vl": "toolkit.tiny.vlm:write_tiny_qwen25_vl", "qwen3_vl": "toolkit.tiny.vlm:write_tiny_qwen3_vl"},
+               sample_multiple=0),
 )}
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)

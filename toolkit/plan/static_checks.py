@@ -1,5 +1,6 @@
 """The static stage's checks of what the config asks for that the run could only refuse once the model had loaded:
-GRPO's rewards, save.format's package, captions a family caches whole, reference and start images per sample.
+GRPO's rewards, save.format's package, captions a family caches whole, reference and start images per sample, a
+sample's size.
 
 Each rule here decides nothing: it adds to `facts.problems` what `validate` (and `train`, before anything loads)
 reports, naming the key and the fix. What a family takes is read from its FamilySpec (config/families.py).
@@ -183,3 +184,32 @@ def start_image_checks(f: Facts) -> None:
         f.problems.append(f"'sample.images': {len(images)} images for {len(prompts)} prompts: give one image per "
                           "prompt, or one for all")
     return None
+
+
+@rule("sample.width", STATIC)
+def sample_size_checks(f: Facts) -> None:
+    """A sample's width and height (sample.width / sample.height, 0: data.resolution) as multiples of what the family's
+    pipeline takes (FamilySpec.sample_multiple): diffusers refuses other sizes only when the first sample is drawn,
+    after training has begun, or resizes them without saying so."""
+    multiple = family_spec(f.family).sample_multiple
+    if not multiple or not f.asked("sample.prompts"):
+        return None
+    resolution = f.asked("data.resolution")
+    asked = {side: f.asked(f"sample.{side}") for side in ("width", "height")}
+    if not all(asked.values()) and isinstance(resolution, int) and resolution % multiple:
+        lower, higher = _near(resolution, multiple)
+        f.problems.append(f"'data.resolution' is {resolution}, the size samples are drawn at where sample.width or "
+                          f"sample.height is 0, and {f.family}'s pipeline draws them in multiples of {multiple} pixels: "
+                          f"set data.resolution to {lower} or {higher}, or sample.width and sample.height")
+    for side, value in asked.items():
+        if isinstance(value, int) and value and value % multiple:
+            lower, higher = _near(value, multiple)
+            f.problems.append(f"'sample.{side}' is {value}, and {f.family}'s pipeline draws samples in multiples of "
+                              f"{multiple} pixels: set sample.{side} to {lower} or {higher}")
+    return None
+
+
+def _near(value: int, multiple: int) -> tuple[int, int]:
+    """The multiples of `multiple` either side of `value` (the lower at least `multiple`)."""
+    lower = max(multiple, value // multiple * multiple)
+    return lower, (value // multiple + 1) * multiple
