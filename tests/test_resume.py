@@ -296,6 +296,30 @@ def test_resume_false_refuses_a_run_folder_with_checkpoints(reference, tmp_path,
     assert f"train.resume is false, but {out} already has checkpoints" in err and "--fresh" in err
 
 
+def test_train_resume_given_a_run_folder_or_another_family_s_checkpoint(reference, tmp_path, capsys):
+    """A run folder given to train.resume resumes from its newest checkpoint (said); a checkpoint of another family
+    is refused in one line naming both families (not the list of every setting that follows from it); train.resume
+    with --fresh, which would silently drop one of them, is refused."""
+    family, ref = reference
+    out = tmp_path / "run"
+    assert train_subprocess(family, out, f"train.resume={ref}", f"train.steps={STEPS + 1}") == 0
+    err = capsys.readouterr().err
+    assert (f"train.resume: {ref} is a run folder; resuming from its newest checkpoint, step-{STEPS:06d}" in err
+            and f"resumed from {ref / 'checkpoints' / f'step-{STEPS:06d}'} (step {STEPS})" in err)
+    assert metric_steps(out) == [STEPS + 1]
+
+    other = run_toolkit("train", REPO / "configs/examples/quickstart_sd.yaml", f"run.output_dir={tmp_path / 'sd'}",
+                        f"train.resume={ref}", timeout=120)
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    assert (f"cannot resume from {ref / 'checkpoints' / f'step-{STEPS:06d}'}: it is a checkpoint of a {family} run, "
+            f"and this run trains sd\n  fix: give train.resume a checkpoint of a sd run, or remove it") in other.stderr
+    assert other.stderr.count("\n  - ") == 0
+
+    assert train_subprocess(family, tmp_path / "both", f"train.resume={ref}", "--fresh") == 2
+    assert (f"train.resume={ref} names a checkpoint to resume from, and --fresh starts over\n  fix: drop --fresh"
+            in capsys.readouterr().err)
+
+
 SD_ARGS = ["train", str(REPO / "configs/examples/quickstart_sd.yaml"), "train.steps=6", "save.every=2",
            "save.keep_last=10", "sample.prompts=[]", "log.every=1", "log.tensorboard=false", "train.batch_size=2",
            # every augmentation: its draws must come out the same after the resume

@@ -153,7 +153,8 @@ class TrainSection:
                           choices=("auto", "eager", "compiled"), resume_safe=True)
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this; 0 disables clipping.", minimum=0.0)
     resume: Union[bool, str] = opt("auto", "auto (resume when the run folder has checkpoints), true, false, or a "
-                                   "checkpoint path.", resume_safe=True, path="existing")
+                                   "checkpoint path (a run folder: its newest checkpoint).", resume_safe=True,
+                                   path="existing")
     eval_every: int = opt(0, "llm: compute the eval loss every N steps, when there is eval data (0: only at the end); "
                           "the diffusion families: eval.every.",
                           minimum=0, resume_safe=True)

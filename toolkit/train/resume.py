@@ -119,6 +119,14 @@ def check_resume_config(checkpoint: Checkpoint, saved: dict, current: dict, noti
     """Refuse to resume from `checkpoint` when the settings it trained with (`saved`) and this run's (`current`)
     differ in what the run learns; say what changed otherwise."""
     upgrade_renamed(saved)  # settings renamed since the checkpoint was written compare under their new names
+    family, trained = current.get("model", {}).get("family"), saved.get("model", {}).get("family")
+    if trained != family:  # every other difference follows from this one
+        asked = current.get("train", {}).get("resume")
+        fix = (f"give train.resume a checkpoint of a {family} run, or remove it" if isinstance(asked, str)
+               and asked != "auto" else "set run.output_dir to a new folder, or start over with --fresh (the old run "
+               "is moved aside, not deleted)")
+        raise UserError(f"cannot resume from {checkpoint.path}: it is a checkpoint of a {trained} run, and this run "
+                        f"trains {family}\n  fix: {fix}")
     for line in adopt_recorded_paths(saved, current, schema_for(current.get("model", {}).get("family"))):
         notice(f"resume: {line}")
     adopt_moved_init_from(saved, current)
@@ -149,6 +157,11 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
         raise UserError(f"run.output_dir: {run_dir.root} holds files that no run of this toolkit wrote "
                         f"({', '.join(foreign[:5])}); they are left as they are\n"
                         "  fix: set run.output_dir to a new folder (it is created)")
+    explicit = isinstance(resume, str) and resume not in ("auto",)
+    if fresh and explicit:
+        raise UserError(f"train.resume={resume} names a checkpoint to resume from, and --fresh starts over\n"
+                        "  fix: drop --fresh to resume from it, or drop train.resume to start over (the earlier run "
+                        "is moved aside, not deleted)")
     if fresh:
         if run_dir.has_content() and run_dir.holds_only_start_files():
             run_dir.clear_start_files()
@@ -157,11 +170,18 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
             notice(f"--fresh: the previous run was moved to {to}")
             moved(to)
         return None
-    if isinstance(resume, str) and resume not in ("auto",):
+    if explicit:
         path = Path(resume)
         if not path.is_dir():
             raise UserError(f"train.resume: {path} {'is a file' if path.exists() else 'does not exist'}\n"
                             f"  fix: give a checkpoint folder (checkpoints/step-NNNNNN) or train.resume=auto")
+        if (path / "checkpoints").is_dir() and not (path / "meta.json").exists():  # a run folder: its newest
+            latest = find_latest_checkpoint(path / "checkpoints", warn=notice)
+            if latest is None:
+                raise UserError(f"train.resume: {path} is a run folder without a complete checkpoint\n"
+                                "  fix: give a checkpoint folder (checkpoints/step-NNNNNN) or train.resume=auto")
+            notice(f"train.resume: {path} is a run folder; resuming from its newest checkpoint, {latest.path.name}")
+            return latest
         checkpoint, problem = verify_checkpoint(path)
         if checkpoint is None:
             raise UserError(f"train.resume: cannot resume from {path}: {problem}\n"
