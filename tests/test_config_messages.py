@@ -96,6 +96,29 @@ def test_a_line_indented_off_is_named_itself(tmp_path, run_cli, capsys):
     assert "  fix: check that line: its indentation" in err
 
 
+def test_a_key_without_its_colon_above_another_key_names_its_own_line(tmp_path, run_cli, capsys):
+    """`family sd` runs on into the next line as one plain value; the parser stops at the next key's colon."""
+    config = _write(tmp_path, """\
+        model:
+          family sd
+          name_or_path: tiny:sd
+        """)
+    assert run_cli("validate", config) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {config}:2: invalid YAML: mapping values are not allowed here (noticed at line 3, "
+                          "column 15)\n    2 |   family sd\n")
+    assert "  fix: look at line 2: a key needs ':' after it" in err
+
+
+def test_a_tab_is_named_as_a_tab_on_its_line(tmp_path, run_cli, capsys):
+    config = tmp_path / "tab.yaml"
+    config.write_text("model:\n  family: sd\n\tname_or_path: tiny:sd\n")
+    assert run_cli("validate", config) == 2
+    assert capsys.readouterr().err == (f"error: {config}:3:1: invalid YAML: a tab where YAML takes only spaces\n"
+                                       "    3 | <tab>name_or_path: tiny:sd\n"
+                                       "  fix: indent line 3 with spaces (keys of one section share one indentation)\n")
+
+
 # Other trainers' names (kohya's sd-scripts, ai-toolkit, diffusers' scripts, Hugging Face's Trainer) -> the toolkit's
 FOREIGN = {"learning_rate": "train.lr", "max_train_steps": "train.steps", "network_dim": "network.rank",
            "network_alpha": "network.alpha", "train_batch_size": "train.batch_size",

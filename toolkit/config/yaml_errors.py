@@ -44,6 +44,10 @@ def yaml_error_message(path: str | Path, text: str, err: yaml.YAMLError) -> str:
         return f"{path}: invalid YAML: {problem}\n  fix: check indentation and quoting"
     lines = text.splitlines()
     line, column = mark.line + 1, mark.column  # column: 0-based, as in the mark
+    if "'\\t'" in problem or "\t" in problem:  # a tab: the parser names the character, the user needs the line
+        return "\n".join([f"{path}:{line}:{column + 1}: invalid YAML: a tab where YAML takes only spaces",
+                          f"    {line} | {_line(lines, line).replace(chr(9), '<tab>')}",
+                          f"  fix: indent line {line} with spaces (keys of one section share one indentation)"])
     culprits: list[int] = []
     context = getattr(err, "context_mark", None)
     # Only a token's start is worth naming (an open quote or bracket, a key); "while parsing a block mapping"
@@ -55,6 +59,12 @@ def yaml_error_message(path: str | Path, text: str, err: yaml.YAMLError) -> str:
     if "<block end>" not in problem and _mark_past_the_mistake(lines, line, column):
         previous = _previous_content_line(lines, line)
         if previous is not None and previous not in culprits:
+            culprits.append(previous)
+    # "mapping values are not allowed here" on a key's colon: a line before it without its own colon ran on into
+    # this one as one plain value (`family sd` above `name_or_path: ...`)
+    if "mapping values are not allowed" in problem:
+        previous = _previous_content_line(lines, line)
+        if previous is not None and ":" not in _line(lines, previous) and previous not in culprits:
             culprits.append(previous)
     culprits.sort()
     width = len(str(max([line, *culprits])))
