@@ -75,3 +75,12 @@ def test_a_sample_size_the_pipeline_refuses_is_named_before_training(run_cli, ca
     assert ("'sample.width' is 72, and wan21's pipeline draws samples in multiples of 16 pixels: set sample.width to "
             "64 or 80") in err and "Traceback" not in err
     assert not (tmp_path / "wan").exists()                                            # refused before the run folder
+
+
+def test_a_data_folder_without_images_is_named_by_validate(run_cli, capsys, tmp_path):
+    (tmp_path / "captions").mkdir()
+    (tmp_path / "captions" / "cat.txt").write_text("a cat")
+    sd = REPO / "configs/examples/quickstart_sd.yaml"
+    assert run_cli("validate", sd, f"data.path={tmp_path / 'captions'}") == 2
+    assert (f"'data.path' in command line: no images or videos in {tmp_path / 'captions'} (it holds cat.txt); add "
+            "them (.png, .jpg, .webp, .mp4, ...), each with a same-name .txt caption") in capsys.readouterr().err

@@ -120,7 +120,8 @@ def test_an_empty_regularisation_folder_is_named(tmp_path, run_cli, capsys):
                                 f"data.datasets=[{{path: {empty}, is_regularization: true}}]")
     assert run_cli(*args) == 2
     err = capsys.readouterr().err
-    assert f"data.datasets[0].path (regularisation images): no usable images in {empty}" in err
+    # named with the config's other problems, before any model loads
+    assert f"'data.datasets[0].path' in command line: no images or videos in {empty} (it is empty)" in err
     assert "Traceback" not in err
 
 

@@ -89,7 +89,26 @@ def data_problems(cfg: DictConfig, sources: dict, files: bool) -> list[str]:
         elif not files and not path.is_dir():
             problems.append(f"'{key}' in {where}: {path} is a file; give the folder that holds the images or videos "
                             "(with same-name caption files, or a metadata.jsonl)")
+        elif not files and key != "data.mask_folder" and (empty := _without_media(path)) is not None:
+            problems.append(f"'{key}' in {where}: no images or videos in {path}{empty}; add them (.png, .jpg, .webp, "
+                            ".mp4, ...), each with a same-name .txt caption, or give the folder that holds them")
     return problems
+
+
+def _without_media(folder: Path) -> str | None:
+    """None when `folder` holds an image or video (or a metadata.jsonl, or kohya's N_name subfolders, which the
+    scan reads or explains); else what it holds, for the message."""
+    from toolkit.data.images import IMAGE_EXTS, kohya_subfolders
+    from toolkit.data.video import VIDEO_EXTS
+
+    try:
+        names = sorted(p.name for p in folder.iterdir())
+    except OSError:
+        return None  # unreadable: the scan says why
+    media = IMAGE_EXTS + VIDEO_EXTS
+    if "metadata.jsonl" in names or kohya_subfolders(folder) or any(Path(n).suffix.lower() in media for n in names):
+        return None
+    return f" (it holds {', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if names else " (it is empty)"
 
 
 def sample_image_problems(cfg: DictConfig, sources: dict) -> list[str]:
