@@ -185,3 +185,14 @@ def test_a_kohya_flat_config_without_a_family_gets_the_data_keys_suggested(tmp_p
     err = capsys.readouterr().err
     assert f"unknown key 'train_data_dir' in {config}:2; did you mean 'data.path'? (train_data_dir: the name in" in err
     assert f"unknown key 'resolution' in {config}:3; did you mean 'data.resolution'? (resolution: the name in" in err
+
+
+def test_a_command_line_setting_without_its_value_or_its_brackets(run_cli, capsys):
+    llm = REPO / "configs/examples/quickstart_llm.yaml"
+    assert run_cli("validate", llm, "train.steps") == 2
+    assert capsys.readouterr().err == ("error: 'train.steps' has no value: a setting on the command line is key=value\n"
+                                       "  fix: write train.steps=VALUE (or, if it is a config file, check the path)\n")
+    assert run_cli("validate", REPO / "configs/examples/quickstart_sd.yaml", "sample.prompts=a cat") == 2
+    assert ("'sample.prompts' in command line: expected a list of strings, got 'a cat': write it as "
+            "'sample.prompts=[\"...\", \"...\"]'") in capsys.readouterr().err
+    assert run_cli("validate", REPO / "configs/examples/quickstart_sd.yaml", 'sample.prompts=["a cat"]') == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -160,6 +161,9 @@ def read_yaml_layer(path: str | Path, label: str | None = None) -> Layer:
     twice are in the layer's `problems` (merge_layers reports them with the rest)."""
     path = Path(path)
     if not path.is_file():
+        if re.fullmatch(r"[A-Za-z_]\w*(\.\w+|\[\d+\])+", str(path)) and path.suffix.lower() not in (".yaml", ".yml"):
+            raise UserError(f"'{path}' has no value: a setting on the command line is key=value\n  fix: write "
+                            f"{path}=VALUE (or, if it is a config file, check the path)")
         raise UserError(f"config file not found: {path}\n  fix: check the path (relative paths are taken from {Path.cwd()})")
     text = read_text(path)
     try:

@@ -139,7 +139,11 @@ def _apply_layer(cfg: DictConfig, layer: Layer, sources: dict[str, str], problem
                 node[key] = value
             except OmegaConfBaseException as err:
                 expected = _expected_type(node, key)
-                problems.append(f"'{dotted}' in {layer.where(dotted)}: expected {expected}, got {value!r}"
+                hint = ""
+                if expected and expected.startswith("a list") and isinstance(value, str) and layer.where(dotted) \
+                        == "command line":  # the shell took the brackets, or they were never written
+                    hint = f": write it as '{dotted}=[\"...\", \"...\"]' (the quotes keep the shell off the brackets)"
+                problems.append(f"'{dotted}' in {layer.where(dotted)}: expected {expected}, got {value!r}{hint}"
                                 + ("" if expected else f" ({str(err).splitlines()[0]})"))
                 continue
             sources[dotted] = layer.where(dotted)
