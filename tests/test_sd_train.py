@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -290,3 +291,24 @@ def test_resumed_run_ends_bit_identical(shapes, tmp_path, run_cli):
     b = load_file(str(resumed / "final" / "pytorch_lora_weights.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(v.abs().sum() > 0 for k, v in a.items() if ".lora_up." in k)
+
+
+def test_a_finished_run_run_again_says_so_before_loading_the_model(shapes, tmp_path, run_cli, capsys):
+    """The same command after the run ended: nothing to train or export, said before the model loads; with final/
+    gone (an export that failed on a full disk), the model loads and final/ is written again from the checkpoint."""
+    out = tmp_path / "run"
+    args = _args("quickstart_sd.yaml", shapes, out, "train.steps=2", "sample.prompts=[]", "save.every=2")
+    assert run_cli(*args) == 0
+    final = out / "final" / "pytorch_lora_weights.safetensors"
+    exported = load_file(str(final))
+    capsys.readouterr()
+    assert run_cli(*args) == 0
+    err = capsys.readouterr().err
+    assert f"run already complete at step 2 (train.steps=2); final LoRA: {out / 'final'}" in err
+    assert "resumed from" not in err and "latents:" not in err   # no model loaded, no data read
+    shutil.rmtree(out / "final")
+    assert run_cli(*args) == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "run already complete at step 2" in err
+    again = load_file(str(final))
+    assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in again)

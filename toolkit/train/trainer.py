@@ -115,6 +115,9 @@ class Trainer:
             start, self.lock = open_run_folder(self.resolved, self.run_dir, self.procs, self.fresh, self.log,
                                                restarted=self.restarted)
             startup.mark("run folder")
+            done = start.checkpoint is not None and start.checkpoint.step >= cfg.train.steps
+            if done and self.run_dir.final.exists():  # nothing to train or export: said before the model loads
+                return self._complete(start.checkpoint.step)
             if start.checkpoint is None and init is not None and init_from is None:
                 lora_source(init)  # raises: it does not exist
             moved = self.resolved.cfg.network.init_from  # where --fresh moved it, when it was inside the run folder
@@ -138,11 +141,14 @@ class Trainer:
             if self.is_main and not self.run_dir.final.exists():  # the export failed last time (a full disk)
                 with self._evaluation_weights():
                     self.checkpointer.export_final()
-            self.log(f"run already complete at step {loop.step} (train.steps={steps}); final LoRA: {self.run_dir.final}"
-                     "\n  raise train.steps to continue it, or use --fresh to start over")
-            self.procs.finish()
-            return self.run_dir.final
+            return self._complete(loop.step)
         return self._loop(loop)
+
+    def _complete(self, step: int) -> Path:
+        self.log(f"run already complete at step {step} (train.steps={self.cfg.train.steps}); final LoRA: "
+                 f"{self.run_dir.final}\n  raise train.steps to continue it, or use --fresh to start over")
+        self.procs.finish()
+        return self.run_dir.final
 
     # -- setup -----------------------------------------------------------------------------
     def _setup(self, start, init_from: LoraSnapshot | None, exits: ExitStack) -> None:
