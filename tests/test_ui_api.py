@@ -313,6 +313,14 @@ def test_a_port_in_use_is_named(tmp_path):
                            "  fix: --port N with a free port (--port 0 picks one), or stop what listens there\n")
 
 
+def test_an_outputs_folder_under_a_missing_folder_is_refused_not_made(tmp_path):
+    missing = tmp_path / "typo" / "outputs"
+    proc = run_toolkit("ui", "--port", "0", "--outputs", missing, timeout=60)
+    assert proc.returncode == 2 and not (tmp_path / "typo").exists()
+    assert proc.stderr == (f"error: --outputs {missing}: {missing.parent} does not exist\n  fix: give a folder that "
+                           "exists, or one to create inside an existing folder\n")
+
+
 def test_a_non_local_server_prints_a_token_and_needs_it(tmp_path):
     import urllib.error
     import urllib.request

@@ -78,7 +78,11 @@ def serve(args: argparse.Namespace) -> int:
     root = Path(args.outputs).resolve()
     if root.exists() and not root.is_dir():
         raise UserError(f"--outputs {args.outputs}: a file, not a folder\n  fix: give the folder that holds the runs")
-    root.mkdir(parents=True, exist_ok=True)
+    created = not root.exists()
+    if created and not root.parent.is_dir():  # a mistyped path: not a tree of folders made on its say-so
+        raise UserError(f"--outputs {args.outputs}: {root.parent} does not exist\n  fix: give a folder that exists, "
+                        "or one to create inside an existing folder")
+    root.mkdir(exist_ok=True)
     local = args.host in LOCAL_HOSTS
     token = args.token or (None if local else secrets.token_urlsafe(18))
     sock = bind(args.host, args.port)
@@ -88,7 +92,7 @@ def serve(args: argparse.Namespace) -> int:
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
     fd = hold_outputs_root(root, url.split("?")[0])
     app = create_app(root, token=token, local_only=local and token is None)
-    print(f"toolkit ui: runs in {root}\n  open {url}", flush=True)
+    print(f"toolkit ui: runs in {root}{' (a new folder)' if created else ''}\n  open {url}", flush=True)
     if not local and not args.token:
         print("  (a new token: requests without it get 401; --token sets your own)", flush=True)
     print("  Ctrl-C stops the UI; the runs it started keep running", flush=True)
