@@ -69,6 +69,9 @@ class FamilySpec:
     # A sample's width and height must be multiples of this (the VAE's downscale times the patch: diffusers' pipelines
     # refuse other sizes, or resize them with a warning); 0: the family samples no images
     sample_multiple: int = 16
+    # Families whose LoRA this one may start from (network.init_from): the same denoiser (Kontext from Flux.1 dev,
+    # Qwen-Image-Edit from Qwen-Image, Wan 2.2 A14B from Wan 2.1 14B); a LoRA of any other family is refused by name
+    lora_kin: tuple[str, ...] = ()
 
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
@@ -94,7 +97,8 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                batch_cap=2, save_formats=("diffusers", "comfyui"),
                tiny={"flux": "toolkit.tiny.flow:write_tiny_flux"}, pipeline_class="FluxPipeline",
                compile_auto="flux-compile",
-               keeps_auto="flux-keeps"),
+               keeps_auto="flux-keeps",
+               lora_kin=("flux_kontext",)),
     FamilySpec("sd3", "toolkit.models.diffusion_flow:SD3Adapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Stable Diffusion 3 / 3.5",
                timestep_sampling="logit_normal", batch_cap=4, save_formats=("diffusers", "comfyui"),
@@ -105,25 +109,29 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                                                            "wan21-i2v": "toolkit.tiny.wan_i2v:write_tiny_wan21_i2v"},
                pipeline_class="WanPipeline", i2v_pipeline="WanImageToVideoPipeline",
                compile_auto="wan21-compile",
-               keeps_auto="wan21-keeps"),
+               keeps_auto="wan21-keeps",
+               lora_kin=("wan22",)),
     FamilySpec("wan22", "toolkit.models.diffusion_wan:Wan22Adapter", VideoDataSection,
                VIDEO_SETTINGS | {"train.experts", "train.expert_switch_every", "model.expert_offload"},
                "Wan 2.2 A14B (two experts; text- or image-to-video) and TI2V-5B", timestep_sampling="logit_normal",
                batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"wan22": "toolkit.tiny.flow:write_tiny_wan22", "wan22-5b": "toolkit.tiny.flow:write_tiny_wan22_5b",
                      "wan22-i2v": "toolkit.tiny.wan_i2v:write_tiny_wan22_i2v"},
-               pipeline_class="WanPipeline", i2v_pipeline="WanImageToVideoPipeline"),
+               pipeline_class="WanPipeline", i2v_pipeline="WanImageToVideoPipeline",
+               lora_kin=("wan21",)),
     FamilySpec("qwen_image", "toolkit.models.diffusion_qwen:QwenImageAdapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Qwen-Image", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
-               tiny={"qwen_image": "toolkit.tiny.qwen_image:write_tiny_qwen_image"}, pipeline_class="QwenImagePipeline"),
+               tiny={"qwen_image": "toolkit.tiny.qwen_image:write_tiny_qwen_image"}, pipeline_class="QwenImagePipeline",
+               lora_kin=("qwen_image_edit",)),
     FamilySpec("qwen_image_edit", "toolkit.models.diffusion_qwen_edit:QwenImageEditAdapter", ReferenceImageDataSection,
                EDIT_SETTINGS | {"sample.negative_prompt"}, "Qwen-Image-Edit-2509 / 2511 (1-3 reference images)",
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"qwen_image_edit": "toolkit.tiny.qwen_image_edit:write_tiny_qwen_image_edit"},
                pipeline_class="QwenImageEditPlusPipeline", references=(1, 3),
                fixed_captions="qwen_image_edit encodes each caption with its reference images once and caches it "
-                              "with the latents"),
+                              "with the latents",
+               lora_kin=("qwen_image",)),
     FamilySpec("z_image", "toolkit.models.diffusion_zimage:ZImageAdapter", ImageDataSection,
                FLOW_SETTINGS | {"sample.negative_prompt"}, "Z-Image / Z-Image-Turbo", timestep_sampling="logit_normal",
                batch_cap=2, save_formats=("diffusers", "comfyui"),
@@ -160,7 +168,8 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                EDIT_SETTINGS | {"train.guidance"}, "FLUX.1 Kontext [dev] (one reference image)",
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"flux_kontext": "toolkit.tiny.flow:write_tiny_flux_kontext"}, pipeline_class="FluxKontextPipeline",
-               references=(1, 1), compile_auto="kontext-compile", compile_auto_steps=200),
+               references=(1, 1), compile_auto="kontext-compile", compile_auto_steps=200,
+               lora_kin=("flux",)),
     FamilySpec("vlm", "toolkit.models.vlm:VLMAdapter", VisionChatDataSection, VLM_SETTINGS,
                "vision-language chat models through AutoModelForImageTextToText: Qwen2.5-VL, Qwen3-VL",
                save_formats=("peft",),

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.config.families import FAMILY_SPECS
 from toolkit.errors import UserError
 from toolkit.train.checkpoint import META, _sha256, list_checkpoints, step_dir_name, verify_checkpoint
 
@@ -84,10 +85,13 @@ def run_lora(run_dir: Path, step: int | None = None, log=print) -> LoraSource:
                     "  fix: give the folder of a run that has saved a checkpoint (save.every) or finished")
 
 
-def lora_source(path: Path, log=print, key: str = "network.init_from") -> LoraSource:
+def lora_source(path: Path, log=print, key: str = "network.init_from", family: str | None = None) -> LoraSource:
     """What `path` (the value of setting `key`) names: a LoRA file, a checkpoint folder, a run folder (its final/,
-    see run_lora), or a folder of LoRA files (final/, a PEFT adapter folder)."""
+    see run_lora), or a folder of LoRA files (final/, a PEFT adapter folder). With `family`, a folder of a run of
+    another family (its config.yaml says) is refused by name, before its files are looked for."""
     path = Path(path)
+    if family is not None:
+        _check_family(path, family, key)
     if path.is_file():
         return LoraSource(path, f"file {path}")
     if not path.is_dir():
@@ -102,6 +106,26 @@ def lora_source(path: Path, log=print, key: str = "network.init_from") -> LoraSo
     except UserError as err:
         raise UserError(f"{key}: {err}") from None
     return LoraSource(path, f"folder {path}", tag=path.name)
+
+
+def _check_family(path: Path, family: str, key: str) -> None:
+    """Refuse a run folder, its final/ or a checkpoint whose run (config.yaml) trained another family than `family`
+    or its kin (FamilySpec.lora_kin: the same denoiser)."""
+    import yaml
+
+    for config in (path / "config.yaml", path.parent / "config.yaml"):
+        if not config.is_file():
+            continue
+        try:
+            trained = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("model", {}).get("family")
+        except (yaml.YAMLError, OSError, UnicodeDecodeError, AttributeError):
+            return
+        kin = FAMILY_SPECS[family].lora_kin if family in FAMILY_SPECS else ()
+        if isinstance(trained, str) and trained != family and trained not in kin:
+            raise UserError(f"{key}: {path} is the LoRA of a {trained} run ({config}), and this run trains {family}\n"
+                            f"  fix: give a {family} LoRA (a run folder, its final/, a checkpoint or a .safetensors "
+                            "file)")
+        return
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

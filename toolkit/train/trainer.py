@@ -108,7 +108,9 @@ class Trainer:
         # network.init_from is copied before --fresh may move a run folder (the LoRA's own, perhaps) aside; a resumed
         # run does not read it, so a path that is gone is an error only for a run that starts
         init = Path(cfg.network.init_from) if cfg.network.init_from else None
-        init_from = LoraSnapshot(lora_source(init, self.log)) if init is not None and init.exists() else None
+        family = cfg.model.family
+        init_from = LoraSnapshot(lora_source(init, self.log, family=family)) if init is not None and init.exists() \
+            else None
         if init is not None:
             self.procs.barrier()  # every process has its copy before the main process may move it aside
         try:
@@ -119,7 +121,7 @@ class Trainer:
             if done and self.run_dir.final.exists():  # nothing to train or export: said before the model loads
                 return self._complete(start.checkpoint.step)
             if start.checkpoint is None and init is not None and init_from is None:
-                lora_source(init)  # raises: it does not exist
+                lora_source(init, family=family)  # raises: it does not exist
             moved = self.resolved.cfg.network.init_from  # where --fresh moved it, when it was inside the run folder
             if init_from is not None and moved != cfg.network.init_from:
                 init_from.source = replace(init_from.source, label=init_from.source.label.replace(str(init), moved))
