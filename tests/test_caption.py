@@ -118,3 +118,23 @@ def test_what_it_refuses(layout, said, tmp_path, run_cli, capsys):
     assert run_cli("caption", data, *model) == 2
     err = capsys.readouterr().err
     assert said in err and "fix:" in err and "Traceback" not in err
+
+
+def test_a_model_without_qwen_vl_s_image_layout_is_refused_by_name(folder, run_cli, capsys, tmp_path):
+    """The captioner builds Qwen-VL's inputs (merged patches); a model whose image processor has another layout is
+    named, not run into a KeyError."""
+    import json
+
+    from toolkit.tiny import resolve_model_path
+
+    other = tmp_path / "other-vlm"
+    shutil.copytree(resolve_model_path("tiny:qwen25_vl"), other)
+    config = json.loads((other / "preprocessor_config.json").read_text())
+    config.update(image_processor_type="CLIPImageProcessor", crop_size={"height": 28, "width": 28})
+    del config["merge_size"]
+    (other / "preprocessor_config.json").write_text(json.dumps(config))
+    assert run_cli("caption", folder, "--model", other) == 2
+    err = capsys.readouterr().err
+    assert f"caption --model: '{other}' is a Qwen2_5_VLForConditionalGeneration; this command reads the Qwen-VL" in err
+    assert "fix: use a Qwen2.5-VL or Qwen3-VL instruct model" in err and "Traceback" not in err
+    assert sorted(p.name for p in folder.glob("*.txt")) == ["red_circle_64x64.txt"]  # nothing written

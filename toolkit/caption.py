@@ -101,6 +101,10 @@ class Captioner:
                             "can reach") from None
         if self.tokenizer.chat_template is None:
             raise UserError(f"caption --model: '{job.model}' has no chat template\n  fix: use an instruct model")
+        if getattr(self.model.config, "image_token_id", None) is None or not hasattr(image_processor, "merge_size"):
+            raise UserError(f"caption --model: '{job.model}' is a {type(self.model).__name__}; this command reads "
+                            "the Qwen-VL models' image layout (merged patches)\n  fix: use a Qwen2.5-VL or Qwen3-VL "
+                            "instruct model (the default, Qwen/Qwen2.5-VL-7B-Instruct)")
         self.model.requires_grad_(False).eval().to(self.device)
         settings = SimpleNamespace(max_seq_len=10**9, train_on_prompt=False, min_pixels=None,
                                    max_pixels=job.max_pixels)
