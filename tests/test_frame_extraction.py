@@ -206,7 +206,10 @@ def test_each_dataset_entry_cuts_its_own_clips_in_one_run(tmp_path, run_cli, cap
 def test_an_unknown_frame_extraction_in_a_dataset_entry_is_named(tmp_path, run_cli, capsys):
     from helpers import REPO
 
-    entries = "data.datasets=[{path: %s, frame_stride: 2}, {path: %s, frame_extraction: slid}]" % (tmp_path, tmp_path)
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    _webp(clips / "clip.webp", _frames(LONG, (64, 64)))
+    entries = "data.datasets=[{path: %s, frame_stride: 2}, {path: %s, frame_extraction: slid}]" % (clips, clips)
     code = run_cli("train", REPO / "configs/examples/quickstart_hunyuan15.yaml", f"run.output_dir={tmp_path / 'run'}",
                    entries)
     err = capsys.readouterr().err
