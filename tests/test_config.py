@@ -133,7 +133,9 @@ def test_cli_validate_prints_sources(tmp_path, base_yaml):
 
 
 def flux_yaml(tmp_path: Path, extra: str = "") -> Path:
-    (tmp_path / "imgs").mkdir(exist_ok=True)
+    from toolkit.tiny.fixtures import write_shapes_dataset
+
+    write_shapes_dataset(tmp_path / "imgs", sizes=((64, 64),), count=1)  # a data folder holds an image at least
     return write(tmp_path / "my.yaml", "model:\n  family: flux\n  name_or_path: tiny:flux\ndata:\n  path: imgs\n"
                  "train:\n  steps: 10\n" + extra)
 
