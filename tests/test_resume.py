@@ -297,9 +297,9 @@ def test_resume_false_refuses_a_run_folder_with_checkpoints(reference, tmp_path,
 
 
 def test_train_resume_given_a_run_folder_or_another_family_s_checkpoint(reference, tmp_path, capsys):
-    """A run folder given to train.resume resumes from its newest checkpoint (said); a checkpoint of another family
-    is refused in one line naming both families (not the list of every setting that follows from it); train.resume
-    with --fresh, which would silently drop one of them, is refused."""
+    """A run folder given to train.resume resumes from its newest checkpoint (said), and the same command later
+    resumes this run's own progress; --fresh starts it from the other run again. A checkpoint of another family is
+    refused in one line naming both families (not the list of every setting that follows from it)."""
     family, ref = reference
     out = tmp_path / "run"
     assert train_subprocess(family, out, f"train.resume={ref}", f"train.steps={STEPS + 1}") == 0
@@ -315,9 +315,22 @@ def test_train_resume_given_a_run_folder_or_another_family_s_checkpoint(referenc
             f"and this run trains sd\n  fix: give train.resume a checkpoint of a sd run, or remove it") in other.stderr
     assert other.stderr.count("\n  - ") == 0
 
-    assert train_subprocess(family, tmp_path / "both", f"train.resume={ref}", "--fresh") == 2
-    assert (f"train.resume={ref} names a checkpoint to resume from, and --fresh starts over\n  fix: drop --fresh"
-            in capsys.readouterr().err)
+    # the same command again: this run's own newest checkpoint, not the other run's
+    assert train_subprocess(family, out, f"train.resume={ref}", f"train.steps={STEPS + 2}", "save.every=1") == 0
+    err = capsys.readouterr().err
+    assert (f"train.resume: {ref} started this run; resuming from its own newest checkpoint, step-{STEPS + 1:06d}"
+            in err and "set aside" not in err)
+    assert metric_steps(out) == [STEPS + 1, STEPS + 2]
+    # with --fresh: this run moved aside, started again from the other run
+    assert train_subprocess(family, out, f"train.resume={ref}", f"train.steps={STEPS + 1}", "--fresh") == 0
+    err = capsys.readouterr().err
+    [aside] = tmp_path.glob("run.old-*")
+    assert f"--fresh: the previous run was moved to {aside}" in err and f"(step {STEPS})" in err
+    assert metric_steps(out) == [STEPS + 1] and metric_steps(aside) == [STEPS + 1, STEPS + 2]
+    # a checkpoint inside the run folder with --fresh (which moves it away) is refused
+    inside = out / "checkpoints" / f"step-{STEPS + 1:06d}"
+    assert train_subprocess(family, out, f"train.resume={inside}", "--fresh") == 2
+    assert f"train.resume={inside} is inside the run folder, which --fresh moves aside" in capsys.readouterr().err
 
 
 SD_ARGS = ["train", str(REPO / "configs/examples/quickstart_sd.yaml"), "train.steps=6", "save.every=2",

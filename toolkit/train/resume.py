@@ -148,6 +148,10 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
                  moved: Callable[[Path], None] = lambda to: None) -> Checkpoint | None:
     """The checkpoint to resume from (None: start from step 0), following train.resume and --fresh.
 
+    A train.resume that names another run's checkpoint (or run folder) starts this run from it; once this run has
+    checkpoints of its own, the same command resumes from those (with --fresh: from the other run's again, this run
+    moved aside). A checkpoint inside this run's folder is taken as named (going back to an earlier step).
+
     Nothing in an existing run folder is deleted: a fresh start moves the old folder aside (`moved` is told where).
     The one exception is a folder that holds only what a failed start wrote (run_dir.py's cleanup rule): it is
     cleared and reused. The caller holds the folder's lock.
@@ -158,8 +162,8 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
                         f"({', '.join(foreign[:5])}); they are left as they are\n"
                         "  fix: set run.output_dir to a new folder (it is created)")
     explicit = isinstance(resume, str) and resume not in ("auto",)
-    if fresh and explicit:
-        raise UserError(f"train.resume={resume} names a checkpoint to resume from, and --fresh starts over\n"
+    if fresh and explicit and Path(resume).resolve().is_relative_to(run_dir.root.resolve()):
+        raise UserError(f"train.resume={resume} is inside the run folder, which --fresh moves aside\n"
                         "  fix: drop --fresh to resume from it, or drop train.resume to start over (the earlier run "
                         "is moved aside, not deleted)")
     if fresh:
@@ -169,9 +173,16 @@ def choose_start(resume, run_dir: RunDir, fresh: bool, notice: Callable[[str], N
             to = run_dir.move_aside()
             notice(f"--fresh: the previous run was moved to {to}")
             moved(to)
-        return None
+        if not explicit:
+            return None
     if explicit:
         path = Path(resume)
+        own = find_latest_checkpoint(run_dir.checkpoints, warn=notice) if run_dir.checkpoints.is_dir() else None
+        if own is not None and not path.resolve().is_relative_to(run_dir.root.resolve()):
+            # train.resume started this run from another run's checkpoint; the run's own progress is newer
+            notice(f"train.resume: {path} started this run; resuming from its own newest checkpoint, {own.path.name} "
+                   "(to start over from the other run again: --fresh, or another run.output_dir)")
+            return own
         if not path.is_dir():
             raise UserError(f"train.resume: {path} {'is a file' if path.exists() else 'does not exist'}\n"
                             f"  fix: give a checkpoint folder (checkpoints/step-NNNNNN) or train.resume=auto")
