@@ -147,3 +147,18 @@ def test_an_older_runs_bare_name_matches_only_the_file_in_the_folder_it_was_star
     assert not adopted(str(project / "runs/a"), "shapes", elsewhere / "shapes")
     assert adopted(str(project / "runs/a"), "data/shapes", elsewhere / "data/shapes")  # as before: two names
     assert adopted(str(project / "runs/a"), "shapes", tmp_path / "shapes")             # this folder's own
+
+
+def test_a_run_folder_moved_without_its_data_still_resumes_with_it(tmp_path, monkeypatch):
+    """The older run's working folder, inferred from a run folder that has moved since, is not where its data is: the
+    data named from this folder, or a path under ~, are still adopted."""
+    from toolkit.config.load import schema_for
+    from toolkit.config.local_paths import adopt_recorded_paths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for recorded, data in (("data/shapes", tmp_path / "data/shapes"), ("~/datasets/x", tmp_path / "home/datasets/x")):
+        saved = {"run": {"output_dir": "outputs/x"}, "data": {"path": recorded}}
+        current = {"run": {"output_dir": "/mnt/big/outputs/x"}, "data": {"path": str(data)}}
+        adopt_recorded_paths(saved, current, schema_for("sd"))
+        assert saved["data"]["path"] == str(data), recorded

@@ -124,14 +124,17 @@ def moved_path(before: Any, after: Any) -> bool:
 def same_path(before: Any, after: Any, old_cwd: Path | None = None) -> bool:
     """Whether a path recorded by an older run (`before`, relative to the folder it was started from) names what
     `after` (absolute, from this toolkit) names. Resolved against `old_cwd` when that folder is known
-    (_old_working_folder), else against this one, else by `after` ending with it: with a folder and a name at least,
-    so that a bare file name (train.jsonl) is not taken for any file of that name."""
+    (_old_working_folder), or against this one, or by `after` ending with it: with a folder and a name at least, so
+    that a bare file name (train.jsonl) is not taken for any file of that name."""
     if isinstance(before, list) and isinstance(after, list):
         return len(before) == len(after) and all(same_path(b, a, old_cwd) for b, a in zip(before, after))
     if not isinstance(before, str) or not isinstance(after, str) or Path(before).is_absolute():
         return False
-    if old_cwd is not None:
-        return os.path.normpath(old_cwd / before) == os.path.normpath(after)
+    before = os.path.expanduser(before)
+    if Path(before).is_absolute():
+        return os.path.normpath(before) == os.path.normpath(after)
+    if old_cwd is not None and os.path.normpath(old_cwd / before) == os.path.normpath(after):
+        return True  # else the run folder may have moved without its data: the checks below
     if _absolute(before, LOCAL) == after:
         return True
     tail = Path(os.path.normpath(before)).parts
