@@ -138,3 +138,19 @@ def test_a_model_without_qwen_vl_s_image_layout_is_refused_by_name(folder, run_c
     assert f"caption --model: '{other}' is a Qwen2_5_VLForConditionalGeneration; this command reads the Qwen-VL" in err
     assert "fix: use a Qwen2.5-VL or Qwen3-VL instruct model" in err and "Traceback" not in err
     assert sorted(p.name for p in folder.glob("*.txt")) == ["red_circle_64x64.txt"]  # nothing written
+
+
+def test_an_unreadable_image_is_skipped_and_two_images_of_one_name_share_one_caption(folder, run_cli, capsys):
+    """A truncated image is skipped with a warning, as `train` skips it, and the others are captioned; cat.jpg beside
+    cat.png (one cat.txt, which train reads for both) is captioned once, with a warning."""
+    from PIL import Image
+
+    (folder / "broken.png").write_bytes((folder / "red_circle_64x64.png").read_bytes()[:60])
+    Image.open(folder / "red_square_64x64.png").convert("RGB").save(folder / "red_square_64x64.jpg")
+    assert run_cli("caption", folder, *TOKENS) == 0
+    err = capsys.readouterr().err
+    assert "caption: 2 caption files written" in err
+    assert "warning: 1 unreadable images skipped: broken.png (" in err and not (folder / "broken.txt").exists()
+    assert ("warning: 1 images share a caption file with an image of the same name: red_square_64x64.png (its caption "
+            "is red_square_64x64.jpg's)") in err
+    assert not list(folder.glob("*.old-*"))  # no fresh caption set aside by its twin

@@ -21,8 +21,9 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
+from PIL import Image
 
-from toolkit.data.images import IMAGE_EXTS, kohya_subfolders, caption_suffix, is_mask_file
+from toolkit.data.images import IMAGE_EXTS, UNREADABLE, caption_suffix, is_mask_file, kohya_subfolders
 from toolkit.data.references import is_reference_file
 from toolkit.errors import UserError
 from toolkit.train.run_dir import name_aside
@@ -52,6 +53,8 @@ class CaptionReport:
     written: list[Path] = field(default_factory=list)
     kept: list[Path] = field(default_factory=list)         # images that had a caption (without --replace)
     replaced: list[Path] = field(default_factory=list)     # old captions kept aside (with --replace)
+    unreadable: list[str] = field(default_factory=list)    # images PIL cannot read (skipped, as `train` skips them)
+    shared: list[str] = field(default_factory=list)        # a second image of one name (cat.jpg beside cat.png)
 
 
 def images_to_caption(folder: Path) -> list[Path]:
@@ -141,15 +144,26 @@ def caption_folder(job: CaptionJob, log: Callable[[str], None],
     suffix = caption_suffix(job.caption_ext)
     images = images_to_caption(job.folder)
     report = CaptionReport()
-    todo = []
+    todo, owner = [], {}
     for image in images:
-        if image.with_suffix(suffix).is_file() and not job.replace:
+        caption = image.with_suffix(suffix)
+        if caption in owner:  # cat.png and cat.jpg: one cat.txt, which `train` reads for both
+            report.shared.append(f"{image.name} (its caption is {owner[caption].name}'s)")
+            continue
+        owner[caption] = image
+        if caption.is_file() and not job.replace:
             report.kept.append(image)
         else:
             todo.append(image)
     if todo:
         captioner = captioner or Captioner(job, log)
     for n, image in enumerate(todo, 1):
+        try:
+            with Image.open(image) as opened:
+                opened.load()
+        except UNREADABLE as err:  # skipped, as `train` skips it; the others are still captioned
+            report.unreadable.append(f"{image.name} ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+            continue
         text = captioner(image)
         if not text:
             log(f"caption: {image.name}: the model wrote nothing; no caption file written")
@@ -172,4 +186,9 @@ def summary(job: CaptionJob, report: CaptionReport) -> str:
                      "old ones beside them)")
     if report.replaced:
         lines.append(f"  {len(report.replaced)} earlier captions kept as <name>{job.caption_ext}.old-<time>")
+    if report.unreadable:
+        lines.append(f"  warning: {len(report.unreadable)} unreadable images skipped: {', '.join(report.unreadable[:5])}")
+    if report.shared:
+        lines.append(f"  warning: {len(report.shared)} images share a caption file with an image of the same name: "
+                     f"{', '.join(report.shared[:5])}; rename one of each pair to caption it apart")
     return "\n".join(lines)
