@@ -61,14 +61,14 @@ def test_validate_names_a_missing_data_folder(tmp_path):
 
 def test_a_sample_size_the_pipeline_refuses_is_named_before_training(run_cli, capsys, tmp_path):
     """diffusers refuses a sample size that is not a multiple of the family's (or resizes it without a word) only when
-    the first sample is drawn, after training has begun: validate, train and sample name it first."""
+    the first sample is drawn, after training has begun: validate, train and sample name a sample.width given so.
+    0 (data.resolution) is rounded down when the samples are drawn, and said (tests/test_sd_train.py)."""
     sd, wan = REPO / "configs/examples/quickstart_sd.yaml", REPO / "configs/examples/quickstart_wan21.yaml"
-    assert run_cli("validate", sd, "data.resolution=100", "sample.width=0", "sample.height=0") == 2
-    assert ("'data.resolution' is 100, the size samples are drawn at where sample.width or sample.height is 0, and "
-            "sd's pipeline draws them in multiples of 8 pixels: set data.resolution to 96 or 104, or sample.width and "
-            "sample.height") in capsys.readouterr().err
-    assert run_cli("validate", sd, "data.resolution=100", "sample.width=96", "sample.height=104") == 0
-    assert run_cli("validate", sd, "data.resolution=100", "sample.prompts=[]") == 0   # no samples: nothing drawn
+    assert run_cli("validate", sd, "sample.width=100") == 2
+    assert ("'sample.width' is 100, and sd's pipeline draws samples in multiples of 8 pixels: set sample.width to 96 "
+            "or 104") in capsys.readouterr().err
+    assert run_cli("validate", sd, "data.resolution=100", "sample.width=0", "sample.height=0") == 0
+    assert run_cli("validate", sd, "sample.width=100", "sample.prompts=[]") == 0   # no samples: nothing drawn
     capsys.readouterr()
     assert run_cli("train", wan, f"run.output_dir={tmp_path / 'wan'}", "sample.width=72") == 2
     err = capsys.readouterr().err

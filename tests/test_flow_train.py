@@ -388,3 +388,18 @@ def test_text_encoder_lora_is_refused_before_loading_a_flow_model(tmp_path, run_
                                          "train.train_text_encoder=true")) == 2
     assert ("'train.train_text_encoder' in command line has no effect for model.family flux"
             in capsys.readouterr().err)
+
+
+def test_wan_samples_are_drawn_in_the_multiple_of_each_model(tmp_path):
+    """Wan 2.2 TI2V-5B's VAE downscales 16x (the A14B's and Wan 2.1's 8x), times the patch of 2: its pipeline draws
+    multiples of 32, and resizes anything else without a word; the adapter rounds down to it and says so."""
+    from helpers import adapter_for
+
+    logs = []
+    for name, multiple, size in (("tiny:wan22-5b", 32, (32, 32)), ("tiny:wan22", 16, (48, 48))):
+        adapter, _ = adapter_for("quickstart_wan22.yaml", tmp_path / name[5:], f"model.name_or_path={name}",
+                                 "sample.width=48", "sample.height=48")
+        adapter.log = logs.append
+        assert (adapter.sample_multiple(), adapter.sample_size()) == (multiple, size), name
+    assert logs == ["samples are drawn at 32x32: 48x48 (sample.width/height, 0 taking data.resolution) rounded down to "
+                    "a multiple of 32, as this model's pipeline draws them"]

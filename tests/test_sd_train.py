@@ -312,3 +312,19 @@ def test_a_finished_run_run_again_says_so_before_loading_the_model(shapes, tmp_p
     assert "resumed from" in err and "run already complete at step 2" in err
     again = load_file(str(final))
     assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in again)
+
+
+def test_a_sample_at_a_resolution_the_pipeline_cannot_draw_is_drawn_at_the_multiple_below(shapes, tmp_path, run_cli,
+                                                                                         capsys):
+    """data.resolution=100 with sample.width/height 0: SD's pipeline draws multiples of 8; the samples are drawn at
+    96x96, said once (diffusers raised at the first sample, after training had begun)."""
+    from PIL import Image
+
+    out = tmp_path / "run"
+    assert run_cli(*_args("quickstart_sd.yaml", shapes, out, "train.steps=1", "data.resolution=100", "sample.width=0",
+                          "sample.height=0", "sample.prompts=[a red circle, a blue square]", "sample.every=1",
+                          "sample.num_inference_steps=1")) == 0
+    err = capsys.readouterr().err
+    assert err.count("samples are drawn at 96x96: 100x100 (sample.width/height, 0 taking data.resolution) rounded "
+                     "down to a multiple of 8") == 1
+    assert Image.open(out / "samples" / "step-000001" / "00.png").size == (96, 96)

@@ -194,8 +194,11 @@ class SampleSection:
                                resume_safe=True)
     num_frames: int = opt(0, "Video: frames per sample; 0 means data.num_frames.", minimum=0, resume_safe=True)
     fps: int = opt(16, "Video: frames per second of the written samples.", minimum=1, resume_safe=True)
-    width: int = opt(0, "Diffusion: sample width; 0 means data.resolution.", minimum=0, resume_safe=True)
-    height: int = opt(0, "Diffusion: sample height; 0 means data.resolution.", minimum=0, resume_safe=True)
+    width: int = opt(0, "Diffusion: sample width, a multiple of what the family's pipeline draws (8 for sd and sdxl, "
+                     "32 for ltx2, 16 for the others); 0 means data.resolution, rounded down to it.", minimum=0,
+                     resume_safe=True)
+    height: int = opt(0, "Diffusion: sample height, as sample.width; 0 means data.resolution, rounded down to the "
+                      "multiple.", minimum=0, resume_safe=True)
     images: List[str] = opt([], "Wan image-to-video: the start image of each sample, one per prompt (or one for "
                             "all), resized to cover the sample size and centre-cropped. vlm: the image each prompt "
                             "asks about (one per prompt, or one for all), resized by the model's processor.",

@@ -296,9 +296,23 @@ class DiffusionAdapter(DiffusersLoading, DiffusionData, DiffusionEval, Diffusers
     def sample_prompts(self) -> list[str]:
         return [apply_trigger(p, self.cfg.data.trigger_word) for p in self.cfg.sample.prompts]
 
+    def sample_multiple(self) -> int:
+        """The multiple of pixels this model's pipeline draws samples in (the family's; Wan 2.2's differs by model)."""
+        return self.spec.sample_multiple or 1
+
     def sample_size(self) -> tuple[int, int]:
-        s = self.cfg.sample
-        return s.width or self.cfg.data.resolution, s.height or self.cfg.data.resolution
+        """(width, height) of a sample: sample.width / sample.height, 0 taking data.resolution, each rounded down to
+        the pipeline's multiple (validate refuses a sample.width that is not a multiple of the family's; a pipeline
+        would refuse it, or resize it without a word). A rounded size is said once."""
+        s, multiple = self.cfg.sample, self.sample_multiple()
+        asked = (s.width or self.cfg.data.resolution, s.height or self.cfg.data.resolution)
+        drawn = tuple(max(multiple, side // multiple * multiple) for side in asked)
+        if drawn != asked and not getattr(self, "_sample_size_said", False):
+            self._sample_size_said = True
+            self.log(f"samples are drawn at {drawn[0]}x{drawn[1]}: {asked[0]}x{asked[1]} (sample.width/height, 0 "
+                     f"taking data.resolution) rounded down to a multiple of {multiple}, as this model's pipeline "
+                     "draws them")
+        return drawn
 
     def pipeline_call(self, seed: int, **kwargs) -> Any:
         """Run the pipeline for one sample with the sample settings and a CPU generator seeded `seed`."""

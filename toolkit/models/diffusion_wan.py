@@ -56,6 +56,13 @@ class Wan(FlowMatching):
 
         return WanImageToVideoPipeline if self.task == "i2v" else WanPipeline
 
+    def sample_multiple(self) -> int:
+        """The VAE's spatial downscale times the patch: 16 for Wan 2.1 and 2.2 A14B, 32 for Wan 2.2 TI2V-5B (its VAE
+        downscales 16x), as the pipeline rounds a size."""
+        name = next(n for n in ("transformer", "transformer_2") if getattr(self.pipe, n, None) is not None)
+        _, p_h, p_w = self.component(name).config.patch_size
+        return max(self.spec.sample_multiple, self.pipe.vae_scale_factor_spatial * max(p_h, p_w))
+
     def lora_target_modules(self) -> list[str]:
         return target_modules(self.cfg.network.target_modules, WAN_TARGETS, WAN_ALL_LINEAR)
 

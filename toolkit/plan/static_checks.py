@@ -188,28 +188,16 @@ def start_image_checks(f: Facts) -> None:
 
 @rule("sample.width", STATIC)
 def sample_size_checks(f: Facts) -> None:
-    """A sample's width and height (sample.width / sample.height, 0: data.resolution) as multiples of what the family's
-    pipeline takes (FamilySpec.sample_multiple): diffusers refuses other sizes only when the first sample is drawn,
-    after training has begun, or resizes them without saying so."""
+    """A sample.width / sample.height given as a size the family's pipeline cannot draw (FamilySpec.sample_multiple):
+    diffusers refuses it only when the first sample is drawn, after training has begun, or resizes it without a word.
+    0 (data.resolution) is rounded down to the multiple when the samples are drawn, and said then."""
     multiple = family_spec(f.family).sample_multiple
     if not multiple or not f.asked("sample.prompts"):
         return None
-    resolution = f.asked("data.resolution")
-    asked = {side: f.asked(f"sample.{side}") for side in ("width", "height")}
-    if not all(asked.values()) and isinstance(resolution, int) and resolution % multiple:
-        lower, higher = _near(resolution, multiple)
-        f.problems.append(f"'data.resolution' is {resolution}, the size samples are drawn at where sample.width or "
-                          f"sample.height is 0, and {f.family}'s pipeline draws them in multiples of {multiple} pixels: "
-                          f"set data.resolution to {lower} or {higher}, or sample.width and sample.height")
-    for side, value in asked.items():
+    for side in ("width", "height"):
+        value = f.asked(f"sample.{side}")
         if isinstance(value, int) and value and value % multiple:
-            lower, higher = _near(value, multiple)
+            lower, higher = max(multiple, value // multiple * multiple), (value // multiple + 1) * multiple
             f.problems.append(f"'sample.{side}' is {value}, and {f.family}'s pipeline draws samples in multiples of "
                               f"{multiple} pixels: set sample.{side} to {lower} or {higher}")
     return None
-
-
-def _near(value: int, multiple: int) -> tuple[int, int]:
-    """The multiples of `multiple` either side of `value` (the lower at least `multiple`)."""
-    lower = max(multiple, value // multiple * multiple)
-    return lower, (value // multiple + 1) * multiple
