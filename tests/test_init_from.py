@@ -178,3 +178,17 @@ def test_another_family_s_run_is_refused_by_name(runs, run_cli, tmp_path, capsys
         err = capsys.readouterr().err
         assert f"network.init_from: {given} is the LoRA of a llm run" in err and "and this run trains sd" in err
         assert "fix: give a sd LoRA" in err and "Traceback" not in err
+
+
+def test_a_resumed_run_does_not_read_its_init_from_again(runs, run_cli, tmp_path, capsys):
+    """A run that started from A's LoRA resumes although A's folder has since been reused for another family: a
+    resumed run never reads network.init_from, so nothing of it is checked."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(runs["sd"], a)
+    assert train(run_cli, "quickstart_sd.yaml", b, *SD_B, f"network.init_from={a}") == 0
+    (a / "config.yaml").write_text((a / "config.yaml").read_text().replace("family: sd", "family: llm"))
+    capsys.readouterr()
+    assert run_cli("train", REPO / "configs/examples/quickstart_sd.yaml", f"run.output_dir={b}",
+                   *[x if x != "train.steps=1" else "train.steps=2" for x in B_ARGS], *SD_B,
+                   f"network.init_from={a}") == 0
+    assert "resumed from" in capsys.readouterr().err

@@ -85,13 +85,10 @@ def run_lora(run_dir: Path, step: int | None = None, log=print) -> LoraSource:
                     "  fix: give the folder of a run that has saved a checkpoint (save.every) or finished")
 
 
-def lora_source(path: Path, log=print, key: str = "network.init_from", family: str | None = None) -> LoraSource:
+def lora_source(path: Path, log=print, key: str = "network.init_from") -> LoraSource:
     """What `path` (the value of setting `key`) names: a LoRA file, a checkpoint folder, a run folder (its final/,
-    see run_lora), or a folder of LoRA files (final/, a PEFT adapter folder). With `family`, a folder of a run of
-    another family (its config.yaml says) is refused by name, before its files are looked for."""
+    see run_lora), or a folder of LoRA files (final/, a PEFT adapter folder)."""
     path = Path(path)
-    if family is not None:
-        _check_family(path, family, key)
     if path.is_file():
         return LoraSource(path, f"file {path}")
     if not path.is_dir():
@@ -108,9 +105,9 @@ def lora_source(path: Path, log=print, key: str = "network.init_from", family: s
     return LoraSource(path, f"folder {path}", tag=path.name)
 
 
-def _check_family(path: Path, family: str, key: str) -> None:
-    """Refuse a run folder, its final/ or a checkpoint whose run (config.yaml) trained another family than `family`
-    or its kin (FamilySpec.lora_kin: the same denoiser)."""
+def other_family(path: Path, family: str, key: str = "network.init_from") -> UserError | None:
+    """The error for a run folder, its final/ or a checkpoint whose run (config.yaml) trained another family than
+    `family` or its kin (FamilySpec.lora_kin: the same denoiser); None otherwise."""
     import yaml
 
     for config in (path / "config.yaml", path.parent / "config.yaml"):
@@ -119,13 +116,14 @@ def _check_family(path: Path, family: str, key: str) -> None:
         try:
             trained = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("model", {}).get("family")
         except (yaml.YAMLError, OSError, UnicodeDecodeError, AttributeError):
-            return
+            return None
         kin = FAMILY_SPECS[family].lora_kin if family in FAMILY_SPECS else ()
         if isinstance(trained, str) and trained != family and trained not in kin:
-            raise UserError(f"{key}: {path} is the LoRA of a {trained} run ({config}), and this run trains {family}\n"
-                            f"  fix: give a {family} LoRA (a run folder, its final/, a checkpoint or a .safetensors "
-                            "file)")
-        return
+            return UserError(f"{key}: {path} is the LoRA of a {trained} run ({config}), and this run trains {family}\n"
+                             f"  fix: give a {family} LoRA (a run folder, its final/, a checkpoint or a .safetensors "
+                             "file)")
+        return None
+    return None
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

@@ -39,7 +39,7 @@ from toolkit.train.checkpointer import Checkpointer, LoopState, OtherProcessFail
 from toolkit.train.distributed import Processes
 from toolkit.train.ema import LoraEMA
 from toolkit.train.events import Events, StepEvents
-from toolkit.train.lora_source import LoraSnapshot, lora_source
+from toolkit.train.lora_source import LoraSnapshot, lora_source, other_family
 from toolkit.train.memory_plan import MemoryPlanner
 from toolkit.train.metrics import MetricsLogger
 from toolkit.train.model_setup import load_model
@@ -108,8 +108,8 @@ class Trainer:
         # network.init_from is copied before --fresh may move a run folder (the LoRA's own, perhaps) aside; a resumed
         # run does not read it, so a path that is gone is an error only for a run that starts
         init = Path(cfg.network.init_from) if cfg.network.init_from else None
-        family = cfg.model.family
-        init_from = LoraSnapshot(lora_source(init, self.log, family=family)) if init is not None and init.exists() \
+        foreign = other_family(init, cfg.model.family) if init is not None and init.exists() else None
+        init_from = LoraSnapshot(lora_source(init, self.log)) if init is not None and init.exists() and not foreign \
             else None
         if init is not None:
             self.procs.barrier()  # every process has its copy before the main process may move it aside
@@ -118,10 +118,12 @@ class Trainer:
                                                restarted=self.restarted)
             startup.mark("run folder")
             done = start.checkpoint is not None and start.checkpoint.step >= cfg.train.steps
-            if done and self.run_dir.final.exists():  # nothing to train or export: said before the model loads
-                return self._complete(start.checkpoint.step)
+            if self.procs.from_main(done and self.run_dir.final.exists()):  # nothing to train or export, said before
+                return self._complete(start.checkpoint.step)             # the model loads (the main process's view)
+            if start.checkpoint is None and foreign is not None:
+                raise foreign  # another family's LoRA: only a run that starts reads it
             if start.checkpoint is None and init is not None and init_from is None:
-                lora_source(init, family=family)  # raises: it does not exist
+                lora_source(init)  # raises: it does not exist
             moved = self.resolved.cfg.network.init_from  # where --fresh moved it, when it was inside the run folder
             if init_from is not None and moved != cfg.network.init_from:
                 init_from.source = replace(init_from.source, label=init_from.source.label.replace(str(init), moved))
