@@ -84,3 +84,15 @@ def test_a_data_folder_without_images_is_named_by_validate(run_cli, capsys, tmp_
     assert run_cli("validate", sd, f"data.path={tmp_path / 'captions'}") == 2
     assert (f"'data.path' in command line: no images or videos in {tmp_path / 'captions'} (it holds cat.txt); add "
             "them (.png, .jpg, .webp, .mp4, ...), each with a same-name .txt caption") in capsys.readouterr().err
+
+
+def test_a_missing_init_from_is_named_by_validate_unless_the_run_resumes(run_cli, capsys, tmp_path):
+    sd = REPO / "configs/examples/quickstart_sd.yaml"
+    missing = tmp_path / "nope"
+    assert run_cli("validate", sd, f"network.init_from={missing}", f"run.output_dir={tmp_path / 'run'}") == 2
+    assert (f"'network.init_from' in command line: {missing} does not exist; give a LoRA file (.safetensors), an "
+            "adapter folder, a run folder or a checkpoint folder") in capsys.readouterr().err
+    step = tmp_path / "run" / "checkpoints" / "step-000002"   # a run that resumes never reads it
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    assert run_cli("validate", sd, f"network.init_from={missing}", f"run.output_dir={tmp_path / 'run'}") == 0

@@ -170,14 +170,16 @@ def test_rank_unknown_keys_and_untrained_modules_are_exit_2(runs, run_cli, tmp_p
 
 
 def test_another_family_s_run_is_refused_by_name(runs, run_cli, tmp_path, capsys):
-    """An llm run's folder, final/ or checkpoint given to an sd run: named as another family's LoRA before any file
-    of it is looked for (it said only that pytorch_lora_weights.safetensors was missing)."""
+    """An llm run's folder, final/ or checkpoint given to an sd run: named as another family's LoRA by validate and
+    train before anything loads (it said only that pytorch_lora_weights.safetensors was missing)."""
     llm = runs["llm"]
     for given in (llm, llm / "final", llm / "checkpoints" / "step-000002"):
         assert train(run_cli, "quickstart_sd.yaml", tmp_path / "b", *SD_B, f"network.init_from={given}") == 2
         err = capsys.readouterr().err
-        assert f"network.init_from: {given} is the LoRA of a llm run" in err and "and this run trains sd" in err
-        assert "fix: give a sd LoRA" in err and "Traceback" not in err
+        # named with the config's other problems, before anything loads (preflight/init_from.py)
+        assert f"'network.init_from' in command line: {given} is the LoRA of a llm run" in err
+        assert "and this run trains sd; give a sd LoRA" in err and "Traceback" not in err
+        assert run_cli("validate", REPO / "configs/examples/quickstart_sd.yaml", f"network.init_from={given}") == 2
 
 
 def test_a_resumed_run_does_not_read_its_init_from_again(runs, run_cli, tmp_path, capsys):

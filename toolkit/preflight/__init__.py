@@ -20,6 +20,7 @@ from toolkit.config.families import FAMILY_SPECS
 from toolkit.config.load import DEFAULTS_LABEL, PathCheck
 from toolkit.data.video import frame_count_problem
 from toolkit.preflight.data_records import record_problems
+from toolkit.preflight.init_from import init_from_problems
 from toolkit.preflight.model_location import model_problems
 from toolkit.preflight.output_location import output_problems
 
@@ -36,6 +37,8 @@ def path_checks(check_output: bool = True) -> PathCheck:
         problems += record_problems(FAMILY_SPECS[family].data_schema, partial(_value, cfg), sources)
         problems += sample_image_problems(cfg, sources) + sample_reference_problems(cfg, sources)
         problems += frame_problems(cfg, sources, FAMILY_SPECS[family].data_schema)
+        problems += init_from_problems(_value(cfg, "network.init_from"), family, _value(cfg, "run.output_dir"),
+                                       sources.get("network.init_from", DEFAULTS_LABEL))
         name = _value(cfg, "model.name_or_path")
         if isinstance(name, str) and name:
             problems += model_problems(name, FAMILY_SPECS[family], _value(cfg, "model.revision"),

@@ -17,7 +17,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.config.families import FAMILY_SPECS
 from toolkit.errors import UserError
 from toolkit.train.checkpoint import META, _sha256, list_checkpoints, step_dir_name, verify_checkpoint
 
@@ -103,27 +102,6 @@ def lora_source(path: Path, log=print, key: str = "network.init_from") -> LoraSo
     except UserError as err:
         raise UserError(f"{key}: {err}") from None
     return LoraSource(path, f"folder {path}", tag=path.name)
-
-
-def other_family(path: Path, family: str, key: str = "network.init_from") -> UserError | None:
-    """The error for a run folder, its final/ or a checkpoint whose run (config.yaml) trained another family than
-    `family` or its kin (FamilySpec.lora_kin: the same denoiser); None otherwise."""
-    import yaml
-
-    for config in (path / "config.yaml", path.parent / "config.yaml"):
-        if not config.is_file():
-            continue
-        try:
-            trained = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("model", {}).get("family")
-        except (yaml.YAMLError, OSError, UnicodeDecodeError, AttributeError):
-            return None
-        kin = FAMILY_SPECS[family].lora_kin if family in FAMILY_SPECS else ()
-        if isinstance(trained, str) and trained != family and trained not in kin:
-            return UserError(f"{key}: {path} is the LoRA of a {trained} run ({config}), and this run trains {family}\n"
-                             f"  fix: give a {family} LoRA (a run folder, its final/, a checkpoint or a .safetensors "
-                             "file)")
-        return None
-    return None
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

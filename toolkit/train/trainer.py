@@ -39,7 +39,8 @@ from toolkit.train.checkpointer import Checkpointer, LoopState, OtherProcessFail
 from toolkit.train.distributed import Processes
 from toolkit.train.ema import LoraEMA
 from toolkit.train.events import Events, StepEvents
-from toolkit.train.lora_source import LoraSnapshot, lora_source, other_family
+from toolkit.preflight.init_from import other_family
+from toolkit.train.lora_source import LoraSnapshot, lora_source
 from toolkit.train.memory_plan import MemoryPlanner
 from toolkit.train.metrics import MetricsLogger
 from toolkit.train.model_setup import load_model
