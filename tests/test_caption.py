@@ -104,17 +104,19 @@ def test_edit_references_and_kohya_subfolders(tmp_path, run_cli, capsys):
     ("empty", "no images (.png, .jpg, .jpeg, .webp, .bmp) in"),
     ("metadata", "metadata.jsonl holds this folder's captions, and this command writes caption files"),
     ("model", "caption --model: cannot load"),
+    ("device", "caption --device cuda:99: not a device of this machine"),
 ])
 def test_what_it_refuses(layout, said, tmp_path, run_cli, capsys):
     data = tmp_path / "data"
     if layout != "missing":
         data.mkdir()
-    if layout in ("metadata", "model"):
+    if layout in ("metadata", "model", "device"):
         write_shapes_dataset(data, sizes=((64, 64),), count=1)
         (data / "red_circle_64x64.txt").unlink()
     if layout == "metadata":
         (data / "metadata.jsonl").write_text('{"file_name": "red_circle_64x64.png", "text": "a red circle"}\n')
     model = ["--model", str(tmp_path / "no-model")] if layout == "model" else TOKENS
+    model += ["--device", "cuda:99"] if layout == "device" else []
     assert run_cli("caption", data, *model) == 2
     err = capsys.readouterr().err
     assert said in err and "fix:" in err and "Traceback" not in err

@@ -90,8 +90,7 @@ class Captioner:
         from toolkit.tiny import resolve_model_path
 
         self.job = job
-        self.device = torch.device(job.device if job.device != "auto" else ("cuda" if torch.cuda.is_available()
-                                                                            else "cpu"))
+        self.device = _device(job.device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         path, common = resolve_model_path(job.model), {"revision": job.revision}
         try:
@@ -119,7 +118,8 @@ class Captioner:
     def __call__(self, image: Path) -> str:
         from toolkit.models.generation import generating
 
-        inputs = {k: v.to(self.device) for k, v in self.encoder.prompt(self.job.prompt or DEFAULT_PROMPT, image).items()}
+        prompt = self.encoder.prompt(self.job.prompt or DEFAULT_PROMPT, image)
+        inputs = {k: v.to(self.device) for k, v in prompt.items()}
         if self.token_types:  # transformers 5: the multimodal positions come from each token's modality
             inputs["mm_token_type_ids"] = (inputs["input_ids"] == self.encoder.image_token_id).int()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -128,6 +128,21 @@ class Captioner:
                                          temperature=None, top_p=None, top_k=None, pad_token_id=pad)
         text = self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         return " ".join(text.split())
+
+
+def _device(asked: str) -> torch.device:
+    """--device: auto (a GPU when there is one), or a device this machine has."""
+    if asked == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(asked)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cuda" and not (
+            torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count())):
+        raise UserError(f"caption --device {asked}: not a device of this machine\n  fix: auto, cpu, or cuda[:N] with "
+                        f"a GPU PyTorch sees ({torch.cuda.device_count()} here)")
+    return device
 
 
 def write_caption(file: Path, text: str) -> None:
