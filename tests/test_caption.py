@@ -13,7 +13,7 @@ import torch
 
 from toolkit.tiny.fixtures import write_shapes_dataset
 
-TOKENS = ["--model", "tiny:qwen25_vl", "--max-new-tokens", "8"]
+TOKENS = ("--model", "tiny:qwen25_vl", "--max-new-tokens", "8")
 
 
 def expected_caption(image: Path, prompt: str) -> str:
@@ -115,7 +115,7 @@ def test_what_it_refuses(layout, said, tmp_path, run_cli, capsys):
         (data / "red_circle_64x64.txt").unlink()
     if layout == "metadata":
         (data / "metadata.jsonl").write_text('{"file_name": "red_circle_64x64.png", "text": "a red circle"}\n')
-    model = ["--model", str(tmp_path / "no-model")] if layout == "model" else TOKENS
+    model = ["--model", str(tmp_path / "no-model")] if layout == "model" else list(TOKENS)
     model += ["--device", "cuda:99"] if layout == "device" else []
     assert run_cli("caption", data, *model) == 2
     err = capsys.readouterr().err

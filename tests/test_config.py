@@ -356,7 +356,7 @@ def test_every_example_config_validates_under_every_preset(config, presets, run_
         problems = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
         assert code == 2 and problems
         user_files = ("  - 'data.path' in", "  - 'model.name_or_path' in", "  - 'sample.images' in",
-                      "  - 'data.datasets[")
+                      "  - 'data.datasets[", "  - 'network.init_from' in")
         assert all(p.startswith(user_files) for p in problems), problems
     user = read_yaml_layer(config)
     problems = []
