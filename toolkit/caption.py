@@ -14,7 +14,6 @@ before it, written atomically: an interrupted run leaves whole captions, and run
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ from PIL import Image
 
 from toolkit.data.images import IMAGE_EXTS, UNREADABLE, caption_suffix, is_mask_file, kohya_subfolders
 from toolkit.data.references import is_reference_file
+from toolkit.disk import write_atomic
 from toolkit.errors import UserError
 from toolkit.train.run_dir import name_aside
 
@@ -145,13 +145,6 @@ def _device(asked: str) -> torch.device:
     return device
 
 
-def write_caption(file: Path, text: str) -> None:
-    """`text` into `file` whole or not at all (a temporary file renamed over it)."""
-    tmp = file.with_name(f".{file.name}.tmp")
-    tmp.write_text(text + "\n", encoding="utf-8")
-    os.replace(tmp, file)
-
-
 def caption_folder(job: CaptionJob, log: Callable[[str], None],
                    captioner: Callable[[Path], str] | None = None) -> CaptionReport:
     """Caption `job.folder`'s images as the module's note says; `captioner` (image -> text) is built from
@@ -188,7 +181,7 @@ def caption_folder(job: CaptionJob, log: Callable[[str], None],
             aside = name_aside(caption, "old")
             caption.rename(aside)
             report.replaced.append(aside)
-        write_caption(caption, f"{job.prefix}{text}")
+        write_atomic(caption, f"{job.prefix}{text}\n")
         report.written.append(caption)
         log(f"caption [{n}/{len(todo)}] {caption.name}: {job.prefix}{text}")
     return report

@@ -159,3 +159,12 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file renamed into place (a reader never sees half of it); a full disk
+    is named."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with disk_full_named(path.name, path.parent, len(text.encode()), remove=tmp):
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)

@@ -88,6 +88,7 @@ class DiffusionAdapter(DiffusersLoading, DiffusionData, DiffusionEval, Diffusers
         self.constants: dict[tuple, torch.Tensor] = {}  # see constant()
         self.timestep_sampling = cfg.train.timestep_sampling  # resolved from auto per family (the static plan)
         self.memory = self.memory_class(self)
+        self._sample_size_said = False  # a rounded sample size is said once (sample_size)
 
     # -- family hooks ----------------------------------------------------------------------
     def pipeline_class(self):
@@ -307,7 +308,7 @@ class DiffusionAdapter(DiffusersLoading, DiffusionData, DiffusionEval, Diffusers
         s, multiple = self.cfg.sample, self.sample_multiple()
         asked = (s.width or self.cfg.data.resolution, s.height or self.cfg.data.resolution)
         drawn = tuple(max(multiple, side // multiple * multiple) for side in asked)
-        if drawn != asked and not getattr(self, "_sample_size_said", False):
+        if drawn != asked and not self._sample_size_said:
             self._sample_size_said = True
             self.log(f"samples are drawn at {drawn[0]}x{drawn[1]}: {asked[0]}x{asked[1]} (sample.width/height, 0 "
                      f"taking data.resolution) rounded down to a multiple of {multiple}, as this model's pipeline "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -16,7 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from toolkit.config.load import as_text, resolved_container
-from toolkit.disk import disk_full_named
+from toolkit.disk import write_atomic
 from toolkit.plan.decisions import Decision, RunPlan
 from toolkit.plan.run import ResolvedRun, frozen, settings_view
 from toolkit.train.batch_size import accumulate_to, checkpoint_batch
@@ -25,14 +24,6 @@ from toolkit.train.checkpointer import OtherProcessFailed
 from toolkit.train.resume import check_resume_config, checkpoint_processes, choose_start
 from toolkit.train.run_dir import RunDir
 from toolkit.train.run_lock import RunLock
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """`text` into `path` through a temporary file renamed into place; a full disk is named (toolkit/disk.py)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with disk_full_named(path.name, path.parent, len(text.encode()), remove=tmp):
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 
 from toolkit import startup
 from toolkit.config.load import resolved_container
-from toolkit.disk import as_disk_full, disk_full_named
+from toolkit.disk import as_disk_full, disk_full_named, write_atomic
 from toolkit.errors import UserError
 from toolkit.models.base import lora_targets, trainable_parameters
 from toolkit.plan.compiled_runs import record_compiled, signature
@@ -50,7 +50,7 @@ from toolkit.train.resume import check_resume_plan
 from toolkit.rng import seed_everything
 from toolkit.train.run_dir import RunDir
 from toolkit.train.run_optimizer import evaluation_weights, run_optimizer
-from toolkit.train.run_start import config_hash, config_yaml, open_run_folder, saved_plan, write_atomic
+from toolkit.train.run_start import config_hash, config_yaml, open_run_folder, saved_plan
 from toolkit.train.signals import GracefulStop, StopRequested
 from toolkit.train.step import StepParts, Stepper, StepSums
 
