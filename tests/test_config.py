@@ -378,6 +378,7 @@ def test_every_example_config_validates_under_every_preset(config, presets, run_
                                                      ("hunyuan_video15", 199, False), ("hunyuan_video15", 200, True),
                                                      ("chroma", 199, False), ("chroma", 200, True),
                                                      ("flux_kontext", 199, False), ("flux_kontext", 200, True),
+                                                     ("qwen_image_edit", 199, False), ("qwen_image_edit", 200, True),
                                                      ("sd3", 5000, False)])
 def test_compile_auto_follows_the_measurements_and_the_run_length(family, steps, compiled, presets):
     """train.compile=auto on a GPU: on for the families measured faster compiled; SDXL and SD only for runs long

@@ -129,6 +129,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),
                tiny={"qwen_image_edit": "toolkit.tiny.qwen_image_edit:write_tiny_qwen_image_edit"},
                pipeline_class="QwenImageEditPlusPipeline", references=(1, 3),
+               compile_auto="qwen-edit-compile", compile_auto_steps=200,
                fixed_captions="qwen_image_edit encodes each caption with its reference images once and caches it "
                               "with the latents",
                lora_kin=("qwen_image",)),

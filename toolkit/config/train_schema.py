@@ -75,8 +75,8 @@ class TrainSection:
                                     "train.compile_regions says); the first step takes longer, a later run of the same "
                                     "model and settings loads what the first compiled (the cache folder). auto: on "
                                     "for the families measured faster with it on a GPU (the reason names the "
-                                    "measurement; SD from 1,000 steps, SDXL, LTX-2, HunyuanVideo 1.5, Chroma and FLUX.1 "
-                                    "Kontext from 200: runs long enough to repay a cold compile, or shorter ones whose "
+                                    "measurement; SD from 1,000 steps, SDXL, LTX-2, HunyuanVideo 1.5, Chroma, FLUX.1 "
+                                    "Kontext and Qwen-Image-Edit from 200: runs long enough to repay a cold compile, or shorter ones whose "
                                     "compiled code an earlier run of the same settings left in the cache), off on the "
                                     "CPU. A block that fails to compile runs uncompiled, with a warning. Every run "
                                     "says where its start-up went before its first step ended (the start-up line).",
