@@ -110,6 +110,63 @@ def test_i2v_quickstart_trains_with_the_start_image_as_its_condition(tmp_path, r
     assert len(load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))) == 48
 
 
+def test_i2v_lora_loads_in_the_image_to_video_pipeline_and_draws_the_sample(tmp_path, run_cli):
+    """The I2V run's LoRA file, loaded with load_lora_adapter into HunyuanVideo15ImageToVideoPipeline's transformer,
+    gives the trained model's output on an image-to-video input (start latent in the first condition frame, mask 1
+    there, SigLIP tokens), and the pipeline from the same start image draws the toolkit's sample."""
+    from toolkit.models import build_adapter
+    from toolkit.models.base import load_trainable_state_dict
+    from toolkit.plan.run import load_run
+    from toolkit.train.checkpoint import trainable_from_file
+
+    out = tmp_path / "run"
+    assert run_cli(*diffusion_train_args(QUICKSTART["i2v"], out, "train.batch_size=1", "network.alpha=16",
+                                         "save.every=2", "sample.every=2")) == 0
+    final = out / "final" / "pytorch_lora_weights.safetensors"
+    weights = load_file(str(final))
+    assert len(weights) == 2 * 12 * 2 and all(k.startswith("transformer.transformer_blocks.") for k in weights)
+
+    run = load_run([out / "config.yaml"], [])
+    adapter = build_adapter(run.cfg, cpu_runtime(run, out))
+    adapter.load()
+    load_trainable_state_dict(adapter.network, trainable_from_file(
+        load_file(str(out / "checkpoints" / "step-000002" / "trainable_state.safetensors"))))
+    pipe = _pipeline("i2v")
+    start = Image.open("configs/examples/data/clips_i2v/green_circle.png").convert("RGB").resize((64, 64))
+    inputs = _transformer_inputs(pipe, "sks, a green circle moving right on a white background")
+    adapter.pipe.image_encoder.to("cpu")
+    pixels = torch.from_numpy(np.asarray(start, dtype=np.float32) / 127.5 - 1).permute(2, 0, 1)
+    with torch.no_grad():
+        condition = adapter.encode_start(pixels[None])  # the start image as training encodes it
+    assert condition["start_latent"].shape == (1, 32, 1, 4, 4) and condition["image_embeds"].shape == (1, 16, 32)
+    inputs["hidden_states"][:, 32:64, :1] = condition["start_latent"]
+    inputs["hidden_states"][:, 64:, :1] = 1.0  # the mask: 1 on the first frame
+    inputs["image_embeds"] = condition["image_embeds"]
+    with torch.no_grad():
+        base = pipe.transformer(**inputs)[0]
+        pipe.transformer.load_lora_adapter(load_file(str(final)), prefix="transformer")
+        loaded = pipe.transformer(**inputs)[0]
+        trained = adapter.pipe.transformer(**inputs)[0]
+    assert (trained - base).abs().max() > 1e-2  # the LoRA moves the output well beyond the tolerance
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
+
+    # The sample's prompt has the trigger word in front (prompts.txt says so); the pipeline from the same start
+    # image with the loaded LoRA draws its middle frame, and without the LoRA another video.
+    prompt = (out / "samples" / "step-000002" / "prompts.txt").read_text().strip().removeprefix("00: ")
+    assert prompt == "sks, a green circle moving right on a white background"
+    pipe.guider.guidance_scale = 3.0
+    call = dict(prompt=prompt, negative_prompt="", image=start, num_frames=9, num_inference_steps=2, output_type="pil")
+    with torch.no_grad():
+        frames = pipe(**call, generator=torch.Generator("cpu").manual_seed(42)).frames[0]
+    sample = np.asarray(Image.open(out / "samples" / "step-000002" / "00.png"), dtype=np.int16)
+    assert sample.shape == (64, 64, 3) and len(frames) == 9
+    assert np.abs(np.asarray(frames[4], dtype=np.int16) - sample).max() <= 1
+    pipe.transformer.disable_lora()
+    with torch.no_grad():
+        plain = pipe(**call, generator=torch.Generator("cpu").manual_seed(42)).frames[0]
+    assert np.abs(np.asarray(plain[4], dtype=np.int16) - sample).max() >= 2
+
+
 @pytest.mark.parametrize("task", ["t2v", "i2v"])
 def test_predict_is_the_velocity_the_pipeline_steps_with(tmp_path, task):
     """One scheduler step of the pipeline from latents x at its first sigma moves x by (sigma_1 - sigma_0) *
