@@ -1,6 +1,7 @@
 """The chroma family on tiny:chroma through the real entry point: its LoRA file in ChromaPipeline.load_lora_weights
 (the same transformer output as the trained PEFT model, the same images as the toolkit's samples), the T5 padding
-masked in training as Chroma masks it, and predict against one step of the pipeline."""
+masked in training as Chroma masks it, predict against one step of the pipeline, block swap (the same LoRA) and
+fp8 (the blocks' linear layers quantized)."""
 
 from __future__ import annotations
 
@@ -194,3 +195,47 @@ def test_predict_is_the_velocity_the_pipeline_steps_with(tmp_path):
     config = pipe.vae.config
     torch.testing.assert_close(batch["latents"], (encoded - config.shift_factor) * config.scaling_factor,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_swapped_and_checkpointed_train_the_same_lora(tmp_path, run_cli, capsys):
+    """model.block_swap=1 (one of tiny:chroma's 2 blocks, its double and its single block, in pinned CPU memory)
+    with both checkpointed gives the same losses and LoRA as the plain run, bit for bit."""
+    out, losses = {}, {}
+    for name, more in (("plain", []), ("swapped", ["model.block_swap=1", "train.gradient_checkpointing=2"])):
+        assert run_cli(*diffusion_train_args("quickstart_chroma.yaml", tmp_path / name, "sample.prompts=[]", *more)) == 0
+        out[name] = load_file(tmp_path / name / "final" / "pytorch_lora_weights.safetensors")
+        losses[name] = [r["loss"] for r in read_metrics(tmp_path / name)]
+    log = capsys.readouterr().err
+    assert "model.block_swap=1: 1 of 2 blocks swapped" in log
+    assert "blocks: transformer: 2 blocks, 2 gradient-checkpointed, 1 swapped" in log
+    assert "blocks: transformer: 2 blocks, 0 gradient-checkpointed, 0 swapped" in log
+    assert len(losses["plain"]) == 2 and all(np.isfinite(losses["plain"])) and losses["swapped"] == losses["plain"]
+    assert out["plain"].keys() == out["swapped"].keys() and len(out["plain"]) == 17 * 3
+    assert all(torch.equal(out["plain"][k], out["swapped"][k]) for k in out["plain"])
+
+
+def test_fp8_quantizes_the_blocks_linear_layers(tmp_path, run_cli, capsys):
+    """model.quantize=fp8: the 17 linear layers of the 2 blocks (12 attention and feed-forward projections of the
+    double block, 5 of the single block: the LoRA's targets) in the toolkit's fp8 layer, and nothing outside the
+    blocks (embedders, output projection, the guidance approximator); the run trains the same LoRA keys, near the
+    16-bit losses."""
+    from toolkit.kernels.fp8_linear import Float8Linear
+
+    for name, extra in (("fp8", ["model.quantize=fp8"]), ("plain", ["model.quantize=none"])):
+        assert run_cli(*diffusion_train_args("quickstart_chroma.yaml", tmp_path / name, "sample.prompts=[]", *extra)) == 0
+    assert "model: quantized 17 linear layers of the transformer to fp8 (toolkit)" in capsys.readouterr().err
+    fp8, plain = ([r["loss"] for r in read_metrics(tmp_path / n)] for n in ("fp8", "plain"))
+    assert len(fp8) == 2 and fp8 != plain and fp8 == pytest.approx(plain, rel=0.05)
+    files = [load_file(tmp_path / n / "final" / "pytorch_lora_weights.safetensors") for n in ("fp8", "plain")]
+    assert files[0].keys() == files[1].keys()
+
+    adapter, _ = adapter_for("quickstart_chroma.yaml", tmp_path / "loaded", "model.quantize=fp8")
+    modules = dict(adapter.pipe.transformer.named_modules())
+    quantized = {name.removesuffix(".base_layer") for name, m in modules.items() if isinstance(m, Float8Linear)}
+    lora_targets = {name for name, m in modules.items() if hasattr(m, "lora_A")}
+    assert len(quantized) == 17 and quantized == lora_targets
+    assert sum(n.startswith("transformer_blocks.0.") for n in quantized) == 12
+    assert sum(n.startswith("single_transformer_blocks.0.") for n in quantized) == 5
+    plain_linear = [n for n, m in modules.items() if type(m) is torch.nn.Linear and "lora_" not in n]
+    assert any(n.startswith("distilled_guidance_layer.") for n in plain_linear)
+    assert {"x_embedder", "context_embedder", "proj_out"} <= set(plain_linear)
