@@ -1,6 +1,7 @@
 """Clips cut from longer videos (data.frame_extraction, musubi-tuner's head / chunk / slide / uniform / full with
 target_frames, frame_stride, frame_sample, max_frames; spread: ai-toolkit's num_frames over the whole video) and
-their buckets by frames and size, down to the frames each loaded clip holds and a training run's bucket table.
+their buckets by frames and size, down to the frames each loaded clip holds and a training run's bucket table;
+and a frame setting that no dataset's mode reads refused by `validate` and `train` (exit 2).
 
 Frame i of a synthetic video has the background red = 8 * i, so a loaded tensor tells which frames it took.
 """
@@ -13,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
-from helpers import diffusion_train_args, read_metrics
+from helpers import REPO, diffusion_train_args, read_metrics
 from toolkit.config.data_schemas import VideoDataSection
 from toolkit.data.video import H264_ENCODERS, clip_spans, load_clip, scan_clips
 from toolkit.errors import UserError
@@ -146,20 +147,37 @@ def test_clips_of_different_lengths_and_sizes_bucket_by_frames_and_size(tmp_path
                         "     80 x 48    (ratio 1.67) x   9 frames: 6 clips")
 
 
-def test_a_run_trains_on_extracted_clips_one_bucket_a_batch(tmp_path, run_cli, capsys, own_data_caches):
+def test_a_run_trains_on_extracted_clips_one_bucket_a_batch(tmp_path, run_cli, capsys, own_data_caches,
+                                                             monkeypatch):
     """Through the entry point (hunyuan_video15, batch 2): the clips cut from the folder, their bucket table, the
-    latents of every clip encoded once, and the steps that train on them."""
+    latents of every clip encoded once, the steps that train on them, and every batch the run collates holding
+    clips of one bucket (the folder has 5 buckets); the run's config.yaml, every frame setting in it, validates."""
+    from toolkit.data.images import DiffusionDataset
+
+    collate, batches = DiffusionDataset.collate, []
+
+    def recorded(dataset, entries, epoch=0):
+        batches.append([dataset.items[e % len(dataset.items)].bucket for e in entries])
+        return collate(dataset, entries, epoch)
+
+    monkeypatch.setattr(DiffusionDataset, "collate", recorded)
     _mixed_folder(tmp_path / "clips")
     out = tmp_path / "run"
     args = diffusion_train_args("quickstart_hunyuan15.yaml", out, f"data.path={tmp_path / 'clips'}",
-                                "data.frame_extraction=chunk", "data.target_frames=[5,9]", "train.steps=3")
+                                "data.frame_extraction=chunk", "data.target_frames=[5,9]", "train.steps=4")
     assert run_cli(*args) == 0
     log = capsys.readouterr().err
     assert "frame extraction (chunk): 23 clips from 5 files" in log
     assert "     80 x 48    (ratio 1.67) x   5 frames: 13 clips" in log
     assert "latents: 0 cached, 23 encoded" in log
-    assert len(read_metrics(out)) == 3
+    assert len(read_metrics(out)) == 4
     assert re.search(r"model: hunyuan_video15 .*; 23 training samples", log)
+    assert len(batches) >= 4 and all(len(set(buckets)) == 1 for buckets in batches), batches
+    assert sum(len(buckets) == 2 for buckets in batches) >= 3  # batch 2: most batches are pairs of one bucket
+    assert len({buckets[0] for buckets in batches}) >= 2       # and the steps visit several buckets
+    config = OmegaConf.load(out / "config.yaml")
+    assert (config.data.frame_stride, config.data.frame_sample, config.data.max_frames) == (1, 1, 129)
+    assert run_cli("validate", out / "config.yaml", f"run.output_dir={tmp_path / 'again'}") == 0
 
 
 def test_ai_toolkits_and_musubis_names_suggest_the_keys(run_cli, capsys):
@@ -209,7 +227,8 @@ def test_an_unknown_frame_extraction_in_a_dataset_entry_is_named(tmp_path, run_c
     clips = tmp_path / "clips"
     clips.mkdir()
     _webp(clips / "clip.webp", _frames(LONG, (64, 64)))
-    entries = "data.datasets=[{path: %s, frame_stride: 2}, {path: %s, frame_extraction: slid}]" % (clips, clips)
+    entries = ("data.datasets=[{path: %s, frame_extraction: slide, frame_stride: 2}, "
+               "{path: %s, frame_extraction: slid}]" % (clips, clips))
     code = run_cli("train", REPO / "configs/examples/quickstart_hunyuan15.yaml", f"run.output_dir={tmp_path / 'run'}",
                    entries)
     err = capsys.readouterr().err
@@ -230,3 +249,88 @@ def test_an_entrys_own_target_frames_error_names_the_entrys_key(tmp_path, run_cl
     assert code == 2 and "Traceback" not in err
     assert ("'data.datasets[0].target_frames' in command line: 8 is not 4k+1 (the VAE compresses time by 4); use 5 or 9"
             in err)
+
+
+# Each frame setting only some modes read (FRAME_EXTRACTION_SETTINGS), at a value other than its default:
+UNREAD = {"target_frames": ("[9,17]", "head, chunk, slide, uniform"), "frame_stride": ("5", "slide"),
+          "frame_sample": ("3", "uniform"), "max_frames": ("33", "full")}
+READS = {"spread": (), "head": ("target_frames",), "chunk": ("target_frames",),
+         "slide": ("target_frames", "frame_stride"), "uniform": ("target_frames", "frame_sample"),
+         "full": ("max_frames",)}
+
+
+def _validate(run_cli, *overrides):
+    return run_cli("validate", REPO / "configs/examples/quickstart_hunyuan15.yaml", *overrides)
+
+
+@pytest.mark.parametrize("mode", sorted(READS))
+def test_validate_refuses_each_frame_setting_the_mode_does_not_read(run_cli, capsys, mode):
+    """Every frame setting given: those the mode does not read are each refused by name (exit 2), those it reads
+    pass; given alone, the ones it reads are accepted."""
+    assert _validate(run_cli, f"data.frame_extraction={mode}",
+                     *(f"data.{key}={value}" for key, (value, _) in UNREAD.items())) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for key, (_, readers) in UNREAD.items():
+        message = (f"'data.{key}' in command line has no effect with data.frame_extraction={mode}; remove it, or "
+                   f"set data.frame_extraction to one that reads it: {readers}")
+        assert (message in err) == (key not in READS[mode]), key
+    assert err.count("has no effect") == len(UNREAD) - len(READS[mode])
+    assert _validate(run_cli, f"data.frame_extraction={mode}",
+                     *(f"data.{key}={UNREAD[key][0]}" for key in READS[mode])) == 0
+    assert "config OK" in capsys.readouterr().err
+
+
+def test_frame_settings_at_their_defaults_are_never_refused(tmp_path, run_cli, capsys):
+    """Written out at the schema's values (as a run's config.yaml writes every key), in a YAML file, on the command
+    line and in a dataset entry, under spread, which reads none of them."""
+    yaml = tmp_path / "defaults.yaml"
+    yaml.write_text("data:\n  frame_extraction: spread\n  target_frames: []\n  frame_stride: 1\n  frame_sample: 1\n"
+                    "  max_frames: 129\n")
+    entry = ("data.datasets=[{path: configs/examples/data/shapes, target_frames: [], frame_stride: 1, "
+             "frame_sample: 1, max_frames: 129}]")
+    assert run_cli("validate", REPO / "configs/examples/quickstart_hunyuan15.yaml", yaml, entry,
+                   "data.frame_stride=1", "data.max_frames=129") == 0
+    assert "config OK" in capsys.readouterr().err
+
+
+def test_a_frame_setting_in_a_yaml_file_is_named_with_its_line(tmp_path, run_cli, capsys):
+    yaml = tmp_path / "spread.yaml"
+    yaml.write_text("data:\n  target_frames: [9, 17]\n")
+    assert run_cli("validate", REPO / "configs/examples/quickstart_hunyuan15.yaml", yaml) == 2
+    err = capsys.readouterr().err
+    assert (f"'data.target_frames' in {yaml}:2 has no effect with data.frame_extraction=spread; remove it, or set "
+            "data.frame_extraction to one that reads it: head, chunk, slide, uniform") in err
+
+
+def test_dataset_entries_frame_settings_are_checked_with_the_mode_each_cuts_by(run_cli, capsys):
+    """An entry's own key against its own mode (or data.frame_extraction, which it inherits); data.<key> is read
+    when an entry that leaves the key unset cuts by a mode that reads it."""
+    shapes = "configs/examples/data/shapes"
+    entries = (f"data.datasets=[{{path: {shapes}, frame_sample: 3}}, "
+               f"{{path: {shapes}, frame_extraction: head, max_frames: 33}}, "
+               f"{{path: {shapes}, frame_extraction: uniform, frame_sample: 3}}]")
+    assert _validate(run_cli, entries, "data.frame_stride=5") == 2
+    err = capsys.readouterr().err
+    assert ("'data.datasets[0].frame_sample' in command line has no effect with data.frame_extraction=spread; "
+            "remove it, or set data.datasets[0].frame_extraction to one that reads it: uniform") in err
+    assert ("'data.datasets[1].max_frames' in command line has no effect with data.datasets[1].frame_extraction=head; "
+            "remove it, or set data.datasets[1].frame_extraction to one that reads it: full") in err
+    assert ("'data.frame_stride' in command line has no effect with data.frame_extraction=spread, "
+            "data.datasets[1].frame_extraction=head, data.datasets[2].frame_extraction=uniform; remove it, or set "
+            "data.frame_extraction to one that reads it: slide") in err
+    assert err.count("has no effect") == 3 and "data.datasets[2].frame_sample" not in err
+    # data.frame_stride read by an entry that slides and leaves it unset; data.target_frames by one that takes heads
+    assert _validate(run_cli, f"data.datasets=[{{path: {shapes}, frame_extraction: slide}}, "
+                     f"{{path: {shapes}, frame_extraction: head}}]", "data.frame_stride=5",
+                     "data.target_frames=[9]") == 0
+
+
+def test_train_refuses_an_unread_frame_setting_before_anything_loads(tmp_path, run_cli, capsys):
+    code = run_cli("train", REPO / "configs/examples/quickstart_hunyuan15.yaml", f"run.output_dir={tmp_path / 'run'}",
+                   "data.target_frames=[9,17]")
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert ("'data.target_frames' in command line has no effect with data.frame_extraction=spread; remove it, or set "
+            "data.frame_extraction to one that reads it: head, chunk, slide, uniform") in err
+    assert not (tmp_path / "run").exists()

@@ -157,6 +157,17 @@ class ReferenceImageDataSection(ImageDataSection):
 
 FRAME_EXTRACTION_MODES = ("spread", "head", "chunk", "slide", "uniform", "full")
 
+FRAME_EXTRACTION_SETTINGS: dict[str, tuple[str, ...]] = {
+    "target_frames": ("head", "chunk", "slide", "uniform"),
+    "frame_stride": ("slide",),
+    "frame_sample": ("uniform",),
+    "max_frames": ("full",),
+}
+"""The data keys that only some frame_extraction modes read (data/video.py's clip_spans), and those modes. Set to
+other than its default where no dataset's mode reads it, a key is a config error (preflight's
+unread_frame_settings), as a setting of another train.objective is: it would be ignored. (data.num_frames is read
+by every mode: spread's clip length, the others' when target_frames is empty, and the sample length.)"""
+
 
 @dataclass
 class VideoDatasetEntry(DatasetEntry):
@@ -200,11 +211,14 @@ class VideoDataSection(ImageDataSection):
                                 "frame_sample, max_frames); these are the defaults.",
                                 choices=FRAME_EXTRACTION_MODES)
     target_frames: List[int] = opt([], "Frames per extracted clip, each 4k+1 (musubi-tuner's target_frames): one "
-                                   "or more lengths, each extracted on its own (head, chunk, slide, uniform); "
-                                   "empty: [num_frames].")
-    frame_stride: int = opt(1, "frame_extraction=slide: frames between the starts of two clips.", minimum=1)
-    frame_sample: int = opt(1, "frame_extraction=uniform: clips per video and length.", minimum=1)
-    max_frames: int = opt(129, "frame_extraction=full: the most frames a clip takes (4k+1 at most).", minimum=1)
+                                   "or more lengths, each extracted on its own (head, chunk, slide, uniform; an "
+                                   "error where no dataset cuts by one of these); empty: [num_frames].")
+    frame_stride: int = opt(1, "frame_extraction=slide: frames between the starts of two clips (an error where "
+                            "no dataset slides).", minimum=1)
+    frame_sample: int = opt(1, "frame_extraction=uniform: clips per video and length (an error where no dataset's "
+                            "mode is uniform).", minimum=1)
+    max_frames: int = opt(129, "frame_extraction=full: the most frames a clip takes (4k+1 at most; an error "
+                          "where no dataset's mode is full).", minimum=1)
 
 
 @dataclass

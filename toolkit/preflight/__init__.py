@@ -12,10 +12,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from toolkit.config.data_schemas import FILE_DATA_SCHEMAS
+from toolkit.config.data_schemas import FILE_DATA_SCHEMAS, FRAME_EXTRACTION_MODES, FRAME_EXTRACTION_SETTINGS
 from toolkit.config.families import FAMILY_SPECS
 from toolkit.config.load import DEFAULTS_LABEL, PathCheck
 from toolkit.data.video import frame_count_problem
@@ -37,6 +37,7 @@ def path_checks(check_output: bool = True) -> PathCheck:
         problems += record_problems(FAMILY_SPECS[family].data_schema, partial(_value, cfg), sources)
         problems += sample_image_problems(cfg, sources) + sample_reference_problems(cfg, sources)
         problems += frame_problems(cfg, sources, FAMILY_SPECS[family].data_schema)
+        problems += unread_frame_settings(cfg, sources, FAMILY_SPECS[family].data_schema)
         problems += init_from_problems(_value(cfg, "network.init_from"), family, _value(cfg, "run.output_dir"),
                                        sources.get("network.init_from", DEFAULTS_LABEL))
         name = _value(cfg, "model.name_or_path")
@@ -161,6 +162,44 @@ def frame_problems(cfg: DictConfig, sources: dict, schema: type) -> list[str]:
                     "data.datasets", DEFAULTS_LABEL)
                 problems.append(f"'{prefix}.{name}' in {where}: {problem}")
     return problems
+
+
+def unread_frame_settings(cfg: DictConfig, sources: dict, schema: type) -> list[str]:
+    """The frame settings only some data.frame_extraction modes read (FRAME_EXTRACTION_SETTINGS), set to other than
+    their default where no dataset's mode reads them. data.<key> is read by data.path's dataset and by each
+    data.datasets entry that leaves the key unset; an entry's own key by that entry alone (with its own
+    frame_extraction, else data.frame_extraction). A mode outside the choices is reported by the choices check."""
+    if not getattr(schema, "time_compression", 0):
+        return []
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema))
+    mode = _value(cfg, "data.frame_extraction")
+    entries = list(_value(cfg, "data.datasets") or [])
+    problems = []
+    for key, readers in FRAME_EXTRACTION_SETTINGS.items():
+        fix = f"to one that reads it: {', '.join(readers)}"
+        inheriting = [(f"data.datasets[{n}].frame_extraction", entry.get("frame_extraction"))
+                      for n, entry in enumerate(entries)
+                      if entry.get(key) is None and entry.get("frame_extraction") is not None]
+        modes = [("data.frame_extraction", mode), *inheriting]
+        if (f"data.{key}" in sources and _plain(_value(cfg, f"data.{key}")) != defaults[key]
+                and all(m in FRAME_EXTRACTION_MODES and m not in readers for _, m in modes)):
+            said = ", ".join(f"{name}={m}" for name, m in modes)
+            problems.append(f"'data.{key}' in {sources[f'data.{key}']} has no effect with {said}; remove it, or set "
+                            f"data.frame_extraction {fix}")
+        for n, entry in enumerate(entries):
+            value, own = _plain(entry.get(key)), entry.get("frame_extraction")
+            used = own or mode
+            if value is None or value == defaults[key] or used not in FRAME_EXTRACTION_MODES or used in readers:
+                continue
+            said = f"data.datasets[{n}].frame_extraction={own}" if own else f"data.frame_extraction={mode}"
+            problems.append(f"'data.datasets[{n}].{key}' in {sources.get('data.datasets', DEFAULTS_LABEL)} has no "
+                            f"effect with {said}; remove it, or set data.datasets[{n}].frame_extraction {fix}")
+    return problems
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain Python (a list for a ListConfig), to compare with a schema default."""
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 def sample_checks(cfg: DictConfig, sources: dict) -> list[str]:
