@@ -120,6 +120,136 @@ def test_changing_only_the_second_reference_changes_the_loss(family, tmp_path):
     assert abs(float(loss) - float(other_loss)) > 1e-6
 
 
+def _references_folder(data: Path, numbered: bool) -> Path:
+    """The dataset at `data` with its references moved into references/: name_refN.png as they are, or (one
+    reference a target) name_ref0.png as references/name.png."""
+    folder = data / "references"
+    folder.mkdir()
+    for ref in sorted(data.glob("*_ref*.png")):
+        ref.rename(folder / (ref.name if numbered else ref.name.replace("_ref0", "")))
+    return data
+
+
+@pytest.mark.parametrize("family, numbered", [("qwen_image_edit", True), ("flux_kontext", False)])
+def test_references_folder_trains_as_references_beside_the_targets(family, numbered, tmp_path, run_cli, capsys):
+    """docs/edit.md's references/ layouts: references/name_ref0.png, name_ref1.png (qwen_image_edit's 2), and
+    references/name.png alone (flux_kontext's 1): the log says where they came from, and the run's losses are the
+    quickstart's with the same references beside the targets."""
+    config = FAMILIES[family][0]
+    source = EDIT if family == "qwen_image_edit" else REPO / "configs/examples/data/kontext"
+    data = shutil.copytree(source, tmp_path / "data")
+    refs = len(list(data.glob("*_ref*.png")))
+    targets = len([p for p in data.glob("*.png") if "_ref" not in p.stem])
+    _references_folder(data, numbered)
+    assert not list(data.glob("*_ref*")) and len(list((data / "references").iterdir())) == refs
+    assert any(p.name.endswith("_ref1.png") for p in (data / "references").iterdir()) == numbered
+
+    assert run_cli(*diffusion_train_args(config, tmp_path / "folder", f"data.path={data}", "sample.prompts=[]",
+                                         "sample.references=[]")) == 0
+    per = refs // targets
+    assert (f"references: {refs} for {targets} targets ({targets} with {per}), from references/"
+            in capsys.readouterr().err)
+    assert run_cli(*diffusion_train_args(config, tmp_path / "beside", f"data.path={source}", "sample.prompts=[]",
+                                         "sample.references=[]")) == 0
+    assert (f"references: {refs} for {targets} targets ({targets} with {per}), from beside the targets (name_refN)"
+            in capsys.readouterr().err)
+    folder, beside = (read_metrics(tmp_path / name) for name in ("folder", "beside"))
+    assert len(folder) == 2 and [r["loss"] for r in folder] == [r["loss"] for r in beside]
+
+
+# A 128 x 64 second reference of blue_circle and a 48 x 128 first reference of red_square, for 64 x 64 targets at
+# data.resolution 64: the size each family's pipeline gives them, with its reference area (1024 x 1024) as 64 x 64.
+# Qwen-Image-Edit: calculate_dimensions(area, ratio), sides rounded to multiples of 32. FLUX.2: an image over the
+# area is scaled to it (the sides truncated), then each side cut down to a multiple of 16.
+ODD_REFERENCES = {("blue_circle", 1): (128, 64), ("red_square", 0): (48, 128)}
+ODD_BUCKETS = {"qwen_image_edit": {(128, 64): (96, 32), (48, 128): (32, 96)},
+               "flux2": {(128, 64): (80, 32), (48, 128): (32, 96)}}
+
+
+def _pipeline_reference_size(family: str, size: tuple[int, int], area: int) -> tuple[int, int]:
+    """The reference size the family's diffusers pipeline computes (its own helpers) at `area`."""
+    from PIL import Image
+
+    if family == "qwen_image_edit":
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+        return calculate_dimensions(area, size[0] / size[1])
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    width, height = Flux2ImageProcessor._resize_if_exceeds_area(Image.new("RGB", size), area).size
+    return width // 16 * 16, height // 16 * 16  # Flux2Pipeline.__call__: multiple_of = vae_scale_factor * 2
+
+
+@pytest.mark.parametrize("family", ["qwen_image_edit", "flux2"])
+def test_references_of_another_size_than_their_target_get_their_own_buckets(family, tmp_path, run_cli, capsys,
+                                                                            own_data_caches):
+    """References of other sizes and aspect ratios than their 64 x 64 targets are cut to the bucket the family's
+    pipeline would resize them to: the latent cache holds them at those sizes, an item is batched only with items
+    whose references share its buckets, and the transformer gets their tokens at those sizes (qwen_image_edit: its
+    img_shapes; flux2: its reference position ids)."""
+    config = FAMILIES[family][0]
+    data = _copy_edit_data(tmp_path / "data")
+    for (stem, i), size in ODD_REFERENCES.items():
+        path = data / f"{stem}_ref{i}.png"
+        Image.open(path).convert("RGB").resize(size).save(path)
+    expected = ODD_BUCKETS[family]
+    assert all(_pipeline_reference_size(family, size, 64 * 64) == bucket for size, bucket in expected.items())
+    down, channels = (8, 16) if family == "qwen_image_edit" else (16, 128)  # the latents' pixels per side, channels
+
+    assert run_cli(*diffusion_train_args(config, tmp_path / "run", f"data.path={data}", "sample.prompts=[]",
+                                         "sample.references=[]")) == 0
+    err = capsys.readouterr().err
+    assert "references: 12 for 6 targets (6 with 2), from beside the targets (name_refN)" in err
+    assert "latents: 0 cached, 6 encoded" in err
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    entries = [load_file(str(p)) for p in (own_data_caches / "diffusion" / "latents").rglob("*.safetensors")]
+    shapes = sorted(tuple(t.shape) for e in entries for k, t in e.items() if k.startswith("reference_latents."))
+    square = (channels, 64 // down, 64 // down)
+    odd = sorted((channels, h // down, w // down) for w, h in expected.values())
+    assert len(entries) == 6 and shapes == sorted([square] * 10 + odd)
+
+    adapter, dataset = adapter_for(config, tmp_path / "again", f"data.path={data}", "sample.prompts=[]",
+                                   "sample.references=[]")
+    assert adapter.latent_cache.hits == 6 and adapter.latent_cache.misses == 0  # the run's entries
+    for size in ((2048, 1024), (1020, 1020), (1200, 1000), (700, 1500)):  # at the pipelines' own 1024 x 1024 too
+        assert adapter.references.sizing.bucket(size, 1024 ** 2) == _pipeline_reference_size(family, size, 1024 ** 2)
+    by_name = {item.path.stem: i for i, item in enumerate(dataset.items)}
+    for (stem, index), size in ODD_REFERENCES.items():
+        item = dataset.items[by_name[stem]]
+        assert item.bucket == (64, 64) and item.reference_buckets[index] == expected[size]
+        assert tuple(dataset.encoded[by_name[stem]][0][f"reference_latents.{index}"].shape[-2:]) == \
+            (expected[size][1] // down, expected[size][0] // down)
+    groups = {stem: dataset.groups[i] for stem, i in by_name.items()}
+    plain = {groups[s] for s in ("blue_square", "green_circle", "green_square", "red_circle")}
+    assert len(plain) == 1 and len({*plain, groups["blue_circle"], groups["red_square"]}) == 3
+
+    seen = []
+    hook = adapter.pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    try:
+        for stem, _ in ODD_REFERENCES:
+            torch.manual_seed(0)
+            with torch.no_grad():
+                assert mean_loss(adapter, dataset.collate([by_name[stem]])).isfinite()
+    finally:
+        hook.remove()
+    patch = 2 if family == "qwen_image_edit" else 1  # Qwen-Image packs 2 x 2 latents a token; FLUX.2's are packed
+    side = 64 // down // patch  # a 64 x 64 image's tokens per side: 4
+    assert len(seen) == 2
+    for kwargs, ((stem, index), size) in zip(seen, ODD_REFERENCES.items()):
+        tokens = [(side, side)] * 2  # each reference's (h, w) in tokens
+        tokens[index] = (expected[size][1] // down // patch, expected[size][0] // down // patch)
+        assert kwargs["hidden_states"].shape[1] == side * side + sum(h * w for h, w in tokens)
+        if family == "qwen_image_edit":
+            assert kwargs["img_shapes"] == [[(1, side, side), *((1, h, w) for h, w in tokens)]]
+        else:  # FLUX.2's ids: (t, h, w, l), reference i at t = 10 (i + 1)
+            ids = kwargs["img_ids"].reshape(-1, 4)
+            for i, (h, w) in enumerate(tokens):
+                mine = ids[ids[:, 0] == 10 * (i + 1)]
+                assert len(mine) == h * w and (int(mine[:, 1].max()) + 1, int(mine[:, 2].max()) + 1) == (h, w)
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda d: (d / "red_square_ref1.png").unlink(),
      "red_square.png: reference 1 is missing (data.references=2; expected red_square_ref1.png"),

@@ -43,10 +43,14 @@ def is_reference_file(path: Path) -> bool:
 @dataclass(frozen=True)
 class ReferenceSizing:
     """How a family's pipeline sizes its reference images: about `area` pixels at the reference's own aspect ratio
-    (never larger than the image unless `upscale`), sides rounded to multiples of `multiple`."""
+    (never larger than the image unless `upscale`), sides rounded to multiples of `multiple`; `floor`: the scaled
+    sides truncated and then cut down to a multiple (Flux2Pipeline's int() and `// multiple_of * multiple_of`,
+    which keep a reference within the area), instead of rounded to the nearest (Qwen-Image-Edit's
+    calculate_dimensions)."""
 
     multiple: int
     upscale: bool = True
+    floor: bool = False
     max_references: int | None = None
 
     def bucket(self, size: tuple[int, int], area: int) -> tuple[int, int]:
@@ -55,6 +59,8 @@ class ReferenceSizing:
             scale = math.sqrt(area / (width * height))
             width, height = width * scale, height * scale
         step = self.multiple
+        if self.floor:
+            return max(step, int(width) // step * step), max(step, int(height) // step * step)
         return max(step, round(width / step) * step), max(step, round(height / step) * step)
 
 

@@ -15,8 +15,8 @@ What differs from Flux.1:
 - Reference images (docs/edit.md), when the dataset has them: each one's latents (normalised as the target's) are
   packed after the image's tokens with position ids whose time coordinate is 10, 20, ... (Flux2Pipeline's
   _prepare_image_ids for its `image` list); the loss is on the image's tokens. A reference keeps its size up to
-  data.resolution squared (the pipeline's 1024 x 1024 cap), sides multiples of 16. sample.references gives a
-  prompt its reference images.
+  data.resolution squared (the pipeline's 1024 x 1024 cap), sides cut down to multiples of 16 as the pipeline cuts
+  them. sample.references gives a prompt its reference images.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class Flux2Adapter(ReferencedTargets, FlowMatching, DiffusionAdapter):
         self.scheduler_shift()  # dynamic (the config says so) unless train.flow_shift is a number
         self.guidance_embeds = bool(self.pipe.transformer.config.guidance_embeds)
         fewest, most = family_spec(self.cfg.model.family).references
-        self.references = References(ReferenceSizing(multiple=16, upscale=False, max_references=most),
+        self.references = References(ReferenceSizing(multiple=16, upscale=False, floor=True,
+                                                     max_references=most),
                                      self.encode_pixels, self.to_device, required=fewest > 0, data=self.cfg.data)
         self.sample_refs = sample_references([list(r) for r in self.cfg.sample.references], self.sample_prompts(),
                                              required=fewest > 0)
