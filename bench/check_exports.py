@@ -14,6 +14,9 @@ from the checkpoint's exact tensors). Then final/'s file and step 1's checkpoint
   WanModel names, matched to diffusers' by diffusers' convert_wan_transformer_to_diffusers; Chroma: Flux's
   converter, its keys checked against ComfyUI's own Chroma model, comfy.model_base.Chroma as the model class;
   LTX-2: the blocks' names, checked against ComfyUI's own LTXAV model, comfy.model_base.LTXAV as the class).
+  FLUX.2: ComfyUI's own Flux.2 model of the same size (comfy.ldm.flux.model.Flux with model_detection's flux2
+  settings), each diffusers weight placed where diffusers' convert_flux2_transformer_checkpoint_to_diffusers takes
+  it from, comfy.model_base.Flux2 as the class; the save.format=comfyui file, trained with reference images.
   HunyuanVideo 1.5: the save.format=comfyui file on ComfyUI's own HunyuanVideo model's block keys, each fused
   qkv the diffusers q, k and v stacked, comfy.model_base.HunyuanVideo15 as the model class).
 - kohya sd-scripts (sd, sdxl): networks/lora.py create_network_from_weights + merge_to on the diffusers UNet and
@@ -64,8 +67,11 @@ FAMILIES = {  # quickstart, extra overrides
     # every linear layer of the blocks: the modulation too; its ComfyUI file is the save.format=comfyui one
     "hunyuan_video15": ("quickstart_hunyuan15.yaml", ["network.target_modules=all-linear", "save.format=comfyui",
                                                       "train.batch_size=1"]),
+    # every linear layer ComfyUI's Flux map could name (the blocks, x_embedder, context_embedder, proj_out)
+    "flux2": ("quickstart_flux2_references.yaml", ["network.target_modules=all-linear", "save.format=comfyui"]),
 }
-COMFYUI_COPY = {"hunyuan_video15": "quickstart_hunyuan15_comfyui.safetensors"}  # diffusers' names in the main file
+COMFYUI_COPY = {"hunyuan_video15": "quickstart_hunyuan15_comfyui.safetensors",  # diffusers' names in the main file
+                "flux2": "quickstart_flux2_references_comfyui.safetensors"}
 EXPERTS = {"transformer": "high_noise", "transformer_2": "low_noise"}
 
 
@@ -215,6 +221,8 @@ class ComfyUI:
             return self.ltx2_layout(adapter.component(name), weights)
         if family == "hunyuan_video15":
             return self.hunyuan15_layout(adapter.component(name), weights)
+        if family == "flux2":
+            return self.flux2_layout(adapter.component(name), weights)
         if family in ("qwen_image", "qwen_image_edit"):
             state = {f"diffusion_model.{k}": v for k, v in weights.items()}
             return self.stand_in(comfy.model_base.QwenImage, state, {}), state
@@ -294,6 +302,46 @@ class ComfyUI:
         assert not wrong, f"not in ComfyUI's HunyuanVideo 1.5 (or another shape there): {wrong[:4]}"
         state.update(placed)
         return self.stand_in(self.comfy.model_base.HunyuanVideo15, state, {}), state
+
+    def flux2_layout(self, transformer, weights: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
+        """The diffusers FLUX.2 weights in the layout of ComfyUI's own Flux.2 model of the same size
+        (comfy.ldm.flux.model.Flux with the settings comfy.model_detection gives flux2). Where each diffusers row
+        sits: diffusers' convert_flux2_transformer_checkpoint_to_diffusers run on that model's tensors, filled with
+        distinct random values (rows of a fused qkv, the swapped halves of the final modulation); its keys and shapes
+        must be the tiny transformer's, and every ComfyUI weight must be filled."""
+        from comfy.ldm.flux.model import Flux
+        from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+        comfy, c = self.comfy, transformer.config
+        own = Flux(image_model="flux2", in_channels=c.in_channels, out_channels=c.out_channels or c.in_channels,
+                   vec_in_dim=None, context_in_dim=c.joint_attention_dim,
+                   hidden_size=c.num_attention_heads * c.attention_head_dim, mlp_ratio=c.mlp_ratio,
+                   num_heads=c.num_attention_heads, depth=c.num_layers, depth_single_blocks=c.num_single_layers,
+                   axes_dim=list(c.axes_dims_rope), theta=c.rope_theta, patch_size=c.patch_size, qkv_bias=False,
+                   guidance_embed=c.guidance_embeds, txt_ids_dims=[3], global_modulation=True, mlp_silu_act=True,
+                   ops_bias=False, operations=torch.nn).state_dict()
+        torch.manual_seed(0)
+        filled = {k: torch.randn(v.shape, dtype=torch.float64) for k, v in own.items()}
+        converted = convert_flux2_transformer_checkpoint_to_diffusers(dict(filled))
+        wrong = sorted(k for k in set(weights) | set(converted)
+                       if k not in weights or k not in converted or weights[k].shape != converted[k].shape)
+        assert not wrong, f"diffusers' FLUX.2 converter and the tiny transformer differ on {wrong[:4]}"
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(t.shape[0], -1) if t.ndim > 1 else t[None]
+
+        source = {row.numpy().tobytes(): (key, r) for key, t in filled.items() for r, row in enumerate(rows(t))}
+        placed = {k: rows(torch.full_like(v, float("nan"), dtype=torch.float32)) for k, v in own.items()}
+        for name, tensor in converted.items():
+            for i, row in enumerate(rows(tensor)):
+                key, r = source[row.numpy().tobytes()]
+                placed[key][r] = rows(weights[name])[i]
+        empty = sorted(k for k, v in placed.items() if v.isnan().any())
+        assert not empty, f"ComfyUI's Flux.2 weights no diffusers weight fills: {empty[:4]}"
+        state = {f"diffusion_model.{k}": placed[k].reshape(v.shape) for k, v in own.items()}
+        config = comfy.model_detection.detect_unet_config(state, "diffusion_model.")
+        assert config["image_model"] == "flux2", f"ComfyUI detects the layout as {config['image_model']}"
+        return self.stand_in(comfy.model_base.Flux2, state, config), state
 
     def clip_layout(self, adapter) -> tuple[object, dict[str, torch.Tensor]]:
         """ComfyUI's CLIP models keep transformers 4's CLIPTextModel names under clip_l.transformer / clip_g.transformer

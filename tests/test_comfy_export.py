@@ -13,10 +13,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from helpers import diffusion_train_args
 from toolkit.models.diffusion_chroma import CHROMA_ALL_LINEAR
 from toolkit.models.diffusion_flux2 import FLUX2_ALL_LINEAR
 from toolkit.models.lora_export import (Factor, chroma_keys, diffusers_keys_scaled, diffusers_keys_with_alpha,
-                                        flux2_keys, peft_factors, qwen_image_keys, wan_native_keys, z_image_keys)
+                                        flux2_comfy_keys, flux2_keys, peft_factors, qwen_image_keys, wan_native_keys,
+                                        z_image_keys)
 
 # Each family's key style, as its adapter names it (transformer_key_style).
 KEYS = {"flux": diffusers_keys_with_alpha, "sd3": diffusers_keys_scaled, "wan21": wan_native_keys,
@@ -341,6 +343,68 @@ def test_flux2_module_without_comfyui_name_is_an_error():
     with pytest.raises(ValueError, match="no ComfyUI Flux.2 name for the LoRA modules "
                                          "\\['double_stream_modulation_img.linear'\\]"):
         flux2_keys(factors)
+
+
+# The Flux.2 modules ComfyUI's diffusers-name map (Flux.1's, comfy.utils.flux_to_diffusers) has; the rest of the
+# blocks' layers it skipped as "lora key not loaded" (bench/results/check-exports-flux2-cpu-2026-11-29.md).
+FLUX2_IN_COMFYUI_FLUX_MAP = {"transformer_blocks.0.attn." + m for m in (
+    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")} | {
+    "x_embedder", "context_embedder", "proj_out"}
+
+
+def test_flux2_comfyui_file_names_the_feed_forwards_and_single_block_projections_as_comfyuis_flux2_model():
+    """save.format=comfyui for flux2: the modules ComfyUI's Flux map names keep their `transformer.` keys; the
+    feed-forwards and the single blocks' fused projections go under `diffusion_model.` with the original (BFL) names
+    of ComfyUI's Flux.2 model, which diffusers' own FLUX.2 checkpoint converter turns back into those modules. The
+    tensors are flux2_keys' (the scale folded into lora_A, no alphas)."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    factors = peft_factors(_lora(_tiny_flux2, FLUX2_ALL_LINEAR, alpha=6.0), torch.float32)
+    diffusers_file, comfy_file = flux2_keys(factors), flux2_comfy_keys(factors)
+
+    kept = {k.removeprefix("transformer.").removesuffix(".lora_A.weight") for k in comfy_file
+            if k.startswith("transformer.") and k.endswith(".lora_A.weight")}
+    assert kept == FLUX2_IN_COMFYUI_FLUX_MAP
+    renamed = {k.removeprefix("diffusion_model.").removesuffix(".lora_A.weight") for k in comfy_file
+               if k.startswith("diffusion_model.") and k.endswith(".lora_A.weight")}
+    assert renamed == {"double_blocks.0.img_mlp.0", "double_blocks.0.img_mlp.2", "double_blocks.0.txt_mlp.0",
+                       "double_blocks.0.txt_mlp.2", "single_blocks.0.linear1", "single_blocks.0.linear2"}
+    modules = {}  # ComfyUI name -> the diffusers module diffusers' converter makes of it
+    for name in renamed:
+        (key,) = convert_flux2_transformer_checkpoint_to_diffusers({f"{name}.weight": torch.zeros(1)})
+        modules[name] = key.removesuffix(".weight")
+    assert set(modules.values()) == set(factors) - FLUX2_IN_COMFYUI_FLUX_MAP
+    assert len(comfy_file) == len(diffusers_file) == 2 * len(factors)
+    for key, tensor in comfy_file.items():
+        name, part = key.removeprefix("diffusion_model.").rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+        source = f"transformer.{modules[name]}.{part}.weight" if key.startswith("diffusion_model.") else key
+        assert torch.equal(tensor, diffusers_file[source]), key
+
+
+@pytest.mark.usefixtures("own_data_caches")  # the flux2 quickstart's captions: other tests count their encodings
+def test_flux2_quickstart_writes_its_comfyui_file_in_comfyuis_names(tmp_path, run_cli):
+    """`python -m toolkit train` on the flux2 quickstart (save.format=comfyui): pytorch_lora_weights.safetensors keeps
+    diffusers' names; the ComfyUI file holds the same tensors with the feed-forwards and single-block projections
+    renamed (lora_export.FLUX2_COMFYUI_RENAMES)."""
+    out = tmp_path / "run"
+    assert run_cli(*diffusion_train_args("quickstart_flux2.yaml", out)) == 0
+    main = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    comfy = load_file(str(out / "final" / "quickstart_flux2_comfyui.safetensors"))
+    assert all(k.startswith("transformer.") for k in main)
+    renames = {"transformer_blocks.0.ff.linear_in": "double_blocks.0.img_mlp.0",
+               "transformer_blocks.0.ff.linear_out": "double_blocks.0.img_mlp.2",
+               "transformer_blocks.0.ff_context.linear_in": "double_blocks.0.txt_mlp.0",
+               "transformer_blocks.0.ff_context.linear_out": "double_blocks.0.txt_mlp.2",
+               "single_transformer_blocks.0.attn.to_qkv_mlp_proj": "single_blocks.0.linear1",
+               "single_transformer_blocks.0.attn.to_out": "single_blocks.0.linear2"}
+
+    def comfy_name(key: str) -> str:
+        module, part, weight = key.removeprefix("transformer.").rsplit(".", 2)
+        return f"diffusion_model.{renames[module]}.{part}.{weight}" if module in renames else key
+
+    assert sorted(comfy) == sorted(comfy_name(k) for k in main)
+    assert all(torch.equal(comfy[comfy_name(k)], v) for k, v in main.items())
+    assert sum(k.startswith("diffusion_model.") for k in comfy) == 2 * len(renames)
 
 
 def test_chroma_approximator_without_comfyui_name_is_an_error():

@@ -11,7 +11,9 @@ What differs from Flux.1:
 - Sigma shift: the pipeline's own, compute_empirical_mu(tokens, steps), a fit that depends on the number of
   inference steps below 4300 tokens. Training uses it at FLUX.2's usual 50 steps (mu 2.02 at 1024x1024, ComfyUI's
   fixed Flux.2 shift), so the LoRA learns most where inference spends its steps; train.flow_shift=<number> replaces it.
-- The LoRA file: `transformer.<diffusers module>` with the scale folded into lora_A (lora_export.flux2_keys).
+- The LoRA file: `transformer.<diffusers module>` with the scale folded into lora_A (lora_export.flux2_keys);
+  save.format=comfyui's file names the feed-forwards and single-block projections as ComfyUI's Flux.2 model does,
+  which its diffusers-name map lacks (lora_export.flux2_comfy_keys).
 - Reference images (docs/edit.md), when the dataset has them: each one's latents (normalised as the target's) are
   packed after the image's tokens with position ids whose time coordinate is 10, 20, ... (Flux2Pipeline's
   _prepare_image_ids for its `image` list); the loss is on the image's tokens. A reference keeps its size up to
@@ -21,6 +23,7 @@ What differs from Flux.1:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +34,8 @@ from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.flow_matching import SigmaSampler
 from toolkit.models.lora import target_modules
-from toolkit.models.lora_export import flux2_keys
+from toolkit.models.lora_export import flux2_comfy_keys, flux2_keys
+from toolkit.models.lycoris_files import TENSORS
 from toolkit.models.objectives import Noised
 from toolkit.models.references import References, ReferencedTargets
 
@@ -133,6 +137,19 @@ class Flux2Adapter(ReferencedTargets, FlowMatching, DiffusionAdapter):
                                                       lambda: Flux2Pipeline._prepare_text_ids(embeds)),
                                 return_dict=False)[0]
         return unpack_flux2(pred[:, :tokens[0].shape[1]], h, w)
+
+    # -- LoRA files ------------------------------------------------------------------------
+    def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
+        """pytorch_lora_weights.safetensors in diffusers' names; save.format=comfyui: its copy rewritten in the names
+        ComfyUI reads (flux2_comfy_keys). A LyCORIS copy stays as written."""
+        from safetensors.torch import save_file
+
+        files = super().save_lora(out_dir, dtype)
+        comfy = out_dir / f"{self.cfg.run.name}_comfyui.safetensors"
+        if comfy in files and self.cfg.network.type not in TENSORS:
+            (transformer,) = self.lora_factors(dtype).values()  # its modules passed flux2_keys for the main file
+            save_file(flux2_comfy_keys(transformer), str(comfy), metadata=self.lora_metadata())
+        return files
 
     # -- samples ---------------------------------------------------------------------------
     def generate(self, prompt: str, seed: int) -> list:

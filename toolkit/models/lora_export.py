@@ -13,7 +13,8 @@ loader and, where the family has one, kohya's sd-scripts or musubi-tuner all rea
 - chroma (`chroma_keys`): Flux's, for the modules ComfyUI's Flux map names (not the guidance approximator).
 - z_image (`z_image_keys`): as Qwen-Image, diffusers module names under `diffusion_model.` with `.alpha`.
 - sd3 (`diffusers_keys_scaled`), flux2 (`flux2_keys`): diffusers module names with the scale folded into lora_A:
-  diffusers' SD3 and Flux.2 readers refuse any key without "lora" in it, so an `.alpha` cannot be written.
+  diffusers' SD3 and Flux.2 readers refuse any key without "lora" in it, so an `.alpha` cannot be written. Flux.2's
+  save.format=comfyui file (`flux2_comfy_keys`) names the modules ComfyUI's Flux map lacks as ComfyUI's model does.
 - wan21, wan22 (`wan_native_keys`): ComfyUI's and the original Wan module names under `diffusion_model.`.
 - ltx2 (`ltx2_keys`): the original LTX-2 module names under `diffusion_model.`, as LTX-2 LoRAs are published (for
   the blocks' attention and feed-forward layers they are diffusers' names), the scale folded into lora_A.
@@ -154,9 +155,9 @@ def z_image_keys(factors: Factors) -> dict[str, torch.Tensor]:
     return diffusers_keys_with_alpha(factors, prefix="diffusion_model")
 
 
-# Flux.2 modules that ComfyUI maps from diffusers names (comfy.utils.flux_to_diffusers, which serves Flux.2 too): the
-# blocks' attention and feed-forward layers, the single blocks' fused projections, and the input / output layers.
-# The shared modulation layers and the time / guidance embedders have no diffusers-name entry there.
+# Flux.2 modules a ComfyUI file can name: the blocks' attention and feed-forward layers, the single blocks' fused
+# projections, and the input / output layers. The shared modulation layers and the time / guidance embedders are not
+# among them (a diffusers-layout file, diffusion_files.py).
 FLUX2_COMFYUI_MODULES = re.compile(
     r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
     r"|ff\.linear_(in|out)|ff_context\.linear_(in|out))"
@@ -171,6 +172,38 @@ def flux2_keys(factors: Factors) -> dict[str, torch.Tensor]:
     if unmapped:
         raise ValueError(f"no ComfyUI Flux.2 name for the LoRA modules {unmapped[:4]}")
     return diffusers_keys_scaled(factors)
+
+
+# ComfyUI's diffusers-name map for Flux.2 is Flux.1's (comfy/lora.py model_lora_keys_unet through
+# comfy.utils.flux_to_diffusers): it has the attention layers (to_q/k/v as slices of the fused qkv) and x_embedder / context_embedder / proj_out, but
+# none of Flux.2's SwiGLU feed-forwards (ff.linear_in/out) or single-block fused projections (attn.to_qkv_mlp_proj,
+# attn.to_out), whose `transformer.` keys it skips ("lora key not loaded"; bench/check_exports.py flux2). Those go
+# under ComfyUI's generic `diffusion_model.<module>` key with its Flux.2 model's names (the original BFL layout; the
+# same pairs as diffusers' convert_flux2_transformer_checkpoint_to_diffusers).
+FLUX2_COMFYUI_RENAMES = {  # (diffusers block list, module in the block) -> (ComfyUI block list, module)
+    ("transformer_blocks", "ff.linear_in"): ("double_blocks", "img_mlp.0"),
+    ("transformer_blocks", "ff.linear_out"): ("double_blocks", "img_mlp.2"),
+    ("transformer_blocks", "ff_context.linear_in"): ("double_blocks", "txt_mlp.0"),
+    ("transformer_blocks", "ff_context.linear_out"): ("double_blocks", "txt_mlp.2"),
+    ("single_transformer_blocks", "attn.to_qkv_mlp_proj"): ("single_blocks", "linear1"),
+    ("single_transformer_blocks", "attn.to_out"): ("single_blocks", "linear2"),
+}
+
+
+def flux2_comfy_keys(factors: Factors) -> dict[str, torch.Tensor]:
+    """Flux.2's save.format=comfyui file: flux2_keys, with the modules ComfyUI's Flux map lacks as
+    `diffusion_model.<ComfyUI block list>.N.<module>.lora_A/lora_B.weight` (FLUX2_COMFYUI_RENAMES); ComfyUI, finding no
+    alpha, applies B @ A. A module ComfyUI has no name for is a ValueError."""
+    out = flux2_keys(factors)
+    for module in factors:
+        blocks, _, rest = module.partition(".")
+        index, _, inner = rest.partition(".")
+        if (blocks, inner) in FLUX2_COMFYUI_RENAMES:
+            comfy_blocks, comfy_inner = FLUX2_COMFYUI_RENAMES[blocks, inner]
+            for part in ("lora_A", "lora_B"):
+                out[f"diffusion_model.{comfy_blocks}.{index}.{comfy_inner}.{part}.weight"] = out.pop(
+                    f"transformer.{module}.{part}.weight")
+    return out
 
 
 # Chroma modules that ComfyUI maps from diffusers names: its Chroma model is a Flux model to the LoRA loader
