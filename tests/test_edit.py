@@ -250,6 +250,39 @@ def test_references_of_another_size_than_their_target_get_their_own_buckets(fami
                 assert len(mine) == h * w and (int(mine[:, 1].max()) + 1, int(mine[:, 2].max()) + 1) == (h, w)
 
 
+@pytest.mark.parametrize("family", ["qwen_image_edit", "flux2"])
+def test_changing_one_reference_re_encodes_only_its_target(family, tmp_path, run_cli, capsys, own_data_caches):
+    """A second run after one reference image changed: 5 targets come from the latent cache as they are (their
+    files untouched), red_square is encoded again into a new entry, whose target latents and first reference are
+    the old entry's and whose second reference is not (qwen_image_edit: its text too, encoded with the
+    references)."""
+    config = FAMILIES[family][0]
+    data = _copy_edit_data(tmp_path / "data")
+
+    def train(name: str) -> str:
+        assert run_cli(*diffusion_train_args(config, tmp_path / name, f"data.path={data}", "sample.prompts=[]",
+                                             "sample.references=[]", "train.steps=1")) == 0
+        return capsys.readouterr().err
+
+    assert "latents: 0 cached, 6 encoded" in train("first")
+    cache = own_data_caches / "diffusion" / "latents"
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
+    assert len(before) == 6
+    Image.new("RGB", (64, 64), (250, 200, 0)).save(data / "red_square_ref1.png")
+    err = train("second")
+    assert "latents: 5 cached, 1 encoded" in err
+    if family == "flux2":  # its captions' text is cached apart from the references
+        assert "text embeddings: 6 cached, 0 encoded" in err
+    after = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
+    assert len(after) == 7 and all(after[p] == mtime for p, mtime in before.items())
+    (new,) = (load_file(str(p)) for p in set(after) - set(before))
+    (old,) = (e for e in (load_file(str(p)) for p in before) if torch.equal(e["latents"], new["latents"]))
+    assert torch.equal(old["reference_latents.0"], new["reference_latents.0"])
+    assert (old["reference_latents.1"] - new["reference_latents.1"]).abs().max() > 1e-2
+    if family == "qwen_image_edit":
+        assert not torch.equal(old["prompt_embeds"], new["prompt_embeds"])
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda d: (d / "red_square_ref1.png").unlink(),
      "red_square.png: reference 1 is missing (data.references=2; expected red_square_ref1.png"),
