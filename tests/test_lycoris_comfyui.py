@@ -104,6 +104,8 @@ RUN = ["train.steps=2", "train.batch_size=2", "train.lr=5e-2", "save.every=1", "
     ("sd", "quickstart_sd.yaml", "loha", ()),
     ("flux", "quickstart_flux.yaml", "lokr", ()),   # q, k, v into ComfyUI's fused qkv (row offsets)
     ("flux", "quickstart_flux.yaml", "loha", ()),
+    # the feed-forwards and the single blocks' projections under ComfyUI's Flux.2 names (its Flux map lacks them)
+    ("flux2", "quickstart_flux2_references.yaml", "lokr", ("network.target_modules=all-linear",)),
 ])
 def test_comfyui_applies_the_trained_update_at_alpha_3_rank_2(run_cli, tmp_path, own_data_caches, comfyui,
                                                              family, config, kind, extra):

@@ -153,6 +153,31 @@ def test_init_from_reads_the_lycoris_file_back_at_the_file_s_scale(run_cli, tmp_
         torch.testing.assert_close(again[key], update, rtol=1e-6, atol=1e-7)
 
 
+def test_a_flux2_lokr_file_names_modules_as_comfyui_s_flux2_model_and_reads_back(run_cli, tmp_path, own_data_caches):
+    """FLUX.2's LoKr file is for ComfyUI: the feed-forwards and the single blocks' projections, which ComfyUI's Flux
+    map lacks, take its Flux.2 model's names (the rest keep diffusers' `transformer.` names, which it maps), and
+    network.init_from reads the file back to the same update (ComfyUI's own loader: test_lycoris_comfyui.py)."""
+    flux2 = ["configs/examples/quickstart_flux2_references.yaml", *RUN, "network.type=lokr", "network.rank=2",
+             "network.target_modules=all-linear"]
+    out = tmp_path / "run"
+    assert run_cli("train", *flux2, f"run.output_dir={out}") == 0
+    modules = {k.rsplit(".", 1)[0] for k in load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))}
+    assert {"diffusion_model.double_blocks.0.img_mlp.0", "diffusion_model.double_blocks.0.txt_mlp.2",
+            "diffusion_model.single_blocks.0.linear1", "diffusion_model.single_blocks.0.linear2",
+            "transformer.transformer_blocks.0.attn.to_q"} <= modules
+    assert not any("ff.linear_in" in m or "to_qkv_mlp_proj" in m or "single_transformer_blocks.0.attn.to_out" in m
+                   for m in modules)
+
+    second = tmp_path / "second"
+    assert run_cli("train", *flux2, f"run.output_dir={second}", "train.lr=0", "train.steps=1",
+                   f"network.init_from={out}") == 0
+    first = _peft_updates(_trained_adapter(out, 2).network["transformer"])
+    again = _peft_updates(_trained_adapter(second, 1).network["transformer"])
+    assert first.keys() == again.keys() and len(first) == len(modules)
+    for key, update in first.items():
+        torch.testing.assert_close(again[key], update, rtol=1e-6, atol=1e-7)
+
+
 def test_a_lora_file_into_a_lokr_run_is_a_named_error(run_cli, tmp_path, own_data_caches, capsys):
     out = _train(run_cli, tmp_path / "run", "loha", 2)
     code = run_cli("train", "configs/examples/quickstart_sd.yaml", f"run.output_dir={tmp_path / 'second'}", *RUN,

@@ -67,7 +67,12 @@ class DiffusersLoraFiles:
         the family's LoRA key style's names."""
         kind = self.cfg.network.type
         paths = {name: list(peft_modules(self.network[name], kind, torch.float32)) for name in names}
-        return module_names(self.lora_key_style, paths)
+        return module_names(self.lycoris_key_style, paths)
+
+    def lycoris_key_style(self, factors: dict[str, Factors]) -> dict[str, torch.Tensor]:
+        """The key style LoKr / LoHa modules are named by: the family's LoRA key style, unless a family's readers
+        of LyCORIS files (ComfyUI) need other names (Flux.2)."""
+        return self.lora_key_style(factors)
 
     def check_lycoris_names(self) -> None:
         """At load, before any step: every LoKr / LoHa module has a name in the family's files."""

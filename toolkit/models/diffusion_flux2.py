@@ -34,7 +34,7 @@ from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.flow_matching import SigmaSampler
 from toolkit.models.lora import target_modules
-from toolkit.models.lora_export import flux2_comfy_keys, flux2_keys
+from toolkit.models.lora_export import Factors, flux2_comfy_keys, flux2_keys
 from toolkit.models.lycoris_files import TENSORS
 from toolkit.models.objectives import Noised
 from toolkit.models.references import References, ReferencedTargets
@@ -139,9 +139,17 @@ class Flux2Adapter(ReferencedTargets, FlowMatching, DiffusionAdapter):
         return unpack_flux2(pred[:, :tokens[0].shape[1]], h, w)
 
     # -- LoRA files ------------------------------------------------------------------------
+    def lycoris_key_style(self, factors: dict[str, Factors]) -> dict[str, torch.Tensor]:
+        """A LoKr / LoHa file is for ComfyUI (diffusers reads no LyCORIS keys): its modules take the names ComfyUI's
+        Flux.2 model reads (flux2_comfy_keys), as the save.format=comfyui LoRA does; with diffusers' names ComfyUI
+        skipped the feed-forwards and the single blocks' projections."""
+        (transformer,) = factors.values()
+        return flux2_comfy_keys(transformer)
+
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
         """pytorch_lora_weights.safetensors in diffusers' names; save.format=comfyui: its copy rewritten in the names
-        ComfyUI reads (flux2_comfy_keys). A LyCORIS copy stays as written."""
+        ComfyUI reads (flux2_comfy_keys). A LyCORIS file has ComfyUI's names already (lycoris_names): its copy is
+        the same file."""
         from safetensors.torch import save_file
 
         files = super().save_lora(out_dir, dtype)
