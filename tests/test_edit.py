@@ -83,6 +83,58 @@ def test_edit_family_trains_and_its_lora_changes_the_edit_pipeline_as_its_sample
     assert np.abs(with_lora - trained).max() <= 1
 
 
+KONTEXT = REPO / "configs/examples/data/kontext"
+TWO_SAMPLES = {"qwen_image_edit": [[EDIT / "green_circle_ref0.png", EDIT / "blue_square_ref1.png"],
+                                   [EDIT / "red_square_ref0.png", EDIT / "green_circle_ref1.png"]],
+               "flux2": [[EDIT / "green_circle_ref0.png", EDIT / "blue_square_ref1.png"],
+                         [EDIT / "red_square_ref0.png", EDIT / "green_circle_ref1.png"]],
+               "flux_kontext": [[KONTEXT / "blue_circle_ref0.png"], [KONTEXT / "red_square_ref0.png"]]}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_sample_prompt_takes_its_own_references(family, tmp_path, run_cli, monkeypatch):
+    """Two sample prompts of one text, each with its own sample.references: the trainer's pipeline call for sample i
+    gets prompt i's reference images (their pixels) and seed sample.seed + i, and sample 1 is the edit pipeline's
+    image with the run's LoRA for its references. (The tiny models' images move by under 1/255 when only the
+    references change, except Kontext's: the call's images are compared, not the samples.)"""
+    import diffusers
+
+    config, pipeline_name, tiny, call, _, _ = FAMILIES[family]
+    text = PROMPTS.get(family, PROMPT)
+    refs = TWO_SAMPLES[family]
+    seen = []
+    pipeline_class = getattr(diffusers, pipeline_name)
+    original = pipeline_class.__call__
+
+    def watched(pipe, *args, **kwargs):
+        images = kwargs["image"] if isinstance(kwargs["image"], list) else [kwargs["image"]]
+        seen.append(([np.asarray(image) for image in images], kwargs["generator"].initial_seed()))
+        return original(pipe, *args, **kwargs)
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        patched.setattr(pipeline_class, "__call__", watched)
+        assert run_cli(*diffusion_train_args(config, out, "network.alpha=16", "save.every=2", "sample.every=2",
+                                             f"sample.prompts=[{text}, {text}]",
+                                             "sample.references=[" + ", ".join(f"[{', '.join(map(str, r))}]"
+                                                                               for r in refs) + "]")) == 0
+    folder = out / "samples" / "step-000002"
+    assert (folder / "prompts.txt").read_text().splitlines() == [f"00: {text}", f"01: {text}"]
+    assert [seed for _, seed in seen] == [42, 43]
+    for (images, _), paths in zip(seen, refs):
+        assert len(images) == len(paths)
+        assert all(np.array_equal(image, np.asarray(Image.open(p).convert("RGB"))) for image, p in zip(images, paths))
+    assert not np.array_equal(seen[0][0][0], seen[1][0][0])
+
+    pipe = load_pipeline(pipeline_name, tiny)
+    pipe.load_lora_weights(str(out / "final"))
+    images = [Image.open(p).convert("RGB") for p in refs[1]]
+    result = pipe(prompt=text, image=images[0] if family == "flux_kontext" else images, num_inference_steps=2,
+                  width=64, height=64, generator=torch.Generator("cpu").manual_seed(43), **call)
+    sample = np.asarray(Image.open(folder / "01.png"), dtype=np.int16)
+    assert np.abs(np.asarray(result.images[0], dtype=np.int16) - sample).max() <= 1
+
+
 def _copy_edit_data(folder: Path) -> Path:
     shutil.copytree(EDIT, folder)
     return folder
