@@ -144,7 +144,8 @@ def _copy_edit_data(folder: Path) -> Path:
 def test_changing_only_the_second_reference_changes_the_loss(family, tmp_path):
     """Both references reach the model: the same batch and noise give a bit-identical loss, and a dataset that
     differs only in one target's second reference gives another (qwen_image_edit: its text too, which the
-    Qwen2.5-VL encoder computes with the references in the prompt)."""
+    Qwen2.5-VL encoder computes with the references in the prompt). The second reference's latents alone, the
+    cached text kept, change the loss too: the image path, not only the text, carries it."""
     config = FAMILIES[family][0]
     same = _copy_edit_data(tmp_path / "same")
     changed = _copy_edit_data(tmp_path / "changed")
@@ -160,16 +161,26 @@ def test_changing_only_the_second_reference_changes_the_loss(family, tmp_path):
             with torch.no_grad():
                 losses.append(mean_loss(adapter, batch))
         assert torch.equal(losses[0], losses[1])  # nothing changed: bit-identical
-        return losses[0], batch
+        return losses[0], batch, adapter
 
-    loss, batch = loss_and_batch(same)
-    other_loss, other = loss_and_batch(changed)
+    loss, batch, adapter = loss_and_batch(same)
+    other_loss, other, _ = loss_and_batch(changed)
     assert torch.equal(batch["latents"], other["latents"])
     assert torch.equal(batch["reference_latents.0"], other["reference_latents.0"])
     assert not torch.equal(batch["reference_latents.1"], other["reference_latents.1"])
     if family == "qwen_image_edit":
         assert not torch.equal(batch["prompt_embeds"], other["prompt_embeds"])
     assert abs(float(loss) - float(other_loss)) > 1e-6
+
+    # The image path alone: the first batch, its cached text included, with only the second reference's latents
+    # taken from the other (for qwen_image_edit, the text its encoder computed with the new reference left out).
+    alone = {**batch, "reference_latents.1": other["reference_latents.1"]}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        image_path = mean_loss(adapter, alone)
+    assert abs(float(image_path) - float(loss)) > 1e-5  # 4.6e-4 (qwen_image_edit), 4.8e-5 (flux2); float noise ~1e-7
+    if family == "flux2":  # its text does not depend on the references: that is the other dataset's loss
+        assert torch.equal(image_path, other_loss)
 
 
 def _references_folder(data: Path, numbered: bool) -> Path:
