@@ -263,3 +263,39 @@ def test_control_paths_of_a_family_without_references_are_listed(tmp_path, run_c
     assert "not translated: datasets[0].control_path = '/c': the flux family trains without control images" \
         in captured.err
     assert "reference_paths" not in captured.out.split("# not translated")[0]
+
+
+def test_an_ltx2_3_job_translates_as_the_ltx2_family(tmp_path, run_cli, capsys):
+    """ai-toolkit's arch "ltx2.3" (its LTX23Model, an LTX2Model) is the ltx2 family here: the ltx2 fixture with
+    arch ltx2.3 and Lightricks/LTX-2.3 translates to the same config and the same notes but the model's name (the
+    translation says nothing of its own about LTX-2.3), and validates with tiny:ltx2."""
+    from toolkit.plan.run import load_run
+    from toolkit.preflight import path_checks
+
+    text = (FIXTURES / "ltx2.yaml").read_text()
+    for old, new in (("arch: 'ltx2'", "arch: 'ltx2.3'"), ('"Lightricks/LTX-2"', '"Lightricks/LTX-2.3"')):
+        assert text.count(old) == 1
+        text = text.replace(old, new)
+    job = tmp_path / "ltx2_3.yaml"
+    job.write_text(text)
+    translations = []
+    for path in (FIXTURES / "ltx2.yaml", job):
+        assert run_cli("import-aitk", path) == 0
+        captured = capsys.readouterr()
+        translations.append((yaml.safe_load(captured.out), captured.err, captured.out))
+    (ltx2, ltx2_err, _), (ltx23, ltx23_err, ltx23_out) = translations
+    assert ltx23["model"] == {"family": "ltx2", "name_or_path": "Lightricks/LTX-2.3", "quantize": "8bit"}
+    assert {**ltx23, "model": {**ltx23["model"], "name_or_path": "Lightricks/LTX-2"}} == ltx2
+    assert ltx23["data"]["num_frames"] == 121 and ltx23["data"]["audio"] == "auto"
+    assert ltx23["train"]["frame_rate"] == 24.0 and ltx23["sample"]["num_frames"] == 97
+    assert ltx23_err == ltx2_err and "not translated" not in ltx23_err
+    assert "changed: sample.num_frames: 100 frames -> 97 (clips here are 8k+1 frames)" in ltx23_err
+    assert "# 0 settings not translated, 4 as this toolkit does anyway (see the end)" in ltx23_out
+    mentions = [line for line in (ltx23_out + ltx23_err).splitlines() if "LTX-2.3" in line or "ltx2.3" in line]
+    assert mentions == ["  name_or_path: Lightricks/LTX-2.3"]
+
+    translated = tmp_path / "config.yaml"
+    translated.write_text(yaml.safe_dump(ltx23))
+    run = load_run([translated], ["model.name_or_path=tiny:ltx2", f"data.path={DATA / 'clips'}"], device=H100,
+                   check_paths=path_checks(check_output=False))
+    assert run.cfg.model.family == "ltx2" and run.cfg.data.num_frames == 121 and run.cfg.train.frame_rate == 24.0
