@@ -20,7 +20,8 @@ H100 = DeviceInfo("cuda", "sm_90", "test H100", 80.0, bf16=True)  # the jobs are
 CASES = {
     "flux": ("tiny:flux", "shapes", {
         "run.name": "shapes_flux_v1", "run.output_dir": "output/${run.name}", "model.family": "flux",
-        "model.name_or_path": "black-forest-labs/FLUX.1-dev", "model.quantize": "8bit", "network.rank": 16,
+        "model.name_or_path": "black-forest-labs/FLUX.1-dev", "model.quantize": "8bit", "network.init": "kaiming",
+        "network.rank": 16,
         "network.alpha": 8.0, "data.path": "/data/shapes", "data.caption_ext": ".txt", "data.trigger_word": "sks",
         "data.caption_dropout": 0.05, "data.resolution": 1024, "data.resolutions": [512, 768, 1024], "train.steps": 1500, "train.lr": 1e-4,
         "train.optimizer": "adamw8bit", "train.eps": 1e-6, "train.weight_decay": 0.01, "train.precision": "bf16",
@@ -30,7 +31,8 @@ CASES = {
         "sample.guidance_scale": 3.5, "sample.num_inference_steps": 28, "sample.seed": 42},
         ["model.low_vram", "train.content_or_style", "performance_log_every"]),
     "sdxl": ("tiny:sdxl", "shapes", {
-        "run.output_dir": "/runs/${run.name}", "model.family": "sdxl", "model.dtype": "fp16", "network.rank": 32,
+        "run.output_dir": "/runs/${run.name}", "model.family": "sdxl", "model.dtype": "fp16", "network.init": "kaiming",
+        "network.rank": 32,
         "network.alpha": 16.0, "data.path": "/data/sdxl", "data.caption_ext": ".caption", "data.shuffle_tags": True,
         "data.keep_tokens": 1, "data.bucket_step": 32, "data.cache_latents": False, "train.batch_size": 4,
         "train.grad_accum": 2, "train.lr": 5e-5, "train.optimizer": "adamw", "train.weight_decay": 0.02,

@@ -67,6 +67,10 @@ def network(out: Translation, s: Section) -> None:
                                                        "here") + "; a LoRA of the same rank and alpha is trained instead")
     if kind == "lokr":
         lokr_network(out, s)
+    else:  # ai-toolkit's LoRA modules start A kaiming-uniform (toolkit/lora_special.py), the job's lr assumes it
+        out.set("network.init", "kaiming", s.key("type"), kind)
+        out.note(s.key("type"), "network.init: kaiming, as ai-toolkit starts a LoRA (this toolkit's diffusion default "
+                 "is gaussian), so the job's learning rate takes the steps it took there")
     for lokr in ("lokr_full_rank", "lokr_factor", "old_lokr_format"):
         s.skip(lokr, "applies to LoKr only")
     out.read(s.key("rank"), s.key("alpha"))  # ai-toolkit's older names of linear and linear_alpha

@@ -48,6 +48,7 @@ FOREIGN_KEYS: dict[str, ForeignKey] = {
     "lora_target_modules": ForeignKey("network.target_modules", "axolotl"),
     "use_dora": ForeignKey("network.type", "PEFT", "network.type: dora"),
     "use_rslora": ForeignKey("network.rslora", "PEFT"),
+    "init_lora_weights": ForeignKey("network.init", "PEFT", "network.init: gaussian or kaiming (PEFT's true)"),
     "finetune_vision_layers": ForeignKey("network.vision_layers", "unsloth"),
     "freeze_vision_tower": ForeignKey("network.vision_layers", "LLaMA-Factory", "the opposite sense: "
                                       "network.vision_layers: true trains a LoRA on the vision tower"),

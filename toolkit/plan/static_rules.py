@@ -115,7 +115,7 @@ def network_type_checks(f: Facts) -> None:
         f.problems.append(f"'network.type'={kind} is for the diffusion families (LyCORIS files for ComfyUI and "
                           "kohya); an llm trains lora or dora: set network.type=lora")
     if kind in LYCORIS_TYPES:
-        for key, plain in (("network.dropout", 0.0), ("network.rslora", False)):
+        for key, plain in (("network.dropout", 0.0), ("network.rslora", False), ("network.init", "auto")):
             if f.asked(key) != plain:
                 f.problems.append(f"'{key}'={f.asked(key)} is a LoRA setting that PEFT's {kind} adapter does not "
                                   f"have: set {key}={str(plain).lower()}, or network.type=lora")
