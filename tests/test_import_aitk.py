@@ -301,3 +301,18 @@ def test_an_ltx2_3_job_translates_as_the_ltx2_family(tmp_path, run_cli, capsys):
     run = load_run([translated], ["model.name_or_path=tiny:ltx2", f"data.path={DATA / 'clips'}"], device=H100,
                    check_paths=path_checks(check_output=False))
     assert run.cfg.model.family == "ltx2" and run.cfg.data.num_frames == 121 and run.cfg.train.frame_rate == 24.0
+
+
+def test_a_single_file_checkpoint_is_translated_with_a_note_that_names_the_fix(tmp_path, run_cli, capsys):
+    """ai-toolkit's UI gives some arches (LTX-2.3's among them) one checkpoint file; this toolkit loads a diffusers
+    folder or Hub id: the translation keeps the path and says so, and validate names the file."""
+    text = (FIXTURES / "ltx2.yaml").read_text()
+    file = tmp_path / "ltx-2.3-22b-dev.safetensors"
+    file.write_bytes(b"")
+    job = tmp_path / "job.yaml"
+    job.write_text(text.replace('"Lightricks/LTX-2"', f'"{file}"'))
+    assert run_cli("import-aitk", job) == 0
+    captured = capsys.readouterr()
+    assert yaml.safe_load(captured.out)["model"]["name_or_path"] == str(file)
+    assert (f"model.name_or_path: {file} is one checkpoint file; this toolkit loads a model from a diffusers folder "
+            "or Hub id (validate refuses the file): set model.name_or_path to the model's diffusers repo") in captured.err

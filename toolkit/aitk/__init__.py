@@ -33,6 +33,8 @@ ARCH_FLAGS = (("is_v2", "sd2"), ("is_v3", "sd3"), ("is_xl", "sdxl"), ("is_pixart
               ("is_lumina2", "lumina2"), ("is_vega", "vega"), ("is_ssd", "ssd"))
 QUANTIZED = {"qfloat8": "8bit", "float8": "8bit", "qint8": "8bit", "int8": "8bit", "uint8": "8bit", "qint4": "4bit",
              "int4": "4bit", "uint4": "4bit"}
+SINGLE_FILES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".gguf")  # one-file checkpoints (ai-toolkit's UI
+# default for some arches, LTX-2.3's among them)
 SECTIONS = ("run", "device", "model", "network", "data", "train", "save", "sample", "log")
 
 
@@ -102,6 +104,9 @@ def model(out: Translation, s: Section, arch: str) -> None:
         raise UserError("the job's model section has no name_or_path\n  fix: add model.name_or_path (a Hub id or "
                         "folder) to the job")
     out.set("model.name_or_path", str(path), s.key("name_or_path"))
+    if str(path).lower().endswith(SINGLE_FILES):
+        out.note(s.key("name_or_path"), f"{path} is one checkpoint file; this toolkit loads a model from a diffusers "
+                 "folder or Hub id (validate refuses the file): set model.name_or_path to the model's diffusers repo")
     if s.has("dtype"):
         weights = dtype(s.take("dtype"), s.key("dtype"), out)
         if weights:
