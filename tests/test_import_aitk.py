@@ -305,7 +305,7 @@ def test_an_ltx2_3_job_translates_as_the_ltx2_family(tmp_path, run_cli, capsys):
 
 def test_a_single_file_checkpoint_is_translated_with_a_note_that_names_the_fix(tmp_path, run_cli, capsys):
     """ai-toolkit's UI gives some arches (LTX-2.3's among them) one checkpoint file; this toolkit loads a diffusers
-    folder or Hub id: the translation keeps the path and says so, and validate names the file."""
+    folder or Hub id: the translation keeps the path and says so, and validate names the file with the layout."""
     text = (FIXTURES / "ltx2.yaml").read_text()
     file = tmp_path / "ltx-2.3-22b-dev.safetensors"
     file.write_bytes(b"")
@@ -316,3 +316,7 @@ def test_a_single_file_checkpoint_is_translated_with_a_note_that_names_the_fix(t
     assert yaml.safe_load(captured.out)["model"]["name_or_path"] == str(file)
     assert (f"model.name_or_path: {file} is one checkpoint file; this toolkit loads a model from a diffusers folder "
             "or Hub id (validate refuses the file): set model.name_or_path to the model's diffusers repo") in captured.err
+    translated = tmp_path / "config.yaml"
+    translated.write_text(captured.out)
+    assert run_cli("validate", translated, f"data.path={DATA / 'clips'}") == 2
+    assert f"{file} is a file; give the folder that holds the model (a diffusers pipeline folder" in capsys.readouterr().err

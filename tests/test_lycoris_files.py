@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from toolkit.models.base import load_trainable_state_dict
 
@@ -176,6 +176,29 @@ def test_a_flux2_lokr_file_names_modules_as_comfyui_s_flux2_model_and_reads_back
     assert first.keys() == again.keys() and len(first) == len(modules)
     for key, update in first.items():
         torch.testing.assert_close(again[key], update, rtol=1e-6, atol=1e-7)
+
+    # a file written before the rename (those modules under diffusers' names) is read under today's names
+    renames = {"diffusion_model.double_blocks.": "transformer.transformer_blocks.",
+               "diffusion_model.single_blocks.": "transformer.single_transformer_blocks."}
+    inner = {".img_mlp.0.": ".ff.linear_in.", ".img_mlp.2.": ".ff.linear_out.", ".txt_mlp.0.": ".ff_context.linear_in.",
+             ".txt_mlp.2.": ".ff_context.linear_out.", ".linear1.": ".attn.to_qkv_mlp_proj.",
+             ".linear2.": ".attn.to_out."}
+    old_names = {}
+    for key, value in load_file(str(out / "final" / "pytorch_lora_weights.safetensors")).items():
+        for new_prefix, old_prefix in renames.items():
+            if key.startswith(new_prefix):
+                key = old_prefix + key[len(new_prefix):]
+                key = next((key.replace(a, b) for a, b in inner.items() if a in key), key)
+        old_names[key] = value
+    assert sum(k.startswith("diffusion_model.") for k in old_names) == 0
+    old_file = tmp_path / "old_names.safetensors"
+    save_file(old_names, str(old_file))
+    third = tmp_path / "third"
+    assert run_cli("train", *flux2, f"run.output_dir={third}", "train.lr=0", "train.steps=1",
+                   f"network.init_from={old_file}") == 0
+    from_old = _peft_updates(_trained_adapter(third, 1).network["transformer"])
+    for key, update in first.items():
+        torch.testing.assert_close(from_old[key], update, rtol=1e-6, atol=1e-7)
 
 
 def test_a_lora_file_into_a_lokr_run_is_a_named_error(run_cli, tmp_path, own_data_caches, capsys):

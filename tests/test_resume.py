@@ -394,3 +394,52 @@ def test_data_that_changed_since_the_run_began_names_the_data_in_the_fix(tmp_pat
         extra.unlink()
     assert run_cli(*first, "train.steps=4") == 0  # the data put back: the run resumes
     assert f"resumed from {out / 'checkpoints' / 'step-000002'} (step 2)" in capsys.readouterr().err
+
+
+def test_settings_that_change_nothing_a_resumed_run_learns_are_said_not_refused():
+    """network.init is read when a run starts (a resumed run's LoRA comes from its checkpoint), and a frame setting
+    that no data.frame_extraction mode reads (a run begun before preflight refused it) changes nothing: both are
+    said and settled before the comparison, which then finds no change. A frame setting a mode reads is compared
+    as before."""
+    from toolkit.train.resume import config_changes
+    from toolkit.train.resume_unread import settle_unread
+
+    def config(init, data):
+        return {"model": {"family": "wan21", "name_or_path": "tiny:wan21"}, "network": {"init": init},
+                "data": {"frame_extraction": "spread", "target_frames": [], "frame_stride": 1, "datasets": [], **data}}
+
+    saved = config("auto", {"target_frames": [9], "datasets": [{"path": "a", "frame_stride": 2},
+                                                                 {"path": "b", "frame_extraction": "full",
+                                                                  "max_frames": 33}]})
+    current = config("kaiming", {"datasets": [{"path": "a"}, {"path": "b", "frame_extraction": "full",
+                                                              "max_frames": 33}]})
+    said = []
+    settle_unread(saved, current, said.append)
+    assert said == [
+        "resume: network.init is 'kaiming' now, 'auto' when the run began: it is read when a run starts, and this "
+        "run's LoRA comes from its checkpoint",
+        "resume: data.target_frames was [9] when the run began; data.frame_extraction=spread did not read it, so "
+        "leaving it out changes nothing",
+        "resume: data.datasets[0].frame_stride was 2 when the run began; its frame_extraction (spread) did not read "
+        "it, so leaving it out changes nothing"]
+    assert config_changes(saved, current) == ([], [])
+
+    saved = config("auto", {"datasets": [{"path": "b", "frame_extraction": "slide", "frame_stride": 3}]})
+    current = config("auto", {"datasets": [{"path": "b", "frame_extraction": "slide", "frame_stride": 2}]})
+    said.clear()
+    settle_unread(saved, current, said.append)
+    assert said == [] and config_changes(saved, current)[1] == [
+        "data.datasets: [{'path': 'b', 'frame_extraction': 'slide', 'frame_stride': 3}] in the checkpoint, "
+        "[{'path': 'b', 'frame_extraction': 'slide', 'frame_stride': 2}] now"]
+
+
+def test_a_run_resumes_with_another_network_init_saying_it_is_not_read(tmp_path, run_cli, capsys, own_data_caches):
+    out = tmp_path / "run"
+    args = ["configs/examples/quickstart_sd.yaml", f"run.output_dir={out}", "sample.prompts=[]", "save.every=1"]
+    assert run_cli("train", *args, "train.steps=1") == 0
+    assert run_cli("train", *args, "train.steps=2", "network.init=kaiming") == 0
+    err = capsys.readouterr().err
+    assert ("resume: network.init is 'kaiming' now, 'auto' when the run began: it is read when a run starts, and "
+            "this run's LoRA comes from its checkpoint") in err
+    assert f"resumed from {out / 'checkpoints' / 'step-000001'} (step 1)" in err
+    assert (out / "checkpoints" / "step-000002").is_dir() and (out / "final").is_dir()

@@ -154,10 +154,11 @@ class NetworkSection:
                                "lokr_full_rank): no rank, network.rank and network.alpha unused, the update "
                                "kron(w1, w2) at scale 1, as LyCORIS and ComfyUI apply a full-rank LoKr.")
     init: str = opt("auto", "How a LoRA's down matrix A starts (its up matrix B starts at zero, so step 0 is the base "
-                    "model). gaussian: N(0, 1/rank), as diffusers' training scripts start it; kaiming: uniform with "
-                    "std 1/sqrt(3 x the layer's input width), as kohya's sd-scripts, musubi-tuner, ai-toolkit and "
-                    "PEFT start it. At one train.lr the two take steps of different size (on a real-width layer "
-                    "gaussian's A is several times larger): set kaiming to carry a learning rate over from those "
+                    "model). gaussian: normal with std 1/rank, as diffusers' training scripts start it; kaiming: uniform "
+                    "with std 1/sqrt(3 x the layer's input width), as kohya's sd-scripts, musubi-tuner, ai-toolkit "
+                    "and PEFT start it. At one train.lr the two take steps of different size (gaussian's A is the larger "
+                    "wherever the rank is below sqrt(3 x the layer's input width): any rank under 67 on a 1,536-wide "
+                    "layer): set kaiming to carry a learning rate over from those "
                     "trainers (import-aitk does). auto: gaussian for the diffusion families, kaiming for llm and "
                     "vlm. LoKr and LoHa start as PEFT starts them (auto only).",
                     choices=("auto", "gaussian", "kaiming"))

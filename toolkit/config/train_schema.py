@@ -53,7 +53,8 @@ class TrainSection:
         "one forward + backward at the run's batch size (1 with train.batch_size=auto) fits without it, measured at "
         "the start; otherwise, for a diffusion denoiser with the batch size set, N blocks estimated from the peaks "
         "without and with every block checkpointed (or, when a step without runs out of memory, with half and with "
-        "all), when a step with N fits, else all; off on the CPU.",
+        "all), when a step with N fits, else the count a second line through N's peak gives when that fits, else "
+        "all; off on the CPU.",
         resume_safe=True)
     checkpoint_offload: bool = opt(
         False, "With gradient checkpointing: each checkpointed layer's input waits in pinned CPU memory between "

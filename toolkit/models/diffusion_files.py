@@ -74,6 +74,12 @@ class DiffusersLoraFiles:
         of LyCORIS files (ComfyUI) need other names (Flux.2)."""
         return self.lora_key_style(factors)
 
+    @staticmethod
+    def lycoris_name_today(name: str) -> str:
+        """A module name in a LoKr / LoHa file as lycoris_key_style names it now (files written before a family's
+        names changed: Flux.2's)."""
+        return name
+
     def check_lycoris_names(self) -> None:
         """At load, before any step: every LoKr / LoHa module has a name in the family's files."""
         if self.cfg.network.type not in TENSORS:
@@ -150,7 +156,7 @@ class DiffusersLoraFiles:
         model = f"{self.family} model ({self.cfg.model.name_or_path})"
         if self.cfg.network.type in TENSORS:  # diffusers reads no LyCORIS keys
             load_lycoris_file(file, self.cfg.network.type, {name: self.component(name) for name in names},
-                              self.lycoris_names(names), partial, label, self.log)
+                              self.lycoris_names(names), partial, label, self.log, self.lycoris_name_today)
             return
         with second_adapter():
             self._load_lora_file(file, names, partial, label, model, load_kwargs)

@@ -34,7 +34,7 @@ from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.flow_matching import SigmaSampler
 from toolkit.models.lora import target_modules
-from toolkit.models.lora_export import Factors, flux2_comfy_keys, flux2_keys
+from toolkit.models.lora_export import Factors, flux2_comfy_keys, flux2_comfy_module, flux2_keys
 from toolkit.models.lycoris_files import TENSORS
 from toolkit.models.objectives import Noised
 from toolkit.models.references import References, ReferencedTargets
@@ -145,6 +145,9 @@ class Flux2Adapter(ReferencedTargets, FlowMatching, DiffusionAdapter):
         skipped the feed-forwards and the single blocks' projections."""
         (transformer,) = factors.values()
         return flux2_comfy_keys(transformer)
+
+    # A LoKr / LoHa file written before 2026-11-29 names those modules as diffusers does: read under today's names
+    lycoris_name_today = staticmethod(flux2_comfy_module)
 
     def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
         """pytorch_lora_weights.safetensors in diffusers' names; save.format=comfyui: its copy rewritten in the names

@@ -192,18 +192,26 @@ FLUX2_COMFYUI_RENAMES = {  # (diffusers block list, module in the block) -> (Com
 
 def flux2_comfy_keys(factors: Factors) -> dict[str, torch.Tensor]:
     """Flux.2's save.format=comfyui file: flux2_keys, with the modules ComfyUI's Flux map lacks as
-    `diffusion_model.<ComfyUI block list>.N.<module>.lora_A/lora_B.weight` (FLUX2_COMFYUI_RENAMES); ComfyUI, finding no
+    `diffusion_model.<ComfyUI block list>.N.<module>.lora_A/lora_B.weight` (flux2_comfy_module); ComfyUI, finding no
     alpha, applies B @ A. A module ComfyUI has no name for is a ValueError."""
-    out = flux2_keys(factors)
-    for module in factors:
-        blocks, _, rest = module.partition(".")
-        index, _, inner = rest.partition(".")
-        if (blocks, inner) in FLUX2_COMFYUI_RENAMES:
-            comfy_blocks, comfy_inner = FLUX2_COMFYUI_RENAMES[blocks, inner]
-            for part in ("lora_A", "lora_B"):
-                out[f"diffusion_model.{comfy_blocks}.{index}.{comfy_inner}.{part}.weight"] = out.pop(
-                    f"transformer.{module}.{part}.weight")
+    out = {}
+    for key, value in flux2_keys(factors).items():
+        module, part, weight = key.rsplit(".", 2)
+        out[f"{flux2_comfy_module(module)}.{part}.{weight}"] = value
     return out
+
+
+def flux2_comfy_module(name: str) -> str:
+    """A FLUX.2 module named as diffusers does (`transformer.<block list>.N.<module>`) under ComfyUI's Flux.2 name
+    where its Flux map lacks the diffusers one (FLUX2_COMFYUI_RENAMES), else unchanged. Also how the LoKr / LoHa
+    files FLUX.2 runs wrote before they took ComfyUI's names are read today."""
+    prefix, _, rest = name.partition(".")
+    blocks, _, rest = rest.partition(".")
+    index, _, inner = rest.partition(".")
+    if prefix == "transformer" and (blocks, inner) in FLUX2_COMFYUI_RENAMES:
+        comfy_blocks, comfy_inner = FLUX2_COMFYUI_RENAMES[blocks, inner]
+        return f"diffusion_model.{comfy_blocks}.{index}.{comfy_inner}"
+    return name
 
 
 # Chroma modules that ComfyUI maps from diffusers names: its Chroma model is a Flux model to the LoRA loader

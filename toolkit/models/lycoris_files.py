@@ -153,10 +153,11 @@ def copy_into_peft(model: torch.nn.Module, path: str, module: LycorisModule, lab
 
 def load_lycoris_file(file: Path, kind: str, models: dict[str, torch.nn.Module],
                       names: dict[tuple[str, str], str], partial: bool, label: str,
-                      log: Callable[[str], None]) -> int:
-    """Copy a LyCORIS file's modules into the trained modules (`names` as module_names gives them); returns how
-    many. Modules the file has that the run does not train are an error; trained modules it lacks are too,
-    unless `partial` (network.init_from), where they keep their initial weights with a note."""
+                      log: Callable[[str], None], today: Callable[[str], str] = str) -> int:
+    """Copy a LyCORIS file's modules into the trained modules (`names` as module_names gives them; `today`: a
+    module name in the file as the family names it now, for files written before a rename); returns how many.
+    Modules the file has that the run does not train are an error; trained modules it lacks are too, unless
+    `partial` (network.init_from), where they keep their initial weights with a note."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -166,7 +167,7 @@ def load_lycoris_file(file: Path, kind: str, models: dict[str, torch.nn.Module],
         raise UserError(f"{label}: cannot be read as a safetensors file: {str(err).splitlines()[0]}\n  fix: give "
                         "the LoKr / LoHa .safetensors file") from None
     try:
-        in_file = split_file(state, kind)
+        in_file = {today(name): tensors for name, tensors in split_file(state, kind).items()}
     except UserError as err:
         raise UserError(f"{label}: {err}") from None
     by_name = {name: key for key, name in names.items()}

@@ -130,6 +130,22 @@ def network_type_checks(f: Facts) -> None:
     return None
 
 
+@rule("network.init", STATIC)
+def lora_init(f: Facts) -> Decision | None:
+    """auto: gaussian for the diffusion families (as diffusers' training scripts start a LoRA), kaiming for llm and
+    vlm (PEFT's own start); said, since a learning rate carried over from kohya's sd-scripts, musubi-tuner or
+    ai-toolkit assumes kaiming (docs/performance.md, the loss parity beside musubi-tuner)."""
+    if f.asked("network.init") != "auto" or f.asked("network.type") in LYCORIS_TYPES:
+        return None
+    if f.family in ("llm", "vlm"):
+        return static_decision("network.init", "kaiming", "PEFT's own start: A uniform with std 1/sqrt(3 x the "
+                                                          "layer's input width)")
+    return static_decision("network.init", "gaussian", "A normal with std 1/rank, as diffusers' training scripts "
+                           "start a LoRA; kohya's sd-scripts, musubi-tuner and ai-toolkit start it kaiming-uniform, "
+                           "which takes smaller steps at one train.lr on wide layers: network.init=kaiming carries a "
+                           "learning rate over from them")
+
+
 @rule("model.quantize", STATIC)
 def quantize_checks(f: Facts) -> None:
     """Checks only: auto is settled once the model's size is known (loaded stage)."""

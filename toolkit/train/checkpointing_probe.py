@@ -104,12 +104,14 @@ def checkpointing_for_run(probe: Probe, regions: Callable[[bool], dict], swapped
     if again is not None:
         try:
             peak = peak_with(again)
-        except Exception:  # noqa: BLE001 (a driver or library fault: every block, as below)
-            peak = None
+        except Exception as error:  # noqa: BLE001 (a driver or library fault: every block, as below)
+            peak, outcome = None, f"failed ({type(error).__name__}: {error})"
+        else:
+            outcome = said(peak)
         if peak is not None and peak <= budget.limit:
             return result(again, f"{missed}, with {again} it peaked at {peak / GiB:.2f} GiB (every block: "
                                  f"{every / GiB:.2f} GiB)")
-        missed += f", with {again} it {said(peak)}"
+        missed += f", with {again} it {outcome}"
     return result(True, f"{missed}, with every block {every / GiB:.2f} GiB")
 
 

@@ -15,6 +15,7 @@ from toolkit.config.schema import RunConfig
 from toolkit.errors import UserError
 from toolkit.train.checkpoint import (Checkpoint, find_latest_checkpoint, list_checkpoints, load_checkpoint_state,
                                       verify_checkpoint)
+from toolkit.train.resume_unread import READ_AT_START, settle_unread
 from toolkit.train.run_dir import RunDir
 
 
@@ -130,6 +131,7 @@ def check_resume_config(checkpoint: Checkpoint, saved: dict, current: dict, noti
     for line in adopt_recorded_paths(saved, current, schema_for(current.get("model", {}).get("family"))):
         notice(f"resume: {line}")
     adopt_moved_init_from(saved, current)
+    settle_unread(saved, current, notice)
     allowed, refused = config_changes(saved, current, (checkpoint_processes(checkpoint), processes))
     if refused:
         keys = {r.split(":", 1)[0] for r in refused}
@@ -231,7 +233,7 @@ def check_resume_plan(checkpoint: Checkpoint, saved, plan, notice: Callable[[str
     for key in dict.fromkeys([d.key for d in plan] + [d.key for d in saved]):
         before = saved.value(key) if key in saved else None
         after = plan.value(key) if key in plan else None
-        if before == after or is_resume_safe(key):
+        if before == after or is_resume_safe(key) or key in READ_AT_START:
             continue
         refused.append((key, before, after))
     if refused:
