@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from conftest import REPO
 from helpers import diffusion_train_args
 from toolkit.models.diffusion_chroma import CHROMA_ALL_LINEAR
 from toolkit.models.diffusion_flux2 import FLUX2_ALL_LINEAR
@@ -415,3 +416,27 @@ def test_chroma_approximator_without_comfyui_name_is_an_error():
     with pytest.raises(ValueError, match="no ComfyUI Chroma name for the LoRA modules "
                                          "\\['distilled_guidance_layer.layers.0.linear_1'\\]"):
         chroma_keys(factors)
+
+
+@pytest.mark.parametrize("config, family", [("quickstart_flux2.yaml", "flux2"),
+                                            ("quickstart_hunyuan15.yaml", "hunyuan_video15")])
+def test_save_format_auto_writes_the_comfyui_copy_where_comfyui_reads_the_main_file_in_part(config, family, tmp_path,
+                                                                                          run_cli, capsys):
+    """FLUX.2 and HunyuanVideo 1.5: ComfyUI skips part of pytorch_lora_weights.safetensors (diffusers' names), so
+    save.format=auto writes <run>_comfyui.safetensors too, in final/ and every checkpoint, and says why; save.format=
+    diffusers writes the main file alone."""
+    from toolkit.config.families import family_spec
+
+    out = tmp_path / "auto"
+    assert run_cli("train", REPO / "configs/examples" / config, f"run.output_dir={out}", "train.steps=1",
+                   "save.every=1", "sample.prompts=[]", "save.format=auto") == 0
+    err = capsys.readouterr().err
+    assert (f"save.format=comfyui: also <run>_comfyui.safetensors, which ComfyUI reads whole: "
+            f"{family_spec(family).comfyui_auto}; pytorch_lora_weights.safetensors is for diffusers") in err
+    for folder in (out / "final", out / "checkpoints" / "step-000001"):
+        assert (folder / "pytorch_lora_weights.safetensors").is_file()
+        assert len(list(folder.glob("*_comfyui.safetensors"))) == 1, sorted(folder.iterdir())
+    plain = tmp_path / "plain"
+    assert run_cli("train", REPO / "configs/examples" / config, f"run.output_dir={plain}", "train.steps=1",
+                   "sample.prompts=[]", "save.format=diffusers") == 0
+    assert sorted(p.name for p in (plain / "final").glob("*.safetensors")) == ["pytorch_lora_weights.safetensors"]

@@ -72,6 +72,8 @@ class FamilySpec:
     # Families whose LoRA this one may start from (network.init_from): the same denoiser (Kontext from Flux.1 dev,
     # Qwen-Image-Edit from Qwen-Image, Wan 2.2 A14B from Wan 2.1 14B); a LoRA of any other family is refused by name
     lora_kin: tuple[str, ...] = ()
+    # Why save.format=auto writes the comfyui copy too ("": it does not): ComfyUI reads the main file only in part
+    comfyui_auto: str = ""
 
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
@@ -140,7 +142,10 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec("flux2", "toolkit.models.diffusion_flux2:Flux2Adapter", ReferenceImageDataSection,
                FLOW_SETTINGS | {"train.guidance", "sample.references"}, "FLUX.2 [dev] (reference images optional)", timestep_sampling="logit_normal", batch_cap=1,
                save_formats=("diffusers", "comfyui"), tiny={"flux2": "toolkit.tiny.flux2:write_tiny_flux2"},
-               pipeline_class="Flux2Pipeline", references=(0, None)),
+               pipeline_class="Flux2Pipeline", references=(0, None),
+               comfyui_auto="ComfyUI's Flux map has no names for FLUX.2's feed-forwards and single-block projections, "
+                            "so it skips them in pytorch_lora_weights.safetensors (bench/results/"
+                            "check-exports-flux2-cpu-2026-11-29.md)"),
     # Chroma's blocks are Flux's without their modulation layers: compile and the kept attention are on by Flux's
     # measurements (not yet measured on Chroma itself).
     FamilySpec("chroma", "toolkit.models.diffusion_chroma:ChromaAdapter", ImageDataSection,
@@ -164,7 +169,9 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                tiny={"hunyuan15": "toolkit.tiny.hunyuan15:write_tiny_hunyuan15",
                      "hunyuan15-i2v": "toolkit.tiny.hunyuan15:write_tiny_hunyuan15_i2v"},
                pipeline_class="HunyuanVideo15Pipeline", i2v_pipeline="HunyuanVideo15ImageToVideoPipeline",
-               compile_auto="hunyuan15-compile", compile_auto_steps=200),
+               compile_auto="hunyuan15-compile", compile_auto_steps=200,
+               comfyui_auto="ComfyUI's HunyuanVideo 1.5 model fuses q, k and v, which pytorch_lora_weights.safetensors "
+                            "keeps apart in diffusers' names"),
     FamilySpec("flux_kontext", "toolkit.models.diffusion_flux_kontext:FluxKontextAdapter", ReferenceImageDataSection,
                EDIT_SETTINGS | {"train.guidance"}, "FLUX.1 Kontext [dev] (one reference image)",
                timestep_sampling="logit_normal", batch_cap=1, save_formats=("diffusers", "comfyui"),

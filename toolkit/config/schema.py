@@ -182,7 +182,8 @@ class SaveSection:
     every: int = opt(250, "Checkpoint every N steps (0: only at the end).", minimum=0, resume_safe=True)
     keep_last: int = opt(3, "Checkpoints kept; older ones are removed.", minimum=1, resume_safe=True)
     dtype: str = opt("bf16", "dtype of the exported LoRA weights.", choices=("fp32", "bf16", "fp16"), resume_safe=True)
-    format: str = opt("auto", "Export format: auto (the family's: peft or diffusers), peft, diffusers; kohya (sd, sdxl) "
+    format: str = opt("auto", "Export format: auto (the family's: peft or diffusers; for flux2 and hunyuan_video15, whose "
+                      "diffusers file ComfyUI reads only in part, comfyui), peft, diffusers; kohya (sd, sdxl) "
                       "or comfyui (every diffusion family) also write a copy named <run>_<format>.safetensors; gguf "
                       "(llm) also writes <run>.gguf, a llama.cpp LoRA adapter (needs the gguf package). A "
                       "diffusion LoRA file (final/ and every checkpoint) loads at alpha/rank in diffusers, ComfyUI "

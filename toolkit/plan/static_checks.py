@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import toolkit.plan.llm_rules  # noqa: F401  (its rules registered before these checks)
 from toolkit.config.families import FAMILY_SPECS, family_spec
+from toolkit.plan.decisions import Decision
 from toolkit.plan.rules import Facts, rule
 from toolkit.plan.static_rules import STATIC
 
@@ -45,9 +46,14 @@ def reward_checks(f: Facts) -> None:
 
 
 @rule("save.format", STATIC)
-def save_format_checks(f: Facts) -> None:
-    """save.format=gguf finds its package before the model loads (the base's architecture is checked once its
-    config has loaded, still before the first step)."""
+def save_format(f: Facts) -> Decision | None:
+    """auto: the comfyui copy too for a family whose main file ComfyUI reads only in part (FamilySpec.comfyui_auto);
+    save.format=gguf finds its package before the model loads (the base's architecture is checked once its config
+    has loaded, still before the first step)."""
+    spec = family_spec(f.family)
+    if f.asked("save.format") == "auto" and spec.comfyui_auto:
+        return Decision("save.format", "comfyui", f"also <run>_comfyui.safetensors, which ComfyUI reads whole: "
+                        f"{spec.comfyui_auto}; pytorch_lora_weights.safetensors is for diffusers", STATIC)
     if f.asked("save.format") != "gguf":
         return None
     import importlib.util
