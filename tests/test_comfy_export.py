@@ -421,7 +421,8 @@ def test_chroma_approximator_without_comfyui_name_is_an_error():
 @pytest.mark.parametrize("config, family", [("quickstart_flux2.yaml", "flux2"),
                                             ("quickstart_hunyuan15.yaml", "hunyuan_video15")])
 def test_save_format_auto_writes_the_comfyui_copy_where_comfyui_reads_the_main_file_in_part(config, family, tmp_path,
-                                                                                          run_cli, capsys):
+                                                                                          run_cli, capsys,
+                                                                                          own_data_caches):
     """FLUX.2 and HunyuanVideo 1.5: ComfyUI skips part of pytorch_lora_weights.safetensors (diffusers' names), so
     save.format=auto writes <run>_comfyui.safetensors too, in final/ and every checkpoint, and says why; save.format=
     diffusers writes the main file alone."""

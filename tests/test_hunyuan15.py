@@ -8,6 +8,7 @@ run ends bit-identical."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,6 +44,18 @@ def _transformer_inputs(pipe, prompt: str) -> dict:
                 return_dict=False)
 
 
+def _assert_loaded_as_trained(pipe, adapter, final: Path, inputs: dict) -> None:
+    """final/'s file, loaded by the pipeline transformer's load_lora_adapter, gives the trained transformer's output
+    on `inputs`, which the LoRA moves well beyond the tolerance."""
+    with torch.no_grad():
+        base = pipe.transformer(**inputs)[0]
+        pipe.transformer.load_lora_adapter(load_file(str(final)), prefix="transformer")
+        loaded = pipe.transformer(**inputs)[0]
+        trained = adapter.pipe.transformer(**inputs)[0]
+    assert (trained - base).abs().max() > 1e-2
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
+
+
 def test_t2v_trains_and_its_lora_loads_in_the_pipelines_transformer(tmp_path, run_cli):
     from toolkit.models import build_adapter
     from toolkit.models.base import load_trainable_state_dict
@@ -68,12 +81,7 @@ def test_t2v_trains_and_its_lora_loads_in_the_pipelines_transformer(tmp_path, ru
     pipe = _pipeline("t2v")
     with torch.no_grad():
         inputs = _transformer_inputs(pipe, PROMPT)
-        base = pipe.transformer(**inputs)[0]
-        pipe.transformer.load_lora_adapter(load_file(str(final)), prefix="transformer")
-        loaded = pipe.transformer(**inputs)[0]
-        trained = adapter.pipe.transformer(**inputs)[0]
-    assert (trained - base).abs().max() > 1e-2  # the LoRA moves the output well beyond the tolerance
-    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
+    _assert_loaded_as_trained(pipe, adapter, final, inputs)
 
     # The pipeline with the loaded LoRA draws the toolkit's sample (its middle frame), and without it another video.
     pipe.guider.guidance_scale = 3.0
@@ -142,13 +150,7 @@ def test_i2v_lora_loads_in_the_image_to_video_pipeline_and_draws_the_sample(tmp_
     inputs["hidden_states"][:, 32:64, :1] = condition["start_latent"]
     inputs["hidden_states"][:, 64:, :1] = 1.0  # the mask: 1 on the first frame
     inputs["image_embeds"] = condition["image_embeds"]
-    with torch.no_grad():
-        base = pipe.transformer(**inputs)[0]
-        pipe.transformer.load_lora_adapter(load_file(str(final)), prefix="transformer")
-        loaded = pipe.transformer(**inputs)[0]
-        trained = adapter.pipe.transformer(**inputs)[0]
-    assert (trained - base).abs().max() > 1e-2  # the LoRA moves the output well beyond the tolerance
-    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
+    _assert_loaded_as_trained(pipe, adapter, final, inputs)
 
     # The sample's prompt has the trigger word in front (prompts.txt says so); the pipeline from the same start
     # image with the loaded LoRA draws its middle frame, and without the LoRA another video.

@@ -5,7 +5,7 @@ Which one a run gets follows its family (toolkit/config/families.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, List, Optional, Union
+from typing import Any, ClassVar, List, Optional, Union
 
 from omegaconf import MISSING
 
@@ -167,6 +167,15 @@ FRAME_EXTRACTION_SETTINGS: dict[str, tuple[str, ...]] = {
 other than its default where no dataset's mode reads it, a key is a config error (preflight's
 unread_frame_settings), as a setting of another train.objective is: it would be ignored. (data.num_frames is read
 by every mode: spread's clip length, the others' when target_frames is empty, and the sample length.)"""
+
+
+def modes_reaching(key: str, frame_extraction: Any, entries: list) -> list[tuple[str, Any]]:
+    """(setting, mode) of each data.frame_extraction mode data.<key> reaches: the section's own, and that of each
+    data.datasets entry (a mapping) that leaves the key unset and names a mode of its own. Preflight refuses the key
+    where none of them reads it; a resumed run settles it (train/resume_unread.py)."""
+    return [("data.frame_extraction", frame_extraction)] + [
+        (f"data.datasets[{n}].frame_extraction", entry.get("frame_extraction")) for n, entry in enumerate(entries)
+        if entry.get(key) is None and entry.get("frame_extraction") is not None]
 
 
 @dataclass

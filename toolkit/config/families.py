@@ -74,6 +74,8 @@ class FamilySpec:
     lora_kin: tuple[str, ...] = ()
     # Why save.format=auto writes the comfyui copy too ("": it does not): ComfyUI reads the main file only in part
     comfyui_auto: str = ""
+    # network.init=auto: how the family's LoRA A starts (gaussian: diffusers' training scripts; kaiming: PEFT's own)
+    lora_init: str = "gaussian"
 
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
@@ -81,7 +83,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                "any transformers causal LM", save_formats=("peft", "gguf"),
                tiny={"llm": "toolkit.tiny.llm:write_tiny_llm"},
                compile_auto="llm-compile",
-               recompute_auto="llm-recompute", sample_multiple=0),
+               recompute_auto="llm-recompute", sample_multiple=0, lora_init="kaiming"),
     FamilySpec("sd", "toolkit.models.diffusion_sd:StableDiffusionAdapter", ImageDataSection, DDPM_SETTINGS,
                "Stable Diffusion 1.x/2.x", timestep_sampling="uniform",
                save_formats=("diffusers", "kohya", "comfyui"), pipeline_class="StableDiffusionPipeline",
@@ -182,7 +184,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (
                "vision-language chat models through AutoModelForImageTextToText: Qwen2.5-VL, Qwen3-VL",
                save_formats=("peft",),
                tiny={"qwen25_vl": "toolkit.tiny.vlm:write_tiny_qwen25_vl", "qwen3_vl": "toolkit.tiny.vlm:write_tiny_qwen3_vl"},
-               sample_multiple=0),
+               sample_multiple=0, lora_init="kaiming"),
 )}
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)

@@ -106,11 +106,9 @@ class DiffusersLoraFiles:
         (diffusers' own layout when the style cannot hold it), and its save.format copy `<copy_stem>_<fmt>`."""
         file, fmt = folder / LORA_FILE, self.cfg.save.format  # checked against the family's save_formats
         copy = copy_stem.with_name(f"{copy_stem.name}_{fmt}.safetensors")
-        try:
-            if self.cfg.network.type in TENSORS:
-                state = self.lycoris_state(dtype, names)
-            else:
-                state = self.lora_key_style(self.lora_factors(dtype, names))
+        try:  # a DoRA's factors, or a module the key style has no name for: a ValueError
+            factors = None if self.cfg.network.type in TENSORS else self.lora_factors(dtype, names)
+            state = self.lycoris_state(dtype, names) if factors is None else self.lora_key_style(factors)
         except ValueError as err:  # a LoKr / LoHa was checked at load (check_lycoris_names)
             self.write_diffusers_layout(folder, names, dtype)
             self.log(f"warning: {file}: written in diffusers' own layout, which diffusers loads but ComfyUI and "
@@ -119,10 +117,24 @@ class DiffusersLoraFiles:
                 self.log(f"warning: save.format={fmt}: {copy.name} not written")
             return [file]
         save_file(state, str(file), metadata=self.lora_metadata())
-        files = [file]
-        if fmt not in ("auto", "diffusers"):
-            files.append(Path(shutil.copyfile(file, copy)))
-        return files
+        if fmt in ("auto", "diffusers"):
+            return [file]
+        try:
+            renamed = self.copy_state(fmt, factors)
+        except ValueError as err:
+            self.log(f"warning: save.format={fmt}: {copy.name} not written: {err}")
+            return [file]
+        if renamed is None:
+            shutil.copyfile(file, copy)
+        else:
+            save_file(renamed, str(copy), metadata=self.lora_metadata())
+        return [file, copy]
+
+    def copy_state(self, fmt: str, factors: dict[str, Factors] | None) -> dict[str, torch.Tensor] | None:
+        """The save.format copy's tensors where its tool reads other names than the main file's (`factors`: the
+        file's LoRA factors; None for a LoKr / LoHa); None: the copy is the main file's bytes. A ValueError: the
+        copy cannot be written (said, and the main file kept)."""
+        return None
 
     def write_diffusers_layout(self, folder: Path, names: list[str], dtype: torch.dtype) -> None:
         """diffusers' save_lora_weights for the components (each as `<prefix>_lora_layers`, PEFT naming, its

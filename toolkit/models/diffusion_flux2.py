@@ -23,7 +23,6 @@ What differs from Flux.1:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.flow_matching import SigmaSampler
 from toolkit.models.lora import target_modules
 from toolkit.models.lora_export import Factors, flux2_comfy_keys, flux2_comfy_module, flux2_keys
-from toolkit.models.lycoris_files import TENSORS
 from toolkit.models.objectives import Noised
 from toolkit.models.references import References, ReferencedTargets
 
@@ -149,18 +147,13 @@ class Flux2Adapter(ReferencedTargets, FlowMatching, DiffusionAdapter):
     # A LoKr / LoHa file written before 2026-11-29 names those modules as diffusers does: read under today's names
     lycoris_name_today = staticmethod(flux2_comfy_module)
 
-    def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
-        """pytorch_lora_weights.safetensors in diffusers' names; save.format=comfyui: its copy rewritten in the names
-        ComfyUI reads (flux2_comfy_keys). A LyCORIS file has ComfyUI's names already (lycoris_names): its copy is
-        the same file."""
-        from safetensors.torch import save_file
-
-        files = super().save_lora(out_dir, dtype)
-        comfy = out_dir / f"{self.cfg.run.name}_comfyui.safetensors"
-        if comfy in files and self.cfg.network.type not in TENSORS:
-            (transformer,) = self.lora_factors(dtype).values()  # its modules passed flux2_keys for the main file
-            save_file(flux2_comfy_keys(transformer), str(comfy), metadata=self.lora_metadata())
-        return files
+    def copy_state(self, fmt: str, factors: dict[str, Factors] | None) -> dict[str, torch.Tensor] | None:
+        """save.format=comfyui: the LoRA in the names ComfyUI reads (flux2_comfy_keys). A LoKr / LoHa file has
+        ComfyUI's names already (lycoris_key_style): its copy is the same file."""
+        if fmt != "comfyui" or factors is None:
+            return None
+        (transformer,) = factors.values()
+        return flux2_comfy_keys(transformer)
 
     # -- samples ---------------------------------------------------------------------------
     def generate(self, prompt: str, seed: int) -> list:

@@ -46,8 +46,7 @@ from toolkit.models.diffusion_base import Denoiser, DiffusionAdapter
 from toolkit.models.diffusion_flow import FlowMatching
 from toolkit.models.hunyuan15_attention import MaskFreeAttention, install as install_attention
 from toolkit.models.lora import target_modules
-from toolkit.models.lora_export import diffusers_keys_scaled, hunyuan15_comfy_keys
-from toolkit.models.lycoris_files import TENSORS
+from toolkit.models.lora_export import Factors, diffusers_keys_scaled, hunyuan15_comfy_keys
 from toolkit.models.objectives import Noised
 from toolkit.models.wan_i2v import resolve_task, sample_image, sample_images, to_pil
 
@@ -287,28 +286,16 @@ class HunyuanVideo15Adapter(FlowMatching, DiffusionAdapter):
         return list(out.frames[0])
 
     # -- LoRA files ------------------------------------------------------------------------
-    def save_lora(self, out_dir: Path, dtype: torch.dtype) -> list[Path]:
-        """pytorch_lora_weights.safetensors in diffusers' names; save.format=comfyui: ComfyUI's names beside it."""
-        from safetensors.torch import save_file
-
-        files = super().save_lora(out_dir, dtype)
-        comfy = out_dir / f"{self.cfg.run.name}_comfyui.safetensors"
-        if comfy not in files:
-            return files
-        if self.cfg.network.type in TENSORS:  # LyCORIS keys under diffusers' names, which ComfyUI does not map here
-            comfy.unlink()
-            self.log(f"warning: save.format=comfyui: {comfy.name} not written: ComfyUI maps no diffusers names for "
-                     f"HunyuanVideo 1.5, and network.type={self.cfg.network.type} has no ComfyUI-named writer here")
-            return [f for f in files if f != comfy]
-        (transformer,) = self.lora_factors(dtype).values()
-        try:
-            state = hunyuan15_comfy_keys(transformer)
-        except ValueError as err:
-            comfy.unlink()
-            self.log(f"warning: save.format=comfyui: {comfy.name} not written: {err}")
-            return [f for f in files if f != comfy]
-        save_file(state, str(comfy), metadata=self.lora_metadata())
-        return files
+    def copy_state(self, fmt: str, factors: dict[str, Factors] | None) -> dict[str, torch.Tensor] | None:
+        """save.format=comfyui: ComfyUI's HunyuanVideo names (hunyuan15_comfy_keys: q, k and v fused). A LoKr / LoHa
+        has no ComfyUI-named writer here, and ComfyUI maps no diffusers names for HunyuanVideo 1.5 (a ValueError)."""
+        if fmt != "comfyui":
+            return None
+        if factors is None:
+            raise ValueError(f"ComfyUI maps no diffusers names for HunyuanVideo 1.5, and network.type="
+                             f"{self.cfg.network.type} has no ComfyUI-named writer here")
+        (transformer,) = factors.values()
+        return hunyuan15_comfy_keys(transformer)
 
     def write_diffusers_layout(self, folder: Path, names: list[str], dtype: torch.dtype) -> None:
         """What the key style cannot hold (DoRA's magnitudes): PEFT's own keys under `transformer.`, each scale

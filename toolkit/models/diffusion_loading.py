@@ -54,13 +54,13 @@ class DiffusersLoading:
         modules = {}
         for name in self.lora_denoiser_names():
             denoiser = self.component(name)
-            denoiser.add_adapter(lora_config(net, self.lora_target_modules(), auto_init="gaussian"))
+            denoiser.add_adapter(lora_config(net, self.lora_target_modules()))
             modules[name] = denoiser  # checkpointing, compile and block swap: per block, by train/blocks.py
         if self.trains_text_encoders:
             for name in self.text_encoder_names:
                 encoder = self.component(name)
                 encoder.to(self.runtime.device)
-                encoder.add_adapter(lora_config(net, TEXT_ENCODER_TARGETS, auto_init="gaussian"))
+                encoder.add_adapter(lora_config(net, TEXT_ENCODER_TARGETS))
                 modules[name] = encoder
         self.network = torch.nn.ModuleDict(modules)
         self.check_lycoris_names()

@@ -22,20 +22,21 @@ def target_modules(value: Any, auto: list[str] | str, all_linear: list[str] | st
     raise UserError(f"network.target_modules: expected auto, all-linear or a list of module names, got {value!r}")
 
 
-# network.init -> LoraConfig's init_lora_weights: True is PEFT's kaiming-uniform A (a = sqrt(5)), kohya's own
+# network.init (auto settled by the static plan from FamilySpec.lora_init) -> LoraConfig's init_lora_weights: True
+# is PEFT's kaiming-uniform A (a = sqrt(5)), kohya's own
 INIT_LORA_WEIGHTS = {"gaussian": "gaussian", "kaiming": True}
 
 
-def lora_config(network: DictConfig, targets: list[str] | str, auto_init: str = "kaiming", **extra: Any):
-    """The PEFT config for the `network` section on `targets`: LoraConfig (rank, alpha, dropout, DoRA, rsLoRA, A's
-    initialisation from network.init, `auto_init` when auto), or for network.type lokr / loha, LoKrConfig /
-    LoHaConfig (rank, alpha; PEFT's own initialisation, one factor zero). `extra` are LoraConfig arguments
-    (task_type)."""
+def lora_config(network: DictConfig, targets: list[str] | str, **extra: Any):
+    """The PEFT config for the `network` section on `targets` (the values a run uses: network.init settled):
+    LoraConfig (rank, alpha, dropout, DoRA, rsLoRA, A's initialisation), or for network.type lokr / loha,
+    LoKrConfig / LoHaConfig (rank, alpha; PEFT's own initialisation, one factor zero). `extra` are LoraConfig
+    arguments (task_type)."""
     if network.type in ADAPTER_CONFIGS:
         return ADAPTER_CONFIGS[network.type](network, targets)
     from peft import LoraConfig
 
-    init = INIT_LORA_WEIGHTS[auto_init if network.init == "auto" else network.init]
+    init = INIT_LORA_WEIGHTS[network.init]
     return LoraConfig(r=network.rank, lora_alpha=network.alpha, lora_dropout=network.dropout,
                       target_modules=targets, use_dora=network.type == "dora", use_rslora=network.rslora,
                       init_lora_weights=init, **extra)

@@ -12,7 +12,7 @@ import toolkit.plan.llm_rules  # noqa: F401  (its rules registered before these 
 from toolkit.config.families import FAMILY_SPECS, family_spec
 from toolkit.plan.decisions import Decision
 from toolkit.plan.rules import Facts, rule
-from toolkit.plan.static_rules import STATIC
+from toolkit.plan.static_rules import STATIC, static_decision
 
 
 @rule("train.reward", STATIC)
@@ -47,13 +47,14 @@ def reward_checks(f: Facts) -> None:
 
 @rule("save.format", STATIC)
 def save_format(f: Facts) -> Decision | None:
-    """auto: the comfyui copy too for a family whose main file ComfyUI reads only in part (FamilySpec.comfyui_auto);
+    """auto: the comfyui copy too for a family whose main LoRA file ComfyUI reads only in part (FamilySpec.comfyui_auto;
+    its LoKr / LoHa and DoRA files have no ComfyUI-named copy);
     save.format=gguf finds its package before the model loads (the base's architecture is checked once its config
     has loaded, still before the first step)."""
     spec = family_spec(f.family)
-    if f.asked("save.format") == "auto" and spec.comfyui_auto:
-        return Decision("save.format", "comfyui", f"also <run>_comfyui.safetensors, which ComfyUI reads whole: "
-                        f"{spec.comfyui_auto}; pytorch_lora_weights.safetensors is for diffusers", STATIC)
+    if f.asked("save.format") == "auto" and spec.comfyui_auto and f.asked("network.type") == "lora":
+        return static_decision("save.format", "comfyui", f"also <run>_comfyui.safetensors, which ComfyUI reads "
+                               f"whole: {spec.comfyui_auto}; pytorch_lora_weights.safetensors is for diffusers")
     if f.asked("save.format") != "gguf":
         return None
     import importlib.util

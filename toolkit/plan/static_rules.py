@@ -130,20 +130,24 @@ def network_type_checks(f: Facts) -> None:
     return None
 
 
+# network.init=auto's reasons, by the start FamilySpec.lora_init gives the family
+LORA_INIT_REASONS = {
+    "kaiming": "PEFT's own start: A uniform with std 1/sqrt(3 x the layer's input width)",
+    "gaussian": "A normal with std 1/rank, as diffusers' training scripts start a LoRA; kohya's sd-scripts, "
+                "musubi-tuner and ai-toolkit start it kaiming-uniform, which takes smaller steps at one train.lr on "
+                "wide layers: network.init=kaiming carries a learning rate over from them",
+}
+
+
 @rule("network.init", STATIC)
 def lora_init(f: Facts) -> Decision | None:
-    """auto: gaussian for the diffusion families (as diffusers' training scripts start a LoRA), kaiming for llm and
-    vlm (PEFT's own start); said, since a learning rate carried over from kohya's sd-scripts, musubi-tuner or
-    ai-toolkit assumes kaiming (docs/performance.md, the loss parity beside musubi-tuner)."""
+    """auto: the family's start (FamilySpec.lora_init), said, since a learning rate carried over from kohya's
+    sd-scripts, musubi-tuner or ai-toolkit assumes kaiming (docs/performance.md, the loss parity beside
+    musubi-tuner). LoKr and LoHa start as PEFT starts them."""
     if f.asked("network.init") != "auto" or f.asked("network.type") in LYCORIS_TYPES:
         return None
-    if f.family in ("llm", "vlm"):
-        return static_decision("network.init", "kaiming", "PEFT's own start: A uniform with std 1/sqrt(3 x the "
-                                                          "layer's input width)")
-    return static_decision("network.init", "gaussian", "A normal with std 1/rank, as diffusers' training scripts "
-                           "start a LoRA; kohya's sd-scripts, musubi-tuner and ai-toolkit start it kaiming-uniform, "
-                           "which takes smaller steps at one train.lr on wide layers: network.init=kaiming carries a "
-                           "learning rate over from them")
+    start = family_spec(f.family).lora_init
+    return static_decision("network.init", start, LORA_INIT_REASONS[start])
 
 
 @rule("model.quantize", STATIC)

@@ -15,7 +15,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from toolkit.config.data_schemas import FILE_DATA_SCHEMAS, FRAME_EXTRACTION_MODES, FRAME_EXTRACTION_SETTINGS
+from toolkit.config.data_schemas import (FILE_DATA_SCHEMAS, FRAME_EXTRACTION_MODES, FRAME_EXTRACTION_SETTINGS,
+                                        modes_reaching)
 from toolkit.config.families import FAMILY_SPECS
 from toolkit.config.load import DEFAULTS_LABEL, PathCheck
 from toolkit.data.video import frame_count_problem
@@ -177,10 +178,7 @@ def unread_frame_settings(cfg: DictConfig, sources: dict, schema: type) -> list[
     problems = []
     for key, readers in FRAME_EXTRACTION_SETTINGS.items():
         fix = f"to one that reads it: {', '.join(readers)}"
-        inheriting = [(f"data.datasets[{n}].frame_extraction", entry.get("frame_extraction"))
-                      for n, entry in enumerate(entries)
-                      if entry.get(key) is None and entry.get("frame_extraction") is not None]
-        modes = [("data.frame_extraction", mode), *inheriting]
+        modes = modes_reaching(key, mode, entries)
         if (f"data.{key}" in sources and _plain(_value(cfg, f"data.{key}")) != defaults[key]
                 and all(m in FRAME_EXTRACTION_MODES and m not in readers for _, m in modes)):
             said = ", ".join(f"{name}={m}" for name, m in modes)

@@ -9,14 +9,14 @@ from pathlib import Path
 import yaml
 
 from toolkit.config.families import FAMILY_SPECS
-from toolkit.errors import UserError
 
 INIT_FROM_FIX = "give a LoRA file (.safetensors), an adapter folder, a run folder or a checkpoint folder"
 
 
-def other_family(path: Path, family: str, key: str = "network.init_from") -> UserError | None:
-    """The error for a run folder, its final/ or a checkpoint whose run (config.yaml) trained another family than
-    `family` or its kin (FamilySpec.lora_kin: the same denoiser); None otherwise."""
+def other_family(path: Path, family: str) -> tuple[str, str] | None:
+    """(what is wrong, the fix) for a run folder, its final/ or a checkpoint whose run (config.yaml) trained another
+    family than `family` or its kin (FamilySpec.lora_kin: the same denoiser); None otherwise. Preflight lists it with
+    the config's other problems; the trainer raises it (network.init_from: ...)."""
     for config in (path / "config.yaml", path.parent / "config.yaml"):
         if not config.is_file():
             continue
@@ -26,9 +26,8 @@ def other_family(path: Path, family: str, key: str = "network.init_from") -> Use
             return None
         kin = FAMILY_SPECS[family].lora_kin if family in FAMILY_SPECS else ()
         if isinstance(trained, str) and trained != family and trained not in kin:
-            return UserError(f"{key}: {path} is the LoRA of a {trained} run ({config}), and this run trains {family}\n"
-                             f"  fix: give a {family} LoRA (a run folder, its final/, a checkpoint or a .safetensors "
-                             "file)")
+            return (f"{path} is the LoRA of a {trained} run ({config}), and this run trains {family}",
+                    f"give a {family} LoRA (a run folder, its final/, a checkpoint or a .safetensors file)")
         return None
     return None
 
@@ -44,10 +43,7 @@ def init_from_problems(init_from: object, family: str, output_dir: object, where
         relative = "" if path.is_absolute() else f" (relative paths are taken from {Path.cwd()})"
         return [f"'network.init_from' in {where}: {path} does not exist{relative}; {INIT_FROM_FIX}"]
     foreign = other_family(path, family)
-    if foreign is None:
-        return []
-    said, fix = str(foreign).removeprefix("network.init_from: ").split("\n  fix: ")
-    return [f"'network.init_from' in {where}: {said}; {fix}"]
+    return [] if foreign is None else [f"'network.init_from' in {where}: {foreign[0]}; {foreign[1]}"]
 
 
 def _has_checkpoints(run: Path) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from toolkit.config.data_schemas import FRAME_EXTRACTION_SETTINGS
+from toolkit.config.data_schemas import FRAME_EXTRACTION_SETTINGS, modes_reaching
 
 READ_AT_START = ("network.init",)
 
@@ -61,8 +61,5 @@ def _entries(data: dict) -> list:
 
 
 def _read_at_top(data: dict, key: str, readers: tuple[str, ...]) -> bool:
-    """Whether data.<key> is read: by data.frame_extraction's mode, or by an entry that leaves the key unset and
-    cuts by a mode that reads it (as preflight.unread_frame_settings decides)."""
-    modes = [data.get("frame_extraction")] + [entry.get("frame_extraction") for entry in _entries(data)
-                                              if entry.get(key) is None]
-    return any(mode in readers for mode in modes)
+    """Whether data.<key> is read by a mode it reaches (as preflight.unread_frame_settings decides)."""
+    return any(mode in readers for _, mode in modes_reaching(key, data.get("frame_extraction"), _entries(data)))

@@ -121,8 +121,8 @@ class Trainer:
             done = start.checkpoint is not None and start.checkpoint.step >= cfg.train.steps
             if self.procs.from_main(done and self.run_dir.final.exists()):  # nothing to train or export, said before
                 return self._complete(start.checkpoint.step)             # the model loads (the main process's view)
-            if start.checkpoint is None and foreign is not None:
-                raise foreign  # another family's LoRA: only a run that starts reads it
+            if start.checkpoint is None and foreign is not None:  # another family's: only a run that starts reads it
+                raise UserError(f"network.init_from: {foreign[0]}\n  fix: {foreign[1]}")
             if start.checkpoint is None and init is not None and init_from is None:
                 lora_source(init)  # raises: it does not exist
             moved = self.resolved.cfg.network.init_from  # where --fresh moved it, when it was inside the run folder
